@@ -1,0 +1,88 @@
+"""The backend protocol: the imperative device work that the driver asks for.
+
+A backend owns one KV cache for one sequence. Its length, ``current_len()``, counts the token positions whose
+keys and values are resident. The driver keeps it exactly one token behind the committed tokens (the last
+committed token is "pending": it is fed at the start of the next pass), so the protocol needs only three moves:
+
+* ``decode(tokens, past)``: fold ``tokens`` into the KV at position ``past`` (which must equal ``current_len()``)
+  and return the next-token logits after the last of them, shape ``[vocab]``. Used for prefill and plain steps.
+* ``decode_verify(tokens, base)``: one pass over ``tokens`` at ``base == current_len()``; the KV length becomes
+  ``base + len(tokens)``; returns one row of logits per token, shape ``[len(tokens), vocab]``, row ``i`` being
+  the target's next-token logits after ``tokens[i]``.
+* ``rewind(length)``: forget every position at or past ``length`` (``0 <= length <= current_len()``).
+
+Arrays returned by ``decode`` and ``decode_verify`` are float32 host arrays that the backend may reuse: they are
+valid until the next call on the same backend. A contract violation (wrong position, id outside the vocabulary,
+too long for the cache) raises ``BackendError`` before any state changes; it never corrupts the cache.
+
+A backend may also offer ``verify_argmax(tokens, base) -> (ids, margins)``: the same pass as ``decode_verify``,
+but it returns only each row's argmax id (lowest id on ties, int64 ``[len(tokens)]``) and the gap between the
+row's two largest logits (float32 ``[len(tokens)]``). A device backend computes these where the logits live and
+copies ``2 * len(tokens)`` numbers to the host instead of ``len(tokens) * vocab``; the driver then feeds the core's
+``step_ids``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol, runtime_checkable
+
+import numpy as np
+
+
+class BackendError(RuntimeError):
+    """A call broke the backend protocol, or the device failed; the KV cache is unchanged."""
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """One sequence's target model and KV cache (see the module docstring for the contract)."""
+
+    @property
+    def vocab_size(self) -> int:
+        """Width of every logits row."""
+        ...
+
+    @property
+    def max_length(self) -> int:
+        """The most token positions the KV cache can hold."""
+        ...
+
+    def reset(self) -> None:
+        """Empty the KV cache (``current_len()`` becomes 0)."""
+        ...
+
+    def current_len(self) -> int:
+        """Number of resident KV positions."""
+        ...
+
+    def decode(self, tokens: Sequence[int], past: int) -> np.ndarray:
+        """Fold ``tokens`` in at ``past``; return the logits after the last one, ``[vocab]`` float32."""
+        ...
+
+    def decode_verify(self, tokens: Sequence[int], base: int) -> np.ndarray:
+        """One pass over ``tokens`` at ``base``; return ``[len(tokens), vocab]`` float32 logits rows."""
+        ...
+
+    def rewind(self, length: int) -> None:
+        """Keep only the first ``length`` KV positions; copies nothing."""
+        ...
+
+
+def check_tokens(tokens: Sequence[int], vocab_size: int, what: str = "tokens") -> None:
+    """Raise ``BackendError`` unless ``tokens`` is a non-empty sequence of ids in ``[0, vocab_size)``."""
+    if len(tokens) == 0:
+        raise BackendError(f"{what} is empty: a pass needs at least one token")
+    for t in tokens:
+        if not 0 <= int(t) < vocab_size:
+            raise BackendError(f"{what} holds token id {int(t)}, outside the vocabulary [0, {vocab_size})")
+
+
+def check_position(position: int, current_len: int, n_tokens: int, max_length: int, what: str) -> None:
+    """Raise ``BackendError`` unless a pass of ``n_tokens`` at ``position`` appends to the cache and fits in it."""
+    if position != current_len:
+        raise BackendError(f"{what}={position} but the KV cache holds {current_len} positions; they must be equal")
+    if current_len + n_tokens > max_length:
+        raise BackendError(
+            f"{n_tokens} tokens at position {position} would exceed the KV capacity of {max_length} positions"
+        )
