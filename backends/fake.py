@@ -1,0 +1,149 @@
+"""A deterministic fake target model and a backend that checks the protocol on every call.
+
+``FakeModel`` maps a whole context (every token so far) to next-token logits, in pure numpy. Its logits mix a
+Markov part (the preferred successor of the last token, so that text repeats and prompt lookup finds matches)
+with a part keyed on a hash of the entire context, so that a KV cache holding one wrong or missing position
+changes the logits and, usually, the output. It can plant exact ties and near ties between the top two ids, and
+an EOS token that wins now and then.
+
+``FakeBackend`` is the imperative side: it keeps the resident tokens (its "KV cache"), enforces the protocol of
+``backends.base`` and counts passes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import attrs
+import numpy as np
+
+from .base import BackendError, check_position, check_tokens
+
+_HASH_MUL = 0x100000001B3
+_HASH_MASK = (1 << 64) - 1
+_TABLE_ROWS = 4096
+
+
+@attrs.frozen
+class FakeModel:
+    """A deterministic stand-in for a language model.
+
+    ``markov``: weight of the last-token successor table (high: repetitive text); ``noise``: weight of the
+    whole-context part; ``tie_rate``: fraction of positions whose top two logits are made to tie exactly (even
+    hashes) or nearly (odd hashes, gap ``near_tie_gap``); ``eos_id``/``eos_rate``: an EOS token and the fraction of
+    positions where it wins.
+    """
+
+    vocab_size: int = 32
+    seed: int = 0
+    markov: float = 2.0
+    noise: float = 1.0
+    tie_rate: float = 0.0
+    near_tie_gap: float = 1e-4
+    eos_id: int | None = None
+    eos_rate: float = 0.0
+    _successor: np.ndarray = attrs.field(init=False, eq=False, repr=False)
+    _table: np.ndarray = attrs.field(init=False, eq=False, repr=False)
+
+    def __attrs_post_init__(self) -> None:
+        if self.vocab_size < 2:
+            raise ValueError(f"vocab_size must be >= 2, got {self.vocab_size}")
+        if self.eos_id is not None and not 0 <= self.eos_id < self.vocab_size:
+            raise ValueError(f"eos_id {self.eos_id} is outside the vocabulary")
+        rng = np.random.default_rng(self.seed)
+        object.__setattr__(self, "_successor", rng.integers(0, self.vocab_size, size=self.vocab_size))
+        table = rng.standard_normal((_TABLE_ROWS, self.vocab_size)).astype(np.float32)
+        object.__setattr__(self, "_table", table)
+
+    def context_hash(self, previous_hash: int, token: int) -> int:
+        """The rolling hash of a context extended by ``token`` (the empty context hashes to ``seed``)."""
+        return ((previous_hash ^ (token + 1)) * _HASH_MUL) & _HASH_MASK
+
+    def logits_after(self, last_token: int, context_hash: int) -> np.ndarray:
+        """Next-token logits ``[vocab]`` float32 for a context ending in ``last_token`` with ``context_hash``."""
+        row = self._table[context_hash % _TABLE_ROWS] * np.float32(self.noise)
+        row[self._successor[last_token]] += np.float32(self.markov)
+        selector = (context_hash >> 20) % 100_000 / 100_000.0
+        if self.eos_id is not None and selector < self.eos_rate:
+            row[self.eos_id] = row.max() + 1.0
+        elif selector >= 1.0 - self.tie_rate:
+            order = np.argsort(-row, kind="stable")
+            best, second = order[0], order[1]
+            gap = 0.0 if (context_hash >> 40) % 2 == 0 else self.near_tie_gap
+            row[second] = row[best] - np.float32(gap)
+        return row
+
+    def logits_for(self, context: Sequence[int]) -> np.ndarray:
+        """Next-token logits after the whole ``context`` (a reference, O(len(context)))."""
+        h = self.seed
+        for t in context:
+            h = self.context_hash(h, int(t))
+        return self.logits_after(int(context[-1]), h)
+
+    def greedy(self, prompt: Sequence[int], n: int) -> list[int]:
+        """The first ``n`` greedy tokens after ``prompt`` (no stop rules): an oracle for tests."""
+        context = list(prompt)
+        out = []
+        for _ in range(n):
+            t = int(np.argmax(self.logits_for(context)))
+            out.append(t)
+            context.append(t)
+        return out
+
+
+class FakeBackend:
+    """A ``Backend`` over a ``FakeModel``: resident tokens stand in for the KV cache."""
+
+    def __init__(self, model: FakeModel, max_length: int = 4096) -> None:
+        if max_length < 1:
+            raise ValueError(f"max_length must be >= 1, got {max_length}")
+        self.model = model
+        self._max_length = max_length
+        self._tokens: list[int] = []
+        self._hashes: list[int] = [model.seed]  # _hashes[i]: hash of the first i resident tokens
+        self.passes = 0
+        self.tokens_processed = 0
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.vocab_size
+
+    @property
+    def max_length(self) -> int:
+        return self._max_length
+
+    def reset(self) -> None:
+        self._tokens.clear()
+        del self._hashes[1:]
+
+    def current_len(self) -> int:
+        return len(self._tokens)
+
+    def resident_tokens(self) -> tuple[int, ...]:
+        return tuple(self._tokens)
+
+    def _run(self, tokens: Sequence[int], position: int, what: str) -> np.ndarray:
+        check_tokens(tokens, self.vocab_size, "tokens")
+        check_position(position, len(self._tokens), len(tokens), self._max_length, what)
+        rows = np.empty((len(tokens), self.vocab_size), dtype=np.float32)
+        for i, t in enumerate(tokens):
+            t = int(t)
+            h = self.model.context_hash(self._hashes[-1], t)
+            self._tokens.append(t)
+            self._hashes.append(h)
+            rows[i] = self.model.logits_after(t, h)
+        self.passes += 1
+        self.tokens_processed += len(tokens)
+        return rows
+
+    def decode(self, tokens: Sequence[int], past: int) -> np.ndarray:
+        return self._run(tokens, past, "past")[-1]
+
+    def decode_verify(self, tokens: Sequence[int], base: int) -> np.ndarray:
+        return self._run(tokens, base, "base")
+
+    def rewind(self, length: int) -> None:
+        if isinstance(length, bool) or not 0 <= length <= len(self._tokens):
+            raise BackendError(f"rewind({length}) outside [0, {len(self._tokens)}]")
+        del self._tokens[length:]
+        del self._hashes[length + 1 :]
