@@ -38,7 +38,9 @@ class PromptLookup:
 
     ``ngram`` is the longest suffix tried; shorter ones are tried down to ``min_ngram``. Among the earlier
     occurrences of a suffix the most recent wins. At most ``max_draft`` tokens (and at most ``width``) are
-    proposed; the empty tuple means no match.
+    proposed; the empty tuple means no match. The copy runs on past the end of the context the way an LZ77
+    back-reference does (a match 2 tokens back proposes the 2-token period repeated), so runs and short cycles
+    fill the whole width.
     """
 
     ngram: int = attrs.field(default=3, validator=_check_positive("ngram"))
@@ -63,7 +65,16 @@ class PromptLookup:
             end = body_end
             while (at := data.rfind(needle, 0, end)) >= 0:
                 if at % 4 == 0:
-                    first = at // 4 + n
-                    return tuple(context_tokens[first : first + limit])
+                    return _copy_forward(context_tokens, at // 4 + n, limit)
                 end = at + 4 * n - 1
         return ()
+
+
+def _copy_forward(context: Sequence[int], first: int, count: int) -> tuple[int, ...]:
+    """``count`` tokens copied from ``context[first:]``, continuing into the copied tokens themselves."""
+    n_ctx = len(context)
+    out = list(context[first : first + count])
+    period = n_ctx - first
+    while len(out) < count:
+        out.append(out[len(out) - period])
+    return tuple(out)

@@ -15,7 +15,7 @@ from ortspec.core import (
     TokenLogprob,
     WidthPolicy,
 )
-from ortspec.driver import GenerateResult, GenerationAborted, Timings, generate
+from ortspec.driver import GenerateResult, Generation, GenerationAborted, Timings, generate
 
 __version__ = "0.1.0"
 
@@ -27,6 +27,7 @@ __all__ = [
     "FinishReason",
     "FixedWidth",
     "GenerateResult",
+    "Generation",
     "GenerationAborted",
     "Options",
     "PromptLookup",

@@ -13,7 +13,7 @@ Everything about what is accepted, committed, streamed or when to stop is decide
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import attrs
 
@@ -92,85 +92,119 @@ def generate(
     ``callback`` receives each ``Commit`` (token id and text delta) in order. Raises ``ValueError`` for bad
     input, ``BackendError`` when the backend refuses a call, ``GenerationAborted`` when the callback raises.
     """
-    t_start = time.perf_counter()
-    options = options if options is not None else Options()
-    policy = FixedWidth(draft_width) if not isinstance(draft_width, WidthPolicy) else draft_width
-    capacity = backend.max_length
-    if options.max_context is None or options.max_context > capacity:
-        options = attrs.evolve(options, max_context=capacity)
-    state = DecodeState.start(prompt_tokens, options, detokenize)
-    vocab = backend.vocab_size
-    device_accept = getattr(backend, "device_accept", False) and not options.top_logprobs
+    run = Generation(backend, prompt_tokens, options, proposer, draft_width=draft_width, detokenize=detokenize)
+    for commit in run:
+        if callback is not None:
+            try:
+                callback(commit)
+            except Exception as exc:
+                raise GenerationAborted(run.result()) from exc
+    return run.result()
 
-    backend.reset()
-    prefill_passes = 0
-    prompt = state.prompt_tokens
-    if len(prompt) > 1 and not state.finished:
-        backend.decode(prompt[:-1], 0)
-        prefill_passes = 1
-    t_prefill = time.perf_counter()
-    t_first = None
 
-    def result(s: DecodeState) -> GenerateResult:
+class Generation:
+    """One generation as an iterator of ``Commit``s, run one target pass at a time as it is consumed.
+
+    ``result()`` describes what has been delivered so far (complete once the iterator is exhausted). Arguments
+    and errors are those of ``generate``; the backend is reset on construction and is this run's until it ends.
+    """
+
+    def __init__(
+        self,
+        backend: Backend,
+        prompt_tokens: Sequence[int],
+        options: Options | None = None,
+        proposer: Proposer | None = None,
+        *,
+        draft_width: int | WidthPolicy = 8,
+        detokenize: Detokenize | None = None,
+    ) -> None:
+        self._t_start = time.perf_counter()
+        options = options if options is not None else Options()
+        self._policy = draft_width if isinstance(draft_width, WidthPolicy) else FixedWidth(draft_width)
+        capacity = backend.max_length
+        if options.max_context is None or options.max_context > capacity:
+            options = attrs.evolve(options, max_context=capacity)
+        self.state = DecodeState.start(prompt_tokens, options, detokenize)
+        self._backend = backend
+        self._proposer = proposer
+        self._device_accept = bool(getattr(backend, "device_accept", False)) and not options.top_logprobs
+        self._commits: tuple[Commit, ...] = ()
+        self._delivered = 0  # of self._commits
+        self._t_first: float | None = None
+
+        backend.reset()
+        prompt = self.state.prompt_tokens
+        self._prefill_passes = 0
+        if len(prompt) > 1 and not self.state.finished:
+            backend.decode(prompt[:-1], 0)
+            self._prefill_passes = 1
+        self._t_prefill = time.perf_counter()
+
+    def __iter__(self) -> Iterator[Commit]:
+        while True:
+            while self._delivered < len(self._commits):
+                self._delivered += 1
+                yield self._commits[self._delivered - 1]
+            if self.state.finished:
+                return
+            self._step()
+
+    def _step(self) -> None:
+        """One target pass: propose, verify, decide (core), rewind."""
+        backend, state = self._backend, self.state
+        width = min(draft_budget(state), backend.max_length - state.context_len)
+        draft: tuple[int, ...] = ()
+        if self._proposer is not None and width > 0:
+            width = min(width, self._policy.width())
+            if width > 0:
+                context = state.prompt_tokens + state.generated_tokens
+                proposal = tuple(self._proposer.propose(context, width))[:width]
+                draft = check_draft(state, proposal, backend.vocab_size)
+        tokens = (state.pending_token, *draft)
+        if self._device_accept:
+            ids, margins = backend.verify_argmax(tokens, state.kv_len)
+            new_state, commits, rewind_to = step_ids(state, ids, draft, margins=margins)
+        elif draft:
+            rows = backend.decode_verify(tokens, state.kv_len)
+            new_state, commits, rewind_to = step(state, rows[0], rows[1:], draft)
+        else:
+            new_state, commits, rewind_to = step(state, backend.decode(tokens, state.kv_len), None, draft)
+        backend.rewind(rewind_to)
+        accepted = new_state.stats.accepted_tokens - state.stats.accepted_tokens
+        self._policy = self._policy.observe(len(draft), accepted)
+        self.state, self._commits, self._delivered = new_state, commits, 0
+        if commits and self._t_first is None:
+            self._t_first = time.perf_counter()
+
+    def result(self) -> GenerateResult:
+        """What was delivered so far: the finished result, or a partial one (``finish_reason`` None)."""
+        s = self.state
+        undelivered = self._commits[self._delivered :]
+        if undelivered:  # the consumer stopped mid-step: report only what it received
+            kept = len(s.generated_tokens) - len(undelivered)
+            s = attrs.evolve(
+                s,
+                generated_tokens=s.generated_tokens[:kept],
+                logprobs=s.logprobs[:kept],
+                streamed_chars=s.streamed_chars - sum(len(c.text) for c in undelivered),
+                finish_reason=None,
+                stop_matched=None,
+            )
         now = time.perf_counter()
+        t_first = self._t_first if self._t_first is not None else now
         return GenerateResult(
             token_ids=s.generated_tokens,
             text=s.text if s.finished else s.streamed_text,
             finish_reason=s.finish_reason,
             stop_matched=s.stop_matched,
-            stats=attrs.evolve(s.stats, target_forward_passes=s.stats.target_forward_passes + prefill_passes),
-            logprobs=s.logprobs if options.top_logprobs else None,
+            stats=attrs.evolve(s.stats, target_forward_passes=s.stats.target_forward_passes + self._prefill_passes),
+            logprobs=s.logprobs if s.options.top_logprobs else None,
             timings=Timings(
-                prefill_s=t_prefill - t_start,
-                first_token_s=(t_first if t_first is not None else now) - t_start,
-                decode_s=now - t_prefill,
-                total_s=now - t_start,
+                prefill_s=self._t_prefill - self._t_start,
+                first_token_s=t_first - self._t_start,
+                decode_s=now - self._t_prefill,
+                total_s=now - self._t_start,
             ),
-            prompt_tokens=len(prompt),
+            prompt_tokens=len(s.prompt_tokens),
         )
-
-    while not state.finished:
-        width = min(draft_budget(state), capacity - state.context_len)
-        draft: tuple[int, ...] = ()
-        if proposer is not None and width > 0:
-            width = min(width, policy.width())
-            if width > 0:
-                context = prompt + state.generated_tokens
-                draft = check_draft(state, tuple(proposer.propose(context, width))[:width], vocab)
-        tokens = (state.pending_token, *draft)
-        kv_len = state.kv_len
-        accepted_before = state.stats.accepted_tokens
-        if device_accept:
-            ids, margins = backend.verify_argmax(tokens, kv_len)
-            state, commits, rewind_to = step_ids(state, ids, draft, margins=margins)
-        elif draft:
-            rows = backend.decode_verify(tokens, kv_len)
-            state, commits, rewind_to = step(state, rows[0], rows[1:], draft)
-        else:
-            state, commits, rewind_to = step(state, backend.decode(tokens, kv_len), None, draft)
-        backend.rewind(rewind_to)
-        policy = policy.observe(len(draft), state.stats.accepted_tokens - accepted_before)
-        if commits and t_first is None:
-            t_first = time.perf_counter()
-        if callback is not None:
-            for i, commit in enumerate(commits):
-                try:
-                    callback(commit)
-                except Exception as exc:
-                    raise GenerationAborted(result(_streamed_upto(state, commits, i + 1))) from exc
-    return result(state)
-
-
-def _streamed_upto(state: DecodeState, commits: tuple[Commit, ...], delivered: int) -> DecodeState:
-    """The state as the stream saw it after ``delivered`` of this step's ``commits`` (for an aborted run)."""
-    dropped = len(commits) - delivered
-    tokens = state.generated_tokens[: len(state.generated_tokens) - dropped]
-    text = "".join(c.text for c in commits[delivered:])
-    streamed = state.streamed_chars - len(text)
-    return attrs.evolve(
-        state,
-        generated_tokens=tokens,
-        logprobs=state.logprobs[: len(tokens)] if state.logprobs else (),
-        streamed_chars=streamed,
-        finish_reason=None,
-    )
