@@ -152,6 +152,34 @@ def _publish(staged: Path, dest: Path) -> Path:
     return dest
 
 
+def _drop_gguf_quantization(model) -> None:
+    """Make a model loaded from a GGUF save as a plain float checkpoint.
+
+    transformers dequantizes the GGUF weights to dense float tensors here (no GGUF matmul kernel is installed),
+    but still marks the model as quantized: its config carries ``quantization_config`` and the model an
+    ``hf_quantizer`` that refuses ``save_pretrained``. Check the weights really are dense, then drop both.
+    """
+    import torch
+
+    packed = [n for n, m in model.named_modules() if "gguf" in type(m).__name__.lower()]
+    if packed:
+        raise ConversionError(
+            f"transformers kept {len(packed)} GGUF-packed layers (e.g. {packed[0]}) instead of dequantizing them; "
+            "uninstall the `kernels` package or load with GgufConfig(dequantize=True)"
+        )
+    bad = [n for n, p in model.named_parameters() if p.dtype != torch.float32]
+    if bad:
+        raise ConversionError(f"parameter {bad[0]} is not float32 after dequantizing the GGUF")
+    quantizer = getattr(model, "hf_quantizer", None)
+    if quantizer is not None and hasattr(quantizer, "remove_quantization_config"):
+        quantizer.remove_quantization_config(model)
+    for obj, attr in ((model, "hf_quantizer"), (model.config, "quantization_config"), (model, "quantization_method")):
+        if hasattr(obj, attr):
+            delattr(obj, attr)
+    if getattr(model, "is_quantized", False):
+        model.is_quantized = False
+
+
 def convert_smollm2(
     out_dir: str | os.PathLike[str] | None = None,
     precision: str = "fp32",
@@ -211,12 +239,11 @@ def convert_smollm2(
 
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        model = AutoModelForCausalLM.from_pretrained(str(gguf_dir), gguf_file=gguf_name)
+        import torch
+
+        model = AutoModelForCausalLM.from_pretrained(str(gguf_dir), gguf_file=gguf_name, dtype=torch.float32)
         tokenizer = AutoTokenizer.from_pretrained(str(gguf_dir), gguf_file=gguf_name)
-        # The weights are dequantized float32 now; the GGUF quantization note would make the builder (and
-        # transformers) treat the saved folder as still quantized.
-        if hasattr(model.config, "quantization_config"):
-            delattr(model.config, "quantization_config")
+        _drop_gguf_quantization(model)
         hf_dir = tmp / "hf"
         model.save_pretrained(str(hf_dir))
         tokenizer.save_pretrained(str(hf_dir))
