@@ -150,6 +150,11 @@ class Generation:
                 return
             self._step()
 
+    @property
+    def done(self) -> bool:
+        """True once the state is finished and every commit has been delivered."""
+        return self.state.finished and self._delivered == len(self._commits)
+
     def _step(self) -> None:
         """One target pass: propose, verify, decide (core), rewind."""
         backend, state = self._backend, self.state

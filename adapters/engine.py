@@ -1,0 +1,195 @@
+"""``Engine``: a model folder, its tokenizer and a backend, behind the ``onnx_genai.Engine`` API.
+
+    engine = Engine.from_dir(path)
+    result = engine.generate("Repeat: ...", max_tokens=128, speculative="prompt-lookup")
+    engine.generate_stream(prompt, lambda text, token_id, finish_reason: ..., max_tokens=64)
+    for chunk in engine.stream(prompt): ...
+
+Decoding is greedy; ``speculative`` only changes how fast the same tokens arrive.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from ortspec.adapters.model_dir import ModelFolder
+from ortspec.adapters.tokenizer import Tokenizer
+from ortspec.backends.base import Backend
+from ortspec.core import Options, PromptLookup, Proposer, WidthPolicy
+from ortspec.driver import GenerateResult, Generation, GenerationAborted
+
+Prompt = str | Sequence[int] | Sequence[Mapping[str, str]]
+StreamCallback = Callable[[str, int, str | None], object]
+
+SPECULATIVE_CHOICES = ("prompt-lookup",)
+
+
+def make_proposer(speculative: str | Proposer | None) -> Proposer | None:
+    """``None`` (plain greedy), ``"prompt-lookup"`` (n-gram lookup with its defaults), or any proposer object."""
+    if speculative is None:
+        return None
+    if isinstance(speculative, str):
+        if speculative == "prompt-lookup":
+            return PromptLookup()
+        raise ValueError(f"speculative={speculative!r}: expected None, one of {SPECULATIVE_CHOICES} or a proposer")
+    if not callable(getattr(speculative, "propose", None)):
+        raise ValueError(f"speculative={speculative!r} has no propose(context_tokens, width) method")
+    return speculative
+
+
+class Engine:
+    """Greedy and speculative generation on one model folder. Not re-entrant: one generation at a time."""
+
+    def __init__(self, backend: Backend, tokenizer: Tokenizer, *, eos_token_ids: Sequence[int] = (),
+                 folder: ModelFolder | None = None) -> None:
+        self.backend = backend
+        self.tokenizer = tokenizer
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.folder = folder
+
+    @classmethod
+    def from_dir(
+        cls,
+        path: str | os.PathLike[str],
+        *,
+        provider: str = "cpu",
+        threads: int | None = None,
+        max_length: int | None = None,
+    ) -> Engine:
+        """Load an ONNX Runtime GenAI folder (``genai_config.json``, the model, ``tokenizer.json``).
+
+        ``provider``: ``"cpu"`` or ``"cuda"``; ``threads``: intra-op threads (default: physical cores);
+        ``max_length``: KV capacity in tokens (default: the config's context length)."""
+        from ortspec.backends.onnx import OrtBackend
+
+        folder = ModelFolder.load(Path(path))
+        tokenizer = Tokenizer.from_folder(folder.path)
+        backend = OrtBackend.from_folder(folder, provider=provider, threads=threads, max_length=max_length)
+        return cls(backend, tokenizer, eos_token_ids=folder.eos_token_ids, folder=folder)
+
+    # -- text -------------------------------------------------------------------------------------------------
+    def tokenize(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text)
+
+    def prompt_ids(self, prompt: Prompt, *, chat: bool = False, system: str | None = None) -> list[int]:
+        """Token ids for a prompt: text (chat-formatted as one user turn when ``chat``), a list of chat
+        messages (always chat-formatted), or token ids (used as they are)."""
+        if isinstance(prompt, str):
+            if chat:
+                messages = ([{"role": "system", "content": system}] if system else []) + [
+                    {"role": "user", "content": prompt}
+                ]
+                prompt = self.tokenizer.apply_chat_template(messages)
+            ids = self.tokenizer.encode(prompt)
+        elif len(prompt) and all(isinstance(m, Mapping) for m in prompt):
+            ids = self.tokenizer.encode(self.tokenizer.apply_chat_template(list(prompt)))
+        else:
+            ids = list(prompt)
+            if chat:
+                raise ValueError("chat=True needs a text prompt or chat messages, not token ids")
+        if not ids:
+            raise ValueError("the prompt is empty: it must encode to at least one token")
+        return ids
+
+    # -- generation -------------------------------------------------------------------------------------------
+    def start(
+        self,
+        prompt: Prompt,
+        *,
+        max_tokens: int = 128,
+        stop: str | Sequence[str] | Sequence[Sequence[int]] | None = None,
+        speculative: str | Proposer | None = None,
+        draft_width: int | WidthPolicy = 8,
+        chat: bool = False,
+        system: str | None = None,
+        ignore_eos: bool = False,
+        top_logprobs: int = 0,
+        tie_margin: float = 0.0,
+        temperature: float | None = None,
+        top_p: float | None = None,
+        top_k: int | None = None,
+        seed: int | None = None,
+    ) -> Generation:
+        """A ``Generation`` (an iterator of commits) with the options that ``generate`` documents."""
+        if temperature not in (None, 0, 0.0) or top_p not in (None, 1, 1.0) or top_k not in (None, 1):
+            raise ValueError(
+                "ortspec decodes greedily (exact speculative decoding): leave temperature, top_p and top_k "
+                "unset (or temperature=0)"
+            )
+        del seed  # greedy decoding has no randomness; accepted for onnx_genai compatibility
+        stop_strings, stop_sequences = _split_stop(stop)
+        options = Options(
+            max_new_tokens=max_tokens,
+            eos_token_ids=() if ignore_eos else self.eos_token_ids,
+            stop_strings=stop_strings,
+            stop_token_sequences=stop_sequences,
+            top_logprobs=top_logprobs,
+            tie_margin=tie_margin,
+        )
+        ids = self.prompt_ids(prompt, chat=chat, system=system)
+        if len(ids) >= self.backend.max_length:
+            raise ValueError(
+                f"the prompt has {len(ids)} tokens but the model's context holds {self.backend.max_length}: "
+                "shorten the prompt (or load the engine with a larger max_length)"
+            )
+        return Generation(
+            self.backend,
+            ids,
+            options,
+            make_proposer(speculative),
+            draft_width=draft_width,
+            detokenize=self.tokenizer.decode,
+        )
+
+    def generate(self, prompt: Prompt, **kwargs: Any) -> GenerateResult:
+        """Generate up to ``max_tokens`` tokens after ``prompt``.
+
+        ``stop``: a string, strings, or token-id sequences that end generation (stop strings are cut from the
+        text); ``speculative``: ``None`` (plain greedy), ``"prompt-lookup"``, or a proposer object;
+        ``draft_width``: most draft tokens per pass (or a width policy); ``chat``: format a text prompt with
+        the folder's chat template; ``ignore_eos``; ``top_logprobs``; ``tie_margin`` (near-tie guard, logits).
+        """
+        run = self.start(prompt, **kwargs)
+        for _ in run:
+            pass
+        return run.result()
+
+    def generate_stream(self, prompt: Prompt, callback: StreamCallback, **kwargs: Any) -> GenerateResult:
+        """``generate``, calling ``callback(text, token_id, finish_reason)`` for every generated token, in order.
+        ``finish_reason`` is None except on the last token. If the callback raises, generation stops and
+        ``GenerationAborted`` (with the partial result) is raised from the callback's exception."""
+        if not callable(callback):
+            raise ValueError("callback must be callable as callback(text, token_id, finish_reason)")
+        run = self.start(prompt, **kwargs)
+        for commit in run:
+            reason = run.state.finish_reason if run.done else None
+            try:
+                callback(commit.text, commit.token_id, None if reason is None else str(reason))
+            except Exception as exc:
+                raise GenerationAborted(run.result()) from exc
+        return run.result()
+
+    def stream(self, prompt: Prompt, **kwargs: Any) -> Iterator[str]:
+        """Yield the generated text in chunks as it is decided (empty chunks are skipped)."""
+        for commit in self.start(prompt, **kwargs):
+            if commit.text:
+                yield commit.text
+
+
+def _split_stop(stop: Any) -> tuple[tuple[str, ...], tuple[tuple[int, ...], ...]]:
+    if stop is None:
+        return (), ()
+    if isinstance(stop, str):
+        return (stop,), ()
+    strings, sequences = [], []
+    for item in stop:
+        if isinstance(item, str):
+            strings.append(item)
+        elif isinstance(item, Sequence) and all(isinstance(t, int) for t in item):
+            sequences.append(tuple(item))
+        else:
+            raise ValueError(f"stop: {item!r} is neither a string nor a sequence of token ids")
+    return tuple(strings), tuple(sequences)

@@ -1,0 +1,79 @@
+"""Text <-> token ids for a model folder, with the Hugging Face ``tokenizers`` library, and its chat template."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from tokenizers import Tokenizer as _HFTokenizer
+
+_CHATML = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+class Tokenizer:
+    """A folder's ``tokenizer.json`` (required) and chat template (``chat_template.jinja`` or the
+    ``chat_template`` of ``tokenizer_config.json``, when present)."""
+
+    def __init__(self, tokenizer: _HFTokenizer, chat_template: str | None = None) -> None:
+        self._tok = tokenizer
+        self.chat_template = chat_template
+        self._template = None
+
+    @classmethod
+    def from_folder(cls, folder: str | os.PathLike[str]) -> Tokenizer:
+        folder = Path(folder)
+        path = folder / "tokenizer.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"model folder {folder} has no tokenizer.json")
+        try:
+            tok = _HFTokenizer.from_file(str(path))
+        except Exception as exc:  # the library raises a bare Exception for malformed files
+            raise ValueError(f"{path} is not a tokenizers tokenizer.json: {exc}") from exc
+        template = None
+        if (folder / "chat_template.jinja").is_file():
+            template = (folder / "chat_template.jinja").read_text(encoding="utf-8")
+        elif (folder / "tokenizer_config.json").is_file():
+            try:
+                cfg = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))
+            except json.JSONDecodeError:
+                cfg = {}
+            if isinstance(cfg.get("chat_template"), str):
+                template = cfg["chat_template"]
+        return cls(tok, template)
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text``, special-token markup (``<|im_start|>``...) recognised, nothing added."""
+        if not isinstance(text, str):
+            raise TypeError(f"encode takes a str, got {type(text).__name__}")
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """Text of ``ids``, special tokens skipped (pure: the same ids give the same text)."""
+        return self._tok.decode(list(ids), skip_special_tokens=True)
+
+    def token_id(self, token: str) -> int | None:
+        return self._tok.token_to_id(token)
+
+    def apply_chat_template(self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True) -> str:
+        """Render ``messages`` (dicts with ``role`` and ``content``) with the folder's chat template (ChatML
+        when the folder has none)."""
+        if isinstance(messages, str) or not all(isinstance(m, Mapping) for m in messages):
+            raise ValueError("messages must be a list of {'role': ..., 'content': ...} dicts")
+        for m in messages:
+            if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+                raise ValueError(f"chat message {m!r} needs string 'role' and 'content'")
+        if self._template is None:
+            import jinja2.sandbox
+
+            env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+            self._template = env.from_string(self.chat_template or _CHATML)
+        return self._template.render(messages=list(messages), add_generation_prompt=add_generation_prompt)
