@@ -103,6 +103,7 @@ class FakeBackend:
         self._hashes: list[int] = [model.seed]  # _hashes[i]: hash of the first i resident tokens
         self.passes = 0
         self.tokens_processed = 0
+        self.peak_len = 0  # the most KV positions ever resident (tests check that no pass overshoots a limit)
 
     @property
     def vocab_size(self) -> int:
@@ -134,6 +135,7 @@ class FakeBackend:
             rows[i] = self.model.logits_after(t, h)
         self.passes += 1
         self.tokens_processed += len(tokens)
+        self.peak_len = max(self.peak_len, len(self._tokens))
         return rows
 
     def decode(self, tokens: Sequence[int], past: int) -> np.ndarray:

