@@ -13,9 +13,11 @@ from .state import (
     step,
     step_ids,
 )
-from .width import FixedWidth, WidthPolicy
+from .width import AdditiveWidth, CostAwareWidth, FixedWidth, WidthPolicy
 
 __all__ = [
+    "AdditiveWidth",
+    "CostAwareWidth",
     "Commit",
     "DecodeState",
     "FinishReason",

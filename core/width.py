@@ -36,3 +36,82 @@ class FixedWidth:
 
     def observe(self, proposed: int, accepted: int) -> FixedWidth:
         return self
+
+
+def _check_costs(instance, attribute, value):
+    if len(value) < 2 or any(not (c > 0) for c in value):
+        raise ValueError(f"pass_costs must hold >= 2 positive costs (index = draft width), got {value!r}")
+
+
+@attrs.frozen
+class CostAwareWidth:
+    """Pick the width that maximises expected committed tokens per unit of target time.
+
+    ``pass_costs[k]`` is the time of one target pass over the pending token plus ``k`` draft tokens, relative to
+    a plain step (``pass_costs[0]`` = 1.0); the curve is measured on the backend (``ortspec.measure_pass_costs``)
+    and its length - 1 bounds the width. The draft-token acceptance probability ``p`` is an exponentially
+    weighted estimate over recent steps: a step that verified ``k`` tokens and committed ``a`` of them counts
+    ``a`` successes in ``a + (a < k)`` trials. With a geometric run length, a pass of width ``k`` commits
+    ``(1 - p**(k + 1)) / (1 - p)`` tokens on average; the policy picks the ``k`` with the best tokens per cost,
+    which is 0 (plain greedy steps) when speculation does not pay. While at 0 it probes with ``probe_width``
+    every ``probe_every`` steps so that it notices when drafts start to match again.
+    """
+
+    pass_costs: tuple[float, ...] = attrs.field(converter=tuple, validator=_check_costs)
+    decay: float = 0.85
+    successes: float = 1.0
+    trials: float = 2.0
+    probe_every: int = 8
+    probe_width: int = 2
+    idle_steps: int = 0
+
+    def acceptance(self) -> float:
+        return self.successes / self.trials if self.trials > 0 else 0.0
+
+    def expected_rate(self, k: int) -> float:
+        """Expected committed tokens per unit cost for a pass of width ``k``."""
+        p = min(self.acceptance(), 0.999)
+        return (1.0 - p ** (k + 1)) / (1.0 - p) / self.pass_costs[k]
+
+    def best_width(self) -> int:
+        rates = [self.expected_rate(k) for k in range(len(self.pass_costs))]
+        return max(range(len(rates)), key=lambda k: (rates[k], -k))
+
+    def width(self) -> int:
+        k = self.best_width()
+        if k == 0 and self.idle_steps + 1 >= self.probe_every:
+            return min(self.probe_width, len(self.pass_costs) - 1)
+        return k
+
+    def observe(self, proposed: int, accepted: int) -> CostAwareWidth:
+        if proposed == 0:
+            return attrs.evolve(self, idle_steps=self.idle_steps + 1)
+        trials = accepted + (1 if accepted < proposed else 0)
+        return attrs.evolve(
+            self,
+            successes=self.successes * self.decay + accepted,
+            trials=self.trials * self.decay + trials,
+            idle_steps=0,
+        )
+
+
+@attrs.frozen
+class AdditiveWidth:
+    """The +2 / -1 schedule of Hugging Face assisted generation: after a step whose draft was fully accepted the
+    width grows by ``grow``, after any rejection it shrinks by ``shrink`` (never below ``minimum``)."""
+
+    current: int = 4
+    maximum: int = 16
+    minimum: int = 1
+    grow: int = 2
+    shrink: int = 1
+
+    def width(self) -> int:
+        return self.current
+
+    def observe(self, proposed: int, accepted: int) -> AdditiveWidth:
+        if proposed == 0:
+            return self
+        if accepted == proposed:
+            return attrs.evolve(self, current=min(self.maximum, self.current + self.grow))
+        return attrs.evolve(self, current=max(self.minimum, self.current - self.shrink))

@@ -9,7 +9,7 @@ import numpy as np
 from hypothesis import strategies as st
 
 from ortspec.backends.fake import FakeModel
-from ortspec.core import Options, PromptLookup
+from ortspec.core import AdditiveWidth, CostAwareWidth, Options, PromptLookup
 
 # Token i decodes to PIECES[i % len(PIECES)]: ASCII words and the three bytes of U+20AC, so that text arrives in
 # partial characters and stop strings can span tokens.
@@ -137,3 +137,20 @@ def proposers_for(draw, model: FakeModel):
     if kind == "adversarial":
         return AdversarialProposer(model, draw(st.integers(0, 2**31)), draw(st.integers(0, 5)))
     return EmptyProposer()
+
+
+def width_policies():
+    """A fixed width, the cost-aware policy with an arbitrary cost curve, or the +2/-1 schedule."""
+    costs = st.lists(st.floats(0.5, 4.0), min_size=1, max_size=12).map(lambda c: (1.0, *c))
+    cost_aware = st.builds(
+        CostAwareWidth,
+        pass_costs=costs,
+        decay=st.floats(0.0, 1.0),
+        probe_every=st.integers(1, 10),
+        probe_width=st.integers(1, 4),
+    )
+    additive = st.builds(
+        AdditiveWidth, current=st.integers(1, 6), maximum=st.integers(6, 12), grow=st.integers(0, 3),
+        shrink=st.integers(0, 3),
+    )
+    return st.one_of(st.integers(1, 12), st.integers(1, 12), cost_aware, additive)

@@ -17,6 +17,7 @@ from property_tests.strategies import (
     options_for,
     prompts,
     proposers_for,
+    width_policies,
 )
 
 
@@ -56,7 +57,7 @@ def scenarios(draw):
     prompt = draw(prompts(model.vocab_size))
     options, use_text = draw(options_for(model, prompt))
     proposer = draw(proposers_for(model))
-    width = draw(st.integers(1, 12))
+    width = draw(width_policies())
     capacity = draw(st.one_of(st.just(4096), st.integers(len(prompt), len(prompt) + 80)))
     return model, prompt, options, proposer, width, use_text, capacity
 
@@ -86,7 +87,7 @@ def assert_equivalent(model, prompt, options, proposer, width, use_text, capacit
     check_stats(greedy, greedy.stats.target_forward_passes - greedy.stats.steps)
     check_stats(spec, spec.stats.target_forward_passes - spec.stats.steps)
     assert greedy.stats.proposed_tokens == 0
-    if isinstance(proposer, OracleProposer) and options.tie_margin == 0 and spec.stats.proposed_tokens:
+    if isinstance(proposer, OracleProposer) and isinstance(width, int) and options.tie_margin == 0:
         # Oracle drafts are all accepted, except where a stop rule ended the block.
         assert spec.stats.proposed_tokens - spec.stats.accepted_tokens <= width
     del prefill
@@ -118,3 +119,17 @@ def test_property_sanity_lookup_accepts_on_repetitive_model():
     assert result.stats.accepted_tokens > 30
     assert result.stats.target_forward_passes < 30
     assert not math.isnan(result.stats.acceptance_rate)
+
+
+@settings(max_examples=examples(300))
+@given(width_policies(), st.lists(st.tuples(st.integers(0, 12), st.integers(0, 12)), max_size=40))
+def test_width_policies_are_deterministic_and_in_range(policy, observations):
+    """The same observations give the same widths; a width is never negative."""
+    if isinstance(policy, int):
+        return
+    replay = policy
+    for proposed, accepted in observations:
+        accepted = min(accepted, proposed)
+        assert policy.width() == replay.width() >= 0
+        policy, replay = policy.observe(proposed, accepted), replay.observe(proposed, accepted)
+        assert policy == replay
