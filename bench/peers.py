@@ -1,0 +1,633 @@
+"""Runners for the peer engines ortspec is compared against, each optional.
+
+Every runner has the same interface::
+
+    runner.run(prompt, max_new_tokens) -> PeerRun
+
+where ``prompt`` is the rendered prompt text or its token ids (a list of ints),
+and :class:`PeerRun` holds the new token ids, their text, time to first token,
+total time and decode-only tokens/s. :func:`make_peer` returns ``(runner,
+None)`` or ``(None, reason)`` when a peer package cannot be imported or the
+model cannot be loaded: a missing peer is reported as missing, never faked.
+
+Peers (names accepted by :func:`make_peer`):
+
+``ortgenai``
+    ONNX Runtime GenAI (``onnxruntime_genai``) greedy search on the model folder.
+``ortgenai-ngram``
+    The same with its built-in n-gram (prompt lookup) speculation
+    (``GeneratorParams.set_speculative_options(ngram_size=, max_draft_tokens=)``).
+``onnx_genai``
+    ``onnx_genai.Engine`` greedy (``temperature=0``) on a patched copy of the folder
+    whose symbolic KV-cache dimension is made concrete.
+
+Timing is the same for all peers: the clock starts once the prompt (text or
+ids) is in hand, ``ttft_s`` is the time until the first new token is available,
+``total_s`` the time until generation ends, and
+``decode_tok_s = (new_tokens - 1) / (total_s - ttft_s)``. Thread counts are
+pinned (intra-op threads = ``threads``; sessions run sequentially). The end-of-sequence
+token is not part of ``token_ids``/``new_tokens``; ``finish_reason`` says
+``"stop"`` (EOS) or ``"length"``.
+
+The original model folder is never modified: configuration changes go into a
+temporary or cache folder holding edited copies of the config files and hard
+links to (or, across file systems, copies of) the other files.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+PEER_NAMES = ("ortgenai", "ortgenai-ngram", "onnx_genai")
+
+Prompt = "str | Sequence[int]"
+
+
+@dataclass
+class PeerRun:
+    """Result of one generation by a peer engine."""
+
+    token_ids: list[int]
+    text: str
+    ttft_s: float
+    total_s: float
+    decode_tok_s: float
+    new_tokens: int
+    finish_reason: str = ""
+    prompt_tokens: int = 0
+    extra: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return {
+            "token_ids": list(self.token_ids),
+            "text": self.text,
+            "ttft_s": self.ttft_s,
+            "total_s": self.total_s,
+            "decode_tok_s": self.decode_tok_s,
+            "new_tokens": self.new_tokens,
+            "finish_reason": self.finish_reason,
+            "prompt_tokens": self.prompt_tokens,
+            "extra": dict(self.extra),
+        }
+
+
+def _decode_rate(new_tokens: int, ttft_s: float, total_s: float) -> float:
+    span = total_s - ttft_s
+    if new_tokens <= 1 or span <= 0:
+        return 0.0
+    return (new_tokens - 1) / span
+
+
+class PeerRunner:
+    """Common interface. Subclasses implement :meth:`run`."""
+
+    name: str = "peer"
+    version: str = ""
+
+    def run(self, prompt: "str | Sequence[int]", max_new_tokens: int) -> PeerRun:  # pragma: no cover
+        raise NotImplementedError
+
+    def warmup(self, prompt: "str | Sequence[int]" = "Hello", max_new_tokens: int = 8) -> None:
+        """One short generation so that first-call costs are not measured."""
+        self.run(prompt, max_new_tokens)
+
+    def describe(self) -> dict:
+        return {"name": self.name, "version": self.version}
+
+    def close(self) -> None:
+        pass
+
+
+# --------------------------------------------------------------------------
+# Folder helpers (never touch the original folder)
+# --------------------------------------------------------------------------
+
+def _link_or_copy(src: Path, dst: Path) -> str:
+    """Hard link ``src`` at ``dst`` (copy across file systems); returns the mode.
+
+    Weights and graphs cannot be symlinked: ONNX Runtime resolves the links of
+    external data files and rejects data that lies outside the model's folder.
+    """
+    try:
+        os.link(src, dst)
+        return "hardlink"
+    except OSError:
+        shutil.copy2(src, dst)
+        return "copy"
+
+
+def _overlay_folder(src: Path, dst: Path, edits: dict[str, Callable[[bytes], bytes]]) -> Path:
+    """Mirror ``src`` into ``dst``: files in ``edits`` (file name -> function of
+    the original bytes) are written as edited copies, every other file is hard
+    linked (copied when hard links are impossible)."""
+    dst.mkdir(parents=True, exist_ok=True)
+    for entry in sorted(src.iterdir()):
+        if not entry.is_file():
+            continue
+        target = dst / entry.name
+        if target.exists() or target.is_symlink():
+            target.unlink()
+        if entry.name in edits:
+            target.write_bytes(edits[entry.name](entry.read_bytes()))
+        else:
+            _link_or_copy(entry.resolve(), target)
+    return dst
+
+
+def _eos_ids_from_genai_config(folder: Path) -> set[int]:
+    try:
+        cfg = json.loads((folder / "genai_config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return set()
+    eos = cfg.get("model", {}).get("eos_token_id")
+    if isinstance(eos, int):
+        return {eos}
+    if isinstance(eos, list):
+        return {int(e) for e in eos}
+    return set()
+
+
+def _hf_tokenizer(folder: Path):
+    try:
+        from tokenizers import Tokenizer
+
+        return Tokenizer.from_file(str(folder / "tokenizer.json"))
+    except Exception:
+        return None
+
+
+# --------------------------------------------------------------------------
+# ONNX Runtime GenAI
+# --------------------------------------------------------------------------
+
+
+class OrtGenAIRunner(PeerRunner):
+    """ONNX Runtime GenAI greedy search, optionally with n-gram speculation."""
+
+    def __init__(self, model_dir: str | os.PathLike, threads: int = 2,
+                 ngram_size: int | None = None, max_draft_tokens: int | None = None):
+        import onnxruntime_genai as og
+
+        self._og = og
+        self.model_dir = Path(model_dir)
+        self.threads = int(threads)
+        self.ngram_size = ngram_size
+        self.max_draft_tokens = max_draft_tokens
+        self.name = "ortgenai-ngram" if ngram_size else "ortgenai"
+        self.version = str(getattr(og, "__version__", ""))
+        self._tmp: tempfile.TemporaryDirectory | None = None
+        self.thread_pinning = ""
+        self.model = self._load_model()
+        self.tokenizer = og.Tokenizer(self.model)
+        self.eos_ids = set(int(e) for e in np.atleast_1d(self.tokenizer.eos_token_ids)) \
+            or _eos_ids_from_genai_config(self.model_dir)
+
+    def _session_overlay(self) -> dict:
+        return {"model": {"decoder": {"session_options": {
+            "intra_op_num_threads": self.threads}}}}
+
+    def _load_model(self):
+        og = self._og
+        try:
+            cfg = og.Config(str(self.model_dir))
+            cfg.overlay(json.dumps(self._session_overlay()))
+            model = og.Model(cfg)
+            self.thread_pinning = "og.Config.overlay(session_options)"
+            return model
+        except Exception as exc:  # older/odd builds: edit a copy of the config
+            overlay_error = exc
+        self._tmp = tempfile.TemporaryDirectory(prefix="ortspec-ogcfg-")
+
+        def edit(raw: bytes) -> bytes:
+            cfg = json.loads(raw)
+            so = cfg.setdefault("model", {}).setdefault("decoder", {}).setdefault("session_options", {})
+            so.update(self._session_overlay()["model"]["decoder"]["session_options"])
+            return json.dumps(cfg, indent=2).encode()
+
+        folder = _overlay_folder(self.model_dir, Path(self._tmp.name), {"genai_config.json": edit})
+        model = og.Model(str(folder))
+        self.thread_pinning = f"edited genai_config.json copy (overlay failed: {overlay_error})"
+        return model
+
+    def _prompt_ids(self, prompt) -> list[int]:
+        if isinstance(prompt, str):
+            return [int(t) for t in self.tokenizer.encode(prompt)]
+        return [int(t) for t in prompt]
+
+    def speculative_options(self) -> dict:
+        if not self.ngram_size:
+            return {}
+        opts: dict[str, Any] = {"ngram_size": int(self.ngram_size)}
+        if self.max_draft_tokens:
+            opts["max_draft_tokens"] = int(self.max_draft_tokens)
+        return opts
+
+    def run(self, prompt, max_new_tokens: int) -> PeerRun:
+        og = self._og
+        ids = self._prompt_ids(prompt)
+        t0 = time.perf_counter()
+        params = og.GeneratorParams(self.model)
+        params.set_search_options(do_sample=False, max_length=len(ids) + int(max_new_tokens),
+                                  batch_size=1)
+        spec = self.speculative_options()
+        if spec:
+            params.set_speculative_options(**spec)
+        gen = og.Generator(self.model, params)
+        gen.append_tokens(np.asarray(ids, dtype=np.int32))
+        t_first = None
+        steps = 0
+        while not gen.is_done():
+            gen.generate_next_token()
+            steps += 1
+            if t_first is None:
+                t_first = time.perf_counter()
+        t_end = time.perf_counter()
+        seq = [int(t) for t in gen.get_sequence(0)]
+        new = seq[len(ids):]
+        finish = "length"
+        if new and new[-1] in self.eos_ids:
+            new = new[:-1]
+            finish = "stop"
+        extra: dict[str, Any] = {"generate_next_token_calls": steps}
+        if spec:
+            try:
+                extra["speculative_stats"] = dict(gen.get_speculative_stats())
+            except Exception as exc:  # stats are informative only
+                extra["speculative_stats_error"] = str(exc)
+            extra["speculative_options"] = spec
+        del gen
+        ttft = (t_first if t_first is not None else t_end) - t0
+        total = t_end - t0
+        return PeerRun(
+            token_ids=new,
+            text=self.tokenizer.decode(np.asarray(new, dtype=np.int32)) if new else "",
+            ttft_s=ttft, total_s=total, decode_tok_s=_decode_rate(len(new), ttft, total),
+            new_tokens=len(new), finish_reason=finish, prompt_tokens=len(ids), extra=extra)
+
+    def describe(self) -> dict:
+        d = {"name": self.name, "version": self.version, "threads": self.threads,
+             "thread_pinning": self.thread_pinning, "model_dir": str(self.model_dir)}
+        if self.ngram_size:
+            d["speculative_options"] = self.speculative_options()
+        return d
+
+    def close(self) -> None:
+        self.model = None
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
+
+
+# --------------------------------------------------------------------------
+# onnx_genai
+# --------------------------------------------------------------------------
+
+
+def _default_cache_root() -> Path:
+    base = os.environ.get("ORTSPEC_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "ortspec")
+    return Path(base) / "peers" / "onnx_genai"
+
+
+def _head_size(cfg: dict) -> int:
+    dec = cfg.get("model", {}).get("decoder", {})
+    if dec.get("head_size"):
+        return int(dec["head_size"])
+    return int(dec["hidden_size"]) // int(dec["num_attention_heads"])
+
+
+def _concretize_dims(model, names: dict[str, int]) -> int:
+    """Replace symbolic dims (``dim_param`` in ``names``) by values on graph
+    inputs, outputs and value_info; returns how many dims changed."""
+    changed = 0
+    g = model.graph
+    for vi in [*g.input, *g.output, *g.value_info]:
+        t = vi.type
+        if not t.HasField("tensor_type") or not t.tensor_type.HasField("shape"):
+            continue
+        for d in t.tensor_type.shape.dim:
+            if d.HasField("dim_param") and d.dim_param in names:
+                value = names[d.dim_param]
+                d.Clear()
+                d.dim_value = value
+                changed += 1
+    return changed
+
+
+def patch_for_onnx_genai(model_dir: str | os.PathLike, threads: int = 2,
+                         cache_root: str | os.PathLike | None = None) -> Path:
+    """Folder ``onnx_genai.Engine.from_dir`` can load, built next to (never in)
+    ``model_dir``.
+
+    The ONNX Runtime GenAI builder leaves the last axis of every
+    ``past_key_values.*`` input and ``present.*`` output symbolic
+    (``kv_cache_dim``) so one export can serve plain and quantized KV caches.
+    onnx_genai allocates its KV cache from the declared shapes and refuses a
+    non-concrete axis ("cannot infer KV head_dim from 'present.0.key'"), so the
+    copy declares it as the head size (from ``genai_config.json``). Only the
+    graph proto is rewritten; the external weight file and every other file are
+    hard linked (copied across file systems; symlinks do not work because ONNX
+    Runtime rejects external data that resolves outside the model folder). The result is cached under
+    ``cache_root`` (default ``~/.cache/ortspec/peers/onnx_genai``) keyed by the
+    source path, size and mtime. If the graph has no such symbolic axis the
+    original folder is returned unchanged. ``threads`` is not written anywhere:
+    onnx_genai ignores ``session_options`` in genai_config.json and reads
+    ``ONNX_GENAI_INTRA_OP_THREADS`` instead.
+    """
+    import onnx
+
+    src = Path(model_dir).resolve()
+    cfg = json.loads((src / "genai_config.json").read_text(encoding="utf-8"))
+    onnx_name = cfg.get("model", {}).get("decoder", {}).get("filename", "model.onnx")
+    onnx_path = src / onnx_name
+    st = onnx_path.stat()
+    head = _head_size(cfg)
+    key = hashlib.sha256(f"{src}|{st.st_size}|{st.st_mtime_ns}|{head}|v1".encode()).hexdigest()[:16]
+    root = Path(cache_root) if cache_root else _default_cache_root()
+    dst = root / f"{src.name}-{key}"
+    if (dst / ".ortspec-complete").is_file():
+        return dst
+
+    model = onnx.load(str(onnx_path), load_external_data=False)
+    if _concretize_dims(model, {"kv_cache_dim": head}) == 0:
+        return src
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}-", dir=str(root if root.exists() else _mk(root))))
+    try:
+        _overlay_folder(src, tmp, {})
+        (tmp / onnx_name).unlink()
+        # Initializers keep their external_data references (relative file names),
+        # which resolve to the linked weight files next to the new graph.
+        onnx.save(model, str(tmp / onnx_name))
+        (tmp / ".ortspec-complete").write_text(json.dumps(
+            {"source": str(src), "kv_cache_dim": head}, indent=2))
+        if dst.exists():
+            shutil.rmtree(dst)
+        os.replace(tmp, dst)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return dst
+
+
+def _mk(path: Path) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+class OnnxGenAIRunner(PeerRunner):
+    """``onnx_genai.Engine`` greedy generation (``temperature=0.0``).
+
+    The engine keeps a prefix cache across calls, so a repeated prompt (or a
+    shared prefix such as the chat template's system turn) skips part of its
+    prefill. ``fresh_engine`` controls this: ``"always"`` (default) loads a new
+    engine for each run, ``"repeat"`` only when a prompt repeats exactly,
+    ``"never"`` keeps one engine. ``extra["prefix_cache_hit_len"]`` shows hits.
+    Engine loading is never inside the timed span.
+
+    Time to first token: in 0.1.0.dev6 ``generate_stream`` delivers all of its
+    callbacks in one burst when generation has finished (on the engine's own
+    thread; the GIL is released meanwhile), so callback times cannot show the
+    first token. ``ttft="probe"`` (default) therefore times a separate
+    ``generate(prompt, max_tokens=1)`` on a fresh engine (prefill + first
+    token, the same span the other peers report); ``ttft="stream"`` uses the
+    first callback's time, for engines that really stream.
+    """
+
+    name = "onnx_genai"
+
+    def __init__(self, model_dir: str | os.PathLike, threads: int = 2,
+                 fresh_engine: str = "always", ttft: str = "probe",
+                 cache_root: str | os.PathLike | None = None):
+        import onnx_genai
+
+        if fresh_engine not in ("always", "repeat", "never"):
+            raise ValueError("fresh_engine must be 'always', 'repeat' or 'never'")
+        if ttft not in ("probe", "stream"):
+            raise ValueError("ttft must be 'probe' or 'stream'")
+        self._mod = onnx_genai
+        self.version = str(getattr(onnx_genai, "__version__", ""))
+        self.model_dir = Path(model_dir)
+        self.threads = int(threads)
+        self.fresh_engine = fresh_engine
+        self.ttft_mode = ttft
+        self.folder = patch_for_onnx_genai(self.model_dir, threads=self.threads, cache_root=cache_root)
+        self.tokenizer = _hf_tokenizer(self.model_dir)
+        self.eos_ids = _eos_ids_from_genai_config(self.model_dir)
+        self._seen: set[str] = set()
+        self.load_s = 0.0
+        self._engine = self._new_engine()
+        self._engine_used = False
+
+    def _new_engine(self):
+        os.environ["ONNX_GENAI_INTRA_OP_THREADS"] = str(self.threads)
+        t0 = time.perf_counter()
+        engine = self._mod.Engine.from_dir(str(self.folder))
+        self.load_s = time.perf_counter() - t0
+        return engine
+
+    def _prompt_text(self, prompt) -> tuple[str, int]:
+        if isinstance(prompt, str):
+            n = len(self.tokenizer.encode(prompt, add_special_tokens=False).ids) if self.tokenizer else 0
+            return prompt, n
+        # Engine.generate takes text only (a list raises TypeError): decode the ids.
+        ids = [int(t) for t in prompt]
+        if self.tokenizer is None:
+            raise RuntimeError("onnx_genai takes text; token ids need tokenizer.json to decode")
+        return self.tokenizer.decode(ids, skip_special_tokens=False), len(ids)
+
+    def _probe_ttft(self, text: str) -> float:
+        engine = self._new_engine()
+        t0 = time.perf_counter()
+        engine.generate(text, max_tokens=1, temperature=0.0)
+        ttft = time.perf_counter() - t0
+        del engine
+        return ttft
+
+    def run(self, prompt, max_new_tokens: int) -> PeerRun:
+        text, n_prompt = self._prompt_text(prompt)
+        key = hashlib.sha256(text.encode("utf-8")).hexdigest()
+        probe_ttft = self._probe_ttft(text) if self.ttft_mode == "probe" else None
+        rebuild = (self.fresh_engine == "always" and self._engine_used) or (
+            self.fresh_engine == "repeat" and key in self._seen)
+        if rebuild:
+            self._engine = None  # free the old one before loading its successor
+            self._engine = self._new_engine()
+        self._seen.add(key)
+        self._engine_used = True
+
+        stamps: list[float] = []
+        ids: list[int] = []
+        reasons: list[Any] = []
+
+        def on_token(piece, token_id, finish_reason):
+            stamps.append(time.perf_counter())
+            if token_id is not None:
+                ids.append(int(token_id))
+            if finish_reason is not None:
+                reasons.append(finish_reason)
+
+        t0 = time.perf_counter()
+        result = self._engine.generate_stream(text, on_token, max_tokens=int(max_new_tokens),
+                                              temperature=0.0)
+        t_end = time.perf_counter()
+        total = t_end - t0
+        extra: dict[str, Any] = {"engine_load_s": self.load_s, "fresh_engine": self.fresh_engine,
+                                 "ttft_mode": self.ttft_mode}
+        if stamps:
+            extra["first_callback_s"] = stamps[0] - t0
+        finish = str(reasons[-1]) if reasons else ""
+        if result is not None:
+            fr = getattr(result, "finish_reason", None)
+            if fr is not None:
+                finish = str(fr)
+            hit = getattr(result, "prefix_cache_hit_len", None)
+            if hit is not None:
+                extra["prefix_cache_hit_len"] = int(hit)
+            rid = getattr(result, "token_ids", None)
+            if rid is not None and not ids:
+                ids = [int(t) for t in rid]
+        new = list(ids)
+        if new and new[-1] in self.eos_ids:
+            new = new[:-1]
+        extra["raw_finish_reason"] = finish
+        # 0.1.0.dev6 says "eos_token" or "max_tokens" (a stop string would be "stop").
+        finish_norm = "length" if finish in ("max_tokens", "length") else ("stop" if finish else "")
+        if probe_ttft is not None:
+            ttft = min(probe_ttft, total)
+        else:
+            ttft = (stamps[0] - t0) if stamps else total
+        text_out = self.tokenizer.decode(new) if self.tokenizer is not None else str(
+            getattr(result, "text", ""))
+        return PeerRun(token_ids=new, text=text_out, ttft_s=ttft, total_s=total,
+                       decode_tok_s=_decode_rate(len(new), ttft, total), new_tokens=len(new),
+                       finish_reason=finish_norm, prompt_tokens=n_prompt, extra=extra)
+
+    def describe(self) -> dict:
+        return {"name": self.name, "version": self.version, "threads": self.threads,
+                "thread_pinning": "ONNX_GENAI_INTRA_OP_THREADS",
+                "patched_folder": str(self.folder), "fresh_engine": self.fresh_engine,
+                "ttft_mode": self.ttft_mode}
+
+    def close(self) -> None:
+        self._engine = None
+
+
+# --------------------------------------------------------------------------
+# Factory
+# --------------------------------------------------------------------------
+
+
+def make_peer(name: str, model_dir: str | os.PathLike, threads: int = 2,
+              **options) -> tuple[PeerRunner | None, str | None]:
+    """Build a peer runner, or return ``(None, reason)`` when it is unavailable.
+
+    ``options`` go to the runner: ``ngram_size`` / ``max_draft_tokens`` for
+    ``ortgenai-ngram`` (defaults 3 and 8), ``fresh_engine`` / ``ttft`` /
+    ``cache_root`` for ``onnx_genai``.
+    """
+    if name not in PEER_NAMES:
+        return None, f"unknown peer {name!r}; known: {', '.join(PEER_NAMES)}"
+    module = "onnx_genai" if name == "onnx_genai" else "onnxruntime_genai"
+    try:
+        __import__(module)
+    except Exception as exc:  # ImportError, or a broken native library
+        return None, f"{module} is not importable: {type(exc).__name__}: {exc}"
+    try:
+        if name == "ortgenai":
+            return OrtGenAIRunner(model_dir, threads=threads), None
+        if name == "ortgenai-ngram":
+            return OrtGenAIRunner(model_dir, threads=threads,
+                                  ngram_size=options.get("ngram_size", 3),
+                                  max_draft_tokens=options.get("max_draft_tokens", 8)), None
+        return OnnxGenAIRunner(model_dir, threads=threads,
+                               fresh_engine=options.get("fresh_engine", "always"),
+                               ttft=options.get("ttft", "probe"),
+                               cache_root=options.get("cache_root")), None
+    except Exception as exc:
+        return None, f"{name} could not load {model_dir}: {type(exc).__name__}: {exc}"
+
+
+def available_peers(model_dir: str | os.PathLike, threads: int = 2,
+                    names: Sequence[str] = PEER_NAMES, **options) -> tuple[dict, dict]:
+    """``({name: runner}, {name: reason})`` for every requested peer."""
+    runners, missing = {}, {}
+    for n in names:
+        r, why = make_peer(n, model_dir, threads=threads, **options)
+        if r is None:
+            missing[n] = why
+        else:
+            runners[n] = r
+    return runners, missing
+
+
+# --------------------------------------------------------------------------
+# Command line smoke test
+# --------------------------------------------------------------------------
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    import argparse
+    import sys
+
+    from bench.workloads import build_workloads, load_tokenizer, render_chat
+
+    ap = argparse.ArgumentParser(description="Run the peer engines on a few workloads.")
+    ap.add_argument("--model-dir", required=True)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--peers", default=",".join(PEER_NAMES))
+    ap.add_argument("--categories", default="code_edit,open_ended")
+    ap.add_argument("--n", type=int, default=1, help="prompts per category")
+    ap.add_argument("--max-new-tokens", type=int, default=32)
+    ap.add_argument("--ngram-size", type=int, default=3)
+    ap.add_argument("--max-draft-tokens", type=int, default=8)
+    ap.add_argument("--text", action="store_true", help="include generated text")
+    args = ap.parse_args(argv)
+
+    tok = load_tokenizer(args.model_dir)
+    cats = [c for c in args.categories.split(",") if c]
+    wls = build_workloads(args.n, 1500, tok, tokenizer_folder=args.model_dir, categories=cats)
+    prompts = [(w.name, tok.encode(render_chat(w.messages, args.model_dir),
+                                   add_special_tokens=False).ids) for w in wls]
+    report: dict[str, Any] = {"threads": args.threads, "peers": {}, "missing": {}}
+    outputs: dict[str, dict[str, list[int]]] = {}
+    for name in [p for p in args.peers.split(",") if p]:
+        runner, why = make_peer(name, args.model_dir, threads=args.threads,
+                                ngram_size=args.ngram_size, max_draft_tokens=args.max_draft_tokens)
+        if runner is None:
+            report["missing"][name] = why
+            continue
+        runner.warmup()
+        runs = {}
+        for wname, ids in prompts:
+            r = runner.run(ids, args.max_new_tokens)
+            d = r.to_dict()
+            d.pop("token_ids")
+            if not args.text:
+                d.pop("text")
+            d["extra"] = {k: v for k, v in d["extra"].items() if k != "speculative_stats"} | (
+                {"acceptance_rate": r.extra["speculative_stats"].get("acceptance_rate")}
+                if "speculative_stats" in r.extra else {})
+            runs[wname] = d
+            outputs.setdefault(wname, {})[name] = r.token_ids
+        report["peers"][name] = {"describe": runner.describe(), "runs": runs}
+        runner.close()
+    report["same_tokens"] = {
+        w: len({tuple(v) for v in o.values()}) == 1 for w, o in outputs.items()}
+    json.dump(report, sys.stdout, indent=2)
+    sys.stdout.write("\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
