@@ -1,0 +1,196 @@
+"""Example-based tests of the prompt-lookup proposer (``ortspec.core.proposers``)."""
+
+from __future__ import annotations
+
+import pytest
+
+from ortspec.core.proposers import PromptLookup, Proposer
+
+
+def test_is_a_proposer():
+    assert isinstance(PromptLookup(), Proposer)
+
+
+def test_defaults():
+    p = PromptLookup()
+    assert (p.ngram, p.max_draft, p.min_ngram) == (3, 8, 1)
+
+
+def test_proposes_what_followed_the_suffix():
+    ctx = [5, 6, 7, 8, 9, 5, 6]
+    assert PromptLookup(ngram=2).propose(ctx, 5) == (7, 8, 9, 5, 6)
+
+
+def test_most_recent_earlier_match_wins():
+    # (1, 2) occurs at 0 (followed by 3) and at 3 (followed by 4): the later one wins.
+    ctx = [1, 2, 3, 1, 2, 4, 1, 2]
+    assert PromptLookup(ngram=2, min_ngram=2).propose(ctx, 3) == (4, 1, 2)
+
+
+def test_longest_ngram_is_tried_first():
+    # 3-gram (1, 2, 3) matches at 0 -> (10, 3, 11, ...); the 1-gram (3) matches more recently at 4 -> (11, ...).
+    ctx = [1, 2, 3, 10, 3, 11, 1, 2, 3]
+    assert PromptLookup(ngram=3).propose(ctx, 4) == (10, 3, 11, 1)
+    assert PromptLookup(ngram=1).propose(ctx, 4) == (11, 1, 2, 3)
+
+
+def test_falls_back_to_shorter_ngrams_down_to_min_ngram():
+    ctx = [1, 2, 3, 9, 7, 3]  # (7, 3) and (9, 7, 3) never occurred earlier; (3,) did at 2
+    assert PromptLookup(ngram=3).propose(ctx, 3) == (9, 7, 3)
+    assert PromptLookup(ngram=3, min_ngram=2).propose(ctx, 3) == ()
+    ctx2 = [4, 7, 3, 1, 7, 3]  # (7, 3) at 1; (1, 7, 3) nowhere earlier
+    assert PromptLookup(ngram=3, min_ngram=2).propose(ctx2, 3) == (1, 7, 3)
+
+
+def test_a_longer_match_beats_a_more_recent_shorter_one():
+    ctx = [8, 9, 1, 5, 9, 2, 8, 9]  # (8, 9) at 0 -> (1, ...); (9,) most recently at 4 -> (2, ...)
+    assert PromptLookup(ngram=2).propose(ctx, 3) == (1, 5, 9)
+
+
+def test_never_more_than_width():
+    ctx = [1, 2, 3, 4, 5, 6, 1]
+    assert PromptLookup(ngram=1).propose(ctx, 2) == (2, 3)
+    assert PromptLookup(ngram=1).propose(ctx, 1) == (2,)
+
+
+def test_never_more_than_max_draft():
+    ctx = [1, 2, 3, 4, 5, 6, 1]
+    assert PromptLookup(ngram=1, max_draft=3).propose(ctx, 100) == (2, 3, 4)
+    assert PromptLookup(ngram=1, max_draft=3).propose(ctx, 2) == (2, 3)
+
+
+def test_copy_runs_on_past_the_end_of_the_context():
+    # The match is 3 tokens back: the 3-token period (2, 3, 1) repeats, LZ77-style, to fill the width.
+    ctx = [1, 2, 3, 1]
+    assert PromptLookup(ngram=1).propose(ctx, 8) == (2, 3, 1, 2, 3, 1, 2, 3)
+    assert PromptLookup(ngram=1, max_draft=5).propose(ctx, 8) == (2, 3, 1, 2, 3)
+
+
+def test_copy_forward_two_token_period():
+    ctx = [7, 1, 2, 1, 2]  # (1, 2) most recently 2 tokens back
+    assert PromptLookup(ngram=2).propose(ctx, 6) == (1, 2, 1, 2, 1, 2)
+
+
+def test_copy_forward_run_of_one_token():
+    assert PromptLookup(ngram=3).propose([9, 4, 4, 4, 4], 5) == (4, 4, 4, 4, 4)
+
+
+def test_copy_forward_only_when_the_context_runs_out():
+    # Enough tokens follow the match: plain copy, no repetition.
+    ctx = [1, 2, 3, 4, 5, 6, 7, 8, 1]
+    assert PromptLookup(ngram=1).propose(ctx, 8) == (2, 3, 4, 5, 6, 7, 8, 1)
+
+
+def test_empty_when_nothing_matches():
+    assert PromptLookup().propose([1, 2, 3, 4, 5], 8) == ()
+
+
+def test_empty_for_width_zero_or_negative():
+    ctx = [1, 2, 1]
+    assert PromptLookup(ngram=1).propose(ctx, 0) == ()
+    assert PromptLookup(ngram=1).propose(ctx, -3) == ()
+
+
+def test_empty_for_a_context_shorter_than_two():
+    assert PromptLookup().propose([], 8) == ()
+    assert PromptLookup().propose([5], 8) == ()
+
+
+def test_two_token_context():
+    assert PromptLookup(ngram=3).propose([5, 5], 3) == (5, 5, 5)
+    assert PromptLookup(ngram=3).propose([5, 6], 8) == ()
+
+
+def test_the_suffix_itself_is_not_a_match():
+    # The only occurrence of (7, 8) is the suffix: nothing follows it.
+    assert PromptLookup(ngram=2, min_ngram=2).propose([1, 2, 7, 8], 8) == ()
+
+
+def test_token_aligned_only_single_token():
+    # 256 is bytes 00 01 00 00 and 0 is 00 00 00 00: the bytes of token 1 (01 00 00 00) appear at byte offset 1,
+    # straddling two tokens. That is not an occurrence of token 1.
+    assert PromptLookup(ngram=1).propose([256, 0, 5, 1], 8) == ()
+
+
+def test_token_aligned_match_behind_a_misaligned_one():
+    # The misaligned "1" inside (256, 0) is more recent than the real 1 at index 0: the real one must be found.
+    ctx = [1, 7, 256, 0, 9, 1]
+    assert PromptLookup(ngram=1).propose(ctx, 5) == (7, 256, 0, 9, 1)
+
+
+def test_token_aligned_context_starting_1_256():
+    # [1, 256, 0, 3, 1]: token 1 (01 00 00 00) also appears at byte 5, inside (256, 0) = 00 01 00 00 00 00 00 00.
+    # That misaligned hit is more recent than the real 1 at index 0 and must be skipped.
+    ctx = [1, 256, 0, 3, 1]
+    assert PromptLookup(ngram=1).propose(ctx, 4) == (256, 0, 3, 1)
+    assert PromptLookup(ngram=1).propose([3, 256, 0, 1], 4) == ()
+
+
+def test_token_aligned_only_two_gram():
+    # Needle (1, 256) = 01 00 00 00 00 01 00 00. In (256, 1, 256, 0, ...) bytes 00 01 00 00 01 00 00 00 00 01 00 00,
+    # it occurs at byte 4 (aligned: tokens 1..2). Build a context where only a misaligned occurrence exists.
+    # (65536, 1) = 00 00 01 00 | 01 00 00 00 ; needle (1, 0) = 01 00 00 00 00 00 00 00 appears misaligned in
+    # (256, 0, 0) = 00 01 00 00 | 00 00 00 00 | 00 00 00 00 at byte 1.
+    ctx = [256, 0, 0, 3, 1, 0]
+    assert PromptLookup(ngram=2, min_ngram=2).propose(ctx, 8) == ()
+    ctx2 = [1, 0, 42, 256, 0, 0, 3, 1, 0]
+    assert PromptLookup(ngram=2, min_ngram=2).propose(ctx2, 7) == (42, 256, 0, 0, 3, 1, 0)
+
+
+def test_large_ids():
+    ctx = [49151, 2**31, 7, 49151, 2**31]
+    assert PromptLookup(ngram=2).propose(ctx, 3) == (7, 49151, 2**31)
+    assert PromptLookup(ngram=2).propose(ctx, 5) == (7, 49151, 2**31, 7, 49151)
+    ctx2 = [2**32 - 1, 1, 2**32 - 1]
+    assert PromptLookup(ngram=1).propose(ctx2, 2) == (1, 2**32 - 1)
+    # 49151 = 0x0000BFFF: no false match against neighbouring 0xBF/0xFF bytes.
+    assert PromptLookup(ngram=1).propose([0xBFFF00, 0xFF, 49151], 8) == ()
+
+
+def test_overlapping_matches():
+    # (1, 1) occurs most recently at 1, overlapping the suffix at 2.
+    assert PromptLookup(ngram=2).propose([1, 1, 1, 1], 3) == (1, 1, 1)
+    # (1, 2, 1) occurs at 0, overlapping the suffix at 2.
+    assert PromptLookup(ngram=3).propose([1, 2, 1, 2, 1], 4) == (2, 1, 2, 1)
+    assert PromptLookup(ngram=2, min_ngram=2).propose([3, 3, 3], 2) == (3, 3)
+
+
+def test_accepts_list_and_tuple_and_returns_a_tuple():
+    ctx = [4, 5, 6, 4, 5]
+    a = PromptLookup(ngram=2).propose(ctx, 3)
+    b = PromptLookup(ngram=2).propose(tuple(ctx), 3)
+    assert a == b == (6, 4, 5)
+    assert isinstance(a, tuple) and isinstance(b, tuple)
+
+
+def test_ngram_longer_than_context_is_clamped():
+    assert PromptLookup(ngram=10).propose([3, 4, 3], 2) == (4, 3)
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"ngram": 0}, "ngram"),
+        ({"ngram": -1}, "ngram"),
+        ({"ngram": True}, "ngram"),
+        ({"ngram": 2.0}, "ngram"),
+        ({"max_draft": 0}, "max_draft"),
+        ({"max_draft": None}, "max_draft"),
+        ({"min_ngram": 0}, "min_ngram"),
+    ],
+)
+def test_bad_parameters(kwargs, field):
+    with pytest.raises(ValueError, match=f"{field} must be an int >= 1"):
+        PromptLookup(**kwargs)
+
+
+def test_min_ngram_above_ngram():
+    with pytest.raises(ValueError, match=r"min_ngram \(3\) must not exceed ngram \(2\)"):
+        PromptLookup(ngram=2, min_ngram=3)
+    assert PromptLookup(ngram=2, min_ngram=2).min_ngram == 2
+
+
+def test_is_frozen():
+    p = PromptLookup()
+    with pytest.raises(AttributeError):
+        p.ngram = 4  # type: ignore[misc]
