@@ -36,7 +36,7 @@ DEMO_PROMPT = (
 
 
 def _model_dir(args: argparse.Namespace) -> Path:
-    from ortspec.adapters.convert import ConversionError, convert_smollm2, default_model_dir, is_complete
+    from ortspec.adapters.convert import convert_smollm2, default_model_dir, is_complete
 
     if args.model:
         return Path(args.model)
@@ -44,10 +44,7 @@ def _model_dir(args: argparse.Namespace) -> Path:
     if not is_complete(folder):
         print(f"ortspec: the default model is not converted yet; converting it into {folder} (about a minute)",
               file=sys.stderr)
-        try:
-            convert_smollm2(folder, getattr(args, "precision", "fp32"), progress=lambda m: print(m, file=sys.stderr))
-        except ConversionError as exc:
-            raise SystemExit(f"ortspec: {exc}") from exc
+        convert_smollm2(folder, getattr(args, "precision", "fp32"), progress=lambda m: print(m, file=sys.stderr))
     return folder
 
 
@@ -66,16 +63,16 @@ def _speculative(args: argparse.Namespace):
 
 def _read_prompt(args: argparse.Namespace) -> str:
     if args.prompt is not None and args.file is not None:
-        raise SystemExit("ortspec: give either a prompt or --file, not both")
+        raise ValueError("give either a prompt or --file, not both")
     if args.file == "-":
         return sys.stdin.read()
     if args.file is not None:
         path = Path(args.file)
         if not path.is_file():
-            raise SystemExit(f"ortspec: prompt file {path} does not exist")
+            raise ValueError(f"prompt file {path} does not exist")
         return path.read_text(encoding="utf-8")
     if args.prompt is None:
-        raise SystemExit("ortspec: give a prompt (or --file PATH, or --file - for stdin)")
+        raise ValueError("give a prompt (or --file PATH, or --file - for stdin)")
     return args.prompt
 
 
@@ -273,10 +270,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from ortspec.adapters.convert import ConversionError
+    from ortspec.backends.base import BackendError
+
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ValueError, FileNotFoundError) as exc:
+    except (ValueError, FileNotFoundError, ConversionError, BackendError) as exc:
         print(f"ortspec: {exc}", file=sys.stderr)
         return 2
 

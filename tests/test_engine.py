@@ -1,0 +1,122 @@
+"""Engine, tokenizer and CLI on a tiny random-weight model folder (same layout as the real model)."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from ortspec import FinishReason, GenerationAborted, PromptLookup
+from ortspec.adapters.cli import main as cli_main
+from ortspec.adapters.engine import Engine
+from ortspec.adapters.model_dir import ModelFolderError
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir):
+    return Engine.from_dir(tiny_model_dir, threads=1)
+
+
+def test_generate_greedy_and_speculative_agree(engine):
+    prompt = "the quick brown fox jumps over the lazy dog. the quick brown fox"
+    g = engine.generate(prompt, max_tokens=40, ignore_eos=True)
+    for speculative in ("prompt-lookup", PromptLookup(ngram=2, max_draft=4)):
+        s = engine.generate(prompt, max_tokens=40, ignore_eos=True, speculative=speculative)
+        assert s.token_ids == g.token_ids and s.text == g.text
+    assert len(g.token_ids) == 40 and g.finish_reason == FinishReason.MAX_TOKENS
+
+
+def test_prompt_as_ids_and_chat(engine):
+    ids = engine.tokenize("hello world")
+    a = engine.generate(ids, max_tokens=5, ignore_eos=True)
+    b = engine.generate("hello world", max_tokens=5, ignore_eos=True)
+    assert a.token_ids == b.token_ids
+    chat = engine.prompt_ids("hi", chat=True)
+    assert engine.tokenizer.decode(chat).count("hi") >= 1
+    msgs = engine.prompt_ids([{"role": "user", "content": "hi"}])
+    assert msgs == chat
+
+
+def test_stream_callback_signature_and_abort(engine):
+    seen = []
+    r = engine.generate_stream("abc abc abc", lambda t, i, f: seen.append((t, i, f)), max_tokens=12,
+                               ignore_eos=True)
+    assert "".join(t for t, _, _ in seen) == r.text
+    assert seen[-1][2] == "max_tokens"
+
+    def boom(text, token_id, finish_reason):
+        if len(seen2) == 3:
+            raise RuntimeError("stop here")
+        seen2.append(token_id)
+
+    seen2: list[int] = []
+    with pytest.raises(GenerationAborted) as info:
+        engine.generate_stream("abc abc abc", boom, max_tokens=12, ignore_eos=True, speculative="prompt-lookup")
+    assert info.value.partial.token_ids[:3] == tuple(seen2)
+    assert isinstance(info.value.__cause__, RuntimeError)
+    # the engine is usable afterwards
+    assert engine.generate("abc", max_tokens=3, ignore_eos=True).token_ids
+
+
+def test_stop_strings_and_token_sequences(engine):
+    base = engine.generate("one two three", max_tokens=30, ignore_eos=True)
+    if len(base.text) < 6:
+        pytest.skip("the random model produced too little text")
+    stop = base.text[3:6]
+    r = engine.generate("one two three", max_tokens=30, ignore_eos=True, stop=[stop], speculative="prompt-lookup")
+    assert r.finish_reason == FinishReason.STOP_SEQUENCE and stop not in r.text
+    seq = list(base.token_ids[2:4])
+    r = engine.generate("one two three", max_tokens=30, ignore_eos=True, stop=[seq])
+    assert r.finish_reason == FinishReason.STOP_SEQUENCE and r.token_ids[-2:] == tuple(seq)
+
+
+def test_bad_input_is_refused(engine, tmp_path):
+    with pytest.raises(ValueError, match="greedily"):
+        engine.generate("x", temperature=0.7)
+    with pytest.raises(ValueError, match="speculative"):
+        engine.generate("x", speculative="medusa")
+    with pytest.raises(ValueError, match="empty"):
+        engine.generate("", max_tokens=3)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        engine.generate("x", max_tokens=0)
+    with pytest.raises(ValueError, match="context"):
+        engine.generate([3] * (engine.backend.max_length + 5), max_tokens=3)
+    with pytest.raises(ModelFolderError, match="does not exist"):
+        Engine.from_dir(tmp_path / "missing")
+    with pytest.raises(ModelFolderError, match="genai_config.json"):
+        Engine.from_dir(tmp_path)
+
+
+def test_folder_without_tokenizer_is_refused(tiny_model_dir, tmp_path):
+    copy = tmp_path / "copy"
+    shutil.copytree(tiny_model_dir, copy)
+    (copy / "tokenizer.json").unlink()
+    with pytest.raises((ModelFolderError, FileNotFoundError), match="tokenizer"):
+        Engine.from_dir(copy)
+
+
+def test_cli_generate_and_bench(tiny_model_dir, capsys):
+    assert cli_main(["generate", "hello hello hello", "--model", str(tiny_model_dir), "--max-tokens", "8",
+                     "--threads", "1", "--no-chat", "--ignore-eos"]) == 0
+    out = capsys.readouterr()
+    assert "8 tokens" in out.err and "tok/s" in out.err
+    assert cli_main(["bench", "--model", str(tiny_model_dir), "--prompt", "a b a b a b", "--repeat", "1",
+                     "--max-tokens", "8", "--threads", "1", "--no-chat", "--ignore-eos"]) == 0
+    out = capsys.readouterr().out
+    assert "identical to greedy: 1/1" in out
+
+
+def test_cli_reports_bad_input(tiny_model_dir, tmp_path, capsys):
+    assert cli_main(["generate", "--file", str(tmp_path / "nope.txt"), "--model", str(tiny_model_dir)]) == 2
+    assert "nope.txt does not exist" in capsys.readouterr().err
+    code = cli_main(["generate", "x", "--model", str(tmp_path / "missing")])
+    assert code == 2
+    assert "does not exist" in capsys.readouterr().err
+
+
+def test_cli_help_lists_every_command():
+    out = subprocess.run([sys.executable, "-m", "ortspec.adapters.cli", "--help"], capture_output=True, text=True)
+    for word in ("demo", "generate", "bench", "convert"):
+        assert word in out.stdout
