@@ -102,6 +102,70 @@ def measure_memory_bandwidth(size_mib: int = 256, repeats: int = 7,
     return result
 
 
+def _proc_stat_busy() -> tuple[float, float] | None:
+    """(busy, total) CPU seconds over all cores since boot, from /proc/stat."""
+    try:
+        with open("/proc/stat", encoding="ascii") as f:
+            fields = f.readline().split()
+    except OSError:
+        return None
+    if not fields or fields[0] != "cpu":
+        return None
+    vals = [int(x) for x in fields[1:]]
+    idle = vals[3] + (vals[4] if len(vals) > 4 else 0)  # idle + iowait
+    total = sum(vals[:8])  # guest time is already inside user/nice
+    hz = os.sysconf("SC_CLK_TCK")
+    return (total - idle) / hz, total / hz
+
+
+def _self_cpu_seconds() -> float:
+    t = os.times()
+    return t.user + t.system
+
+
+class CpuContention:
+    """Context manager: how busy the machine was with *other* processes.
+
+    ``with CpuContention() as c: ...`` then ``c.others_cores`` is the average
+    number of cores used by other processes during the block (0 = quiet
+    machine) and ``c.self_cores`` this process's average. Linux only (reads
+    /proc/stat); elsewhere both are ``None``. Use it to flag benchmark runs
+    disturbed by background load.
+    """
+
+    def __init__(self) -> None:
+        self.others_cores: float | None = None
+        self.self_cores: float | None = None
+        self.wall_s = 0.0
+
+    def __enter__(self) -> "CpuContention":
+        self._stat0 = _proc_stat_busy()
+        self._self0 = _self_cpu_seconds()
+        self._t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.wall_s = time.perf_counter() - self._t0
+        stat1 = _proc_stat_busy()
+        if self._stat0 is None or stat1 is None or self.wall_s <= 0:
+            return
+        busy = stat1[0] - self._stat0[0]
+        mine = _self_cpu_seconds() - self._self0
+        self.self_cores = round(mine / self.wall_s, 3)
+        self.others_cores = round(max(0.0, busy - mine) / self.wall_s, 3)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"others_cores": self.others_cores, "self_cores": self.self_cores,
+                "wall_s": round(self.wall_s, 3)}
+
+
+def background_load(seconds: float = 1.0) -> float | None:
+    """Average cores used by other processes over ``seconds`` of sleeping."""
+    with CpuContention() as c:
+        time.sleep(seconds)
+    return c.others_cores
+
+
 def _cpu_model() -> str:
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:
@@ -187,6 +251,7 @@ def machine_info(include_bandwidth: bool = False) -> dict[str, Any]:
         "os": platform.platform(),
         "machine": platform.machine(),
         "python": f"{platform.python_implementation()} {platform.python_version()}",
+        "background_load_cores": background_load(0.5),
         "versions": {
             name: _dist_version(name)
             for name in ("numpy", "onnxruntime", "onnxruntime-gpu", "tokenizers",
