@@ -74,6 +74,8 @@ def check_tokens(tokens: Sequence[int], vocab_size: int, what: str = "tokens") -
     if len(tokens) == 0:
         raise BackendError(f"{what} is empty: a pass needs at least one token")
     for t in tokens:
+        if isinstance(t, bool) or not isinstance(t, (int, np.integer)):
+            raise BackendError(f"{what} holds {t!r}, which is not an integer token id")
         if not 0 <= int(t) < vocab_size:
             raise BackendError(f"{what} holds token id {int(t)}, outside the vocabulary [0, {vocab_size})")
 

@@ -116,6 +116,7 @@ class FakeBackend:
     def reset(self) -> None:
         self._tokens.clear()
         del self._hashes[1:]
+        self.peak_len = 0
 
     def current_len(self) -> int:
         return len(self._tokens)
@@ -145,7 +146,7 @@ class FakeBackend:
         return self._run(tokens, base, "base")
 
     def rewind(self, length: int) -> None:
-        if isinstance(length, bool) or not 0 <= length <= len(self._tokens):
+        if isinstance(length, bool) or not isinstance(length, (int, np.integer)) or not 0 <= length <= len(self._tokens):
             raise BackendError(f"rewind({length}) outside [0, {len(self._tokens)}]")
         del self._tokens[length:]
         del self._hashes[length + 1 :]

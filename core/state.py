@@ -398,17 +398,23 @@ def _advance(
     matched: str | tuple[int, ...] | None = None
     for i, token in enumerate(candidates):
         generated.append(token)
-        text.add(generated)
-        if token in opts.eos_token_ids:
+        eos = token in opts.eos_token_ids
+        seq = None if eos else _matched_stop_sequence(generated, opts.stop_token_sequences)
+        limit = None
+        if len(generated) >= opts.max_new_tokens:
+            limit = FinishReason.MAX_TOKENS
+        elif opts.max_context is not None and len(state.prompt_tokens) + len(generated) >= opts.max_context:
+            limit = FinishReason.LENGTH
+        # A token that ends the generation also flushes a trailing partial character, before the stop check.
+        text.add(generated, flush=eos or seq is not None or limit is not None)
+        if eos:
             finish = FinishReason.EOS_TOKEN
-        elif (seq := _matched_stop_sequence(generated, opts.stop_token_sequences)) is not None:
+        elif seq is not None:
             finish, matched = FinishReason.STOP_SEQUENCE, seq
         elif (s := text.find_stop(opts.stop_strings)) is not None:
             finish, matched = FinishReason.STOP_SEQUENCE, s
-        elif len(generated) >= opts.max_new_tokens:
-            finish = FinishReason.MAX_TOKENS
-        elif opts.max_context is not None and len(state.prompt_tokens) + len(generated) >= opts.max_context:
-            finish = FinishReason.LENGTH
+        else:
+            finish = limit
         lp = logprob(i, token) if logprob is not None else None
         if lp is not None:
             logprobs.append(lp)
@@ -464,19 +470,19 @@ class _TextTracker:
         self.window_start = state.window_start
         self.window_read = state.window_read
         self.checked = len(state.text)  # stop strings were already searched in text[:checked]
-        self.cut = False  # a stop string cut the text: nothing after it is ever released
         self.longest_stop = max((len(s) for s in state.options.stop_strings), default=0)
         self.stop_strings = state.options.stop_strings
         self.generated: list[int] = []
 
-    def add(self, generated: list[int]) -> None:
-        """Decode what the newest token completes (a trailing partial character waits)."""
+    def add(self, generated: list[int], flush: bool) -> None:
+        """Decode what the newest token completes. A trailing partial character waits for the next token,
+        unless ``flush`` (the generation ends here), when it is kept as U+FFFD."""
         self.generated = generated
         if self.detokenize is None:
             return
         prefix = self.detokenize(generated[self.window_start : self.window_read])
         full = self.detokenize(generated[self.window_start :])
-        if len(full) > len(prefix) and not full.endswith(_REPLACEMENT_CHAR):
+        if len(full) > len(prefix) and (flush or not full.endswith(_REPLACEMENT_CHAR)):
             self.text += full[len(prefix) :]
             self.window_start, self.window_read = self.window_read, len(generated)
 
@@ -495,18 +501,11 @@ class _TextTracker:
             return None
         self.text = self.text[: best[1]]
         self.checked = len(self.text)
-        self.cut = True
         return best[2]
 
     def release(self, final: bool) -> str:
         """The text this commit releases: all of it when the generation ends, else all but what could still
         start a stop string."""
-        if final and self.detokenize is not None and self.window_read < len(self.generated):
-            if not self.cut:  # flush the undecoded tail (a partial character shows as U+FFFD)
-                prefix = self.detokenize(self.generated[self.window_start : self.window_read])
-                full = self.detokenize(self.generated[self.window_start :])
-                self.text += full[len(prefix) :]
-                self.checked = len(self.text)
         end = len(self.text) if final else len(self.text) - self._held_back()
         if end <= self.streamed:
             return ""
