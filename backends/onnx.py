@@ -406,6 +406,9 @@ class OrtBackend:
         self._max_length = int(max_length)
         self._vocab = folder.vocab_size
         self._len = 0
+        # The driver feeds the core's step_ids from verify_argmax when the logits live on a device.
+        self.device_accept = provider == "cuda"
+        self.threads = session.get_session_options().intra_op_num_threads
 
         self._inspect_graph()
         want_share = folder.past_present_share_buffer if share_buffer is None else bool(share_buffer)
