@@ -158,6 +158,25 @@ def make_session_options(
     return so
 
 
+_PRELOADED = False
+
+
+def _preload_cuda_libraries(ort) -> None:
+    """Let onnxruntime-gpu find CUDA libraries installed as nvidia-* pip packages (``onnxruntime.preload_dlls``)."""
+    global _PRELOADED
+    if _PRELOADED or not hasattr(ort, "preload_dlls"):
+        return
+    _PRELOADED = True
+    import contextlib
+    import io
+
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):
+            ort.preload_dlls()
+    except Exception as exc:  # noqa: BLE001 - best effort: the session creation reports the real failure
+        logger.debug("onnxruntime.preload_dlls() failed: %s", exc)
+
+
 def _graph_uses_gqa(model_path: Path) -> bool:
     """True if the ONNX file mentions the GroupQueryAttention op (a scan of the graph file's bytes)."""
     needle = b"GroupQueryAttention"
@@ -492,6 +511,7 @@ class OrtBackend:
                     "provider='cuda' but this onnxruntime has no CUDAExecutionProvider (available: "
                     + ", ".join(available) + "); install onnxruntime-gpu (pip install 'ortspec[cuda]')"
                 )
+            _preload_cuda_libraries(ort)
             providers = [("CUDAExecutionProvider", {"device_id": str(device_id)}), "CPUExecutionProvider"]
         else:
             providers = ["CPUExecutionProvider"]
@@ -509,7 +529,11 @@ class OrtBackend:
         except Exception as exc:  # noqa: BLE001 - ORT raises its own exception types
             raise BackendError(f"onnxruntime could not load {folder.model_path}: {exc}") from exc
         if provider == "cuda" and "CUDAExecutionProvider" not in session.get_providers():
-            raise BackendError(f"the session for {folder.model_path} did not get the CUDA execution provider")
+            raise BackendError(
+                f"the session for {folder.model_path} did not get the CUDA execution provider: onnxruntime could "
+                "not load its CUDA libraries (CUDA/cuBLAS of the major version this onnxruntime-gpu was built for, "
+                "e.g. the nvidia-* pip packages that torch installs)"
+            )
         return cls(
             session,
             folder,

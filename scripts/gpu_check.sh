@@ -10,7 +10,8 @@
 #      (attrs, platformdirs, pytest and its deps) into DIR/pylib. About 8 MB in all.
 #   2. On the GPU machine, from the repository root, with DIR copied along:
 #        scripts/gpu_check.sh [--model DIR/tiny-fp16-cuda] [--bench-model DIR/small-fp16-cuda] [--pylib DIR/pylib]
-#      (the defaults are those paths under .device_carry). It prints onnxruntime.get_available_providers()
+#      (the defaults are those paths under .device_carry; --ort-path DIR puts an unpacked onnxruntime-gpu first
+#      on PYTHONPATH when the installed onnxruntime lacks the CUDA execution provider). It prints onnxruntime.get_available_providers()
 #      first, then runs the `cuda` tests of tests/test_onnx_backend.py and a CPU-vs-CUDA speed comparison.
 #      It needs numpy, onnxruntime-gpu, and CuPy or torch with CUDA. It does not need the package installed:
 #      it points PYTHONPATH at a shim of links that maps ortspec.{core,backends,adapters} onto the repo.
@@ -26,6 +27,7 @@ MODEL=""
 BENCH_MODEL=""
 PYLIB=""
 PREPARE=""
+ORT_PATH=""
 
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -33,6 +35,7 @@ while [ $# -gt 0 ]; do
     --model) MODEL="$2"; shift ;;
     --bench-model) BENCH_MODEL="$2"; shift ;;
     --pylib) PYLIB="$2"; shift ;;
+    --ort-path) ORT_PATH="$2"; shift ;;
     -h|--help) sed -n '2,24p' "$0"; exit 0 ;;
     *) echo "unknown argument: $1" >&2; exit 64 ;;
   esac
@@ -66,6 +69,9 @@ MODEL="${MODEL:-$CARRY/tiny-fp16-cuda}"
 BENCH_MODEL="${BENCH_MODEL:-$CARRY/small-fp16-cuda}"
 PYLIB="${PYLIB:-$CARRY/pylib}"
 T0=$(date +%s)
+# --ort-path DIR: a folder holding an unpacked onnxruntime-gpu package (DIR/onnxruntime), used instead of the
+# installed onnxruntime (for a GPU machine whose preinstalled onnxruntime is the CPU-only build).
+if [ -n "$ORT_PATH" ]; then export PYTHONPATH="$ORT_PATH${PYTHONPATH:+:$PYTHONPATH}"; fi
 
 echo "== onnxruntime providers"
 "$PY" -c "import onnxruntime as ort; print('onnxruntime', ort.__version__, ort.get_available_providers())" || {
