@@ -337,9 +337,10 @@ def make_tiny_model(
 ) -> Path:
     """Build a random-weight Llama folder in the builder's layout (``model.onnx``, ``genai_config.json``, ...).
 
-    The tokenizer is a small byte-level BPE trained on standard-library docstrings (``vocab`` entries, 384 by
-    default; ids 0/1/2 are ``<|endoftext|>`` (eos, pad), ``<|im_start|>`` (bos) and ``<|im_end|>``); the model's
-    vocabulary is the tokenizer's. Weights come from ``torch.manual_seed(seed)``: same arguments, same folder.
+    The tokenizer is a small byte-level BPE trained on standard-library docstrings (``min(vocab, 512)`` entries,
+    384 by default; ids 0/1/2 are ``<|endoftext|>`` (eos, pad), ``<|im_start|>`` (bos) and ``<|im_end|>``). The
+    model's vocabulary is ``vocab`` when given (ids the tokenizer never produces are still valid model ids, which
+    gives a realistic logits width, e.g. 49152, for speed tests), else the tokenizer's. Weights come from ``torch.manual_seed(seed)``: same arguments, same folder.
     ``precision``/``execution_provider`` pick the builder's target (``fp16``/``cuda`` makes a float16 model with
     float16 KV for the CUDA execution provider; it builds without a GPU).
     Idempotent like :func:`convert_smollm2`. The builder runs in this process unless ``in_process_builder`` is
@@ -358,8 +359,8 @@ def make_tiny_model(
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-    tok = _train_tiny_tokenizer(vocab if vocab is not None else 384)
-    n_vocab = tok.get_vocab_size()
+    tok = _train_tiny_tokenizer(min(vocab, 512) if vocab is not None else 384)
+    n_vocab = max(tok.get_vocab_size(), vocab or 0)
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok, bos_token="<|im_start|>", eos_token="<|endoftext|>", pad_token="<|endoftext|>"
     )

@@ -246,6 +246,9 @@ class _CupyArrays(_HostArrays):
         self.cp = cupy
         self.device_id = device_id
         self._device = cupy.cuda.Device(device_id)
+        self._am_out = None
+        self._am_host = None
+        self._kernel_failed = False
 
     def empty(self, shape, dtype):
         with self._device:
@@ -281,11 +284,33 @@ class _CupyArrays(_HostArrays):
         dst[:, :, start:stop] = src[:, :, start:stop]
 
     def argmax_margin(self, rows):
+        """One fused kernel (a block per row), then one device-to-host copy of ``2 * rows`` float64 numbers."""
         cp = self.cp
+        k, n = rows.shape
         with self._device:
-            rows = rows.astype(cp.float32, copy=False)
-            ids, margins = _device_argmax_margin(cp, rows, cp.arange(rows.shape[1]), -cp.inf)
-            return cp.asnumpy(ids).astype(np.int64), cp.asnumpy(margins).astype(np.float32)
+            if not rows.flags.c_contiguous:
+                rows = cp.ascontiguousarray(rows)
+            try:
+                kernel = _cupy_argmax_kernel(cp, str(rows.dtype)) if not self._kernel_failed else None
+            except Exception as exc:  # noqa: BLE001 - NVRTC missing or failing: use plain CuPy reductions
+                logger.warning("OrtBackend: the fused argmax kernel did not compile (%s); using CuPy reductions",
+                               str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+                self._kernel_failed = True
+                kernel = None
+            if kernel is None:
+                ids, margins = _xp_argmax_margin(cp, rows.astype(cp.float32, copy=False))
+                return cp.asnumpy(ids).astype(np.int64), cp.asnumpy(margins).astype(np.float32)
+            if self._am_out is None or self._am_out.shape[0] < 2 * k:
+                self._am_out = cp.empty(2 * max(k, 16), cp.float64)
+                self._am_host = np.empty(2 * max(k, 16), np.float64)
+            kernel((k,), (_ARGMAX_THREADS,), (rows, np.int32(n), self._am_out))
+            host = self._am_host[: 2 * k]
+            self._am_out[: 2 * k].get(out=host)
+        return host[0::2].astype(np.int64), host[1::2].astype(np.float32)
+
+
+def _shape(shape) -> tuple[int, ...]:
+    return tuple(int(d) for d in shape) if isinstance(shape, (tuple, list)) else (int(shape),)
 
 
 class _TorchArrays(_HostArrays):
@@ -306,10 +331,10 @@ class _TorchArrays(_HostArrays):
         }
 
     def empty(self, shape, dtype):
-        return self.torch.empty(tuple(shape), dtype=self._types[np.dtype(dtype)], device=self.dev)
+        return self.torch.empty(_shape(shape), dtype=self._types[np.dtype(dtype)], device=self.dev)
 
     def zeros(self, shape, dtype):
-        return self.torch.zeros(tuple(shape), dtype=self._types[np.dtype(dtype)], device=self.dev)
+        return self.torch.zeros(_shape(shape), dtype=self._types[np.dtype(dtype)], device=self.dev)
 
     def from_host(self, host):
         return self.torch.from_numpy(np.ascontiguousarray(host)).to(self.dev)
@@ -346,12 +371,65 @@ class _TorchArrays(_HostArrays):
         return ids.cpu().numpy().astype(np.int64), margins.cpu().numpy().astype(np.float32)
 
 
-def _device_argmax_margin(xp, rows, arange, neg_inf):
+def _xp_argmax_margin(xp, rows):
+    """Argmax (lowest id on ties) and top-1/top-2 gap with array-module reductions (several kernels)."""
+    n = rows.shape[1]
     top = rows.max(axis=1)
-    ids = xp.where(rows == top[:, None], arange, rows.shape[1]).min(axis=1)
+    ids = xp.where(rows == top[:, None], xp.arange(n), n).min(axis=1)
     masked = rows.copy()
-    masked[xp.arange(rows.shape[0]), ids] = neg_inf
+    masked[xp.arange(rows.shape[0]), ids] = -xp.inf
     return ids, top - masked.max(axis=1)
+
+
+_ARGMAX_THREADS = 256
+# Per row (one block): the largest value, its lowest index, and the second largest value counting a repeat of the
+# largest (so a tie gives a margin of 0). out[2*row] = index, out[2*row+1] = largest - second.
+_ARGMAX_SOURCE = r"""
+#define NT 256
+extern "C" __global__ void ortspec_argmax_margin(const T* rows, const int n, double* out) {
+    __shared__ float s1[NT];
+    __shared__ float s2[NT];
+    __shared__ int si[NT];
+    const T* row = rows + (size_t)blockIdx.x * n;
+    float v1 = __int_as_float(0xff800000), v2 = __int_as_float(0xff800000);  // -inf
+    int i1 = 0x7fffffff;
+    for (int j = threadIdx.x; j < n; j += NT) {
+        float x = (float)row[j];
+        if (x > v1) { v2 = v1; v1 = x; i1 = j; }
+        else if (x > v2) { v2 = x; }
+    }
+    s1[threadIdx.x] = v1; s2[threadIdx.x] = v2; si[threadIdx.x] = i1;
+    __syncthreads();
+    for (int stride = NT / 2; stride > 0; stride >>= 1) {
+        if (threadIdx.x < stride) {
+            const int o = threadIdx.x + stride;
+            float a1 = s1[threadIdx.x], a2 = s2[threadIdx.x], b1 = s1[o], b2 = s2[o];
+            int ai = si[threadIdx.x], bi = si[o];
+            if (b1 > a1 || (b1 == a1 && bi < ai)) {
+                s1[threadIdx.x] = b1; si[threadIdx.x] = bi; s2[threadIdx.x] = fmaxf(b2, a1);
+            } else {
+                s2[threadIdx.x] = fmaxf(a2, b1);
+            }
+        }
+        __syncthreads();
+    }
+    if (threadIdx.x == 0) {
+        out[2 * blockIdx.x] = (double)si[0];
+        out[2 * blockIdx.x + 1] = (double)(s1[0] - s2[0]);
+    }
+}
+"""
+_ARGMAX_KERNELS: dict[str, Any] = {}
+
+
+def _cupy_argmax_kernel(cp, dtype: str):
+    kernel = _ARGMAX_KERNELS.get(dtype)
+    if kernel is None:
+        head = {"float32": "#define T float\n", "float16": "#include <cuda_fp16.h>\n#define T __half\n"}[dtype]
+        kernel = cp.RawKernel(head + _ARGMAX_SOURCE, "ortspec_argmax_margin")
+        kernel.compile()
+        _ARGMAX_KERNELS[dtype] = kernel
+    return kernel
 
 
 def argmax_margin(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

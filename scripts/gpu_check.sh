@@ -6,8 +6,8 @@
 #   1. On a machine with the convert extra (pip install 'ortspec[convert]'), no GPU needed:
 #        scripts/gpu_check.sh --prepare [DIR]        # default DIR: .device_carry (git-ignored)
 #      builds DIR/tiny-fp16-cuda (the test model), DIR/tiny-fp32 (fp32 on CUDA, informational) and
-#      DIR/small-fp16-cuda (the speed comparison model), and unpacks the pure-Python packages the tests need
-#      (attrs, platformdirs, pytest and its deps) into DIR/pylib. About 8 MB in all.
+#      DIR/small-fp16-cuda (the speed comparison model: 4 layers, SmolLM2's 49152-wide vocabulary), and unpacks the pure-Python packages the tests need
+#      (attrs, platformdirs, pytest and its deps) into DIR/pylib. About 40 MB in all.
 #   2. On the GPU machine, from the repository root, with DIR copied along:
 #        scripts/gpu_check.sh [--model DIR/tiny-fp16-cuda] [--bench-model DIR/small-fp16-cuda] [--pylib DIR/pylib]
 #      (the defaults are those paths under .device_carry; --ort-path DIR puts an unpacked onnxruntime-gpu first
@@ -50,7 +50,7 @@ if [ -n "$PREPARE" ]; then
   "$PY" - "$CARRY/small-fp16-cuda" <<'EOF'
 import sys
 from ortspec.adapters.convert import make_tiny_model
-print(make_tiny_model(sys.argv[1], layers=4, hidden=256, heads=8, kv_heads=2, context=1024,
+print(make_tiny_model(sys.argv[1], layers=4, hidden=128, heads=4, kv_heads=2, vocab=49152, context=1024,
                       precision="fp16", execution_provider="cuda"))
 EOF
   rm -rf "$CARRY/pylib" "$CARRY/wheels"
@@ -114,6 +114,7 @@ if [ -n "$missing" ]; then
   fi
 fi
 export PYTHONUNBUFFERED=1
+export PYTHONSAFEPATH=1  # keep the repo root (whose ortspec/ lacks core, backends, adapters) off sys.path
 
 if [ ! -f "$MODEL/genai_config.json" ]; then
   echo "== no $MODEL: trying to build it here"

@@ -453,6 +453,29 @@ def test_cuda_rows_rewind_and_argmax(cuda_dir, array_module, record_property):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("array_module", _array_modules())
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_cuda_argmax_margin_kernel_ties_and_wide_rows(cuda_dir, array_module, dtype):
+    from ortspec.backends.onnx import _cuda_arrays
+
+    xp = _cuda_arrays(0, array_module)
+    rng = np.random.default_rng(31)
+    rows = rng.normal(size=(7, 49152)).astype(dtype)
+    rows[1, 7] = rows[1, 40000] = 50  # a tie: lowest id, margin 0
+    rows[2, :] = 1  # all equal
+    rows[3, 49151] = 60  # the last column
+    rows[4, 0] = 60  # the first column
+    rows[5, 123], rows[5, 9000] = 70, 69.5
+    expect_ids, expect_margins = argmax_margin(rows.astype(np.float32))
+    ids, margins = xp.argmax_margin(xp.from_host(rows))
+    assert ids.tolist() == expect_ids.tolist()
+    np.testing.assert_allclose(margins, expect_margins, rtol=0, atol=1e-6)
+    assert ids[1] == 7 and margins[1] == 0 and ids[2] == 0 and margins[2] == 0 and ids[3] == 49151
+    one = xp.argmax_margin(xp.from_host(rows[5:6]))
+    assert one[0].tolist() == [123] and abs(float(one[1][0]) - 0.5) < 1e-6
+
+
+@pytest.mark.cuda
 def test_cuda_grow_copy_path(cuda_dir):
     arr = _array_modules()[0]
     shared = OrtBackend.from_folder(cuda_dir, provider="cuda", array_module=arr)
