@@ -36,7 +36,6 @@ links to (or, across file systems, copies of) the other files.
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import json
 import os
@@ -51,7 +50,6 @@ import numpy as np
 
 PEER_NAMES = ("ortgenai", "ortgenai-ngram", "onnx_genai")
 
-Prompt = "str | Sequence[int]"
 
 
 @dataclass
@@ -385,6 +383,41 @@ def _mk(path: Path) -> Path:
     return path
 
 
+class _CaptureStderr:
+    """Send file descriptor 2 to a temporary file for the block (native code
+    writes there directly); the text is in ``.text`` afterwards. A failure to
+    redirect leaves stderr alone."""
+
+    def __init__(self) -> None:
+        self.text = ""
+
+    def __enter__(self) -> "_CaptureStderr":
+        import sys
+
+        self._saved = None
+        try:
+            sys.stderr.flush()
+            self._file = tempfile.TemporaryFile(mode="w+b")
+            self._saved = os.dup(2)
+            os.dup2(self._file.fileno(), 2)
+        except OSError:
+            self._saved = None
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._saved is None:
+            return
+        os.dup2(self._saved, 2)
+        os.close(self._saved)
+        self._file.seek(0)
+        self.text = self._file.read().decode("utf-8", "replace")
+        self._file.close()
+        if exc and exc[0] is not None and self.text:
+            import sys
+
+            sys.stderr.write(self.text)  # keep diagnostics when loading failed
+
+
 class OnnxGenAIRunner(PeerRunner):
     """``onnx_genai.Engine`` greedy generation (``temperature=0.0``).
 
@@ -426,14 +459,18 @@ class OnnxGenAIRunner(PeerRunner):
         self.eos_ids = _eos_ids_from_genai_config(self.model_dir)
         self._seen: set[str] = set()
         self.load_s = 0.0
+        self.load_log = ""
         self._engine = self._new_engine()
         self._engine_used = False
 
     def _new_engine(self):
         os.environ["ONNX_GENAI_INTRA_OP_THREADS"] = str(self.threads)
         t0 = time.perf_counter()
-        engine = self._mod.Engine.from_dir(str(self.folder))
+        with _CaptureStderr() as cap:  # it prints a "decode_path: ..." line per load
+            engine = self._mod.Engine.from_dir(str(self.folder))
         self.load_s = time.perf_counter() - t0
+        if cap.text.strip():
+            self.load_log = cap.text.strip()
         return engine
 
     def _prompt_text(self, prompt) -> tuple[str, int]:
@@ -504,6 +541,9 @@ class OnnxGenAIRunner(PeerRunner):
         # 0.1.0.dev6 says "eos_token" or "max_tokens" (a stop string would be "stop").
         finish_norm = "length" if finish in ("max_tokens", "length") else ("stop" if finish else "")
         if probe_ttft is not None:
+            extra["probe_ttft_s"] = probe_ttft
+            if probe_ttft >= total:  # noise (e.g. background load): no decode span left
+                extra["probe_exceeds_total"] = True
             ttft = min(probe_ttft, total)
         else:
             ttft = (stamps[0] - t0) if stamps else total
@@ -517,7 +557,7 @@ class OnnxGenAIRunner(PeerRunner):
         return {"name": self.name, "version": self.version, "threads": self.threads,
                 "thread_pinning": "ONNX_GENAI_INTRA_OP_THREADS",
                 "patched_folder": str(self.folder), "fresh_engine": self.fresh_engine,
-                "ttft_mode": self.ttft_mode}
+                "ttft_mode": self.ttft_mode, "load_log": self.load_log}
 
     def close(self) -> None:
         self._engine = None
