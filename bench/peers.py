@@ -51,7 +51,6 @@ import numpy as np
 PEER_NAMES = ("ortgenai", "ortgenai-ngram", "onnx_genai")
 
 
-
 @dataclass
 class PeerRun:
     """Result of one generation by a peer engine."""
