@@ -148,27 +148,32 @@ def cmd_bench(args: argparse.Namespace) -> int:
         prompts = list(args.prompt)
     else:
         prompts = [DEMO_PROMPT]
+    margins = [float(m) for m in args.tie_margins.split(",")] if args.tie_margins else [args.tie_margin]
     kwargs = _gen_kwargs(args)
+    kwargs.pop("tie_margin")
     engine.generate(prompts[0], **dict(kwargs, max_tokens=4))  # warm-up
     proposer = _speculative(args) or PromptLookup()
-    rows = []
+    greedy, spec = [], {m: [] for m in margins}
     runs = [(p, r) for p in prompts for r in range(args.repeat)]
-    for prompt, _ in tqdm(runs, desc="greedy vs speculative", unit="run", file=sys.stderr):
-        g = engine.generate(prompt, **kwargs)
-        s = engine.generate(prompt, speculative=proposer, **kwargs)
-        rows.append((g, s))
-    g_tps = statistics.median(g.tokens_per_second for g, _ in rows)
-    s_tps = statistics.median(s.tokens_per_second for _, s in rows)
-    proposed = sum(s.stats.proposed_tokens for _, s in rows)
-    accepted = sum(s.stats.accepted_tokens for _, s in rows)
-    identical = sum(g.token_ids == s.token_ids for g, s in rows)
-    print(f"prompts: {len(prompts)} x {args.repeat} runs, max_tokens {args.max_tokens}, threads "
-          f"{getattr(engine.backend, 'threads', '?')}")
-    print(f"greedy       {g_tps:8.1f} tok/s (median)")
-    print(f"speculative  {s_tps:8.1f} tok/s (median)   speedup {s_tps / g_tps:.2f}x")
-    print(f"acceptance   {accepted}/{proposed} = {accepted / max(proposed, 1):.0%}; "
-          f"tokens per pass {sum(len(s.token_ids) for _, s in rows) / sum(s.stats.steps for _, s in rows):.2f}")
-    print(f"identical to greedy: {identical}/{len(rows)}")
+    # Each prompt runs greedy then every speculative setting back to back, so machine noise hits all alike.
+    for prompt, _ in tqdm(runs, desc="greedy vs speculative", unit="prompt", file=sys.stderr):
+        greedy.append(engine.generate(prompt, **kwargs))
+        for m in margins:
+            spec[m].append(engine.generate(prompt, speculative=proposer, tie_margin=m, **kwargs))
+    g_tps = statistics.median(r.tokens_per_second for r in greedy)
+    print(f"prompts: {len(prompts)} x {args.repeat} runs, max_tokens {args.max_tokens}, "
+          f"threads {getattr(engine.backend, 'threads', '?')}, proposer {proposer}")
+    print(f"greedy                  {g_tps:8.1f} tok/s (median, end to end)")
+    for m in margins:
+        rows = spec[m]
+        s_tps = statistics.median(r.tokens_per_second for r in rows)
+        proposed = sum(r.stats.proposed_tokens for r in rows)
+        accepted = sum(r.stats.accepted_tokens for r in rows)
+        per_pass = sum(len(r.token_ids) for r in rows) / max(1, sum(r.stats.steps for r in rows))
+        identical = sum(g.token_ids == r.token_ids for g, r in zip(greedy, rows))
+        print(f"speculative tie={m:<6g} {s_tps:8.1f} tok/s (median)  speedup {s_tps / g_tps:.2f}x  "
+              f"acceptance {accepted}/{proposed} = {accepted / max(proposed, 1):.0%}  tokens/pass {per_pass:.2f}  "
+              f"identical to greedy {identical}/{len(rows)}")
     if args.verify_cost:
         _print_verify_cost(engine, args)
     return 0
@@ -255,7 +260,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt", action="append", help="a prompt (repeatable; default: the demo prompt)")
     p.add_argument("--file", action="append", help="a prompt file (repeatable)")
     p.add_argument("--repeat", type=int, default=3, help="runs per prompt (default 3); medians are reported")
-    p.add_argument("--verify-cost", action="store_true", help="also time verify(K) ÷ decode for K = 1, 4, 8")
+    p.add_argument("--verify-cost", action=argparse.BooleanOptionalAction, default=True,
+                   help="also time verify(K) ÷ decode for K = 1, 4, 8 (default on)")
+    p.add_argument("--tie-margins", default="0,0.05", metavar="M1,M2",
+                   help="speculative runs with each tie-guard margin; identity to greedy is reported for each "
+                        "(default 0,0.05)")
     p.add_argument("--cost-repeat", type=int, default=20, help="samples per verify-cost point (default 20)")
     model_options(p)
     generation_options(p)

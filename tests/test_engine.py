@@ -102,10 +102,10 @@ def test_cli_generate_and_bench(tiny_model_dir, capsys):
                      "--threads", "1", "--no-chat", "--ignore-eos"]) == 0
     out = capsys.readouterr()
     assert "8 tokens" in out.err and "tok/s" in out.err
-    assert cli_main(["bench", "--model", str(tiny_model_dir), "--prompt", "a b a b a b", "--repeat", "1",
+    assert cli_main(["bench", "--model", str(tiny_model_dir), "--prompt", "a b a b a b", "--repeat", "1", "--cost-repeat", "3",
                      "--max-tokens", "8", "--threads", "1", "--no-chat", "--ignore-eos"]) == 0
     out = capsys.readouterr().out
-    assert "identical to greedy: 1/1" in out
+    assert out.count("identical to greedy 1/1") == 2 and "verify K=8" in out
 
 
 def test_cli_reports_bad_input(tiny_model_dir, tmp_path, capsys):
