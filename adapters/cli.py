@@ -175,14 +175,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
               f"acceptance {accepted}/{proposed} = {accepted / max(proposed, 1):.0%}  tokens/pass {per_pass:.2f}  "
               f"identical to greedy {identical}/{len(rows)}")
     if args.verify_cost:
-        _print_verify_cost(engine, args)
+        _print_verify_cost(engine, engine.prompt_ids(prompts[0], chat=args.chat), args)
     return 0
 
 
-def _print_verify_cost(engine, args: argparse.Namespace) -> None:
-    """Median wall time of one verify pass of K tokens ÷ one decode step, at a mid-length context."""
+def _print_verify_cost(engine, ids: list[int], args: argparse.Namespace) -> None:
+    """Median wall time of one verify pass of K tokens ÷ one decode step, after the prompt ``ids``."""
     backend = engine.backend
-    ids = engine.prompt_ids(DEMO_PROMPT, chat=True)
+    ids = ids[: max(10, backend.max_length - 20)]
     backend.reset()
     backend.decode(ids, 0)
     base = backend.current_len()
