@@ -188,6 +188,7 @@ def _print_verify_cost(engine, ids: list[int], args: argparse.Namespace) -> None
     base = backend.current_len()
 
     def timed(k: int) -> float:
+        """A pass over the pending token plus ``k`` draft tokens (k = 0: a plain decode step)."""
         samples = []
         for _ in range(args.cost_repeat):
             t0 = time.perf_counter()
@@ -202,7 +203,7 @@ def _print_verify_cost(engine, ids: list[int], args: argparse.Namespace) -> None
     decode = timed(0)
     print(f"decode step  {decode * 1000:.2f} ms (median of {args.cost_repeat})")
     for k in (1, 4, 8):
-        t = timed(k + 1)  # a verify pass feeds the pending token plus K draft tokens
+        t = timed(k)
         print(f"verify K={k:<2d} {t * 1000:.2f} ms = {t / decode:.2f}x a decode step")
 
 

@@ -4,9 +4,9 @@ onnxruntime-genai greedy on the same folder.
     python scripts/bench_backend.py [--model DIR] [--provider cpu|cuda] [--threads N] [--ks 1,2,4,8,16]
                                     [--runs 20] [--sweep] [--genai] [--json OUT]
 
-Every timing is the median of ``--runs`` calls after ``--warmup`` calls, at a fixed position after a prompt of
-``--prompt-len`` tokens; each timed call is followed by a rewind to that position (not timed), so the cache
-length is the same for every sample.
+Every timing is the median of ``--runs`` rounds after ``--warmup`` rounds; a round times each operation once,
+interleaved, at a fixed position after a prompt of ``--prompt-len`` tokens; each timed call is followed by a rewind
+to that position (not timed), so the cache length is the same for every sample.
 """
 
 from __future__ import annotations
@@ -24,22 +24,9 @@ from ortspec.adapters.convert import default_model_dir
 from ortspec.backends.onnx import OrtBackend, physical_cores
 
 
-def _median_ms(fn, runs: int, warmup: int, after=None) -> float:
-    for _ in range(warmup):
-        fn()
-        if after:
-            after()
-    samples = []
-    for _ in range(runs):
-        t0 = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - t0)
-        if after:
-            after()
-    return 1000.0 * statistics.median(samples)
-
-
 def measure(b: OrtBackend, *, ks, runs: int, warmup: int, prompt_len: int, seed: int = 0) -> dict:
+    """Medians over ``runs`` rounds; each round times every operation once, interleaved, so that slow drifts in
+    machine load (other processes) hit decode and every verify(K) alike and the ratios stay meaningful."""
     rng = np.random.default_rng(seed)
     toks = [int(t) for t in rng.integers(3, min(b.vocab_size, 30000), size=prompt_len + max(ks) + 1)]
     b.reset()
@@ -47,15 +34,25 @@ def measure(b: OrtBackend, *, ks, runs: int, warmup: int, prompt_len: int, seed:
     b.decode(toks[:prompt_len], 0)
     prefill_ms = 1000 * (time.perf_counter() - t0)
     p = prompt_len
-    back = lambda: b.rewind(p)  # noqa: E731
-    out = {"prefill_ms": prefill_ms, "prompt_len": prompt_len}
-    out["decode_ms"] = _median_ms(lambda: b.decode(toks[p:p + 1], p), runs, warmup, back)
-    out["verify_ms"] = {}
-    out["verify_argmax_ms"] = {}
+    ops = [("decode", lambda: b.decode(toks[p:p + 1], p))]
     for k in ks:
-        out["verify_ms"][k] = _median_ms(lambda: b.decode_verify(toks[p:p + k], p), runs, warmup, back)
-        out["verify_argmax_ms"][k] = _median_ms(lambda: b.verify_argmax(toks[p:p + k], p), runs, warmup, back)
+        ops.append((f"verify{k}", lambda k=k: b.decode_verify(toks[p:p + k], p)))
+        ops.append((f"argmax{k}", lambda k=k: b.verify_argmax(toks[p:p + k], p)))
+    samples: dict[str, list[float]] = {name: [] for name, _ in ops}
+    for r in range(warmup + runs):
+        for name, fn in ops:
+            t0 = time.perf_counter()
+            fn()
+            dt = time.perf_counter() - t0
+            b.rewind(p)
+            if r >= warmup:
+                samples[name].append(dt)
+    med = {name: 1000.0 * statistics.median(v) for name, v in samples.items()}
+    out = {"prefill_ms": prefill_ms, "prompt_len": prompt_len, "decode_ms": med["decode"]}
+    out["verify_ms"] = {k: med[f"verify{k}"] for k in ks}
+    out["verify_argmax_ms"] = {k: med[f"argmax{k}"] for k in ks}
     out["verify_ratio"] = {k: v / out["decode_ms"] for k, v in out["verify_ms"].items()}
+    out["decode_ms_min"] = 1000.0 * min(samples["decode"])
     return out
 
 
@@ -102,19 +99,39 @@ SWEEP = [  # (label, make_session_options arguments)
 
 
 def sweep(folder: Path, *, threads: int, max_length: int, runs: int, warmup: int, prompt_len: int) -> list[dict]:
+    """Every variant's session is open at once and the rounds visit them in turn, so load drifts hit all alike."""
     from ortspec.adapters.model_dir import ModelFolder
     from ortspec.backends.onnx import make_session_options
 
     mf = ModelFolder.load(folder)
-    rows = []
+    rng = np.random.default_rng(2)
+    toks = [int(t) for t in rng.integers(3, min(mf.vocab_size, 30000), size=prompt_len + 4)]
+    p = prompt_len
+    backends = []
     for label, opts in SWEEP:
-        opts = {"threads": threads, **opts}
-        so = make_session_options(genai_session_options=mf.session_options, **opts)
+        so = make_session_options(genai_session_options=mf.session_options, **{"threads": threads, **opts})
         b = OrtBackend.from_folder(mf, session_options=so, max_length=max_length)
-        r = measure(b, ks=(4,), runs=runs, warmup=warmup, prompt_len=prompt_len)
-        rows.append({"config": label, "decode_ms": r["decode_ms"], "verify4_ms": r["verify_ms"][4]})
-        print(f"  {label:34s} decode {r['decode_ms']:7.2f} ms   verify(4) {r['verify_ms'][4]:7.2f} ms", flush=True)
-        del b
+        b.decode(toks[:p], 0)
+        backends.append((label, b))
+    dec: dict[str, list[float]] = {label: [] for label, _ in backends}
+    ver: dict[str, list[float]] = {label: [] for label, _ in backends}
+    for r in range(warmup + runs):
+        for label, b in backends:
+            t0 = time.perf_counter()
+            b.decode(toks[p:p + 1], p)
+            t1 = time.perf_counter()
+            b.rewind(p)
+            b.decode_verify(toks[p:p + 4], p)
+            t2 = time.perf_counter()
+            b.rewind(p)
+            if r >= warmup:
+                dec[label].append(t1 - t0)
+                ver[label].append(t2 - t1)
+    rows = []
+    for label, _ in backends:
+        d, v = 1000 * statistics.median(dec[label]), 1000 * statistics.median(ver[label])
+        rows.append({"config": label, "decode_ms": d, "verify4_ms": v})
+        print(f"  {label:34s} decode {d:7.2f} ms   verify(4) {v:7.2f} ms", flush=True)
     return rows
 
 
