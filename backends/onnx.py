@@ -527,7 +527,6 @@ class OrtBackend:
         self._kv_shape = (1, kvh, L, hd)
         self._keys = [xp.zeros(self._kv_shape, self._kv_dtype) for _ in range(folder.num_layers)]
         self._values = [xp.zeros(self._kv_shape, self._kv_dtype) for _ in range(folder.num_layers)]
-        self._ids_cap = 0
         self._ids_host = np.empty(0, self._ids_dtype)
         self._mask = xp.from_host(np.ones(L, self._mask_dtype)) if self._mask_name else None
         self._pos = xp.from_host(np.arange(L, dtype=self._pos_dtype)) if self._pos_name else None

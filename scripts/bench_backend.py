@@ -56,33 +56,56 @@ def measure(b: OrtBackend, *, ks, runs: int, warmup: int, prompt_len: int, seed:
     return out
 
 
-def greedy_tok_s(b: OrtBackend, prompt: list[int], n: int) -> float:
-    """Our plain greedy loop (decode + argmax per token), tokens per second after the prefill."""
+def greedy_ours(b: OrtBackend, prompt: list[int], n: int) -> tuple[float, list[int]]:
+    """Our plain greedy loop (decode + argmax per token): tokens per second after the first token, and the tokens."""
     b.reset()
     logits = b.decode(prompt, 0)
+    out = [int(logits.argmax())]
     t0 = time.perf_counter()
     for _ in range(n):
-        t = int(logits.argmax())
-        logits = b.decode([t], b.current_len())
-    return n / (time.perf_counter() - t0)
+        logits = b.decode([out[-1]], b.current_len())
+        out.append(int(logits.argmax()))
+    return n / (time.perf_counter() - t0), out
 
 
-def genai_tok_s(folder: Path, prompt: list[int], n: int, threads: int) -> float:
+def genai_model(folder: Path, threads: int):
     import onnxruntime_genai as og
 
     config = og.Config(str(folder))
     config.overlay(json.dumps({"model": {"decoder": {"session_options": {
         "intra_op_num_threads": threads, "inter_op_num_threads": 1}}}}))
-    model = og.Model(config)
+    return og.Model(config)
+
+
+def greedy_genai(model, prompt: list[int], n: int) -> tuple[float, list[int]]:
+    """onnxruntime-genai greedy: tokens per second after the first token, and the tokens."""
+    import onnxruntime_genai as og
+
     params = og.GeneratorParams(model)
     params.set_search_options(do_sample=False, max_length=len(prompt) + n + 1)
     gen = og.Generator(model, params)
     gen.append_tokens(prompt)
-    gen.generate_next_token()  # first token (finishes the prefill) is not timed
+    gen.generate_next_token()  # the first token (it finishes the prefill) is not timed
+    out = [int(gen.get_next_tokens()[0])]
     t0 = time.perf_counter()
     for _ in range(n):
         gen.generate_next_token()
-    return n / (time.perf_counter() - t0)
+        out.append(int(gen.get_next_tokens()[0]))
+    return n / (time.perf_counter() - t0), out
+
+
+def compare_genai(b: OrtBackend, folder: Path, prompt: list[int], n: int, threads: int, rounds: int = 3) -> dict:
+    """Alternate our greedy loop and onnxruntime-genai's, ``rounds`` times each; medians of tokens per second."""
+    model = genai_model(folder, threads)
+    ours, theirs, same = [], [], True
+    for _ in range(rounds):
+        t_ours, tok_ours = greedy_ours(b, prompt, n)
+        t_theirs, tok_theirs = greedy_genai(model, prompt, n)
+        ours.append(t_ours)
+        theirs.append(t_theirs)
+        same = same and tok_ours == tok_theirs
+    o, t = statistics.median(ours), statistics.median(theirs)
+    return {"ortspec_tok_s": o, "onnxruntime_genai_tok_s": t, "ratio": o / t, "same_tokens": same}
 
 
 SWEEP = [  # (label, make_session_options arguments)
@@ -98,23 +121,9 @@ SWEEP = [  # (label, make_session_options arguments)
 ]
 
 
-def sweep(folder: Path, *, threads: int, max_length: int, runs: int, warmup: int, prompt_len: int) -> list[dict]:
-    """Every variant's session is open at once and the rounds visit them in turn, so load drifts hit all alike."""
-    from ortspec.adapters.model_dir import ModelFolder
-    from ortspec.backends.onnx import make_session_options
-
-    mf = ModelFolder.load(folder)
-    rng = np.random.default_rng(2)
-    toks = [int(t) for t in rng.integers(3, min(mf.vocab_size, 30000), size=prompt_len + 4)]
-    p = prompt_len
-    backends = []
-    for label, opts in SWEEP:
-        so = make_session_options(genai_session_options=mf.session_options, **{"threads": threads, **opts})
-        b = OrtBackend.from_folder(mf, session_options=so, max_length=max_length)
-        b.decode(toks[:p], 0)
-        backends.append((label, b))
-    dec: dict[str, list[float]] = {label: [] for label, _ in backends}
-    ver: dict[str, list[float]] = {label: [] for label, _ in backends}
+def _interleaved(backends, toks, p, runs, warmup):
+    dec = {label: [] for label, _ in backends}
+    ver = {label: [] for label, _ in backends}
     for r in range(warmup + runs):
         for label, b in backends:
             t0 = time.perf_counter()
@@ -127,11 +136,43 @@ def sweep(folder: Path, *, threads: int, max_length: int, runs: int, warmup: int
             if r >= warmup:
                 dec[label].append(t1 - t0)
                 ver[label].append(t2 - t1)
+    return ({k: 1000 * statistics.median(v) for k, v in dec.items()},
+            {k: 1000 * statistics.median(v) for k, v in ver.items()})
+
+
+def sweep(folder: Path, *, threads: int, max_length: int, runs: int, warmup: int, prompt_len: int,
+          reverse: bool = False) -> list[dict]:
+    """A/B pairs: each variant against the default, the two sessions open together and timed in alternation,
+    so load drifts (other processes on a shared machine) hit both alike; reports variant / default."""
+    from ortspec.adapters.model_dir import ModelFolder
+    from ortspec.backends.onnx import make_session_options
+
+    mf = ModelFolder.load(folder)
+    rng = np.random.default_rng(2)
+    toks = [int(t) for t in rng.integers(3, min(mf.vocab_size, 30000), size=prompt_len + 4)]
+    p = prompt_len
+
+    def open_backend(opts):
+        so = make_session_options(genai_session_options=mf.session_options, **{"threads": threads, **opts})
+        b = OrtBackend.from_folder(mf, session_options=so, max_length=max_length)
+        b.decode(toks[:p], 0)
+        return b
+
+    base_label, base_opts = SWEEP[0]
     rows = []
-    for label, _ in backends:
-        d, v = 1000 * statistics.median(dec[label]), 1000 * statistics.median(ver[label])
-        rows.append({"config": label, "decode_ms": d, "verify4_ms": v})
-        print(f"  {label:34s} decode {d:7.2f} ms   verify(4) {v:7.2f} ms", flush=True)
+    for label, opts in (SWEEP[:0:-1] if reverse else SWEEP[1:]):
+        pair = [(base_label, open_backend(base_opts)), (label, open_backend(opts))]
+        if reverse:
+            pair.reverse()
+        dec, ver = _interleaved(pair, toks, p, runs, warmup)
+        row = {"config": label, "decode_ms": dec[label], "verify4_ms": ver[label],
+               "default_decode_ms": dec[base_label], "default_verify4_ms": ver[base_label],
+               "decode_vs_default": dec[label] / dec[base_label], "verify4_vs_default": ver[label] / ver[base_label]}
+        rows.append(row)
+        print(f"  {label:24s} decode {dec[label]:7.2f} ms ({row['decode_vs_default']:4.2f}x default "
+              f"{dec[base_label]:6.2f})   verify(4) {ver[label]:7.2f} ms ({row['verify4_vs_default']:4.2f}x default "
+              f"{ver[base_label]:6.2f})", flush=True)
+        del pair
     return rows
 
 
@@ -147,6 +188,7 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--max-length", type=int, default=1024)
     ap.add_argument("--sweep", action="store_true", help="try session-option variants (CPU)")
+    ap.add_argument("--sweep-reverse", action="store_true", help="open the sweep's sessions in reverse order")
     ap.add_argument("--genai", action="store_true", help="compare greedy tok/s with onnxruntime-genai (CPU)")
     ap.add_argument("--greedy-tokens", type=int, default=64)
     ap.add_argument("--json", default=None, help="write the results here")
@@ -173,20 +215,19 @@ def main(argv=None) -> int:
         rng = np.random.default_rng(1)
         prompt = [int(t) for t in rng.integers(3, min(b.vocab_size, 30000), size=args.prompt_len)]
     if args.genai:
-        ours = greedy_tok_s(b, prompt, args.greedy_tokens)
         try:
-            theirs = genai_tok_s(folder, prompt, args.greedy_tokens, threads)
+            g = compare_genai(b, folder, prompt, args.greedy_tokens, threads)
         except Exception as exc:  # noqa: BLE001
             print(f"onnxruntime-genai failed: {exc}")
-            theirs = float("nan")
-        results["greedy_tok_s"] = {"ortspec": ours, "onnxruntime_genai": theirs, "ratio": ours / theirs}
-        print(f"greedy {args.greedy_tokens} tokens: ortspec {ours:.1f} tok/s, onnxruntime-genai {theirs:.1f} tok/s, "
-              f"ratio {ours / theirs:.2f}")
+        else:
+            results["greedy"] = g
+            print(f"greedy {args.greedy_tokens} tokens: ortspec {g['ortspec_tok_s']:.1f} tok/s, onnxruntime-genai "
+                  f"{g['onnxruntime_genai_tok_s']:.1f} tok/s, ratio {g['ratio']:.2f}, same tokens: {g['same_tokens']}")
     del b
     if args.sweep:
         print("session-option sweep (decode and verify(4) medians):")
         results["sweep"] = sweep(folder, threads=threads, max_length=max_length, runs=args.runs,
-                                 warmup=args.warmup, prompt_len=args.prompt_len)
+                                 warmup=args.warmup, prompt_len=args.prompt_len, reverse=args.sweep_reverse)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
     return 0

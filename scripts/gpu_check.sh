@@ -16,6 +16,10 @@
 #      It needs numpy, onnxruntime-gpu, and CuPy or torch with CUDA. It does not need the package installed:
 #      it points PYTHONPATH at a shim of links that maps ortspec.{core,backends,adapters} onto the repo.
 #
+# Last run (NVIDIA H200, python 3.12, onnxruntime-gpu 1.31.1 for CUDA 13 unpacked under --ort-path because the
+# machine's preinstalled onnxruntime 1.30 was the CPU build, CuPy 14.2, torch 2.11+cu130): 7 cuda tests passed
+# (CuPy and torch device arrays), 32 s in all.
+#
 # Exit status: 0 when the CUDA tests passed, 2 when they could not run (no CUDA EP, no CuPy/torch), 1 on failure.
 set -uo pipefail
 
