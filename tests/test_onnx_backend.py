@@ -540,3 +540,32 @@ def test_real_model_rows_and_greedy_match_onnxruntime_genai(record_property):
             theirs.append(int(gen.get_next_tokens()[0]))
         assert len(theirs) >= len(greedy) // 2
         assert theirs == greedy[: len(theirs)]
+
+
+@pytest.mark.cuda
+def test_cuda_engine_speculative_equals_greedy_via_device_accept(cuda_dir):
+    """The whole loop on CUDA: the driver feeds core.step_ids from verify_argmax (K + 1 ids and margins copied to
+    the host per pass), and speculative output equals greedy output, and equals the CPU run of the same folder."""
+    from ortspec import Options, PromptLookup, generate
+
+    cuda = OrtBackend.from_folder(cuda_dir, provider="cuda")
+    assert cuda.device_accept
+    calls = {"verify_argmax": 0}
+    original = cuda.verify_argmax
+
+    def counting(tokens, base):
+        calls["verify_argmax"] += 1
+        return original(tokens, base)
+
+    cuda.verify_argmax = counting
+    prompt = _tokens(12, cuda.vocab_size, seed=3) * 3
+    options = Options(max_new_tokens=48)
+    greedy = generate(cuda, prompt, options)
+    spec = generate(cuda, prompt, options, PromptLookup(ngram=3, max_draft=6), draft_width=6)
+    assert calls["verify_argmax"] == greedy.stats.steps + spec.stats.steps
+    assert spec.token_ids == greedy.token_ids
+    assert spec.stats.target_forward_passes <= greedy.stats.target_forward_passes
+    guarded = generate(cuda, prompt, Options(max_new_tokens=48, tie_margin=1e-3), PromptLookup(), draft_width=6)
+    assert guarded.token_ids == greedy.token_ids
+    cpu = OrtBackend.from_folder(cuda_dir, provider="cpu", threads=2)
+    assert generate(cpu, prompt, options).token_ids == greedy.token_ids
