@@ -1,6 +1,6 @@
 """The decode loop: the one place that calls both the core and a backend.
 
-    prefill prompt[:-1]                      (the last prompt token is the first pending token)
+    logits = prefill(prompt); state = core.step(state, logits, None, ())     the first token, greedily
     until the state finishes:
         draft  = proposer.propose(context, width)       width <= draft_budget(state), draft_width, KV room
         rows   = backend pass over (pending, *draft)     one pass; K = 0 is plain greedy
@@ -37,7 +37,8 @@ from ortspec.core.width import FixedWidth, WidthPolicy
 
 @attrs.frozen
 class Timings:
-    """Wall-clock seconds: ``prefill_s`` for prompt[:-1]; ``first_token_s`` from the call to the first commit;
+    """Wall-clock seconds: ``prefill_s`` for the prompt pass (which also picks the first token);
+    ``first_token_s`` from the call to the first commit;
     ``decode_s`` for the steps; ``total_s`` for the whole call."""
 
     prefill_s: float = 0.0
@@ -133,12 +134,14 @@ class Generation:
         self._delivered = 0  # of self._commits
         self._t_first: float | None = None
 
+        # The prompt pass: its last row picks the first token, exactly as a plain step would. Afterwards the
+        # KV holds the whole prompt and the first generated token is pending, as the core expects.
         backend.reset()
-        prompt = self.state.prompt_tokens
-        self._prefill_passes = 0
-        if len(prompt) > 1 and not self.state.finished:
-            backend.decode(prompt[:-1], 0)
-            self._prefill_passes = 1
+        if not self.state.finished:
+            logits = backend.decode(self.state.prompt_tokens, 0)
+            self.state, self._commits, rewind_to = step(self.state, logits, None, ())
+            backend.rewind(rewind_to)
+            self._t_first = time.perf_counter()
         self._t_prefill = time.perf_counter()
 
     def __iter__(self) -> Iterator[Commit]:
@@ -203,7 +206,7 @@ class Generation:
             text=s.text if s.finished else s.streamed_text,
             finish_reason=s.finish_reason,
             stop_matched=s.stop_matched,
-            stats=attrs.evolve(s.stats, target_forward_passes=s.stats.target_forward_passes + self._prefill_passes),
+            stats=s.stats,
             logprobs=s.logprobs if s.options.top_logprobs else None,
             timings=Timings(
                 prefill_s=self._t_prefill - self._t_start,

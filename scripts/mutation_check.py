@@ -29,7 +29,7 @@ MUTANTS = {
     "rewind-off-by-one": ("state.py", "return new_state, tuple(commits), new_state.kv_len", "return new_state, tuple(commits), new_state.kv_len + 1"),
     "budget-overshoot": ("state.py", "budget = state.options.max_new_tokens - len(state.generated_tokens) - 1",
                          "budget = state.options.max_new_tokens - len(state.generated_tokens)"),
-    "max-tokens-overshoot": ("state.py", "elif len(generated) >= opts.max_new_tokens:", "elif len(generated) > opts.max_new_tokens:"),
+    "max-tokens-overshoot": ("state.py", "if len(generated) >= opts.max_new_tokens:", "if len(generated) > opts.max_new_tokens:"),
     "accept-without-check": ("state.py", "candidates[-1] == draft[len(candidates) - 1]", "candidates[-1] >= 0"),
     "stop-only-at-block-end": (
         "state.py",

@@ -91,7 +91,7 @@ def test_plain_generate_equals_greedy(seed):
     assert r.finish_reason is FinishReason.MAX_TOKENS
     assert r.stats.steps == 30
     assert r.stats.verification_steps == 0 and r.stats.proposed_tokens == 0
-    assert r.stats.target_forward_passes == 31 == backend.passes
+    assert r.stats.target_forward_passes == 30 == backend.passes  # the prompt pass picks the first token
     assert r.prompt_tokens == len(PROMPT)
     assert r.logprobs is None
 
@@ -120,7 +120,7 @@ def test_oracle_proposer_fills_every_pass():
     r = generate(backend, PROMPT, Options(max_new_tokens=20), Oracle(model), draft_width=3)
     assert list(r.token_ids) == model.greedy(PROMPT, 20)
     assert r.stats.accepted_tokens == r.stats.proposed_tokens
-    assert r.stats.steps == 5  # 4 + 4 + 4 + 4 + 4: the last pass is capped by the budget (3 draft + bonus)
+    assert r.stats.steps == 6  # prompt pass 1, then 4 + 4 + 4 + 4, then 3 (the budget caps the last draft)
     verify = [t for kind, t in backend.calls if kind == "verify"]
     assert all(len(t) <= 4 for t in verify)
 
@@ -153,12 +153,13 @@ def test_one_token_prompt_has_no_prefill():
     assert r.stats.target_forward_passes == r.stats.steps == 6 == backend.passes
 
 
-def test_prefill_is_prompt_without_its_last_token():
+def test_prompt_pass_picks_the_first_token():
     model = make_model(2)
     backend = RecordingBackend(model)
-    generate(backend, PROMPT, Options(max_new_tokens=2))
-    assert backend.calls[0] == ("decode", PROMPT[:-1])
-    assert backend.calls[1] == ("decode", (PROMPT[-1],))
+    r = generate(backend, PROMPT, Options(max_new_tokens=2))
+    assert backend.calls[0] == ("decode", PROMPT)
+    assert backend.calls[1] == ("decode", (r.token_ids[0],))
+    assert len(backend.calls) == 2
 
 
 def test_eos_ends_generation_like_greedy():
@@ -415,7 +416,7 @@ def test_proposer_sees_the_context_and_a_capped_width():
     proposer = Oracle(model)
     r = generate(FakeBackend(model), PROMPT, Options(max_new_tokens=10), proposer, draft_width=4)
     g = model.greedy(PROMPT, 10)
-    assert proposer.calls[0] == (PROMPT, 4)
+    assert proposer.calls[0] == (PROMPT + (g[0],), 4)  # the prompt pass already picked g[0]
     for context, width in proposer.calls:
         done = len(context) - len(PROMPT)
         assert context == PROMPT + tuple(g[:done])
@@ -439,7 +440,7 @@ def test_width_policy_observes_every_step():
     model = make_model(22)
     r = generate(FakeBackend(model), PROMPT, Options(max_new_tokens=30), PromptLookup(), draft_width=Recorder(log))
     assert list(r.token_ids) == model.greedy(PROMPT, 30)
-    assert len(log) == r.stats.steps
+    assert len(log) == r.stats.steps - 1  # every step after the prompt pass
     assert sum(p for p, _ in log) == r.stats.proposed_tokens
     assert sum(a for _, a in log) == r.stats.accepted_tokens
     assert all(0 <= a <= p <= 3 for p, a in log)
@@ -477,7 +478,7 @@ def test_stats_invariants_and_kv_length(proposer, width):
     assert 0 <= s.accepted_tokens <= s.proposed_tokens
     assert s.verification_steps <= s.steps
     assert s.multi_token_accepts <= s.verification_steps
-    assert s.target_forward_passes == s.steps + 1 == backend.passes
+    assert s.target_forward_passes == s.steps == backend.passes
     assert s.proposed_tokens <= width * s.verification_steps
     assert s.steps + s.accepted_tokens == len(r.token_ids)  # each pass commits its accepted drafts + 1
     assert backend.current_len() == len(PROMPT) + len(r.token_ids) - 1
