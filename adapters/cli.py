@@ -61,6 +61,15 @@ def _speculative(args: argparse.Namespace):
     return PromptLookup(ngram=args.ngram, max_draft=args.max_draft, min_ngram=args.min_ngram)
 
 
+def _width(text: str) -> int | str:
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected 'auto' or an int, got {text!r}") from None
+
+
 def _read_prompt(args: argparse.Namespace) -> str:
     if args.prompt is not None and args.file is not None:
         raise ValueError("give either a prompt or --file, not both")
@@ -127,7 +136,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     print("--- speculative (prompt lookup) output, streamed ---", flush=True)
     spec = engine.generate_stream(
         DEMO_PROMPT, lambda text, *_: (sys.stdout.write(text), sys.stdout.flush()),
-        speculative=_speculative(args) or PromptLookup(), **kwargs,
+        speculative=_speculative(args) or PromptLookup(max_draft=16), **kwargs,
     )
     print("\n---")
     print(_stats_line(greedy, "greedy     "))
@@ -152,7 +161,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     kwargs = _gen_kwargs(args)
     kwargs.pop("tie_margin")
     engine.generate(prompts[0], **dict(kwargs, max_tokens=4))  # warm-up
-    proposer = _speculative(args) or PromptLookup()
+    proposer = _speculative(args) or PromptLookup(max_draft=16)
     greedy, spec = [], {m: [] for m in margins}
     runs = [(p, r) for p in prompts for r in range(args.repeat)]
     # Each prompt runs greedy then every speculative setting back to back, so machine noise hits all alike.
@@ -238,8 +247,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="draft proposer (default prompt-lookup); none = plain greedy")
         p.add_argument("--ngram", type=int, default=3, help="prompt lookup: longest suffix matched (default 3)")
         p.add_argument("--min-ngram", type=int, default=1, help="prompt lookup: shortest suffix tried (default 1)")
-        p.add_argument("--max-draft", type=int, default=8, help="prompt lookup: most tokens proposed (default 8)")
-        p.add_argument("--draft-width", type=int, default=8, help="most draft tokens verified per pass (default 8)")
+        p.add_argument("--max-draft", type=int, default=16, help="prompt lookup: most tokens proposed (default 16)")
+        p.add_argument("--draft-width", type=_width, default="auto",
+                       help="draft tokens verified per pass: an int, or auto (default): the cost-aware policy on "
+                            "this machine's measured verify cost curve")
         p.add_argument("--tie-margin", type=float, default=0.0,
                        help="near-tie guard: do not accept a verified pick whose top-2 logit gap is below this "
                             "(default 0 = off)")

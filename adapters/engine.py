@@ -18,7 +18,7 @@ from typing import Any
 from ortspec.adapters.model_dir import ModelFolder
 from ortspec.adapters.tokenizer import Tokenizer
 from ortspec.backends.base import Backend
-from ortspec.core import Options, PromptLookup, Proposer, WidthPolicy
+from ortspec.core import CostAwareWidth, Options, PromptLookup, Proposer, WidthPolicy
 from ortspec.driver import GenerateResult, Generation, GenerationAborted
 
 Prompt = str | Sequence[int] | Sequence[Mapping[str, str]]
@@ -28,12 +28,12 @@ SPECULATIVE_CHOICES = ("prompt-lookup",)
 
 
 def make_proposer(speculative: str | Proposer | None) -> Proposer | None:
-    """``None`` (plain greedy), ``"prompt-lookup"`` (n-gram lookup with its defaults), or any proposer object."""
+    """``None`` (plain greedy), ``"prompt-lookup"`` (3-gram lookup drafting up to 16 tokens), or any proposer."""
     if speculative is None:
         return None
     if isinstance(speculative, str):
         if speculative == "prompt-lookup":
-            return PromptLookup()
+            return PromptLookup(ngram=3, max_draft=16)
         raise ValueError(f"speculative={speculative!r}: expected None, one of {SPECULATIVE_CHOICES} or a proposer")
     if not callable(getattr(speculative, "propose", None)):
         raise ValueError(f"speculative={speculative!r} has no propose(context_tokens, width) method")
@@ -49,6 +49,7 @@ class Engine:
         self.tokenizer = tokenizer
         self.eos_token_ids = frozenset(eos_token_ids)
         self.folder = folder
+        self._pass_costs: tuple[float, ...] | None = None
 
     @classmethod
     def from_dir(
@@ -102,7 +103,7 @@ class Engine:
         max_tokens: int = 128,
         stop: str | Sequence[str] | Sequence[Sequence[int]] | None = None,
         speculative: str | Proposer | None = None,
-        draft_width: int | WidthPolicy = 8,
+        draft_width: int | WidthPolicy | str = "auto",
         chat: bool = False,
         system: str | None = None,
         ignore_eos: bool = False,
@@ -135,21 +136,43 @@ class Engine:
                 f"the prompt has {len(ids)} tokens but the model's context holds {self.backend.max_length}: "
                 "shorten the prompt (or load the engine with a larger max_length)"
             )
+        proposer = make_proposer(speculative)
+        if draft_width == "auto":
+            draft_width = CostAwareWidth(self.pass_costs()) if proposer is not None else 1
+        elif isinstance(draft_width, str):
+            raise ValueError(f"draft_width={draft_width!r}: expected 'auto', an int >= 1 or a width policy")
         return Generation(
-            self.backend,
-            ids,
-            options,
-            make_proposer(speculative),
-            draft_width=draft_width,
-            detokenize=self.tokenizer.decode,
+            self.backend, ids, options, proposer, draft_width=draft_width, detokenize=self.tokenizer.decode
         )
+
+    def pass_costs(self, kmax: int = 16) -> tuple[float, ...]:
+        """This backend's verify cost curve (pass over 1 + K tokens ÷ a decode step, K = 0..kmax), measured
+        once per model folder, provider and thread count (a few seconds) and cached in the user cache."""
+        if self._pass_costs is None or len(self._pass_costs) != kmax + 1:
+            import hashlib
+
+            import platformdirs
+
+            from ortspec.costs import cached_pass_costs
+
+            key = "|".join(str(x) for x in (
+                self.folder.model_path.resolve() if self.folder else id(self.backend),
+                self.folder.model_path.stat().st_mtime_ns if self.folder else "",
+                getattr(self.backend, "provider", "?"), getattr(self.backend, "threads", "?"), kmax,
+            ))
+            cache = Path(os.environ.get("ORTSPEC_CACHE") or platformdirs.user_cache_dir("ortspec"))
+            cache_file = cache / "pass_costs" / (hashlib.sha256(key.encode()).hexdigest()[:16] + ".json")
+            ids = list(range(min(self.backend.vocab_size, 1000)))
+            self._pass_costs = cached_pass_costs(self.backend, cache_file, ids, kmax)
+        return self._pass_costs
 
     def generate(self, prompt: Prompt, **kwargs: Any) -> GenerateResult:
         """Generate up to ``max_tokens`` tokens after ``prompt``.
 
         ``stop``: a string, strings, or token-id sequences that end generation (stop strings are cut from the
         text); ``speculative``: ``None`` (plain greedy), ``"prompt-lookup"``, or a proposer object;
-        ``draft_width``: most draft tokens per pass (or a width policy); ``chat``: format a text prompt with
+        ``draft_width``: ``"auto"`` (default: the cost-aware policy on this backend's measured verify cost curve),
+        the most draft tokens per pass, or a width policy; ``chat``: format a text prompt with
         the folder's chat template; ``ignore_eos``; ``top_logprobs``; ``tie_margin`` (near-tie guard, logits).
         """
         run = self.start(prompt, **kwargs)

@@ -1,0 +1,90 @@
+"""Measuring what a target pass costs on a backend: the curve that a cost-aware width policy needs.
+
+``pass_costs[k]`` is the wall time of one pass over the pending token plus ``k`` draft tokens, divided by the
+time of a plain 1-token decode step (``pass_costs[0]`` = 1.0). It is a property of the model, the backend and the
+machine, so ``Engine`` measures it once per model folder, provider and thread count and caches it on disk.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from ortspec.backends.base import Backend
+
+
+def measure_pass_costs(
+    backend: Backend, context_ids: Sequence[int], feed_ids: Sequence[int], kmax: int = 16, repeats: int = 15
+) -> dict[str, Any]:
+    """Median wall time of one pass over ``1 + K`` tokens after ``context_ids``, for K = 0..``kmax``.
+
+    K = 0 is a 1-token ``decode``; K >= 1 is ``decode_verify`` over K + 1 tokens (``feed_ids[:K + 1]``). Each
+    sample is rewound to the same base; the K values are interleaved within every round (rotated per round) so
+    machine noise spreads over the whole curve. Returns ``curve`` (time(K) / time(0)), ``pass_s``,
+    ``decode_step_s``, ``context_tokens``, ``repeats`` and the raw ``samples_s``. Resets the backend.
+    """
+    feed = list(feed_ids)[: kmax + 1]
+    if len(feed) < kmax + 1:
+        raise ValueError(f"measuring up to K = {kmax} needs {kmax + 1} tokens to feed, got {len(feed)}")
+    backend.reset()
+    backend.decode(list(context_ids), 0)
+    base = backend.current_len()
+
+    def one(k: int) -> float:
+        t0 = time.perf_counter()
+        if k == 0:
+            backend.decode(feed[:1], base)
+        else:
+            backend.decode_verify(feed[: k + 1], base)
+        dt = time.perf_counter() - t0
+        backend.rewind(base)
+        return dt
+
+    for k in range(kmax + 1):  # warm-up: buffer growth, first-shape costs
+        one(k)
+    samples: dict[int, list[float]] = {k: [] for k in range(kmax + 1)}
+    for r in range(repeats):
+        order = list(range(kmax + 1))
+        shift = r % len(order)
+        for k in order[shift:] + order[:shift]:
+            samples[k].append(one(k))
+    backend.reset()
+    med = {k: statistics.median(v) for k, v in samples.items()}
+    return {
+        "context_tokens": base,
+        "repeats": repeats,
+        "decode_step_s": med[0],
+        "pass_s": [med[k] for k in range(kmax + 1)],
+        "curve": [med[k] / med[0] for k in range(kmax + 1)],
+        "samples_s": {str(k): v for k, v in samples.items()},
+    }
+
+
+def cached_pass_costs(backend: Backend, cache_file: Path, vocab_ids: Sequence[int], kmax: int = 16,
+                      repeats: int = 5) -> tuple[float, ...]:
+    """``measure_pass_costs(...)["curve"]``, read from ``cache_file`` when it holds a curve for ``kmax``, else
+    measured (after a context of up to 256 tokens drawn from ``vocab_ids``) and written there."""
+    try:
+        cached = json.loads(cache_file.read_text())
+        if len(cached["curve"]) == kmax + 1:
+            return tuple(float(c) for c in cached["curve"])
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    context = max(1, min(256, backend.max_length - kmax - 2))
+    ids = [vocab_ids[(i * 7919) % len(vocab_ids)] for i in range(context + kmax + 1)]
+    result = measure_pass_costs(backend, ids[:context], ids[context:], kmax, repeats)
+    # Noise can make a longer pass look cheaper than a shorter one; costs never fall as K grows.
+    curve = [result["curve"][0]]
+    for c in result["curve"][1:]:
+        curve.append(max(c, curve[-1]))
+    try:
+        cache_file.parent.mkdir(parents=True, exist_ok=True)
+        cache_file.write_text(json.dumps({"curve": curve, "decode_step_s": result["decode_step_s"],
+                                          "measured": time.strftime("%Y-%m-%dT%H:%M:%S")}))
+    except OSError:
+        pass
+    return tuple(curve)
