@@ -35,10 +35,8 @@ def _builder_available() -> bool:
 
 
 @pytest.fixture(scope="session")
-def tiny_dir(tmp_path_factory) -> Path:
-    if not _builder_available():
-        pytest.skip("building the tiny model needs the convert extra: pip install 'ortspec[convert]'")
-    return make_tiny_model(tmp_path_factory.mktemp("tiny") / "tiny-fp32")
+def tiny_dir(tiny_model_dir) -> Path:
+    return tiny_model_dir  # the shared fixture of tests/conftest.py
 
 
 @pytest.fixture(scope="session")
