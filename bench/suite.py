@@ -352,6 +352,11 @@ class PeerEngine:
     def run(self, ids: Sequence[int], max_new: int) -> dict:
         r = self.runner.run(list(ids), max_new)
         extra = dict(r.extra)
+        if r.finish_reason == "length" and r.new_tokens < max_new:
+            # ORT GenAI 0.18 leaves the EOS token out of get_sequence(), so its runner cannot see it: a run that
+            # ended before the budget ended at EOS.
+            extra["peer_finish_reason"] = r.finish_reason
+            r.finish_reason = "stop"
         proposed = accepted = passes = decode_passes = None
         n_with_eos = r.new_tokens + (1 if r.finish_reason == "stop" else 0)
         spec = extra.get("speculative_stats")
