@@ -172,7 +172,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     g_tps = statistics.median(r.tokens_per_second for r in greedy)
     print(f"prompts: {len(prompts)} x {args.repeat} runs, max_tokens {args.max_tokens}, "
           f"threads {getattr(engine.backend, 'threads', '?')}, proposer {proposer}")
-    print(f"greedy                  {g_tps:8.1f} tok/s (median, end to end)")
+    print(f"greedy                  {g_tps:8.1f} tok/s (median, end to end); verify-vs-decode drift "
+          f"{engine.verify_drift():.3g} logits")
     for m in margins:
         rows = spec[m]
         s_tps = statistics.median(r.tokens_per_second for r in rows)

@@ -11,6 +11,7 @@ Decoding is greedy; ``speculative`` only changes how fast the same tokens arrive
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,8 @@ Prompt = str | Sequence[int] | Sequence[Mapping[str, str]]
 StreamCallback = Callable[[str, int, str | None], object]
 
 SPECULATIVE_CHOICES = ("prompt-lookup",)
+# Verify-vs-decode logit drift above which speculative output is no longer guaranteed to equal greedy output.
+DRIFT_WARNING = 1e-3
 
 
 def make_proposer(speculative: str | Proposer | None) -> Proposer | None:
@@ -50,6 +53,8 @@ class Engine:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.folder = folder
         self._pass_costs: tuple[float, ...] | None = None
+        self._drift: float | None = None
+        self._drift_warned = False
 
     @classmethod
     def from_dir(
@@ -122,6 +127,16 @@ class Engine:
             )
         del seed  # greedy decoding has no randomness; accepted for onnx_genai compatibility
         stop_strings, stop_sequences = _split_stop(stop)
+        proposer = make_proposer(speculative)
+        if proposer is not None and self.verify_drift() > DRIFT_WARNING and not self._drift_warned:
+            self._drift_warned = True
+            warnings.warn(
+                f"on this model a verify pass differs from one-token decodes by up to {self._drift:.3g} logits "
+                "(batch-dependent kernels, e.g. int8 MatMulNBits): speculative output can differ from greedy "
+                "output here; use a float32 model where exactness matters",
+                RuntimeWarning,
+                stacklevel=3,
+            )
         options = Options(
             max_new_tokens=max_tokens,
             eos_token_ids=() if ignore_eos else self.eos_token_ids,
@@ -136,7 +151,6 @@ class Engine:
                 f"the prompt has {len(ids)} tokens but the model's context holds {self.backend.max_length}: "
                 "shorten the prompt (or load the engine with a larger max_length)"
             )
-        proposer = make_proposer(speculative)
         if draft_width == "auto":
             draft_width = CostAwareWidth(self.pass_costs()) if proposer is not None else 1
         elif isinstance(draft_width, str):
@@ -144,6 +158,20 @@ class Engine:
         return Generation(
             self.backend, ids, options, proposer, draft_width=draft_width, detokenize=self.tokenizer.decode
         )
+
+    def verify_drift(self) -> float:
+        """Largest logit difference between this backend's verify passes and one-token decodes (measured once,
+        ~30 passes; see ``ortspec.costs.measure_verify_drift``): 0 or ~1e-5 on float32 kernels, tenths of a logit
+        on int8 kernels with batch-dependent activation quantization. Above ``DRIFT_WARNING`` the first
+        speculative generation warns that its output can differ from greedy output."""
+        if self._drift is None:
+            from ortspec.costs import measure_verify_drift
+
+            n = min(self.backend.vocab_size, 1000)
+            context = max(1, min(256, self.backend.max_length - 40))
+            ids = [(i * 7919) % n for i in range(context + 27)]
+            self._drift = measure_verify_drift(self.backend, ids[:context], ids[context:], windows=3)
+        return self._drift
 
     def pass_costs(self, kmax: int = 16) -> tuple[float, ...]:
         """This backend's verify cost curve (pass over 1 + K tokens ÷ a decode step, K = 0..kmax), measured

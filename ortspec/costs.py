@@ -1,4 +1,5 @@
-"""Measuring what a target pass costs on a backend: the curve that a cost-aware width policy needs.
+"""Measuring a backend: what a target pass costs (the curve a cost-aware width policy needs) and how far a
+multi-token verify pass drifts from one-token decodes (what the near-tie guard must cover).
 
 ``pass_costs[k]`` is the wall time of one pass over the pending token plus ``k`` draft tokens, divided by the
 time of a plain 1-token decode step (``pass_costs[0]`` = 1.0). It is a property of the model, the backend and the
@@ -88,3 +89,32 @@ def cached_pass_costs(backend: Backend, cache_file: Path, vocab_ids: Sequence[in
     except OSError:
         pass
     return tuple(curve)
+
+
+def measure_verify_drift(backend: Backend, context_ids: Sequence[int], feed_ids: Sequence[int],
+                         windows: int = 3) -> float:
+    """The largest |logit| difference between a multi-token verify pass and one-token decodes of the same tokens.
+
+    For each of ``windows`` windows of ``feed_ids`` (split evenly), after ``context_ids``: one ``decode_verify``
+    over the window, then the same tokens decoded one at a time; the maximum absolute difference over all rows.
+    Exact float32 kernels give 0 or ~1e-5; kernels whose numerics depend on the batch (int8 MatMulNBits with
+    quantized activations) give tenths of a logit, enough to flip near-tied argmaxes. Resets the backend.
+    """
+    feed = list(feed_ids)
+    size = len(feed) // windows
+    if size < 2:
+        raise ValueError(f"need at least {2 * windows} tokens to feed, got {len(feed)}")
+    backend.reset()
+    backend.decode(list(context_ids), 0)
+    base = backend.current_len()
+    drift = 0.0
+    for w in range(windows):
+        window = feed[w * size : (w + 1) * size]
+        batched = backend.decode_verify(window, base).copy()
+        backend.rewind(base)
+        for i, token in enumerate(window):
+            row = backend.decode([token], base + i)
+            drift = max(drift, float(abs(batched[i] - row).max()))
+        backend.rewind(base)
+    backend.reset()
+    return drift

@@ -120,3 +120,33 @@ def test_cli_help_lists_every_command():
     out = subprocess.run([sys.executable, "-m", "ortspec.adapters.cli", "--help"], capture_output=True, text=True)
     for word in ("demo", "generate", "bench", "convert"):
         assert word in out.stdout
+
+
+def test_verify_drift_is_measured_and_warned_about(engine, tiny_model_dir):
+    """Exact fp32 kernels: no drift and no warning. A backend whose verify rows drift from its decode rows
+    (as int8 MatMulNBits kernels do) gets a warning on its first speculative generation."""
+    import warnings
+
+    from ortspec.backends.onnx import OrtBackend
+
+    assert engine.verify_drift() < 1e-3
+
+    class Drifting:
+        def __init__(self, inner):
+            self.inner = inner
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+        def decode_verify(self, tokens, base):
+            return self.inner.decode_verify(tokens, base) + 0.25
+
+    drifting = Engine(Drifting(OrtBackend.from_folder(tiny_model_dir, threads=1)), engine.tokenizer,
+                      eos_token_ids=engine.eos_token_ids)
+    assert drifting.verify_drift() == pytest.approx(0.25, abs=1e-3)
+    with pytest.warns(RuntimeWarning, match="can differ from greedy"):
+        drifting.generate("abc abc", max_tokens=4, speculative="prompt-lookup", draft_width=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        drifting.generate("abc abc", max_tokens=4, speculative="prompt-lookup", draft_width=2)  # warned once
+        drifting.generate("abc abc", max_tokens=4)  # greedy never warns
