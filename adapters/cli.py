@@ -31,7 +31,7 @@ def merge_intervals(intervals):
 """
 DEMO_PROMPT = (
     "Here is a Python function:\n\n```python\n" + DEMO_PASSAGE + "```\n\n"
-    "Rewrite this function exactly, but rename the variable `merged` to `result`. Output only the code."
+    "Add a comment line `# sort by start` above the `ordered = ...` line and output the complete function."
 )
 
 
