@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from pathlib import Path
 
 from ortspec.core import PromptLookup
@@ -190,31 +189,17 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def _print_verify_cost(engine, ids: list[int], args: argparse.Namespace) -> None:
-    """Median wall time of one verify pass of K tokens ÷ one decode step, after the prompt ``ids``."""
+    """Median wall time of one verify pass of the pending token + K drafts ÷ one decode step, after ``ids``."""
+    from ortspec.costs import measure_pass_costs
+
     backend = engine.backend
     ids = ids[: max(10, backend.max_length - 20)]
-    backend.reset()
-    backend.decode(ids, 0)
-    base = backend.current_len()
-
-    def timed(k: int) -> float:
-        """A pass over the pending token plus ``k`` draft tokens (k = 0: a plain decode step)."""
-        samples = []
-        for _ in range(args.cost_repeat):
-            t0 = time.perf_counter()
-            if k == 0:
-                backend.decode(ids[-1:], base)
-            else:
-                backend.decode_verify(ids[-k - 1 :], base)
-            samples.append(time.perf_counter() - t0)
-            backend.rewind(base)
-        return statistics.median(samples)
-
-    decode = timed(0)
-    print(f"decode step  {decode * 1000:.2f} ms (median of {args.cost_repeat})")
+    feed = [ids[i % len(ids)] for i in range(9)]
+    costs = measure_pass_costs(backend, ids, feed, kmax=8, repeats=args.cost_repeat)
+    print(f"decode step  {costs['decode_step_s'] * 1000:.2f} ms (median of {args.cost_repeat}, "
+          f"{costs['context_tokens']}-token context)")
     for k in (1, 4, 8):
-        t = timed(k)
-        print(f"verify K={k:<2d} {t * 1000:.2f} ms = {t / decode:.2f}x a decode step")
+        print(f"verify K={k:<2d} {costs['pass_s'][k] * 1000:.2f} ms = {costs['curve'][k]:.2f}x a decode step")
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
