@@ -153,8 +153,8 @@ class Options:
 
 @attrs.frozen
 class Stats:
-    """Counters of one generation. ``target_forward_passes`` counts the steps' passes (one each); the driver
-    adds its prefill passes. A verification step is a step with a non-empty draft."""
+    """Counters of one generation. Every step is one target pass (the driver's prompt pass is the first step),
+    so ``target_forward_passes`` equals ``steps``. A verification step is a step with a non-empty draft."""
 
     steps: int = 0
     verification_steps: int = 0
