@@ -98,12 +98,11 @@ def _gen_kwargs(args: argparse.Namespace) -> dict:
 def _stats_line(result, label: str) -> str:
     s = result.stats
     t = result.timings
-    decode_tps = (len(result.token_ids) - 1) / (t.total_s - t.first_token_s) if len(result.token_ids) > 1 else 0.0
     parts = [
         f"{label}: {len(result.token_ids)} tokens in {t.total_s:.2f} s",
-        f"{result.tokens_per_second:.1f} tok/s end to end, {decode_tps:.1f} tok/s after the first token",
+        f"{result.tokens_per_second:.1f} tok/s end to end, {result.decode_tokens_per_second:.1f} tok/s after the first token",
         f"first token {t.first_token_s * 1000:.0f} ms",
-        f"{s.target_forward_passes} target passes",
+        f"{s.steps} target passes",
         f"finish: {result.finish_reason}",
     ]
     if s.proposed_tokens:

@@ -51,13 +51,10 @@ class ConversionError(RuntimeError):
 
 
 def default_model_dir(precision: str = "fp32") -> Path:
-    """Where the converted SmolLM2 folder lives: ``$ORTSPEC_CACHE`` or the user cache dir, then ``models/...``."""
-    root = os.environ.get("ORTSPEC_CACHE")
-    if not root:
-        import platformdirs
+    """Where the converted SmolLM2 folder lives: ``models/SmolLM2-135M-Instruct-<precision>`` in the cache."""
+    from .cache import cache_root
 
-        root = platformdirs.user_cache_dir("ortspec")
-    return Path(root) / "models" / f"{SMOLLM2_NAME}-{precision}"
+    return cache_root() / "models" / f"{SMOLLM2_NAME}-{precision}"
 
 
 def is_complete(folder: str | os.PathLike[str]) -> bool:

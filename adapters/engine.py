@@ -5,29 +5,38 @@
     engine.generate_stream(prompt, lambda text, token_id, finish_reason: ..., max_tokens=64)
     for chunk in engine.stream(prompt): ...
 
-Decoding is greedy; ``speculative`` only changes how fast the same tokens arrive.
+Every generation method takes the keywords of ``GenerationOptions`` (declared once, there). Decoding is greedy;
+``speculative`` only changes how fast the same tokens arrive.
 """
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import inspect
 import os
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
+import attrs
+
+from ortspec.adapters.cache import cache_root
 from ortspec.adapters.model_dir import ModelFolder
 from ortspec.adapters.tokenizer import Tokenizer
 from ortspec.backends.base import Backend
 from ortspec.core import CostAwareWidth, Options, PromptLookup, Proposer, WidthPolicy
-from ortspec.driver import GenerateResult, Generation, GenerationAborted
+from ortspec.core.checks import int_at_least
+from ortspec.driver import GenerateResult, Generation
 
 Prompt = str | Sequence[int] | Sequence[Mapping[str, str]]
 StreamCallback = Callable[[str, int, str | None], object]
+Stop = str | Sequence[str] | Sequence[Sequence[int]] | None
 
 SPECULATIVE_CHOICES = ("prompt-lookup",)
-# Verify-vs-decode logit drift above which speculative output is no longer guaranteed to equal greedy output.
-DRIFT_WARNING = 1e-3
+# Verify-vs-decode logit drift (in logits) above which speculative output is no longer guaranteed to equal greedy.
+DRIFT_WARNING_THRESHOLD = 1e-3
 
 
 def make_proposer(speculative: str | Proposer | None) -> Proposer | None:
@@ -41,6 +50,104 @@ def make_proposer(speculative: str | Proposer | None) -> Proposer | None:
     if not callable(getattr(speculative, "propose", None)):
         raise ValueError(f"speculative={speculative!r} has no propose(context_tokens, width) method")
     return speculative
+
+
+def _split_stop(stop: Stop) -> tuple[tuple[str, ...], tuple[tuple[int, ...], ...]]:
+    """``stop`` as (stop strings, stop token sequences)."""
+    if stop is None:
+        return (), ()
+    if isinstance(stop, str):
+        return (stop,), ()
+    strings, sequences = [], []
+    for item in stop:
+        if isinstance(item, str):
+            strings.append(item)
+        elif isinstance(item, Sequence) and all(isinstance(t, int) for t in item):
+            sequences.append(tuple(item))
+        else:
+            raise ValueError(f"stop: {item!r} is neither a string nor a sequence of token ids")
+    return tuple(strings), tuple(sequences)
+
+
+def _check_greedy(instance: GenerationOptions, attribute: Any, value: Any) -> None:
+    greedy = {"temperature": (None, 0, 0.0), "top_p": (None, 1, 1.0), "top_k": (None, 0, 1)}[attribute.name]
+    if value not in greedy:
+        raise ValueError(
+            f"{attribute.name}={value!r}: ortspec decodes greedily (exact speculative decoding): leave "
+            "temperature, top_p and top_k unset (or temperature=0)"
+        )
+
+
+def _check_draft_width(instance: GenerationOptions, attribute: Any, value: Any) -> None:
+    if value == "auto" or isinstance(value, WidthPolicy):
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"draft_width={value!r}: expected 'auto', an int >= 1 or a width policy")
+
+
+@attrs.frozen(kw_only=True)
+class GenerationOptions:
+    """The keywords of every ``Engine`` generation method, validated (a ``ValueError`` names the keyword).
+
+    ``max_tokens``: most new tokens. ``stop``: a string, strings, or token-id sequences that end generation
+    (stop strings are cut from the text). ``speculative``: ``None`` (plain greedy), ``"prompt-lookup"``, or a
+    proposer object. ``draft_width``: ``"auto"`` (the cost-aware policy on this backend's measured verify cost
+    curve), the most draft tokens per pass, or a width policy. ``chat``: format a text prompt as one user turn
+    with the folder's chat template (``system``: an optional system turn). ``ignore_eos``: do not stop at the
+    model's EOS tokens. ``top_logprobs``: report each token's log-probability and the N most likely
+    alternatives. ``tie_margin``: the near-tie guard, in logits (0 = off). ``temperature``, ``top_p``, ``top_k``
+    and ``seed`` are accepted for ``onnx_genai`` compatibility at their greedy values only.
+    """
+
+    max_tokens: int = attrs.field(default=128, validator=int_at_least(1))
+    stop: Stop = None
+    speculative: str | Proposer | None = None
+    draft_width: int | WidthPolicy | str = attrs.field(default="auto", validator=_check_draft_width)
+    chat: bool = False
+    system: str | None = None
+    ignore_eos: bool = False
+    top_logprobs: int = attrs.field(default=0, validator=int_at_least(0))
+    tie_margin: float = 0.0
+    temperature: float | None = attrs.field(default=None, validator=_check_greedy)
+    top_p: float | None = attrs.field(default=None, validator=_check_greedy)
+    top_k: int | None = attrs.field(default=None, validator=_check_greedy)
+    seed: int | None = None  # greedy decoding has no randomness
+
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def _bind_options(method: Callable[..., R], leading: int, options_type: Callable[..., GenerationOptions]) -> Any:
+    """``method(*leading args, options)`` as ``method(*leading args, /, **keywords of options_type)``, with that
+    signature for ``help()`` (the decorators below give it to type checkers)."""
+
+    @functools.wraps(method)
+    def wrapper(*args: Any, **kwargs: Any) -> R:
+        return method(*args[:leading], options_type(*args[leading:], **kwargs))
+
+    head = [p.replace(kind=inspect.Parameter.POSITIONAL_ONLY)
+            for p in list(inspect.signature(method).parameters.values())[:leading]]
+    keywords = list(inspect.signature(options_type).parameters.values())
+    wrapper.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
+        head + keywords, return_annotation=inspect.signature(method).return_annotation
+    )
+    return wrapper
+
+
+def takes_options(
+    options_type: Callable[P, GenerationOptions],
+) -> Callable[[Callable[[Any, Prompt, GenerationOptions], R]], Callable[Concatenate[Any, Prompt, P], R]]:
+    """Decorate ``method(self, prompt, options)`` to take ``options_type``'s keywords instead of ``options``."""
+    return lambda method: _bind_options(method, 2, options_type)  # type: ignore[no-any-return]
+
+
+def takes_callback_and_options(
+    options_type: Callable[P, GenerationOptions],
+) -> Callable[[Callable[[Any, Prompt, StreamCallback, GenerationOptions], R]],
+              Callable[Concatenate[Any, Prompt, StreamCallback, P], R]]:
+    """``takes_options`` for ``method(self, prompt, callback, options)``."""
+    return lambda method: _bind_options(method, 3, options_type)  # type: ignore[no-any-return]
 
 
 class Engine:
@@ -91,9 +198,9 @@ class Engine:
                 prompt = self.tokenizer.apply_chat_template(messages)
             ids = self.tokenizer.encode(prompt)
         elif len(prompt) and all(isinstance(m, Mapping) for m in prompt):
-            ids = self.tokenizer.encode(self.tokenizer.apply_chat_template(list(prompt)))
+            ids = self.tokenizer.encode(self.tokenizer.apply_chat_template(list(prompt)))  # type: ignore[arg-type]
         else:
-            ids = list(prompt)
+            ids = list(prompt)  # type: ignore[arg-type]
             if chat:
                 raise ValueError("chat=True needs a text prompt or chat messages, not token ids")
         if not ids:
@@ -101,86 +208,86 @@ class Engine:
         return ids
 
     # -- generation -------------------------------------------------------------------------------------------
-    def start(
-        self,
-        prompt: Prompt,
-        *,
-        max_tokens: int = 128,
-        stop: str | Sequence[str] | Sequence[Sequence[int]] | None = None,
-        speculative: str | Proposer | None = None,
-        draft_width: int | WidthPolicy | str = "auto",
-        chat: bool = False,
-        system: str | None = None,
-        ignore_eos: bool = False,
-        top_logprobs: int = 0,
-        tie_margin: float = 0.0,
-        temperature: float | None = None,
-        top_p: float | None = None,
-        top_k: int | None = None,
-        seed: int | None = None,
-    ) -> Generation:
-        """A ``Generation`` (an iterator of commits) with the options that ``generate`` documents."""
-        if temperature not in (None, 0, 0.0) or top_p not in (None, 1, 1.0) or top_k not in (None, 1):
-            raise ValueError(
-                "ortspec decodes greedily (exact speculative decoding): leave temperature, top_p and top_k "
-                "unset (or temperature=0)"
-            )
-        del seed  # greedy decoding has no randomness; accepted for onnx_genai compatibility
-        stop_strings, stop_sequences = _split_stop(stop)
-        proposer = make_proposer(speculative)
-        if proposer is not None and self.verify_drift() > DRIFT_WARNING and not self._drift_warned:
-            self._drift_warned = True
-            warnings.warn(
-                f"on this model a verify pass differs from one-token decodes by up to {self._drift:.3g} logits "
-                "(batch-dependent kernels, e.g. int8 MatMulNBits): speculative output can differ from greedy "
-                "output here; use a float32 model where exactness matters",
-                RuntimeWarning,
-                stacklevel=3,
-            )
-        options = Options(
-            max_new_tokens=max_tokens,
-            eos_token_ids=() if ignore_eos else self.eos_token_ids,
+    def start_with(self, prompt: Prompt, options: GenerationOptions) -> Generation:
+        """A ``Generation`` (an iterator of commits) for ``prompt`` with ``options``: the one place the Engine
+        turns its options into the core's ``Options``, a proposer and a width policy."""
+        stop_strings, stop_sequences = _split_stop(options.stop)
+        proposer = make_proposer(options.speculative)
+        if proposer is not None:
+            self._warn_if_inexact()
+        core_options = Options(
+            max_new_tokens=options.max_tokens,
+            eos_token_ids=() if options.ignore_eos else self.eos_token_ids,
             stop_strings=stop_strings,
             stop_token_sequences=stop_sequences,
-            top_logprobs=top_logprobs,
-            tie_margin=tie_margin,
+            top_logprobs=options.top_logprobs,
+            tie_margin=options.tie_margin,
         )
-        ids = self.prompt_ids(prompt, chat=chat, system=system)
-        if len(ids) >= self.backend.max_length:
-            raise ValueError(
-                f"the prompt has {len(ids)} tokens but the model's context holds {self.backend.max_length}: "
-                "shorten the prompt (or load the engine with a larger max_length)"
-            )
+        ids = self.prompt_ids(prompt, chat=options.chat, system=options.system)
+        draft_width = options.draft_width
         if draft_width == "auto":
             draft_width = CostAwareWidth(self.pass_costs()) if proposer is not None else 1
-        elif isinstance(draft_width, str):
-            raise ValueError(f"draft_width={draft_width!r}: expected 'auto', an int >= 1 or a width policy")
+        assert not isinstance(draft_width, str)
         return Generation(
-            self.backend, ids, options, proposer, draft_width=draft_width, detokenize=self.tokenizer.decode
+            self.backend, ids, core_options, proposer, draft_width=draft_width, detokenize=self.tokenizer.decode
         )
 
+    @takes_options(GenerationOptions)
+    def start(self, prompt: Prompt, options: GenerationOptions) -> Generation:
+        """A ``Generation`` (an iterator of commits); its ``result()`` describes what was delivered."""
+        return self.start_with(prompt, options)
+
+    @takes_options(GenerationOptions)
+    def generate(self, prompt: Prompt, options: GenerationOptions) -> GenerateResult:
+        """Generate up to ``max_tokens`` tokens after ``prompt`` (text, chat messages or token ids)."""
+        return self.start_with(prompt, options).run()
+
+    @takes_callback_and_options(GenerationOptions)
+    def generate_stream(self, prompt: Prompt, callback: StreamCallback, options: GenerationOptions) -> GenerateResult:
+        """``generate``, calling ``callback(text, token_id, finish_reason)`` for every generated token, in order.
+        ``finish_reason`` is None except on the last token, where it is the ``FinishReason`` value. If the
+        callback raises, generation stops and ``GenerationAborted`` (with the partial result) is raised from the
+        callback's exception."""
+        if not callable(callback):
+            raise ValueError("callback must be callable as callback(text, token_id, finish_reason)")
+        run = self.start_with(prompt, options)
+        return run.run(lambda c: callback(c.text, c.token_id, str(run.state.finish_reason) if run.done else None))
+
+    @takes_options(GenerationOptions)
+    def stream(self, prompt: Prompt, options: GenerationOptions) -> Iterator[str]:
+        """Yield the generated text in chunks as it is decided (empty chunks are skipped)."""
+        return (commit.text for commit in self.start_with(prompt, options) if commit.text)
+
+    # -- measurements -----------------------------------------------------------------------------------------
     def verify_drift(self) -> float:
         """Largest logit difference between this backend's verify passes and one-token decodes (measured once,
         ~30 passes; see ``ortspec.costs.measure_verify_drift``): 0 or ~1e-5 on float32 kernels, tenths of a logit
-        on int8 kernels with batch-dependent activation quantization. Above ``DRIFT_WARNING`` the first
+        on int8 kernels with batch-dependent activation quantization. Above ``DRIFT_WARNING_THRESHOLD`` the first
         speculative generation warns that its output can differ from greedy output."""
         if self._drift is None:
-            from ortspec.costs import measure_verify_drift
+            from ortspec.costs import measure_verify_drift, probe_ids
 
-            n = min(self.backend.vocab_size, 1000)
             context = max(1, min(256, self.backend.max_length - 40))
-            ids = [(i * 7919) % n for i in range(context + 27)]
+            ids = probe_ids(self.backend.vocab_size, context + 27)
             self._drift = measure_verify_drift(self.backend, ids[:context], ids[context:], windows=3)
         return self._drift
+
+    def _warn_if_inexact(self) -> None:
+        if self._drift_warned or self.verify_drift() <= DRIFT_WARNING_THRESHOLD:
+            return
+        self._drift_warned = True
+        warnings.warn(
+            f"on this model a verify pass differs from one-token decodes by up to {self._drift:.3g} logits "
+            "(batch-dependent kernels, e.g. int8 MatMulNBits): speculative output can differ from greedy "
+            "output here; use a float32 model where exactness matters",
+            RuntimeWarning,
+            stacklevel=4,
+        )
 
     def pass_costs(self, kmax: int = 16) -> tuple[float, ...]:
         """This backend's verify cost curve (pass over 1 + K tokens ÷ a decode step, K = 0..kmax), measured
         once per model folder, provider and thread count (a few seconds) and cached in the user cache."""
         if self._pass_costs is None or len(self._pass_costs) != kmax + 1:
-            import hashlib
-
-            import platformdirs
-
             from ortspec.costs import cached_pass_costs
 
             key = "|".join(str(x) for x in (
@@ -188,59 +295,6 @@ class Engine:
                 self.folder.model_path.stat().st_mtime_ns if self.folder else "",
                 getattr(self.backend, "provider", "?"), getattr(self.backend, "threads", "?"), kmax,
             ))
-            cache = Path(os.environ.get("ORTSPEC_CACHE") or platformdirs.user_cache_dir("ortspec"))
-            cache_file = cache / "pass_costs" / (hashlib.sha256(key.encode()).hexdigest()[:16] + ".json")
-            ids = list(range(min(self.backend.vocab_size, 1000)))
-            self._pass_costs = cached_pass_costs(self.backend, cache_file, ids, kmax)
+            cache_file = cache_root() / "pass_costs" / (hashlib.sha256(key.encode()).hexdigest()[:16] + ".json")
+            self._pass_costs = cached_pass_costs(self.backend, cache_file, kmax)
         return self._pass_costs
-
-    def generate(self, prompt: Prompt, **kwargs: Any) -> GenerateResult:
-        """Generate up to ``max_tokens`` tokens after ``prompt``.
-
-        ``stop``: a string, strings, or token-id sequences that end generation (stop strings are cut from the
-        text); ``speculative``: ``None`` (plain greedy), ``"prompt-lookup"``, or a proposer object;
-        ``draft_width``: ``"auto"`` (default: the cost-aware policy on this backend's measured verify cost curve),
-        the most draft tokens per pass, or a width policy; ``chat``: format a text prompt with
-        the folder's chat template; ``ignore_eos``; ``top_logprobs``; ``tie_margin`` (near-tie guard, logits).
-        """
-        run = self.start(prompt, **kwargs)
-        for _ in run:
-            pass
-        return run.result()
-
-    def generate_stream(self, prompt: Prompt, callback: StreamCallback, **kwargs: Any) -> GenerateResult:
-        """``generate``, calling ``callback(text, token_id, finish_reason)`` for every generated token, in order.
-        ``finish_reason`` is None except on the last token. If the callback raises, generation stops and
-        ``GenerationAborted`` (with the partial result) is raised from the callback's exception."""
-        if not callable(callback):
-            raise ValueError("callback must be callable as callback(text, token_id, finish_reason)")
-        run = self.start(prompt, **kwargs)
-        for commit in run:
-            reason = run.state.finish_reason if run.done else None
-            try:
-                callback(commit.text, commit.token_id, None if reason is None else str(reason))
-            except Exception as exc:
-                raise GenerationAborted(run.result()) from exc
-        return run.result()
-
-    def stream(self, prompt: Prompt, **kwargs: Any) -> Iterator[str]:
-        """Yield the generated text in chunks as it is decided (empty chunks are skipped)."""
-        for commit in self.start(prompt, **kwargs):
-            if commit.text:
-                yield commit.text
-
-
-def _split_stop(stop: Any) -> tuple[tuple[str, ...], tuple[tuple[int, ...], ...]]:
-    if stop is None:
-        return (), ()
-    if isinstance(stop, str):
-        return (stop,), ()
-    strings, sequences = [], []
-    for item in stop:
-        if isinstance(item, str):
-            strings.append(item)
-        elif isinstance(item, Sequence) and all(isinstance(t, int) for t in item):
-            sequences.append(tuple(item))
-        else:
-            raise ValueError(f"stop: {item!r} is neither a string nor a sequence of token ids")
-    return tuple(strings), tuple(sequences)

@@ -46,10 +46,6 @@ class Tokenizer:
                 template = cfg["chat_template"]
         return cls(tok, template)
 
-    @property
-    def vocab_size(self) -> int:
-        return self._tok.get_vocab_size(with_added_tokens=True)
-
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text``, special-token markup (``<|im_start|>``...) recognised, nothing added."""
         if not isinstance(text, str):
@@ -59,9 +55,6 @@ class Tokenizer:
     def decode(self, ids: Sequence[int]) -> str:
         """Text of ``ids``, special tokens skipped (pure: the same ids give the same text)."""
         return self._tok.decode(list(ids), skip_special_tokens=True)
-
-    def token_id(self, token: str) -> int | None:
-        return self._tok.token_to_id(token)
 
     def apply_chat_template(self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True) -> str:
         """Render ``messages`` (dicts with ``role`` and ``content``) with the folder's chat template (ChatML

@@ -15,11 +15,12 @@ Arrays returned by ``decode`` and ``decode_verify`` are float32 host arrays that
 valid until the next call on the same backend. A contract violation (wrong position, id outside the vocabulary,
 too long for the cache) raises ``BackendError`` before any state changes; it never corrupts the cache.
 
-A backend may also offer ``verify_argmax(tokens, base) -> (ids, margins)``: the same pass as ``decode_verify``,
-but it returns only each row's argmax id (lowest id on ties, int64 ``[len(tokens)]``) and the gap between the
-row's two largest logits (float32 ``[len(tokens)]``). A device backend computes these where the logits live and
-copies ``2 * len(tokens)`` numbers to the host instead of ``len(tokens) * vocab``; the driver then feeds the core's
-``step_ids``.
+One optional capability, ``DevicePicks``: a backend whose logits live on a device (CUDA) offers
+``verify_picks(tokens, base) -> (picks, margins)``, the same pass as ``decode_verify`` reduced where the logits
+live to each row's argmax id (lowest id on ties, int64 ``[len(tokens)]``) and the gap between the row's two largest
+logits (float32 ``[len(tokens)]``; NaN for a row that is not finite where its pick is made). It copies
+``2 * len(tokens)`` numbers to the host instead of ``len(tokens) * vocab``. The driver asks for picks, and feeds the
+core's ``step_from_picks``, only when ``uses_device_picks(backend)`` (and no logprobs are wanted).
 """
 
 from __future__ import annotations
@@ -88,3 +89,23 @@ def check_position(position: int, current_len: int, n_tokens: int, max_length: i
         raise BackendError(
             f"{n_tokens} tokens at position {position} would exceed the KV capacity of {max_length} positions"
         )
+
+
+@runtime_checkable
+class DevicePicks(Protocol):
+    """Optional capability (see the module docstring): picks and margins made where the logits live.
+
+    ``picks_on_device`` says whether asking for picks saves a copy (True when the logits live on a device); a
+    host backend may still implement ``verify_picks`` (tests use it) with ``picks_on_device`` False."""
+
+    @property
+    def picks_on_device(self) -> bool: ...
+
+    def verify_picks(self, tokens: Sequence[int], base: int) -> tuple[np.ndarray, np.ndarray]:
+        """One pass over ``tokens`` at ``base`` (as ``decode_verify``); return ``(picks, margins)`` per row."""
+        ...
+
+
+def uses_device_picks(backend: Backend) -> bool:
+    """True when the driver should ask ``backend`` for picks instead of logits rows."""
+    return isinstance(backend, DevicePicks) and bool(backend.picks_on_device)

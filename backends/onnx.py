@@ -16,7 +16,7 @@ as is. One ``InferenceSession`` runs with IO binding:
   longer than a chunk are prefilled chunk by chunk.
 * **CUDA.** ``provider="cuda"`` keeps the KV, the inputs and the logits in device memory (CuPy arrays, or torch
   CUDA tensors where CuPy is missing), binds them by pointer, and copies to the host only the rows asked for;
-  ``verify_argmax`` reduces each row to its argmax and top-1/top-2 margin on the device.
+  ``verify_picks`` reduces each row to its argmax and top-1/top-2 margin on the device.
 
 Errors: every contract violation raises ``BackendError`` before any state changes; a failure inside ONNX Runtime
 also raises ``BackendError`` and leaves ``current_len()`` where it was (positions past it are never read).
@@ -503,8 +503,8 @@ class OrtBackend:
         self._max_length = int(max_length)
         self._vocab = folder.vocab_size
         self._len = 0
-        # The driver feeds the core's step_ids from verify_argmax when the logits live on a device.
-        self.device_accept = provider == "cuda"
+        # DevicePicks: the driver asks for picks (verify_picks) when the logits live on a device.
+        self.picks_on_device = provider == "cuda"
         self.threads = session.get_session_options().intra_op_num_threads
 
         self._inspect_graph()
@@ -523,13 +523,12 @@ class OrtBackend:
         self._device_type = self._xp.device_type
         self._device_id = device_id
         xp = self._xp
-        L, kvh, hd = self._max_length, folder.num_kv_heads, folder.head_size
-        self._kv_shape = (1, kvh, L, hd)
+        self._kv_shape = (1, folder.num_kv_heads, self._max_length, folder.head_size)
         self._keys = [xp.zeros(self._kv_shape, self._kv_dtype) for _ in range(folder.num_layers)]
         self._values = [xp.zeros(self._kv_shape, self._kv_dtype) for _ in range(folder.num_layers)]
         self._ids_host = np.empty(0, self._ids_dtype)
-        self._mask = xp.from_host(np.ones(L, self._mask_dtype)) if self._mask_name else None
-        self._pos = xp.from_host(np.arange(L, dtype=self._pos_dtype)) if self._pos_name else None
+        self._mask = xp.from_host(np.ones(self._max_length, self._mask_dtype)) if self._mask_name else None
+        self._pos = xp.from_host(np.arange(self._max_length, dtype=self._pos_dtype)) if self._pos_name else None
         self._rows = 0
         self._alloc_rows(max(self.prefill_chunk, 1))
 
@@ -769,7 +768,7 @@ class OrtBackend:
         self._run(tokens)
         return self._fetch_rows(len(tokens))
 
-    def verify_argmax(self, tokens: Sequence[int], base: int) -> tuple[np.ndarray, np.ndarray]:
+    def verify_picks(self, tokens: Sequence[int], base: int) -> tuple[np.ndarray, np.ndarray]:
         """The ``decode_verify`` pass, reduced to each row's argmax id (lowest on ties) and top-1/top-2 gap."""
         tokens = self._validate(tokens, base, "base")
         k = len(tokens)
@@ -832,7 +831,7 @@ class OrtBackend:
         """Grow/copy KV path: feed the first ``past`` positions, collect ``total`` into fresh buffers."""
         f, io, xp = self.folder, self._io, self._xp
         dev, dev_id = self._device_type, self._device_id
-        _, kvh, _, hd = self._kv_shape
+        _, kv_heads, _, head_size = self._kv_shape
         presents = []
         self._pasts = []  # keep the fed copies alive through the run
         for layer in range(f.num_layers):
@@ -845,13 +844,13 @@ class OrtBackend:
                 self._pasts.append(fed)
                 if past == 0:
                     # a zero-length tensor may have a null data pointer; bind it as an OrtValue instead
-                    host = np.zeros((1, kvh, 0, hd), self._kv_dtype)
+                    host = np.zeros((1, kv_heads, 0, head_size), self._kv_dtype)
                     self._pasts.append(host)
                     io.bind_ortvalue_input(pattern_in % layer, self._ort.OrtValue.ortvalue_from_numpy(host))
                 else:
-                    io.bind_input(pattern_in % layer, dev, dev_id, self._kv_dtype, [1, kvh, past, hd], xp.ptr(fed))
-                out = xp.empty((1, kvh, total, hd), self._kv_dtype)
-                io.bind_output(pattern_out % layer, dev, dev_id, self._kv_dtype, [1, kvh, total, hd], xp.ptr(out))
+                    io.bind_input(pattern_in % layer, dev, dev_id, self._kv_dtype, [1, kv_heads, past, head_size], xp.ptr(fed))
+                out = xp.empty((1, kv_heads, total, head_size), self._kv_dtype)
+                io.bind_output(pattern_out % layer, dev, dev_id, self._kv_dtype, [1, kv_heads, total, head_size], xp.ptr(out))
                 pair.append(out)
             presents.append(tuple(pair))
         return presents

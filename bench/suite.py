@@ -124,8 +124,6 @@ def _git_commit() -> str | None:
 class TimingBackend:
     """Forwards the backend protocol to ``inner`` and adds up the wall time spent inside its calls."""
 
-    device_accept = False  # the CPU path: the driver feeds the core full logits rows
-
     def __init__(self, inner) -> None:
         self.inner = inner
         self.seconds = 0.0
@@ -326,11 +324,11 @@ class OrtspecEngine:
                                  draft_width=self.draft_width)
         s = r.stats
         return {
-            "token_ids": list(r.token_ids), "finish_reason": str(r.finish_reason), "ttft_s": r.timings.first_token_s,
+            "token_ids": list(r.token_ids), "finish_reason": r.finish_reason.openai, "ttft_s": r.timings.first_token_s,
             "total_s": r.timings.total_s, "prompt_tokens": r.prompt_tokens,
             "proposed": s.proposed_tokens if self.make_proposer else None,
             "accepted": s.accepted_tokens if self.make_proposer else None,
-            "passes": s.target_forward_passes, "decode_passes": s.steps,
+            "passes": s.steps, "decode_passes": s.steps,
             "extra": {"verification_steps": s.verification_steps, "multi_token_accepts": s.multi_token_accepts,
                       "prefill_s": r.timings.prefill_s},
         }

@@ -9,9 +9,10 @@ from .state import (
     Stats,
     TokenLogprob,
     check_draft,
+    delivered,
     draft_budget,
     step,
-    step_ids,
+    step_from_picks,
 )
 from .width import AdditiveWidth, CostAwareWidth, FixedWidth, WidthPolicy
 
@@ -29,7 +30,8 @@ __all__ = [
     "TokenLogprob",
     "WidthPolicy",
     "check_draft",
+    "delivered",
     "draft_budget",
     "step",
-    "step_ids",
+    "step_from_picks",
 ]

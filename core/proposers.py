@@ -15,20 +15,14 @@ from typing import Protocol, runtime_checkable
 
 import attrs
 
+from .checks import int_at_least
+
 
 @runtime_checkable
 class Proposer(Protocol):
     def propose(self, context_tokens: Sequence[int], width: int) -> tuple[int, ...]:
         """Up to ``width`` token ids that probably follow ``context_tokens``."""
         ...
-
-
-def _check_positive(name: str):
-    def check(instance, attribute, value):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-
-    return check
 
 
 @attrs.frozen
@@ -43,9 +37,9 @@ class PromptLookup:
     fill the whole width.
     """
 
-    ngram: int = attrs.field(default=3, validator=_check_positive("ngram"))
-    max_draft: int = attrs.field(default=8, validator=_check_positive("max_draft"))
-    min_ngram: int = attrs.field(default=1, validator=_check_positive("min_ngram"))
+    ngram: int = attrs.field(default=3, validator=int_at_least(1))
+    max_draft: int = attrs.field(default=8, validator=int_at_least(1))
+    min_ngram: int = attrs.field(default=1, validator=int_at_least(1))
 
     def __attrs_post_init__(self) -> None:
         if self.min_ngram > self.ngram:

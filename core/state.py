@@ -1,10 +1,19 @@
 """Every rule of speculative greedy decoding, in one place, with no I/O.
 
+Rule 1: everything that decides what is committed lives in this file: which draft tokens are accepted, which
+candidates are committed and in what order the stop rules see them, when a generation ends and why, how many
+draft tokens a step may verify, how much KV the backend keeps, what text is released to the stream, and what a
+partly delivered generation reports. The driver, the backends and the Engine only carry these decisions out.
+
 Theory of operation
 -------------------
 A generation is a ``DecodeState``: the prompt, the tokens committed so far, their text, and (once it ends) why
 it ended. The state is frozen; ``step`` returns a new one. Nothing here touches a device: a backend computes
 logits, this module decides what they mean.
+
+The context limit is fixed when the generation starts: the smaller of ``Options.max_context`` and the backend's
+KV ``capacity``. A prompt longer than the limit is refused; a prompt that fills it ends at once with
+``CONTEXT_FULL`` and no token.
 
 The KV cache trails the committed tokens by exactly one. Between steps the backend holds the KV of
 ``prompt + generated[:-1]`` (``state.kv_len`` positions) and the last committed token is *pending*. One step is
@@ -15,13 +24,17 @@ same step with an empty draft.
 From the K + 1 rows the step takes the target's picks (argmax, lowest id on ties). ``picks[0]`` is what greedy
 decoding would emit next; ``picks[i]`` for ``i >= 1`` is what it would emit after ``draft[:i]``, so the step may
 use it only while ``draft[:i]`` equals ``picks[:i]``. The committed candidates are therefore
-``picks[0 .. accepted]``: the accepted draft tokens followed by one free *bonus* token.
+``picks[0 .. accepted]``: the accepted draft tokens followed by one free *bonus* token. A device backend may make
+the picks itself (``step_from_picks``); the rules after the picks are the same code.
 
 Each candidate then passes the commit rules, one token at a time and in this order, even in the middle of a
 block: EOS (the EOS token is kept), stop token sequences, stop strings (the earliest completion in the text wins
-and the text is cut before it), ``max_new_tokens``, ``max_context``. The first rule that fires ends the
-generation, and no candidate after that token is ever committed. Because the rules see the same tokens in the
-same order whatever the draft was, speculative and greedy runs end identically.
+and the text is cut before it), ``max_new_tokens`` (``MAX_NEW_TOKENS``), the context limit (``CONTEXT_FULL``). The
+first rule that fires ends the generation, and no candidate after that token is ever committed. Because the
+rules see the same tokens in the same order whatever the draft was, speculative and greedy runs end identically.
+
+A draft may hold at most ``draft_budget(state)`` tokens: every one of them, and the bonus token, could still be
+committed within ``max_new_tokens`` and the context limit. So no pass writes a KV position past either bound.
 
 The step returns ``rewind_to``, the KV length the backend must keep: ``kv_len`` of the new state. The pass left
 ``kv_len + 1 + K`` positions; the committed ones stay, and the last committed token becomes the next pending
@@ -35,7 +48,8 @@ a plain step next (``draft_budget`` is 0), whose 1-token pass decides it exactly
 Text. With a ``detokenize`` function (ids -> str), text is decoded incrementally over a sliding window of
 tokens, so each token's text delta costs O(window); a delta ending in U+FFFD (a partial UTF-8 character) waits
 for the next token. Text that could still become part of a stop string is held back from the stream until it
-cannot. Every commit carries the text it releases; the concatenated deltas always equal ``state.text``.
+cannot. Every commit carries the text it releases; the concatenated deltas always equal ``state.text``. A
+consumer that stops reading in the middle of a step has seen less than the state holds: ``delivered`` says what.
 """
 
 from __future__ import annotations
@@ -47,44 +61,38 @@ from collections.abc import Callable, Iterable, Sequence
 import attrs
 import numpy as np
 
+from .checks import check_int, ids_in_vocab, is_int, token_ids
+
 Detokenize = Callable[[Sequence[int]], str]
 
 _REPLACEMENT_CHAR = "\ufffd"
 
 
 class FinishReason(str, enum.Enum):
-    """Why a generation ended."""
+    """Why a generation ended. ``openai`` is the OpenAI API's word for it (the one place they are mapped)."""
 
-    MAX_TOKENS = "max_tokens"
     EOS_TOKEN = "eos_token"
-    STOP_SEQUENCE = "stop_sequence"
-    LENGTH = "length"
+    STOP_SEQUENCE = "stop_sequence"  # a stop token sequence or a stop string
+    MAX_NEW_TOKENS = "max_new_tokens"  # Options.max_new_tokens tokens were generated
+    CONTEXT_FULL = "context_full"  # prompt + generated tokens reached the context limit
 
     def __str__(self) -> str:
         return self.value
 
-
-def _is_int(x: object) -> bool:
-    return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
-
-
-def _token_ids(field: str, values: Iterable[object]) -> tuple[int, ...]:
-    out = []
-    for v in values:
-        if not _is_int(v) or int(v) < 0:
-            raise ValueError(f"{field}: {v!r} is not a token id (a non-negative int)")
-        out.append(int(v))
-    return tuple(out)
+    @property
+    def openai(self) -> str:
+        """``"stop"`` (EOS or a stop sequence) or ``"length"`` (a token or context limit)."""
+        return "stop" if self in (FinishReason.EOS_TOKEN, FinishReason.STOP_SEQUENCE) else "length"
 
 
 def _to_eos_ids(value: object) -> frozenset[int]:
     if value is None:
         return frozenset()
-    if _is_int(value):
+    if is_int(value):
         value = (value,)
     if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
         raise ValueError(f"eos_token_ids: expected a set of token ids, got {value!r}")
-    return frozenset(_token_ids("eos_token_ids", value))
+    return frozenset(token_ids("eos_token_ids", value))
 
 
 def _to_stop_sequences(value: object) -> tuple[tuple[int, ...], ...]:
@@ -94,9 +102,9 @@ def _to_stop_sequences(value: object) -> tuple[tuple[int, ...], ...]:
         raise ValueError(f"stop_token_sequences: expected a tuple of token-id tuples, got {value!r}")
     out = []
     for seq in value:
-        if _is_int(seq) or isinstance(seq, (str, bytes)) or not isinstance(seq, Iterable):
+        if is_int(seq) or isinstance(seq, (str, bytes)) or not isinstance(seq, Iterable):
             raise ValueError(f"stop_token_sequences: {seq!r} is not a sequence of token ids")
-        ids = _token_ids("stop_token_sequences", seq)
+        ids = token_ids("stop_token_sequences", seq)
         if not ids:
             raise ValueError("stop_token_sequences: a stop sequence must not be empty")
         out.append(ids)
@@ -121,10 +129,10 @@ def _to_stop_strings(value: object) -> tuple[str, ...]:
 class Options:
     """What to generate and when to stop. Every field is validated; a bad one raises ``ValueError`` naming it.
 
-    ``max_context`` bounds prompt + generated tokens (the KV positions a generation may use); ``None`` leaves
-    the bound to the backend's capacity. ``top_logprobs`` > 0 records, for each committed token, its
-    log-probability and the N most likely alternatives. ``tie_margin`` > 0 turns on the near-tie guard (see the
-    module docstring), in logit units.
+    ``max_context`` bounds prompt + generated tokens; ``None`` leaves the bound to the backend's KV capacity
+    (the state's context limit is the smaller of the two). ``top_logprobs`` > 0 records, for each committed
+    token, its log-probability and the N most likely alternatives. ``tie_margin`` > 0 turns on the near-tie
+    guard (see the module docstring), in logit units.
     """
 
     max_new_tokens: int = 128
@@ -136,12 +144,10 @@ class Options:
     tie_margin: float = 0.0
 
     def __attrs_post_init__(self) -> None:
-        if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be an int >= 1, got {self.max_new_tokens!r}")
-        if self.max_context is not None and (not _is_int(self.max_context) or self.max_context < 1):
-            raise ValueError(f"max_context must be None or an int >= 1, got {self.max_context!r}")
-        if not _is_int(self.top_logprobs) or self.top_logprobs < 0:
-            raise ValueError(f"top_logprobs must be an int >= 0, got {self.top_logprobs!r}")
+        check_int("max_new_tokens", self.max_new_tokens, 1)
+        if self.max_context is not None:
+            check_int("max_context", self.max_context, 1)
+        check_int("top_logprobs", self.top_logprobs, 0)
         if (
             isinstance(self.tie_margin, bool)
             or not isinstance(self.tie_margin, (int, float, np.floating))
@@ -153,15 +159,14 @@ class Options:
 
 @attrs.frozen
 class Stats:
-    """Counters of one generation. Every step is one target pass (the driver's prompt pass is the first step),
-    so ``target_forward_passes`` equals ``steps``. A verification step is a step with a non-empty draft."""
+    """Counters of one generation. Every step is exactly one target pass (the driver's prompt pass is the first
+    step), so ``steps`` counts target passes. A verification step is a step with a non-empty draft."""
 
     steps: int = 0
     verification_steps: int = 0
     proposed_tokens: int = 0
     accepted_tokens: int = 0
     multi_token_accepts: int = 0
-    target_forward_passes: int = 0
     tie_guard_stops: int = 0
 
     @property
@@ -195,12 +200,14 @@ class DecodeState:
 
     ``text`` is the generated text decoded so far (cut before the stop string once one matched);
     ``streamed_chars`` of it have been released through commits. ``finish_reason`` is None while running;
-    ``stop_matched`` names the stop string or token sequence that ended it.
+    ``stop_matched`` names the stop string or token sequence that ended it. ``capacity`` is the backend's KV
+    capacity in positions (None: unbounded).
     """
 
     prompt_tokens: tuple[int, ...]
     options: Options
     detokenize: Detokenize | None = attrs.field(default=None, eq=False, repr=False)
+    capacity: int | None = None
     generated_tokens: tuple[int, ...] = ()
     text: str = ""
     finish_reason: FinishReason | None = None
@@ -208,42 +215,58 @@ class DecodeState:
     stats: Stats = Stats()
     logprobs: tuple[TokenLogprob, ...] = ()
     streamed_chars: int = 0
-    # Incremental detokenization window: text of generated[window_start:window_read] is already in `text`.
-    window_start: int = 0
-    window_read: int = 0
+    # Incremental detokenization: the text of generated[_detok_start:_detok_end] is already in `text`.
+    _detok_start: int = 0
+    _detok_end: int = 0
     # Set when the tie guard refused the first pick of a multi-token pass: the next step must be plain.
-    plain_step_next: bool = False
+    _plain_step_next: bool = False
 
     @classmethod
     def start(
-        cls, prompt_tokens: Sequence[int], options: Options, detokenize: Detokenize | None = None
+        cls,
+        prompt_tokens: Sequence[int],
+        options: Options,
+        detokenize: Detokenize | None = None,
+        *,
+        capacity: int | None = None,
     ) -> DecodeState:
-        """The state before the first step. Raises ``ValueError`` for an empty prompt, a prompt longer than
-        ``max_context``, or stop strings without a ``detokenize`` function."""
+        """The state before the first step. ``capacity``: the backend's KV capacity in positions.
+
+        Raises ``ValueError`` for an empty prompt, a prompt longer than the context limit, or stop strings
+        without a ``detokenize`` function. A prompt that fills the context limit gives a state that has already
+        finished (``CONTEXT_FULL``, no token)."""
         if not isinstance(options, Options):
             raise ValueError(f"options must be an ortspec Options, got {type(options).__name__}")
         if isinstance(prompt_tokens, (str, bytes)):
             raise ValueError("prompt_tokens must be token ids, not text (tokenize it first)")
-        prompt = _token_ids("prompt_tokens", prompt_tokens)
+        prompt = token_ids("prompt_tokens", prompt_tokens)
         if not prompt:
             raise ValueError("prompt_tokens is empty: generation needs at least one prompt token")
         if options.stop_strings and detokenize is None:
             raise ValueError("stop_strings need a detokenize function (ids -> str) to see the text")
         if detokenize is not None and not callable(detokenize):
             raise ValueError("detokenize must be a callable ids -> str")
-        state = cls(prompt_tokens=prompt, options=options, detokenize=detokenize)
-        if options.max_context is not None:
-            if len(prompt) > options.max_context:
-                raise ValueError(
-                    f"the prompt has {len(prompt)} tokens but max_context is {options.max_context}"
-                )
-            if len(prompt) == options.max_context:
-                state = attrs.evolve(state, finish_reason=FinishReason.LENGTH)
+        if capacity is not None:
+            capacity = check_int("capacity", capacity, 1)
+        state = cls(prompt_tokens=prompt, options=options, detokenize=detokenize, capacity=capacity)
+        limit = state.context_limit
+        if limit is not None:
+            if len(prompt) > limit:
+                bound = "max_context" if limit == options.max_context else "the context (the KV capacity)"
+                raise ValueError(f"the prompt has {len(prompt)} tokens but {bound} is {limit}: shorten the prompt")
+            if len(prompt) == limit:
+                state = attrs.evolve(state, finish_reason=FinishReason.CONTEXT_FULL)
         return state
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    @property
+    def context_limit(self) -> int | None:
+        """The most prompt + generated tokens: the smaller of ``options.max_context`` and ``capacity``."""
+        bounds = [b for b in (self.options.max_context, self.capacity) if b is not None]
+        return min(bounds) if bounds else None
 
     @property
     def context_len(self) -> int:
@@ -261,18 +284,29 @@ class DecodeState:
         return self.generated_tokens[-1] if self.generated_tokens else self.prompt_tokens[-1]
 
     @property
+    def plain_step_next(self) -> bool:
+        """True when the tie guard refused the first pick of the last pass: the next step must be plain."""
+        return self._plain_step_next
+
+    @property
+    def context_tokens(self) -> tuple[int, ...]:
+        """Prompt + generated tokens: what a proposer sees."""
+        return self.prompt_tokens + self.generated_tokens
+
+    @property
     def streamed_text(self) -> str:
         return self.text[: self.streamed_chars]
 
 
 def draft_budget(state: DecodeState) -> int:
     """The most draft tokens the next step may verify: every one of them could still be committed, bonus
-    included, within ``max_new_tokens`` and ``max_context``. 0 means a plain step."""
-    if state.finished or state.plain_step_next:
+    included, within ``max_new_tokens`` and the context limit. 0 means a plain step."""
+    if state.finished or state._plain_step_next:
         return 0
     budget = state.options.max_new_tokens - len(state.generated_tokens) - 1
-    if state.options.max_context is not None:
-        budget = min(budget, state.options.max_context - state.context_len - 1)
+    limit = state.context_limit
+    if limit is not None:
+        budget = min(budget, limit - state.context_len - 1)
     return max(budget, 0)
 
 
@@ -283,13 +317,10 @@ def check_draft(state: DecodeState, draft: Sequence[int], vocab_size: int) -> tu
     ``draft_budget(state)``."""
     if state.finished:
         raise ValueError(f"the generation already finished ({state.finish_reason})")
-    draft = _token_ids("draft", draft)
-    for t in draft:
-        if t >= vocab_size:
-            raise ValueError(f"draft holds token id {t}, outside the vocabulary [0, {vocab_size})")
-    if len(draft) > draft_budget(state):
-        raise ValueError(f"a draft of {len(draft)} tokens exceeds this step's budget of {draft_budget(state)}")
-    return draft
+    ids = ids_in_vocab("draft", draft, vocab_size)
+    if len(ids) > draft_budget(state):
+        raise ValueError(f"a draft of {len(ids)} tokens exceeds this step's budget of {draft_budget(state)}")
+    return ids
 
 
 def step(
@@ -303,7 +334,7 @@ def step(
     ``base_logits``: ``[vocab]`` logits for the first uncommitted position; ``rows``: ``[K, vocab]``, row ``i``
     after ``draft[i]`` (``None`` or empty when K = 0). Returns ``(new_state, commits, rewind_to)``. The arrays
     are read, never kept or modified. Raises ``ValueError`` on shapes that do not match the draft, ids outside
-    the vocabulary, or a NaN / +inf logit where a pick is made.
+    the vocabulary, or a non-finite logit where a pick is made.
     """
     base = np.asarray(base_logits)
     if base.ndim != 1 or base.shape[0] < 1:
@@ -338,33 +369,57 @@ def step(
     return _advance(state, draft, pick, margin, logprob if state.options.top_logprobs else None)
 
 
-def step_ids(
+def step_from_picks(
     state: DecodeState,
-    target_ids: Sequence[int],
+    picks: Sequence[int],
     draft: Sequence[int],
     *,
+    vocab_size: int,
     margins: Sequence[float] | None = None,
 ) -> tuple[DecodeState, tuple[Commit, ...], int]:
-    """``step`` with the K + 1 target picks already made (device-side argmax): ``target_ids[0]`` from the base
-    row, ``target_ids[i + 1]`` after ``draft[i]``. ``margins`` (top-1 minus top-2 logit per row) feed the tie
-    guard. Logprobs need the logits, so ``top_logprobs`` > 0 is refused here."""
+    """``step`` with the K + 1 target picks already made where the logits live (a device-side argmax):
+    ``picks[0]`` from the base row, ``picks[i + 1]`` after ``draft[i]``, each the row's argmax (lowest id on
+    ties). ``margins`` (top-1 minus top-2 logit per row) feed the tie guard; a NaN margin marks a row that is not
+    finite where its pick is made, which is refused as ``step`` refuses it. Logprobs need the logits, so
+    ``top_logprobs`` > 0 is refused here."""
     if state.options.top_logprobs:
-        raise ValueError("step_ids cannot report logprobs (it has no logits); use step()")
-    draft = _token_ids("draft", draft)
-    ids = _token_ids("target_ids", target_ids)
+        raise ValueError("step_from_picks cannot report logprobs (it has no logits); use step()")
+    draft = check_draft(state, draft, vocab_size)
+    ids = ids_in_vocab("picks", picks, vocab_size)
     if len(ids) != len(draft) + 1:
-        raise ValueError(f"target_ids must hold K + 1 = {len(draft) + 1} picks, got {len(ids)}")
+        raise ValueError(f"picks must hold K + 1 = {len(draft) + 1} ids, got {len(ids)}")
     if margins is not None and len(margins) != len(ids):
         raise ValueError(f"margins must hold {len(ids)} values, got {len(margins)}")
-    if state.finished:
-        raise ValueError(f"the generation already finished ({state.finish_reason})")
-    if len(draft) > draft_budget(state):
-        raise ValueError(f"a draft of {len(draft)} tokens exceeds this step's budget of {draft_budget(state)}")
+
+    def pick(i: int) -> int:
+        if margins is not None and math.isnan(float(margins[i])):
+            raise ValueError(f"logits row {i} is not finite where the pick is made (its margin is NaN)")
+        return ids[i]
 
     def margin(i: int) -> float:
         return math.inf if margins is None else float(margins[i])
 
-    return _advance(state, draft, lambda i: ids[i], margin, None)
+    return _advance(state, draft, pick, margin, None)
+
+
+def delivered(state: DecodeState, undelivered: Sequence[Commit]) -> DecodeState:
+    """What a consumer has seen who received every commit of ``state`` except the last step's trailing
+    ``undelivered`` ones: their tokens, logprobs and text are taken back, and the generation counts as running
+    (``finish_reason`` None) if any were. ``text`` is the text released so far. A description to report, not a
+    state to step from."""
+    kept = len(state.generated_tokens) - len(undelivered)
+    streamed = state.streamed_chars - sum(len(c.text) for c in undelivered)
+    if not undelivered:
+        return state if state.finished else attrs.evolve(state, text=state.streamed_text)
+    return attrs.evolve(
+        state,
+        generated_tokens=state.generated_tokens[:kept],
+        logprobs=state.logprobs[:kept],
+        text=state.text[:streamed],
+        streamed_chars=streamed,
+        finish_reason=None,
+        stop_matched=None,
+    )
 
 
 def _advance(
@@ -374,22 +429,27 @@ def _advance(
     margin: Callable[[int], float],
     logprob: Callable[[int, int], TokenLogprob] | None,
 ) -> tuple[DecodeState, tuple[Commit, ...], int]:
-    """The accept rule, then the commit rules for each candidate; the only place that decides either."""
+    """The accept rule, the tie guard, then the commit rules for each candidate; the only place that decides
+    any of them."""
     opts = state.options
     k = len(draft)
+    # Accept: picks[0], then picks[i] while the draft agreed with every pick before it.
     candidates: list[int] = [pick(0)]
     while len(candidates) <= k and candidates[-1] == draft[len(candidates) - 1]:
         candidates.append(pick(len(candidates)))
     accepted = len(candidates) - 1
 
-    guard_stopped = False
+    # Tie guard: a multi-token pass's pick whose margin is below tie_margin is not committed, nor anything after
+    # it. If that leaves nothing, the next step is a plain 1-token pass, which decides the pick as greedy would.
+    guarded = len(candidates)
     if k and opts.tie_margin > 0:
-        for i in range(len(candidates)):
-            if margin(i) < opts.tie_margin:
-                del candidates[i:]
-                guard_stopped = True
-                break
+        guarded = next((i for i in range(len(candidates)) if margin(i) < opts.tie_margin), len(candidates))
+    guard_stopped = guarded < len(candidates)
+    del candidates[guarded:]
+    plain_step_next = not candidates
 
+    # Commit: each candidate passes the rules in order; the first rule that fires ends the generation.
+    limit = state.context_limit
     text = _TextTracker(state)
     generated = list(state.generated_tokens)
     logprobs = list(state.logprobs)
@@ -400,21 +460,21 @@ def _advance(
         generated.append(token)
         eos = token in opts.eos_token_ids
         seq = None if eos else _matched_stop_sequence(generated, opts.stop_token_sequences)
-        limit = None
+        bound = None
         if len(generated) >= opts.max_new_tokens:
-            limit = FinishReason.MAX_TOKENS
-        elif opts.max_context is not None and len(state.prompt_tokens) + len(generated) >= opts.max_context:
-            limit = FinishReason.LENGTH
+            bound = FinishReason.MAX_NEW_TOKENS
+        elif limit is not None and len(state.prompt_tokens) + len(generated) >= limit:
+            bound = FinishReason.CONTEXT_FULL
         # A token that ends the generation also flushes a trailing partial character, before the stop check.
-        text.add(generated, flush=eos or seq is not None or limit is not None)
+        text.add(generated, flush=eos or seq is not None or bound is not None)
         if eos:
             finish = FinishReason.EOS_TOKEN
         elif seq is not None:
             finish, matched = FinishReason.STOP_SEQUENCE, seq
-        elif (s := text.find_stop(opts.stop_strings)) is not None:
+        elif (s := text.find_stop()) is not None:
             finish, matched = FinishReason.STOP_SEQUENCE, s
         else:
-            finish = limit
+            finish = bound
         lp = logprob(i, token) if logprob is not None else None
         if lp is not None:
             logprobs.append(lp)
@@ -427,7 +487,6 @@ def _advance(
     stats = attrs.evolve(
         s,
         steps=s.steps + 1,
-        target_forward_passes=s.target_forward_passes + 1,
         verification_steps=s.verification_steps + (1 if k else 0),
         proposed_tokens=s.proposed_tokens + k,
         accepted_tokens=s.accepted_tokens + committed_draft,
@@ -443,9 +502,9 @@ def _advance(
         stats=stats,
         logprobs=tuple(logprobs),
         streamed_chars=text.streamed,
-        window_start=text.window_start,
-        window_read=text.window_read,
-        plain_step_next=not commits,
+        detok_start=text.detok_start,
+        detok_end=text.detok_end,
+        plain_step_next=plain_step_next,
     )
     return new_state, tuple(commits), new_state.kv_len
 
@@ -467,33 +526,31 @@ class _TextTracker:
         self.detokenize = state.detokenize
         self.text = state.text
         self.streamed = state.streamed_chars
-        self.window_start = state.window_start
-        self.window_read = state.window_read
+        self.detok_start = state._detok_start
+        self.detok_end = state._detok_end
         self.checked = len(state.text)  # stop strings were already searched in text[:checked]
-        self.longest_stop = max((len(s) for s in state.options.stop_strings), default=0)
         self.stop_strings = state.options.stop_strings
-        self.generated: list[int] = []
+        self.longest_stop = max((len(s) for s in self.stop_strings), default=0)
 
     def add(self, generated: list[int], flush: bool) -> None:
         """Decode what the newest token completes. A trailing partial character waits for the next token,
         unless ``flush`` (the generation ends here), when it is kept as U+FFFD."""
-        self.generated = generated
         if self.detokenize is None:
             return
-        prefix = self.detokenize(generated[self.window_start : self.window_read])
-        full = self.detokenize(generated[self.window_start :])
+        prefix = self.detokenize(generated[self.detok_start : self.detok_end])
+        full = self.detokenize(generated[self.detok_start :])
         if len(full) > len(prefix) and (flush or not full.endswith(_REPLACEMENT_CHAR)):
             self.text += full[len(prefix) :]
-            self.window_start, self.window_read = self.window_read, len(generated)
+            self.detok_start, self.detok_end = self.detok_end, len(generated)
 
-    def find_stop(self, stop_strings: tuple[str, ...]) -> str | None:
+    def find_stop(self) -> str | None:
         """Cut the text before the earliest-completing stop string that the new text completes; return it."""
-        if not stop_strings or len(self.text) == self.checked:
+        if not self.stop_strings or len(self.text) == self.checked:
             return None
         start = max(0, self.checked - self.longest_stop + 1)
         self.checked = len(self.text)
         best: tuple[int, int, str] | None = None
-        for s in stop_strings:
+        for s in self.stop_strings:
             at = self.text.find(s, start)
             if at >= 0 and (best is None or (at + len(s), at) < best[:2]):
                 best = (at + len(s), at, s)

@@ -12,6 +12,8 @@ from typing import Protocol, runtime_checkable
 
 import attrs
 
+from .checks import int_at_least
+
 
 @runtime_checkable
 class WidthPolicy(Protocol):
@@ -20,16 +22,11 @@ class WidthPolicy(Protocol):
     def observe(self, proposed: int, accepted: int) -> WidthPolicy: ...
 
 
-def _check_width(instance, attribute, value):
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"draft_width must be an int >= 1, got {value!r}")
-
-
 @attrs.frozen
 class FixedWidth:
     """Always the same width."""
 
-    draft_width: int = attrs.field(validator=_check_width)
+    draft_width: int = attrs.field(validator=int_at_least(1))
 
     def width(self) -> int:
         return self.draft_width
@@ -41,6 +38,11 @@ class FixedWidth:
 def _check_costs(instance, attribute, value):
     if len(value) < 2 or any(not (c > 0) for c in value):
         raise ValueError(f"pass_costs must hold >= 2 positive costs (index = draft width), got {value!r}")
+
+
+def _check_decay(instance, attribute, value):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
+        raise ValueError(f"decay must be a number in [0, 1], got {value!r}")
 
 
 @attrs.frozen
@@ -58,11 +60,11 @@ class CostAwareWidth:
     """
 
     pass_costs: tuple[float, ...] = attrs.field(converter=tuple, validator=_check_costs)
-    decay: float = 0.85
+    decay: float = attrs.field(default=0.85, validator=_check_decay)
     successes: float = 1.0
     trials: float = 2.0
-    probe_every: int = 8
-    probe_width: int = 2
+    probe_every: int = attrs.field(default=8, validator=int_at_least(1))
+    probe_width: int = attrs.field(default=2, validator=int_at_least(1))
     idle_steps: int = 0
 
     def acceptance(self) -> float:
@@ -100,11 +102,11 @@ class AdditiveWidth:
     """The +2 / -1 schedule of Hugging Face assisted generation: after a step whose draft was fully accepted the
     width grows by ``grow``, after any rejection it shrinks by ``shrink`` (never below ``minimum``)."""
 
-    current: int = 4
-    maximum: int = 16
-    minimum: int = 1
-    grow: int = 2
-    shrink: int = 1
+    current: int = attrs.field(default=4, validator=int_at_least(1))
+    maximum: int = attrs.field(default=16, validator=int_at_least(1))
+    minimum: int = attrs.field(default=1, validator=int_at_least(1))
+    grow: int = attrs.field(default=2, validator=int_at_least(0))
+    shrink: int = attrs.field(default=1, validator=int_at_least(0))
 
     def width(self) -> int:
         return self.current

@@ -65,10 +65,16 @@ def measure_pass_costs(
     }
 
 
-def cached_pass_costs(backend: Backend, cache_file: Path, vocab_ids: Sequence[int], kmax: int = 16,
-                      repeats: int = 5) -> tuple[float, ...]:
+def probe_ids(vocab_size: int, count: int) -> list[int]:
+    """``count`` token ids for a measurement, spread over the first ``min(vocab_size, 1000)`` ids by a fixed
+    recipe, so every measurement of a model feeds the same tokens."""
+    n = min(vocab_size, 1000)
+    return [(i * 7919) % n for i in range(count)]
+
+
+def cached_pass_costs(backend: Backend, cache_file: Path, kmax: int = 16, repeats: int = 5) -> tuple[float, ...]:
     """``measure_pass_costs(...)["curve"]``, read from ``cache_file`` when it holds a curve for ``kmax``, else
-    measured (after a context of up to 256 tokens drawn from ``vocab_ids``) and written there."""
+    measured (after a context of up to 256 ``probe_ids``) and written there."""
     try:
         cached = json.loads(cache_file.read_text())
         if len(cached["curve"]) == kmax + 1:
@@ -76,7 +82,7 @@ def cached_pass_costs(backend: Backend, cache_file: Path, vocab_ids: Sequence[in
     except (OSError, ValueError, KeyError, TypeError):
         pass
     context = max(1, min(256, backend.max_length - kmax - 2))
-    ids = [vocab_ids[(i * 7919) % len(vocab_ids)] for i in range(context + kmax + 1)]
+    ids = probe_ids(backend.vocab_size, context + kmax + 1)
     result = measure_pass_costs(backend, ids[:context], ids[context:], kmax, repeats)
     # Noise can make a longer pass look cheaper than a shorter one; costs never fall as K grows.
     curve = [result["curve"][0]]

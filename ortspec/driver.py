@@ -1,13 +1,16 @@
 """The decode loop: the one place that calls both the core and a backend.
 
-    logits = prefill(prompt); state = core.step(state, logits, None, ())     the first token, greedily
+    state = DecodeState.start(prompt, options, capacity=backend.max_length)
+    state = core.step(state, backend.decode(prompt, 0), None, ())       the prompt pass picks the first token
     until the state finishes:
-        draft  = proposer.propose(context, width)       width <= draft_budget(state), draft_width, KV room
-        rows   = backend pass over (pending, *draft)     one pass; K = 0 is plain greedy
+        draft  = proposer.propose(context, width)       width = min(draft_budget(state), policy.width())
+        rows   = backend pass over (pending, *draft)     one pass; K = 0 is a plain greedy step
         state, commits, rewind_to = core.step(state, rows[0], rows[1:], draft)
-        backend.rewind(rewind_to); stream the commits
+        backend.rewind(rewind_to); deliver the commits; policy = policy.observe(K, accepted)
 
-Everything about what is accepted, committed, streamed or when to stop is decided by ``ortspec.core``.
+A backend with device picks (``backends.base.uses_device_picks``) returns the K + 1 picks and margins instead of
+the rows, and the loop calls ``core.step_from_picks`` instead of ``core.step``. Everything about what is
+accepted, committed, streamed or when to stop is decided by ``ortspec.core``; this module only moves data.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from collections.abc import Callable, Iterator, Sequence
 
 import attrs
 
-from ortspec.backends.base import Backend
+from ortspec.backends.base import Backend, uses_device_picks
 from ortspec.core.proposers import Proposer
 from ortspec.core.state import (
     Commit,
@@ -28,18 +31,27 @@ from ortspec.core.state import (
     Stats,
     TokenLogprob,
     check_draft,
+    delivered,
     draft_budget,
     step,
-    step_ids,
+    step_from_picks,
 )
 from ortspec.core.width import FixedWidth, WidthPolicy
+
+
+def decode_rate(new_tokens: int, first_token_s: float, total_s: float) -> float | None:
+    """Tokens per second after the first token: ``(new_tokens - 1) / (total_s - first_token_s)``; None when
+    fewer than two tokens or no time passed after the first."""
+    if new_tokens < 2 or total_s <= first_token_s:
+        return None
+    return (new_tokens - 1) / (total_s - first_token_s)
 
 
 @attrs.frozen
 class Timings:
     """Wall-clock seconds: ``prefill_s`` for the prompt pass (which also picks the first token);
-    ``first_token_s`` from the call to the first commit;
-    ``decode_s`` for the steps; ``total_s`` for the whole call."""
+    ``first_token_s`` from the call to the first commit; ``decode_s`` for the steps after the prompt pass;
+    ``total_s`` for the whole call."""
 
     prefill_s: float = 0.0
     first_token_s: float = 0.0
@@ -50,11 +62,12 @@ class Timings:
 @attrs.frozen
 class GenerateResult:
     """What a generation produced. ``token_ids`` are the generated tokens (EOS and stop tokens kept);
-    ``text`` is their text, cut before a matched stop string; ``logprobs`` is None unless asked for."""
+    ``text`` is their text, cut before a matched stop string; ``logprobs`` is None unless asked for;
+    ``finish_reason`` is None for a partial result (see ``Generation.result``)."""
 
     token_ids: tuple[int, ...]
     text: str
-    finish_reason: FinishReason
+    finish_reason: FinishReason | None
     stop_matched: str | tuple[int, ...] | None
     stats: Stats
     logprobs: tuple[TokenLogprob, ...] | None
@@ -65,6 +78,11 @@ class GenerateResult:
     def tokens_per_second(self) -> float:
         """Generated tokens per second of the whole call (prefill included)."""
         return len(self.token_ids) / self.timings.total_s if self.timings.total_s > 0 else 0.0
+
+    @property
+    def decode_tokens_per_second(self) -> float:
+        """Generated tokens per second after the first token (0.0 with fewer than two tokens)."""
+        return decode_rate(len(self.token_ids), self.timings.first_token_s, self.timings.total_s) or 0.0
 
 
 class GenerationAborted(Exception):
@@ -94,13 +112,7 @@ def generate(
     input, ``BackendError`` when the backend refuses a call, ``GenerationAborted`` when the callback raises.
     """
     run = Generation(backend, prompt_tokens, options, proposer, draft_width=draft_width, detokenize=detokenize)
-    for commit in run:
-        if callback is not None:
-            try:
-                callback(commit)
-            except Exception as exc:
-                raise GenerationAborted(run.result()) from exc
-    return run.result()
+    return run.run(callback)
 
 
 class Generation:
@@ -122,14 +134,13 @@ class Generation:
     ) -> None:
         self._t_start = time.perf_counter()
         options = options if options is not None else Options()
-        self._policy = draft_width if isinstance(draft_width, WidthPolicy) else FixedWidth(draft_width)
-        capacity = backend.max_length
-        if options.max_context is None or options.max_context > capacity:
-            options = attrs.evolve(options, max_context=capacity)
-        self.state = DecodeState.start(prompt_tokens, options, detokenize)
+        self._policy: WidthPolicy = (
+            draft_width if isinstance(draft_width, WidthPolicy) else FixedWidth(draft_width)
+        )
+        self.state = DecodeState.start(prompt_tokens, options, detokenize, capacity=backend.max_length)
         self._backend = backend
         self._proposer = proposer
-        self._device_accept = bool(getattr(backend, "device_accept", False)) and not options.top_logprobs
+        self._device_picks = uses_device_picks(backend) and not options.top_logprobs
         self._commits: tuple[Commit, ...] = ()
         self._delivered = 0  # of self._commits
         self._t_first: float | None = None
@@ -158,59 +169,56 @@ class Generation:
         """True once the state is finished and every commit has been delivered."""
         return self.state.finished and self._delivered == len(self._commits)
 
+    def run(self, callback: Callable[[Commit], object] | None = None) -> GenerateResult:
+        """Consume the rest of the generation, passing each commit to ``callback``; return ``result()``. If the
+        callback raises, generation stops with ``GenerationAborted`` carrying what was delivered before."""
+        for commit in self:
+            if callback is not None:
+                try:
+                    callback(commit)
+                except Exception as exc:
+                    raise GenerationAborted(self.result()) from exc
+        return self.result()
+
     def _step(self) -> None:
         """One target pass: propose, verify, decide (core), rewind."""
         backend, state = self._backend, self.state
-        width = min(draft_budget(state), backend.max_length - state.context_len)
         draft: tuple[int, ...] = ()
+        width = min(draft_budget(state), self._policy.width()) if self._proposer is not None else 0
         if self._proposer is not None and width > 0:
-            width = min(width, self._policy.width())
-            if width > 0:
-                context = state.prompt_tokens + state.generated_tokens
-                proposal = tuple(self._proposer.propose(context, width))[:width]
-                draft = check_draft(state, proposal, backend.vocab_size)
+            proposal = tuple(self._proposer.propose(state.context_tokens, width))[:width]
+            draft = check_draft(state, proposal, backend.vocab_size)
         tokens = (state.pending_token, *draft)
-        if self._device_accept:
-            ids, margins = backend.verify_argmax(tokens, state.kv_len)
-            new_state, commits, rewind_to = step_ids(state, ids, draft, margins=margins)
+        if self._device_picks:
+            picks, margins = backend.verify_picks(tokens, state.kv_len)  # type: ignore[attr-defined]
+            new_state, commits, rewind_to = step_from_picks(
+                state, picks, draft, vocab_size=backend.vocab_size, margins=margins
+            )
         elif draft:
             rows = backend.decode_verify(tokens, state.kv_len)
             new_state, commits, rewind_to = step(state, rows[0], rows[1:], draft)
         else:
             new_state, commits, rewind_to = step(state, backend.decode(tokens, state.kv_len), None, draft)
         backend.rewind(rewind_to)
-        accepted = new_state.stats.accepted_tokens - state.stats.accepted_tokens
-        self._policy = self._policy.observe(len(draft), accepted)
+        self._policy = self._policy.observe(len(draft), new_state.stats.accepted_tokens - state.stats.accepted_tokens)
         self.state, self._commits, self._delivered = new_state, commits, 0
         if commits and self._t_first is None:
             self._t_first = time.perf_counter()
 
     def result(self) -> GenerateResult:
         """What was delivered so far: the finished result, or a partial one (``finish_reason`` None)."""
-        s = self.state
-        undelivered = self._commits[self._delivered :]
-        if undelivered:  # the consumer stopped mid-step: report only what it received
-            kept = len(s.generated_tokens) - len(undelivered)
-            s = attrs.evolve(
-                s,
-                generated_tokens=s.generated_tokens[:kept],
-                logprobs=s.logprobs[:kept],
-                streamed_chars=s.streamed_chars - sum(len(c.text) for c in undelivered),
-                finish_reason=None,
-                stop_matched=None,
-            )
+        s = delivered(self.state, self._commits[self._delivered :])
         now = time.perf_counter()
-        t_first = self._t_first if self._t_first is not None else now
         return GenerateResult(
             token_ids=s.generated_tokens,
-            text=s.text if s.finished else s.streamed_text,
+            text=s.text,
             finish_reason=s.finish_reason,
             stop_matched=s.stop_matched,
             stats=s.stats,
             logprobs=s.logprobs if s.options.top_logprobs else None,
             timings=Timings(
                 prefill_s=self._t_prefill - self._t_start,
-                first_token_s=t_first - self._t_start,
+                first_token_s=(self._t_first if self._t_first is not None else now) - self._t_start,
                 decode_s=now - self._t_prefill,
                 total_s=now - self._t_start,
             ),

@@ -1,4 +1,4 @@
-"""Time OrtBackend: one-token decode, decode_verify / verify_argmax for several K, session-option variants, and
+"""Time OrtBackend: one-token decode, decode_verify / verify_picks for several K, session-option variants, and
 onnxruntime-genai greedy on the same folder.
 
     python scripts/bench_backend.py [--model DIR] [--provider cpu|cuda] [--threads N] [--ks 1,2,4,8,16]
@@ -37,7 +37,7 @@ def measure(b: OrtBackend, *, ks, runs: int, warmup: int, prompt_len: int, seed:
     ops = [("decode", lambda: b.decode(toks[p:p + 1], p))]
     for k in ks:
         ops.append((f"verify{k}", lambda k=k: b.decode_verify(toks[p:p + k], p)))
-        ops.append((f"argmax{k}", lambda k=k: b.verify_argmax(toks[p:p + k], p)))
+        ops.append((f"argmax{k}", lambda k=k: b.verify_picks(toks[p:p + k], p)))
     samples: dict[str, list[float]] = {name: [] for name, _ in ops}
     for r in range(warmup + runs):
         for name, fn in ops:
@@ -50,7 +50,7 @@ def measure(b: OrtBackend, *, ks, runs: int, warmup: int, prompt_len: int, seed:
     med = {name: 1000.0 * statistics.median(v) for name, v in samples.items()}
     out = {"prefill_ms": prefill_ms, "prompt_len": prompt_len, "decode_ms": med["decode"]}
     out["verify_ms"] = {k: med[f"verify{k}"] for k in ks}
-    out["verify_argmax_ms"] = {k: med[f"argmax{k}"] for k in ks}
+    out["verify_picks_ms"] = {k: med[f"argmax{k}"] for k in ks}
     out["verify_ratio"] = {k: v / out["decode_ms"] for k, v in out["verify_ms"].items()}
     out["decode_ms_min"] = 1000.0 * min(samples["decode"])
     return out
@@ -209,7 +209,7 @@ def main(argv=None) -> int:
     print(f"decode (1 token): {r['decode_ms']:.2f} ms  ({1000 / r['decode_ms']:.1f} tok/s)")
     for k in ks:
         print(f"verify K={k:2d}: {r['verify_ms'][k]:7.2f} ms  ratio {r['verify_ratio'][k]:5.2f}x decode   "
-              f"verify_argmax {r['verify_argmax_ms'][k]:7.2f} ms")
+              f"verify_picks {r['verify_picks_ms'][k]:7.2f} ms")
 
     if args.genai or args.sweep:
         rng = np.random.default_rng(1)

@@ -33,13 +33,13 @@ MUTANTS = {
     "accept-without-check": ("state.py", "candidates[-1] == draft[len(candidates) - 1]", "candidates[-1] >= 0"),
     "stop-only-at-block-end": (
         "state.py",
-        "        elif (s := text.find_stop(opts.stop_strings)) is not None:",
-        "        elif i == len(candidates) - 1 and (s := text.find_stop(opts.stop_strings)) is not None:",
+        "        elif (s := text.find_stop()) is not None:",
+        "        elif i == len(candidates) - 1 and (s := text.find_stop()) is not None:",
     ),
     "context-limit-ignored-mid-block": (
         "state.py",
-        "budget = min(budget, state.options.max_context - state.context_len - 1)",
-        "budget = min(budget, state.options.max_context - state.context_len + 1)",
+        "budget = min(budget, limit - state.context_len - 1)",
+        "budget = min(budget, limit - state.context_len + 1)",
     ),
     "ties-to-highest-id": ("state.py", "t = int(np.argmax(row))", "t = int(len(row) - 1 - np.argmax(row[::-1]))"),
 }

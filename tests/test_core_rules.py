@@ -20,7 +20,7 @@ from ortspec.core.state import (
     check_draft,
     draft_budget,
     step,
-    step_ids,
+    step_from_picks,
 )
 
 # --------------------------------------------------------------------------------------------------------------
@@ -98,7 +98,7 @@ def test_plain_step_commits_the_base_pick():
     assert commits == (Commit(5, ""),)
     assert rewind_to == s2.kv_len == len(PROMPT) + 1 - 1
     assert s2.finish_reason is None
-    assert s2.stats == Stats(steps=1, target_forward_passes=1)
+    assert s2.stats == Stats(steps=1)
     assert s2.pending_token == 5
 
 
@@ -124,7 +124,6 @@ def test_all_draft_accepted_adds_bonus_from_last_row():
         proposed_tokens=3,
         accepted_tokens=3,
         multi_token_accepts=1,
-        target_forward_passes=1,
     )
 
 
@@ -242,7 +241,7 @@ def test_rewind_to_over_several_steps():
         assert len(s.generated_tokens) == before + len(commits)
     assert s.generated_tokens == (5, 1, 2, 3, 7, 4, 4, 4, 4)
     assert s.stats.steps == 4
-    assert s.stats.target_forward_passes == 4
+    assert s.stats.steps == 4
     assert s.stats.verification_steps == 3
     assert s.stats.proposed_tokens == 6
     assert s.stats.accepted_tokens == 2 + 0 + 3
@@ -377,7 +376,7 @@ def test_max_new_tokens_budget_values():
     s, _, _ = run(s, [7])
     assert draft_budget(s) == 0
     s, _, _ = run(s, [8])
-    assert s.finish_reason is FinishReason.MAX_TOKENS
+    assert s.finish_reason is FinishReason.MAX_NEW_TOKENS
     assert draft_budget(s) == 0
     assert draft_budget(start(Options(max_new_tokens=1))) == 0
 
@@ -391,7 +390,7 @@ def test_max_new_tokens_reached_exactly_by_a_full_budget_block():
     s, commits, rewind_to = run(s, [6, 7, 8], draft=(6, 7))
     assert s.generated_tokens == (5, 6, 7, 8)
     assert len(s.generated_tokens) == 4
-    assert s.finish_reason is FinishReason.MAX_TOKENS
+    assert s.finish_reason is FinishReason.MAX_NEW_TOKENS
     assert rewind_to == s.kv_len
 
 
@@ -400,7 +399,7 @@ def test_max_new_tokens_one():
     with pytest.raises(ValueError, match="budget of 0"):
         run(s, [1, 2], draft=(1,))
     s, commits, _ = run(s, [1])
-    assert s.generated_tokens == (1,) and s.finish_reason is FinishReason.MAX_TOKENS
+    assert s.generated_tokens == (1,) and s.finish_reason is FinishReason.MAX_NEW_TOKENS
 
 
 def test_max_context_budget_and_finish():
@@ -413,32 +412,32 @@ def test_max_context_budget_and_finish():
     s2, commits, rewind_to = run(s, [4, 5, 6], draft=(4, 5))
     assert s2.generated_tokens == (4, 5, 6)
     assert s2.context_len == opts.max_context
-    assert s2.finish_reason is FinishReason.LENGTH
+    assert s2.finish_reason is FinishReason.CONTEXT_FULL
     assert rewind_to == s2.kv_len == opts.max_context - 1
 
 
-def test_max_context_reached_mid_block_via_step_ids_after_earlier_steps():
+def test_max_context_reached_mid_block_via_step_from_picks_after_earlier_steps():
     opts = Options(max_new_tokens=100, max_context=len(PROMPT) + 5)
     s = start(opts)
-    s, _, _ = step_ids(s, [1], ())
-    s, _, _ = step_ids(s, [2], ())
+    s, _, _ = step_from_picks(s, [1], (), vocab_size=V)
+    s, _, _ = step_from_picks(s, [2], (), vocab_size=V)
     assert draft_budget(s) == 2
-    s, commits, rewind_to = step_ids(s, [3, 4, 5], (3, 4))
+    s, commits, rewind_to = step_from_picks(s, [3, 4, 5], (3, 4), vocab_size=V)
     assert s.generated_tokens == (1, 2, 3, 4, 5)
-    assert s.finish_reason is FinishReason.LENGTH
+    assert s.finish_reason is FinishReason.CONTEXT_FULL
     assert rewind_to == opts.max_context - 1
 
 
 def test_prompt_of_exactly_max_context_finishes_immediately():
     s = DecodeState.start((1, 2, 3), Options(max_context=3))
     assert s.finished
-    assert s.finish_reason is FinishReason.LENGTH
+    assert s.finish_reason is FinishReason.CONTEXT_FULL
     assert s.generated_tokens == ()
     assert draft_budget(s) == 0
     with pytest.raises(ValueError, match="already finished"):
         run(s, [1])
     with pytest.raises(ValueError, match="already finished"):
-        step_ids(s, [1], ())
+        step_from_picks(s, [1], (), vocab_size=V)
 
 
 def test_prompt_one_short_of_max_context_gets_one_token():
@@ -446,7 +445,7 @@ def test_prompt_one_short_of_max_context_gets_one_token():
     assert draft_budget(s) == 0
     s, commits, _ = run(s, [7])
     assert s.generated_tokens == (7,)
-    assert s.finish_reason is FinishReason.LENGTH
+    assert s.finish_reason is FinishReason.CONTEXT_FULL
 
 
 def test_eos_wins_over_max_tokens_on_the_same_token():
@@ -496,7 +495,7 @@ def test_stop_string_wins_over_max_tokens_on_the_same_token():
 def test_max_tokens_wins_over_max_context_on_the_same_token():
     s = start(Options(max_new_tokens=3, max_context=len(PROMPT) + 3))
     s, _, _ = run(s, [4, 5, 6], draft=(4, 5))
-    assert s.finish_reason is FinishReason.MAX_TOKENS
+    assert s.finish_reason is FinishReason.MAX_NEW_TOKENS
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -577,7 +576,7 @@ def test_stream_empty_piece_tokens():
 def test_stream_releases_everything_at_finish():
     s, per_step = _stream(Options(max_new_tokens=3, stop_strings="END"), [([A, E, N], (A, E))])
     assert per_step == [("a", "", "EN")]
-    assert s.finish_reason is FinishReason.MAX_TOKENS
+    assert s.finish_reason is FinishReason.MAX_NEW_TOKENS
     assert s.text == "aEN" and s.streamed_chars == 3
     assert s.stop_matched is None
 
@@ -743,9 +742,9 @@ def test_no_logprobs_by_default():
     assert all(c.logprob is None for c in commits)
 
 
-def test_step_ids_refuses_logprobs():
+def test_step_from_picks_refuses_logprobs():
     with pytest.raises(ValueError, match="logprobs"):
-        step_ids(start(Options(top_logprobs=1)), [4], ())
+        step_from_picks(start(Options(top_logprobs=1)), [4], (), vocab_size=V)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -806,7 +805,7 @@ def test_tie_guard_on_the_first_pick_commits_nothing_and_asks_for_a_plain_step()
     assert s2.finish_reason is None
     assert s2.stats.tie_guard_stops == 1
     assert s2.stats.steps == s.stats.steps + 1
-    assert s2.stats.target_forward_passes == s.stats.target_forward_passes + 1
+    assert s2.stats.steps == s.stats.steps + 1
     assert s2.stats.proposed_tokens == 1 and s2.stats.accepted_tokens == 0
     with pytest.raises(ValueError, match="budget of 0"):
         step(s2, base, rows, (4,))
@@ -852,21 +851,21 @@ def test_tie_guard_counts_every_stop():
     assert s.generated_tokens == (4, 5)
 
 
-def test_step_ids_tie_guard_with_margins():
+def test_step_from_picks_tie_guard_with_margins():
     s = start(Options(tie_margin=0.5))
-    s2, commits, rewind_to = step_ids(s, [4, 5, 6], (4, 5), margins=[2.0, 2.0, 0.1])
+    s2, commits, rewind_to = step_from_picks(s, [4, 5, 6], (4, 5), margins=[2.0, 2.0, 0.1], vocab_size=V)
     assert tokens(commits) == (4, 5)
     assert s2.stats.tie_guard_stops == 1
-    s3, commits, rewind_to = step_ids(s, [4, 5, 6], (4, 5), margins=np.array([0.1, 2.0, 2.0], np.float32))
+    s3, commits, rewind_to = step_from_picks(s, [4, 5, 6], (4, 5), margins=np.array([0.1, 2.0, 2.0], np.float32), vocab_size=V)
     assert commits == () and rewind_to == s.kv_len and draft_budget(s3) == 0
-    s4, commits, _ = step_ids(s, [4, 5, 6], (4, 5))  # no margins: no guard
+    s4, commits, _ = step_from_picks(s, [4, 5, 6], (4, 5), vocab_size=V)  # no margins: no guard
     assert tokens(commits) == (4, 5, 6)
-    s5, commits, _ = step_ids(s, [4], (), margins=[0.0])  # plain: never guarded
+    s5, commits, _ = step_from_picks(s, [4], (), margins=[0.0], vocab_size=V)  # plain: never guarded
     assert tokens(commits) == (4,)
 
 
 # --------------------------------------------------------------------------------------------------------------
-# step_ids == step
+# step_from_picks == step
 
 
 def _pick_row(pick: int, margin: float) -> np.ndarray:
@@ -886,7 +885,7 @@ def _pick_row(pick: int, margin: float) -> np.ndarray:
     ],
     ids=["max_tokens", "eos_tie_guard", "stop_strings", "stop_seq_max_context"],
 )
-def test_step_ids_equals_step(options):
+def test_step_from_picks_equals_step(options):
     plan = [  # (picks with margins, draft)
         ([(A, 1.0)], ()),
         ([(E, 1.0), (N, 0.1), (C3, 1.0)], (E, N)),
@@ -907,7 +906,7 @@ def test_step_ids_equals_step(options):
         rows = [_pick_row(p, m) for p, m in picks]
         a = step(s_logits, rows[0], np.stack(rows[1:]) if draft else None, draft)
         margins = [float(np.sort(r)[-1] - np.sort(r)[-2]) for r in rows]
-        b = step_ids(s_ids, [p for p, _ in picks], draft, margins=margins)
+        b = step_from_picks(s_ids, [p for p, _ in picks], draft, margins=margins, vocab_size=V)
         assert a == b
         s_logits, s_ids = a[0], b[0]
     assert s_logits == s_ids
@@ -1088,7 +1087,7 @@ def test_draft_longer_than_the_budget():
     with pytest.raises(ValueError, match="a draft of 3 tokens exceeds this step's budget of 2"):
         step(s, onehot(1), stack([1, 2, 3]), (1, 2, 3))
     with pytest.raises(ValueError, match="exceeds this step's budget of 2"):
-        step_ids(s, [1, 2, 3, 4], (1, 2, 3))
+        step_from_picks(s, [1, 2, 3, 4], (1, 2, 3), vocab_size=V)
     with pytest.raises(ValueError, match="exceeds this step's budget of 2"):
         check_draft(s, (1, 2, 3), V)
     assert check_draft(s, [np.int64(1), 2], V) == (1, 2)
@@ -1100,21 +1099,21 @@ def test_stepping_a_finished_state():
     with pytest.raises(ValueError, match="already finished"):
         run(s, [4])
     with pytest.raises(ValueError, match="already finished"):
-        step_ids(s, [4], ())
+        step_from_picks(s, [4], (), vocab_size=V)
     with pytest.raises(ValueError, match="already finished"):
         check_draft(s, (), V)
 
 
-def test_step_ids_argument_checks():
+def test_step_from_picks_argument_checks():
     s = start()
-    with pytest.raises(ValueError, match=r"target_ids must hold K \+ 1 = 3 picks, got 2"):
-        step_ids(s, [1, 2], (1, 2))
+    with pytest.raises(ValueError, match=r"picks must hold K \+ 1 = 3 ids, got 2"):
+        step_from_picks(s, [1, 2], (1, 2), vocab_size=V)
     with pytest.raises(ValueError, match="margins must hold 2 values, got 1"):
-        step_ids(s, [1, 2], (1,), margins=[1.0])
-    with pytest.raises(ValueError, match="target_ids"):
-        step_ids(s, [-1], ())
+        step_from_picks(s, [1, 2], (1,), margins=[1.0], vocab_size=V)
+    with pytest.raises(ValueError, match="picks"):
+        step_from_picks(s, [-1], (), vocab_size=V)
     with pytest.raises(ValueError, match="draft"):
-        step_ids(s, [1, 2], (-4,))
+        step_from_picks(s, [1, 2], (-4,), vocab_size=V)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -1172,5 +1171,10 @@ def test_stats_acceptance_rate():
 
 def test_finish_reason_str():
     assert str(FinishReason.EOS_TOKEN) == "eos_token"
-    assert FinishReason("length") is FinishReason.LENGTH
-    assert FinishReason.MAX_TOKENS == "max_tokens"
+    assert FinishReason("context_full") is FinishReason.CONTEXT_FULL
+    assert FinishReason.MAX_NEW_TOKENS == "max_new_tokens"
+
+
+def test_finish_reason_in_openai_words():
+    assert FinishReason.EOS_TOKEN.openai == FinishReason.STOP_SEQUENCE.openai == "stop"
+    assert FinishReason.MAX_NEW_TOKENS.openai == FinishReason.CONTEXT_FULL.openai == "length"

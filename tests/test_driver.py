@@ -43,11 +43,11 @@ class RecordingBackend(FakeBackend):
 
 
 class DeviceAcceptBackend(RecordingBackend):
-    """A backend offering ``verify_argmax`` (the device-side accept path: the driver feeds ``step_ids``)."""
+    """A backend offering ``verify_picks`` (the device-side accept path: the driver feeds ``step_from_picks``)."""
 
-    device_accept = True
+    picks_on_device = True
 
-    def verify_argmax(self, tokens, base):
+    def verify_picks(self, tokens, base):
         self.calls.append(("argmax", tuple(int(t) for t in tokens)))
         rows = FakeBackend.decode_verify(self, tokens, base)
         ids = np.argmax(rows, axis=1).astype(np.int64)
@@ -88,10 +88,10 @@ def test_plain_generate_equals_greedy(seed):
     backend = FakeBackend(model)
     r = generate(backend, PROMPT, Options(max_new_tokens=30))
     assert list(r.token_ids) == model.greedy(PROMPT, 30)
-    assert r.finish_reason is FinishReason.MAX_TOKENS
+    assert r.finish_reason is FinishReason.MAX_NEW_TOKENS
     assert r.stats.steps == 30
     assert r.stats.verification_steps == 0 and r.stats.proposed_tokens == 0
-    assert r.stats.target_forward_passes == 30 == backend.passes  # the prompt pass picks the first token
+    assert r.stats.steps == 30 == backend.passes  # the prompt pass picks the first token
     assert r.prompt_tokens == len(PROMPT)
     assert r.logprobs is None
 
@@ -102,7 +102,7 @@ def test_prompt_lookup_generate_equals_greedy(seed, width):
     model = make_model(seed)
     r = generate(FakeBackend(model), PROMPT, Options(max_new_tokens=40), PromptLookup(), draft_width=width)
     assert list(r.token_ids) == model.greedy(PROMPT, 40)
-    assert r.finish_reason is FinishReason.MAX_TOKENS
+    assert r.finish_reason is FinishReason.MAX_NEW_TOKENS
 
 
 def test_prompt_lookup_accepts_tokens_on_repetitive_text():
@@ -131,8 +131,8 @@ def test_device_accept_path_equals_greedy():
     r = generate(backend, PROMPT, Options(max_new_tokens=30), PromptLookup(), draft_width=4)
     assert list(r.token_ids) == model.greedy(PROMPT, 30)
     kinds = {kind for kind, _ in backend.calls}
-    assert kinds == {"decode", "argmax"}  # prefill, then every step through verify_argmax
-    assert r.stats.target_forward_passes == backend.passes
+    assert kinds == {"decode", "argmax"}  # prefill, then every step through verify_picks
+    assert r.stats.steps == backend.passes
 
 
 def test_device_accept_is_skipped_for_logprobs():
@@ -150,7 +150,7 @@ def test_one_token_prompt_has_no_prefill():
     r = generate(backend, [7], Options(max_new_tokens=6))
     assert list(r.token_ids) == model.greedy([7], 6)
     assert backend.calls[0] == ("decode", (7,))
-    assert r.stats.target_forward_passes == r.stats.steps == 6 == backend.passes
+    assert r.stats.steps == 6 == backend.passes
 
 
 def test_prompt_pass_picks_the_first_token():
@@ -364,7 +364,7 @@ def test_generation_iterator_partial_result_and_done():
     assert run.done
     final = run.result()
     assert final.token_ids == tuple(c.token_id for c in first + rest) == tuple(model.greedy(PROMPT, 12))
-    assert final.finish_reason is FinishReason.MAX_TOKENS
+    assert final.finish_reason is FinishReason.MAX_NEW_TOKENS
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -478,7 +478,7 @@ def test_stats_invariants_and_kv_length(proposer, width):
     assert 0 <= s.accepted_tokens <= s.proposed_tokens
     assert s.verification_steps <= s.steps
     assert s.multi_token_accepts <= s.verification_steps
-    assert s.target_forward_passes == s.steps == backend.passes
+    assert s.steps == backend.passes
     assert s.proposed_tokens <= width * s.verification_steps
     assert s.steps + s.accepted_tokens == len(r.token_ids)  # each pass commits its accepted drafts + 1
     assert backend.current_len() == len(PROMPT) + len(r.token_ids) - 1
@@ -491,7 +491,7 @@ def test_max_context_defaults_to_backend_capacity():
         backend = FakeBackend(model, max_length=10)
         r = generate(backend, PROMPT[:6], Options(max_new_tokens=100), proposer)
         assert len(r.token_ids) == 4
-        assert r.finish_reason is FinishReason.LENGTH
+        assert r.finish_reason is FinishReason.CONTEXT_FULL
         assert list(r.token_ids) == model.greedy(PROMPT[:6], 4)
         assert backend.peak_len <= 10
         assert backend.current_len() == 9
@@ -502,7 +502,7 @@ def test_max_context_larger_than_capacity_is_capped():
     backend = FakeBackend(model, max_length=12)
     r = generate(backend, PROMPT, Options(max_new_tokens=100, max_context=1000), Oracle(model))
     assert len(PROMPT) + len(r.token_ids) == 12
-    assert r.finish_reason is FinishReason.LENGTH
+    assert r.finish_reason is FinishReason.CONTEXT_FULL
     assert backend.peak_len <= 12
 
 
@@ -511,7 +511,7 @@ def test_max_context_smaller_than_capacity_is_honoured():
     backend = FakeBackend(model, max_length=100)
     r = generate(backend, PROMPT, Options(max_new_tokens=100, max_context=len(PROMPT) + 7), Oracle(model))
     assert len(r.token_ids) == 7
-    assert r.finish_reason is FinishReason.LENGTH
+    assert r.finish_reason is FinishReason.CONTEXT_FULL
     assert backend.peak_len <= len(PROMPT) + 7
 
 
@@ -525,7 +525,7 @@ def test_max_new_tokens_is_never_overshot_by_a_pass():
 
 def test_prompt_longer_than_capacity_raises():
     backend = RecordingBackend(make_model(), max_length=5)
-    with pytest.raises(ValueError, match="the prompt has 8 tokens but max_context is 5"):
+    with pytest.raises(ValueError, match=r"the prompt has 8 tokens but the context \(the KV capacity\) is 5"):
         generate(backend, PROMPT, Options(max_new_tokens=3))
     assert backend.calls == []
 
@@ -534,7 +534,7 @@ def test_prompt_filling_the_capacity_finishes_with_no_tokens():
     backend = RecordingBackend(make_model(), max_length=len(PROMPT))
     r = generate(backend, PROMPT, Options(max_new_tokens=3), PromptLookup())
     assert r.token_ids == ()
-    assert r.finish_reason is FinishReason.LENGTH
+    assert r.finish_reason is FinishReason.CONTEXT_FULL
     assert r.text == ""
     assert backend.calls == []
 
@@ -563,7 +563,7 @@ def test_default_options():
     model = make_model(28)
     r = generate(FakeBackend(model), PROMPT)
     assert len(r.token_ids) == Options().max_new_tokens
-    assert r.finish_reason is FinishReason.MAX_TOKENS
+    assert r.finish_reason is FinishReason.MAX_NEW_TOKENS
 
 
 def test_result_timings_and_rate():

@@ -25,7 +25,7 @@ def test_generate_greedy_and_speculative_agree(engine):
     for speculative in ("prompt-lookup", PromptLookup(ngram=2, max_draft=4)):
         s = engine.generate(prompt, max_tokens=40, ignore_eos=True, speculative=speculative)
         assert s.token_ids == g.token_ids and s.text == g.text
-    assert len(g.token_ids) == 40 and g.finish_reason == FinishReason.MAX_TOKENS
+    assert len(g.token_ids) == 40 and g.finish_reason == FinishReason.MAX_NEW_TOKENS
 
 
 def test_prompt_as_ids_and_chat(engine):
@@ -44,7 +44,7 @@ def test_stream_callback_signature_and_abort(engine):
     r = engine.generate_stream("abc abc abc", lambda t, i, f: seen.append((t, i, f)), max_tokens=12,
                                ignore_eos=True)
     assert "".join(t for t, _, _ in seen) == r.text
-    assert seen[-1][2] == "max_tokens"
+    assert seen[-1][2] == "max_new_tokens"
 
     def boom(text, token_id, finish_reason):
         if len(seen2) == 3:
@@ -79,7 +79,7 @@ def test_bad_input_is_refused(engine, tmp_path):
         engine.generate("x", speculative="medusa")
     with pytest.raises(ValueError, match="empty"):
         engine.generate("", max_tokens=3)
-    with pytest.raises(ValueError, match="max_new_tokens"):
+    with pytest.raises(ValueError, match="max_tokens"):
         engine.generate("x", max_tokens=0)
     with pytest.raises(ValueError, match="context"):
         engine.generate([3] * (engine.backend.max_length + 5), max_tokens=3)
@@ -87,6 +87,15 @@ def test_bad_input_is_refused(engine, tmp_path):
         Engine.from_dir(tmp_path / "missing")
     with pytest.raises(ModelFolderError, match="genai_config.json"):
         Engine.from_dir(tmp_path)
+
+
+def test_prompt_that_fills_the_context_ends_at_once(engine):
+    """The core's prompt-length rule, as the Engine applies it: a prompt of exactly the context ends with
+    CONTEXT_FULL and no token; one token less gets exactly one token."""
+    full = engine.generate([3] * engine.backend.max_length, max_tokens=3)
+    assert full.token_ids == () and full.finish_reason is FinishReason.CONTEXT_FULL
+    one = engine.generate([3] * (engine.backend.max_length - 1), max_tokens=3, speculative="prompt-lookup")
+    assert len(one.token_ids) == 1 and one.finish_reason is FinishReason.CONTEXT_FULL
 
 
 def test_folder_without_tokenizer_is_refused(tiny_model_dir, tmp_path):

@@ -258,7 +258,7 @@ def test_contract_violations_raise_and_leave_the_cache_usable(tiny_dir):
         (lambda: b.decode([-1], 10), "outside the vocabulary"),
         (lambda: b.decode_verify([3, 10**9], 10), "outside the vocabulary"),
         (lambda: b.decode([], 10), "empty"),
-        (lambda: b.verify_argmax([], 10), "empty"),
+        (lambda: b.verify_picks([], 10), "empty"),
         (lambda: b.decode([[1, 2]], 10), "flat"),
         (lambda: b.rewind(11), "rewind"),
         (lambda: b.rewind(-1), "rewind"),
@@ -291,12 +291,12 @@ def test_chunked_prefill_equals_unchunked(tiny_dir, record_property):
     assert diff <= ROW_TOL
 
 
-def test_verify_argmax_matches_numpy_argmax_of_decode_verify(backend):
+def test_verify_picks_matches_numpy_argmax_of_decode_verify(backend):
     toks = _tokens(40, backend.vocab_size, seed=13)
     backend.decode(toks[:24], 0)
     rows = backend.decode_verify(toks[24:], 24).copy()
     backend.rewind(24)
-    ids, margins = backend.verify_argmax(toks[24:], 24)
+    ids, margins = backend.verify_picks(toks[24:], 24)
     assert backend.current_len() == 40
     assert ids.dtype == np.int64 and margins.dtype == np.float32 and ids.shape == margins.shape == (16,)
     assert (ids == rows.argmax(axis=1)).all()
@@ -326,8 +326,8 @@ def test_grow_copy_path_equals_shared_buffers(tiny_dir, caplog, record_property)
     diffs.append(np.abs(copy.decode(toks[25:28], 25) - shared.decode(toks[25:28], 25)).max())
     ra, rb = copy.decode_verify(toks[28:36], 28).copy(), shared.decode_verify(toks[28:36], 28).copy()
     diffs.append(np.abs(ra - rb).max())
-    ia, _ = copy.verify_argmax(toks[36:], 36)
-    ib, _ = shared.verify_argmax(toks[36:], 36)
+    ia, _ = copy.verify_picks(toks[36:], 36)
+    ib, _ = shared.verify_picks(toks[36:], 36)
     diff = float(max(diffs))
     _record("grow_copy_vs_shared", diff, record_property)
     assert diff <= ROW_TOL and (ia == ib).all()
@@ -346,7 +346,7 @@ def test_float16_kv_model_on_cpu(tiny16_dir, record_property):
     _record("verify_vs_sequential_fp16_cpu", diff, record_property)
     assert diff <= 2e-2
     b.rewind(8)
-    ids, _ = b.verify_argmax(toks[8:], 8)
+    ids, _ = b.verify_picks(toks[8:], 8)
     assert (ids == rows.argmax(axis=1)).all()
 
 
@@ -423,7 +423,7 @@ def test_cuda_rows_rewind_and_argmax(cuda_dir, array_module, record_property):
     _record(f"verify_vs_sequential_cuda_{array_module}", diff, record_property)
     assert diff <= 3e-2  # float16 model
     b.rewind(40)
-    ids, margins = b.verify_argmax(toks[40:50], 40)
+    ids, margins = b.verify_picks(toks[40:50], 40)
     assert (ids == rows.argmax(axis=1)).all()
     top2 = np.sort(rows, axis=1)[:, -2:]
     np.testing.assert_allclose(margins, top2[:, 1] - top2[:, 0], rtol=0, atol=1e-6)
@@ -542,28 +542,28 @@ def test_real_model_rows_and_greedy_match_onnxruntime_genai(record_property):
 
 @pytest.mark.cuda
 def test_cuda_engine_speculative_equals_greedy_via_device_accept(cuda_dir, record_property):
-    """The whole loop on CUDA: the driver feeds core.step_ids from verify_argmax (K + 1 ids and margins copied to
+    """The whole loop on CUDA: the driver feeds core.step_from_picks from verify_picks (K + 1 ids and margins copied to
     the host per pass), and speculative output equals greedy output. Agreement with the CPU run of the same fp16
     folder is recorded, not asserted (fp16 kernels differ between providers)."""
     from ortspec import Options, PromptLookup, generate
 
     cuda = OrtBackend.from_folder(cuda_dir, provider="cuda")
-    assert cuda.device_accept
-    calls = {"verify_argmax": 0}
-    original = cuda.verify_argmax
+    assert cuda.picks_on_device
+    calls = {"verify_picks": 0}
+    original = cuda.verify_picks
 
     def counting(tokens, base):
-        calls["verify_argmax"] += 1
+        calls["verify_picks"] += 1
         return original(tokens, base)
 
-    cuda.verify_argmax = counting
+    cuda.verify_picks = counting
     prompt = _tokens(12, cuda.vocab_size, seed=3) * 3
     options = Options(max_new_tokens=48)
     greedy = generate(cuda, prompt, options)
     spec = generate(cuda, prompt, options, PromptLookup(ngram=3, max_draft=6), draft_width=6)
-    assert calls["verify_argmax"] == greedy.stats.steps + spec.stats.steps
+    assert calls["verify_picks"] == greedy.stats.steps + spec.stats.steps
     assert spec.token_ids == greedy.token_ids
-    assert spec.stats.target_forward_passes <= greedy.stats.target_forward_passes
+    assert spec.stats.steps <= greedy.stats.steps
     guarded = generate(cuda, prompt, Options(max_new_tokens=48, tie_margin=1e-3), PromptLookup(), draft_width=6)
     assert guarded.token_ids == greedy.token_ids
     cpu_ids = generate(OrtBackend.from_folder(cuda_dir, provider="cpu", threads=2), prompt, options).token_ids

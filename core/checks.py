@@ -1,0 +1,48 @@
+"""Argument checks shared by the core's values: one idiom, one message shape (``ValueError`` naming the field)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import numpy as np
+
+
+def is_int(value: object) -> bool:
+    """An int (Python or numpy), not a bool."""
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
+def check_int(name: str, value: object, minimum: int) -> int:
+    """``value`` as an int; ``ValueError`` naming ``name`` unless it is an int >= ``minimum``."""
+    if not is_int(value) or int(value) < minimum:  # type: ignore[call-overload]
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+    return int(value)  # type: ignore[call-overload]
+
+
+def int_at_least(minimum: int, name: str | None = None) -> Callable[[Any, Any, Any], None]:
+    """An attrs validator: the field is an int >= ``minimum`` (the error names ``name`` or the field)."""
+
+    def validate(instance: Any, attribute: Any, value: Any) -> None:
+        check_int(name or attribute.name, value, minimum)
+
+    return validate
+
+
+def token_ids(name: str, values: Iterable[object]) -> tuple[int, ...]:
+    """``values`` as a tuple of ints; ``ValueError`` naming ``name`` at the first one that is not an int >= 0."""
+    out = []
+    for v in values:
+        if not is_int(v) or int(v) < 0:  # type: ignore[call-overload]
+            raise ValueError(f"{name}: {v!r} is not a token id (a non-negative int)")
+        out.append(int(v))  # type: ignore[call-overload]
+    return tuple(out)
+
+
+def ids_in_vocab(name: str, values: Iterable[object], vocab_size: int) -> tuple[int, ...]:
+    """``token_ids`` that must also lie in ``[0, vocab_size)``."""
+    ids = token_ids(name, values)
+    for t in ids:
+        if t >= vocab_size:
+            raise ValueError(f"{name} holds token id {t}, outside the vocabulary [0, {vocab_size})")
+    return ids
