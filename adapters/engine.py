@@ -126,8 +126,10 @@ def _bind_options(method: Callable[..., R], leading: int, options_type: Callable
     def wrapper(*args: Any, **kwargs: Any) -> R:
         return method(*args[:leading], options_type(*args[leading:], **kwargs))
 
-    head = [p.replace(kind=inspect.Parameter.POSITIONAL_ONLY)
-            for p in list(inspect.signature(method).parameters.values())[:leading]]
+    head = [
+        p.replace(kind=inspect.Parameter.POSITIONAL_ONLY)
+        for p in list(inspect.signature(method).parameters.values())[:leading]
+    ]
     keywords = list(inspect.signature(options_type).parameters.values())
     wrapper.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
         head + keywords, return_annotation=inspect.signature(method).return_annotation
@@ -144,8 +146,10 @@ def takes_options(
 
 def takes_callback_and_options(
     options_type: Callable[P, GenerationOptions],
-) -> Callable[[Callable[[Any, Prompt, StreamCallback, GenerationOptions], R]],
-              Callable[Concatenate[Any, Prompt, StreamCallback, P], R]]:
+) -> Callable[
+    [Callable[[Any, Prompt, StreamCallback, GenerationOptions], R]],
+    Callable[Concatenate[Any, Prompt, StreamCallback, P], R],
+]:
     """``takes_options`` for ``method(self, prompt, callback, options)``."""
     return lambda method: _bind_options(method, 3, options_type)  # type: ignore[no-any-return]
 
@@ -153,8 +157,14 @@ def takes_callback_and_options(
 class Engine:
     """Greedy and speculative generation on one model folder. Not re-entrant: one generation at a time."""
 
-    def __init__(self, backend: Backend, tokenizer: Tokenizer, *, eos_token_ids: Sequence[int] = (),
-                 folder: ModelFolder | None = None) -> None:
+    def __init__(
+        self,
+        backend: Backend,
+        tokenizer: Tokenizer,
+        *,
+        eos_token_ids: Sequence[int] = (),
+        folder: ModelFolder | None = None,
+    ) -> None:
         self.backend = backend
         self.tokenizer = tokenizer
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -290,11 +300,16 @@ class Engine:
         if self._pass_costs is None or len(self._pass_costs) != kmax + 1:
             from ortspec.costs import cached_pass_costs
 
-            key = "|".join(str(x) for x in (
-                self.folder.model_path.resolve() if self.folder else id(self.backend),
-                self.folder.model_path.stat().st_mtime_ns if self.folder else "",
-                getattr(self.backend, "provider", "?"), getattr(self.backend, "threads", "?"), kmax,
-            ))
+            key = "|".join(
+                str(x)
+                for x in (
+                    self.folder.model_path.resolve() if self.folder else id(self.backend),
+                    self.folder.model_path.stat().st_mtime_ns if self.folder else "",
+                    getattr(self.backend, "provider", "?"),
+                    getattr(self.backend, "threads", "?"),
+                    kmax,
+                )
+            )
             cache_file = cache_root() / "pass_costs" / (hashlib.sha256(key.encode()).hexdigest()[:16] + ".json")
             self._pass_costs = cached_pass_costs(self.backend, cache_file, kmax)
         return self._pass_costs

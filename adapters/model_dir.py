@@ -107,8 +107,9 @@ class ModelFolder:
                 raise fail(f"missing or malformed section {where}{key!r} (expected an object)")
             return value
 
-        def integer(parent: Mapping[str, Any], key: str, where: str, *, required: bool = True,
-                    minimum: int | None = 1) -> int | None:
+        def integer(
+            parent: Mapping[str, Any], key: str, where: str, *, required: bool = True, minimum: int | None = 1
+        ) -> int | None:
             if key not in parent or parent[key] is None:
                 if required:
                     raise fail(f"missing {where}{key}")
@@ -120,8 +121,9 @@ class ModelFolder:
                 raise fail(f"{where}{key} must be >= {minimum}, got {value}")
             return value
 
-        def name(parent: Mapping[str, Any], key: str, where: str, default: str | None,
-                 *, pattern: bool = False) -> str | None:
+        def name(
+            parent: Mapping[str, Any], key: str, where: str, default: str | None, *, pattern: bool = False
+        ) -> str | None:
             value = parent.get(key, default)
             if value is None:
                 return None
@@ -163,8 +165,11 @@ class ModelFolder:
         if isinstance(eos, bool) or eos is None:
             raise fail("missing model.eos_token_id")
         eos_list = [eos] if isinstance(eos, int) else eos
-        if (not isinstance(eos_list, list) or not eos_list
-                or not all(isinstance(e, int) and not isinstance(e, bool) and e >= 0 for e in eos_list)):
+        if (
+            not isinstance(eos_list, list)
+            or not eos_list
+            or not all(isinstance(e, int) and not isinstance(e, bool) and e >= 0 for e in eos_list)
+        ):
             raise fail(f"model.eos_token_id must be an id or a non-empty list of ids, got {eos!r}")
 
         num_heads = integer(decoder, "num_attention_heads", w)

@@ -146,7 +146,11 @@ class FakeBackend:
         return self._run(tokens, base, "base")
 
     def rewind(self, length: int) -> None:
-        if isinstance(length, bool) or not isinstance(length, (int, np.integer)) or not 0 <= length <= len(self._tokens):
+        if (
+            isinstance(length, bool)
+            or not isinstance(length, (int, np.integer))
+            or not 0 <= length <= len(self._tokens)
+        ):
             raise BackendError(f"rewind({length}) outside [0, {len(self._tokens)}]")
         del self._tokens[length:]
         del self._hashes[length + 1 :]

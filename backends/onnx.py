@@ -133,15 +133,18 @@ def make_session_options(
     for key, value in dict(g.get("config_entries", {}) or {}).items():
         so.add_session_config_entry(str(key), str(value))
 
-    so.intra_op_num_threads = int(threads) if threads is not None else int(g.get("intra_op_num_threads") or
-                                                                          physical_cores())
+    so.intra_op_num_threads = (
+        int(threads) if threads is not None else int(g.get("intra_op_num_threads") or physical_cores())
+    )
     if inter_op_threads is None:
         inter_op_threads = int(g.get("inter_op_num_threads") or 1)
     so.inter_op_num_threads = int(inter_op_threads)
     so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
     level = graph_optimization_level.lower()
     if level not in _OPT_LEVELS:
-        raise ValueError(f"graph_optimization_level must be one of {sorted(_OPT_LEVELS)}, got {graph_optimization_level!r}")
+        raise ValueError(
+            f"graph_optimization_level must be one of {sorted(_OPT_LEVELS)}, got {graph_optimization_level!r}"
+        )
     level_enum = getattr(ort.GraphOptimizationLevel, _OPT_LEVELS[level], None)
     if level_enum is None:  # older onnxruntime without ORT_ENABLE_LAYOUT
         level_enum = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
@@ -186,7 +189,7 @@ def _graph_uses_gqa(model_path: Path) -> bool:
             while chunk := f.read(1 << 22):
                 if needle in tail + chunk:
                     return True
-                tail = chunk[-len(needle):]
+                tail = chunk[-len(needle) :]
     except OSError:
         return False
     return False
@@ -293,8 +296,10 @@ class _CupyArrays(_HostArrays):
             try:
                 kernel = _cupy_argmax_kernel(cp, str(rows.dtype)) if not self._kernel_failed else None
             except Exception as exc:  # noqa: BLE001 - NVRTC missing or failing: use plain CuPy reductions
-                logger.warning("OrtBackend: the fused argmax kernel did not compile (%s); using CuPy reductions",
-                               str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+                logger.warning(
+                    "OrtBackend: the fused argmax kernel did not compile (%s); using CuPy reductions",
+                    str(exc).splitlines()[0] if str(exc) else type(exc).__name__,
+                )
                 self._kernel_failed = True
                 kernel = None
             if kernel is None:
@@ -513,11 +518,13 @@ class OrtBackend:
         self.share_buffer = want_share and gqa
         if not self.share_buffer:
             why = (
-                "the graph has no GroupQueryAttention op" if want_share and not gqa
+                "the graph has no GroupQueryAttention op"
+                if want_share and not gqa
                 else "past/present buffer sharing is off (search.past_present_share_buffer or share_buffer=False)"
             )
-            logger.warning("OrtBackend(%s): %s; using the grow/copy KV path (slower, copies the KV each step)",
-                           folder.path, why)
+            logger.warning(
+                "OrtBackend(%s): %s; using the grow/copy KV path (slower, copies the KV each step)", folder.path, why
+            )
 
         self._xp = _HostArrays(device_id) if provider == "cpu" else _cuda_arrays(device_id, array_module)
         self._device_type = self._xp.device_type
@@ -540,10 +547,12 @@ class OrtBackend:
                     (folder.past_value_pattern, folder.present_value_pattern, self._values[layer]),
                 ):
                     ptr = xp.ptr(buf)
-                    self._io.bind_input(pattern_in % layer, self._device_type, device_id, self._kv_dtype,
-                                        list(self._kv_shape), ptr)
-                    self._io.bind_output(pattern_out % layer, self._device_type, device_id, self._kv_dtype,
-                                         list(self._kv_shape), ptr)
+                    self._io.bind_input(
+                        pattern_in % layer, self._device_type, device_id, self._kv_dtype, list(self._kv_shape), ptr
+                    )
+                    self._io.bind_output(
+                        pattern_out % layer, self._device_type, device_id, self._kv_dtype, list(self._kv_shape), ptr
+                    )
 
     # ------------------------------------------------------------------------------------------------------------
     @classmethod
@@ -585,7 +594,8 @@ class OrtBackend:
             if "CUDAExecutionProvider" not in available:
                 raise BackendError(
                     "provider='cuda' but this onnxruntime has no CUDAExecutionProvider (available: "
-                    + ", ".join(available) + "); install onnxruntime-gpu (pip install 'ortspec[cuda]')"
+                    + ", ".join(available)
+                    + "); install onnxruntime-gpu (pip install 'ortspec[cuda]')"
                 )
             _preload_cuda_libraries(ort)
             providers = [("CUDAExecutionProvider", {"device_id": str(device_id)}), "CPUExecutionProvider"]
@@ -678,11 +688,15 @@ class OrtBackend:
                 if kv_dtype is None:
                     kv_dtype = dt
                 elif dt != kv_dtype:
-                    raise BackendError(f"{where}: {what} {arg.name!r} is {arg.type} but other KV tensors are {kv_dtype}")
+                    raise BackendError(
+                        f"{where}: {what} {arg.name!r} is {arg.type} but other KV tensors are {kv_dtype}"
+                    )
                 shape = list(arg.shape)
                 if len(shape) != 4:
-                    raise BackendError(f"{where}: {what} {arg.name!r} has rank {len(shape)}, expected 4 "
-                                       "([batch, kv_heads, length, head_size])")
+                    raise BackendError(
+                        f"{where}: {what} {arg.name!r} has rank {len(shape)}, expected 4 "
+                        "([batch, kv_heads, length, head_size])"
+                    )
                 for axis, expect, label in ((1, f.num_kv_heads, "num_key_value_heads"), (3, f.head_size, "head_size")):
                     if isinstance(shape[axis], int) and shape[axis] != expect:
                         raise BackendError(
@@ -692,19 +706,23 @@ class OrtBackend:
                 if table is inputs:
                     fed.add(arg.name)
         if f.num_layers and (f.past_key_pattern % f.num_layers) in inputs:
-            raise BackendError(f"{where}: the graph has more layers than genai_config.json's "
-                               f"num_hidden_layers = {f.num_layers}")
+            raise BackendError(
+                f"{where}: the graph has more layers than genai_config.json's num_hidden_layers = {f.num_layers}"
+            )
         self._kv_dtype = kv_dtype
 
         logits = need(outputs, f.logits_name, "output")
         self._logits_dtype = dtype_of(logits, _KV_DTYPES, "output")
         lshape = list(logits.shape)
         if len(lshape) != 3:
-            raise BackendError(f"{where}: output {logits.name!r} has rank {len(lshape)}, expected 3 "
-                               "([batch, sequence, vocab])")
+            raise BackendError(
+                f"{where}: output {logits.name!r} has rank {len(lshape)}, expected 3 ([batch, sequence, vocab])"
+            )
         if isinstance(lshape[2], int) and lshape[2] != f.vocab_size:
-            raise BackendError(f"{where}: output {logits.name!r} has vocab dim {lshape[2]} but genai_config.json "
-                               f"says vocab_size = {f.vocab_size}")
+            raise BackendError(
+                f"{where}: output {logits.name!r} has vocab dim {lshape[2]} but genai_config.json "
+                f"says vocab_size = {f.vocab_size}"
+            )
         self._logits_name = logits.name
 
         extra = sorted(set(inputs) - fed)
@@ -755,7 +773,7 @@ class OrtBackend:
             start = 0
             while start < n:
                 rows = min(self.prefill_chunk, n - start)
-                self._run(tokens[start:start + rows])
+                self._run(tokens[start : start + rows])
                 start += rows
         except BaseException:
             self._len = start_len  # chunks already folded in are forgotten: the call had no effect
@@ -794,7 +812,6 @@ class OrtBackend:
 
     def _run(self, tokens: np.ndarray) -> None:
         """One session run over ``tokens`` at position ``current_len()``; on success the length grows."""
-        f = self.folder
         io = self._io
         dev, dev_id, xp = self._device_type, self._device_id, self._xp
         s = len(tokens)
@@ -808,8 +825,14 @@ class OrtBackend:
         if self._mask_name:
             io.bind_input(self._mask_name, dev, dev_id, self._mask_dtype, [1, total], xp.ptr(self._mask))
         if self._pos_name:
-            io.bind_input(self._pos_name, dev, dev_id, self._pos_dtype, [1, s],
-                          xp.ptr(self._pos) + past * self._pos_dtype.itemsize)
+            io.bind_input(
+                self._pos_name,
+                dev,
+                dev_id,
+                self._pos_dtype,
+                [1, s],
+                xp.ptr(self._pos) + past * self._pos_dtype.itemsize,
+            )
         io.bind_output(self._logits_name, dev, dev_id, self._logits_dtype, [1, s, self._vocab], xp.ptr(self._logits))
 
         presents = None
@@ -848,9 +871,13 @@ class OrtBackend:
                     self._pasts.append(host)
                     io.bind_ortvalue_input(pattern_in % layer, self._ort.OrtValue.ortvalue_from_numpy(host))
                 else:
-                    io.bind_input(pattern_in % layer, dev, dev_id, self._kv_dtype, [1, kv_heads, past, head_size], xp.ptr(fed))
+                    io.bind_input(
+                        pattern_in % layer, dev, dev_id, self._kv_dtype, [1, kv_heads, past, head_size], xp.ptr(fed)
+                    )
                 out = xp.empty((1, kv_heads, total, head_size), self._kv_dtype)
-                io.bind_output(pattern_out % layer, dev, dev_id, self._kv_dtype, [1, kv_heads, total, head_size], xp.ptr(out))
+                io.bind_output(
+                    pattern_out % layer, dev, dev_id, self._kv_dtype, [1, kv_heads, total, head_size], xp.ptr(out)
+                )
                 pair.append(out)
             presents.append(tuple(pair))
         return presents

@@ -25,7 +25,8 @@ import platform
 import sys
 import threading
 import time
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 MIB = 1 << 20
 
@@ -43,7 +44,7 @@ def _best_copy_seconds(src, dst, repeats: int, threads: int) -> float:
 
     n = src.shape[0]
     bounds = [(i * n) // threads for i in range(threads + 1)]
-    chunks = [(src[bounds[i]:bounds[i + 1]], dst[bounds[i]:bounds[i + 1]]) for i in range(threads)]
+    chunks = [(src[bounds[i] : bounds[i + 1]], dst[bounds[i] : bounds[i + 1]]) for i in range(threads)]
     best = float("inf")
     for _ in range(repeats):
         barrier = threading.Barrier(threads + 1)
@@ -67,8 +68,9 @@ def _best_copy_seconds(src, dst, repeats: int, threads: int) -> float:
     return best
 
 
-def measure_memory_bandwidth(size_mib: int = 256, repeats: int = 7,
-                             threads: Sequence[int] | None = None) -> dict[str, Any]:
+def measure_memory_bandwidth(
+    size_mib: int = 256, repeats: int = 7, threads: Sequence[int] | None = None
+) -> dict[str, Any]:
     """STREAM-like copy bandwidth in GB/s (1e9 bytes/s, read + write counted).
 
     Returns ``{"copy_gb_s": best, "size_mib", "repeats", "method",
@@ -138,7 +140,7 @@ class CpuContention:
         self.self_cores: float | None = None
         self.wall_s = 0.0
 
-    def __enter__(self) -> "CpuContention":
+    def __enter__(self) -> CpuContention:
         self._stat0 = _proc_stat_busy()
         self._self0 = _self_cpu_seconds()
         self._t0 = time.perf_counter()
@@ -155,8 +157,7 @@ class CpuContention:
         self.others_cores = round(max(0.0, busy - mine) / self.wall_s, 3)
 
     def as_dict(self) -> dict[str, Any]:
-        return {"others_cores": self.others_cores, "self_cores": self.self_cores,
-                "wall_s": round(self.wall_s, 3)}
+        return {"others_cores": self.others_cores, "self_cores": self.self_cores, "wall_s": round(self.wall_s, 3)}
 
 
 def background_load(seconds: float = 1.0) -> float | None:
@@ -178,8 +179,9 @@ def _cpu_model() -> str:
         try:
             import subprocess
 
-            out = subprocess.run(["sysctl", "-n", "machdep.cpu.brand_string"],
-                                 capture_output=True, text=True, timeout=5)
+            out = subprocess.run(
+                ["sysctl", "-n", "machdep.cpu.brand_string"], capture_output=True, text=True, timeout=5
+            )
             if out.stdout.strip():
                 return out.stdout.strip()
         except (OSError, subprocess.SubprocessError):
@@ -244,7 +246,7 @@ def machine_info(include_bandwidth: bool = False) -> dict[str, Any]:
     """
     mem = _memory_bytes()
     info: dict[str, Any] = {
-        "date_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "date_utc": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
         "cpu": _cpu_model(),
         "cores": _cpu_counts(),
         "memory_gib": round(mem / (1 << 30), 2) if mem else None,
@@ -254,8 +256,15 @@ def machine_info(include_bandwidth: bool = False) -> dict[str, Any]:
         "background_load_cores": background_load(0.5),
         "versions": {
             name: _dist_version(name)
-            for name in ("numpy", "onnxruntime", "onnxruntime-gpu", "tokenizers",
-                         "onnxruntime-genai", "onnx-genai", "ortspec")
+            for name in (
+                "numpy",
+                "onnxruntime",
+                "onnxruntime-gpu",
+                "tokenizers",
+                "onnxruntime-genai",
+                "onnx-genai",
+                "ortspec",
+            )
         },
     }
     if include_bandwidth:

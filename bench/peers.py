@@ -42,9 +42,10 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -92,10 +93,10 @@ class PeerRunner:
     name: str = "peer"
     version: str = ""
 
-    def run(self, prompt: "str | Sequence[int]", max_new_tokens: int) -> PeerRun:  # pragma: no cover
+    def run(self, prompt: str | Sequence[int], max_new_tokens: int) -> PeerRun:  # pragma: no cover
         raise NotImplementedError
 
-    def warmup(self, prompt: "str | Sequence[int]" = "Hello", max_new_tokens: int = 8) -> None:
+    def warmup(self, prompt: str | Sequence[int] = "Hello", max_new_tokens: int = 8) -> None:
         """One short generation so that first-call costs are not measured."""
         self.run(prompt, max_new_tokens)
 
@@ -109,6 +110,7 @@ class PeerRunner:
 # --------------------------------------------------------------------------
 # Folder helpers (never touch the original folder)
 # --------------------------------------------------------------------------
+
 
 def _link_or_copy(src: Path, dst: Path) -> str:
     """Hard link ``src`` at ``dst`` (copy across file systems); returns the mode.
@@ -172,8 +174,13 @@ def _hf_tokenizer(folder: Path):
 class OrtGenAIRunner(PeerRunner):
     """ONNX Runtime GenAI greedy search, optionally with n-gram speculation."""
 
-    def __init__(self, model_dir: str | os.PathLike, threads: int = 2,
-                 ngram_size: int | None = None, max_draft_tokens: int | None = None):
+    def __init__(
+        self,
+        model_dir: str | os.PathLike,
+        threads: int = 2,
+        ngram_size: int | None = None,
+        max_draft_tokens: int | None = None,
+    ):
         import onnxruntime_genai as og
 
         self._og = og
@@ -187,12 +194,12 @@ class OrtGenAIRunner(PeerRunner):
         self.thread_pinning = ""
         self.model = self._load_model()
         self.tokenizer = og.Tokenizer(self.model)
-        self.eos_ids = set(int(e) for e in np.atleast_1d(self.tokenizer.eos_token_ids)) \
-            or _eos_ids_from_genai_config(self.model_dir)
+        self.eos_ids = set(int(e) for e in np.atleast_1d(self.tokenizer.eos_token_ids)) or _eos_ids_from_genai_config(
+            self.model_dir
+        )
 
     def _session_overlay(self) -> dict:
-        return {"model": {"decoder": {"session_options": {
-            "intra_op_num_threads": self.threads}}}}
+        return {"model": {"decoder": {"session_options": {"intra_op_num_threads": self.threads}}}}
 
     def _load_model(self):
         og = self._og
@@ -235,8 +242,7 @@ class OrtGenAIRunner(PeerRunner):
         ids = self._prompt_ids(prompt)
         t0 = time.perf_counter()
         params = og.GeneratorParams(self.model)
-        params.set_search_options(do_sample=False, max_length=len(ids) + int(max_new_tokens),
-                                  batch_size=1)
+        params.set_search_options(do_sample=False, max_length=len(ids) + int(max_new_tokens), batch_size=1)
         spec = self.speculative_options()
         if spec:
             params.set_speculative_options(**spec)
@@ -251,7 +257,7 @@ class OrtGenAIRunner(PeerRunner):
                 t_first = time.perf_counter()
         t_end = time.perf_counter()
         seq = [int(t) for t in gen.get_sequence(0)]
-        new = seq[len(ids):]
+        new = seq[len(ids) :]
         finish = "length"
         if new and new[-1] in self.eos_ids:
             new = new[:-1]
@@ -269,12 +275,23 @@ class OrtGenAIRunner(PeerRunner):
         return PeerRun(
             token_ids=new,
             text=self.tokenizer.decode(np.asarray(new, dtype=np.int32)) if new else "",
-            ttft_s=ttft, total_s=total, decode_tok_s=_decode_rate(len(new), ttft, total),
-            new_tokens=len(new), finish_reason=finish, prompt_tokens=len(ids), extra=extra)
+            ttft_s=ttft,
+            total_s=total,
+            decode_tok_s=_decode_rate(len(new), ttft, total),
+            new_tokens=len(new),
+            finish_reason=finish,
+            prompt_tokens=len(ids),
+            extra=extra,
+        )
 
     def describe(self) -> dict:
-        d = {"name": self.name, "version": self.version, "threads": self.threads,
-             "thread_pinning": self.thread_pinning, "model_dir": str(self.model_dir)}
+        d = {
+            "name": self.name,
+            "version": self.version,
+            "threads": self.threads,
+            "thread_pinning": self.thread_pinning,
+            "model_dir": str(self.model_dir),
+        }
         if self.ngram_size:
             d["speculative_options"] = self.speculative_options()
         return d
@@ -293,7 +310,8 @@ class OrtGenAIRunner(PeerRunner):
 
 def _default_cache_root() -> Path:
     base = os.environ.get("ORTSPEC_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "ortspec")
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "ortspec"
+    )
     return Path(base) / "peers" / "onnx_genai"
 
 
@@ -322,8 +340,9 @@ def _concretize_dims(model, names: dict[str, int]) -> int:
     return changed
 
 
-def patch_for_onnx_genai(model_dir: str | os.PathLike, threads: int = 2,
-                         cache_root: str | os.PathLike | None = None) -> Path:
+def patch_for_onnx_genai(
+    model_dir: str | os.PathLike, threads: int = 2, cache_root: str | os.PathLike | None = None
+) -> Path:
     """Folder ``onnx_genai.Engine.from_dir`` can load, built next to (never in)
     ``model_dir``.
 
@@ -366,8 +385,7 @@ def patch_for_onnx_genai(model_dir: str | os.PathLike, threads: int = 2,
         # Initializers keep their external_data references (relative file names),
         # which resolve to the linked weight files next to the new graph.
         onnx.save(model, str(tmp / onnx_name))
-        (tmp / ".ortspec-complete").write_text(json.dumps(
-            {"source": str(src), "kv_cache_dim": head}, indent=2))
+        (tmp / ".ortspec-complete").write_text(json.dumps({"source": str(src), "kv_cache_dim": head}, indent=2))
         if dst.exists():
             shutil.rmtree(dst)
         os.replace(tmp, dst)
@@ -390,7 +408,7 @@ class _CaptureStderr:
     def __init__(self) -> None:
         self.text = ""
 
-    def __enter__(self) -> "_CaptureStderr":
+    def __enter__(self) -> _CaptureStderr:
         import sys
 
         self._saved = None
@@ -438,9 +456,14 @@ class OnnxGenAIRunner(PeerRunner):
 
     name = "onnx_genai"
 
-    def __init__(self, model_dir: str | os.PathLike, threads: int = 2,
-                 fresh_engine: str = "always", ttft: str = "probe",
-                 cache_root: str | os.PathLike | None = None):
+    def __init__(
+        self,
+        model_dir: str | os.PathLike,
+        threads: int = 2,
+        fresh_engine: str = "always",
+        ttft: str = "probe",
+        cache_root: str | os.PathLike | None = None,
+    ):
         import onnx_genai
 
         if fresh_engine not in ("always", "repeat", "never"):
@@ -495,7 +518,8 @@ class OnnxGenAIRunner(PeerRunner):
         key = hashlib.sha256(text.encode("utf-8")).hexdigest()
         probe_ttft = self._probe_ttft(text) if self.ttft_mode == "probe" else None
         rebuild = (self.fresh_engine == "always" and self._engine_used) or (
-            self.fresh_engine == "repeat" and key in self._seen)
+            self.fresh_engine == "repeat" and key in self._seen
+        )
         if rebuild:
             self._engine = None  # free the old one before loading its successor
             self._engine = self._new_engine()
@@ -514,12 +538,14 @@ class OnnxGenAIRunner(PeerRunner):
                 reasons.append(finish_reason)
 
         t0 = time.perf_counter()
-        result = self._engine.generate_stream(text, on_token, max_tokens=int(max_new_tokens),
-                                              temperature=0.0)
+        result = self._engine.generate_stream(text, on_token, max_tokens=int(max_new_tokens), temperature=0.0)
         t_end = time.perf_counter()
         total = t_end - t0
-        extra: dict[str, Any] = {"engine_load_s": self.load_s, "fresh_engine": self.fresh_engine,
-                                 "ttft_mode": self.ttft_mode}
+        extra: dict[str, Any] = {
+            "engine_load_s": self.load_s,
+            "fresh_engine": self.fresh_engine,
+            "ttft_mode": self.ttft_mode,
+        }
         if stamps:
             extra["first_callback_s"] = stamps[0] - t0
         finish = str(reasons[-1]) if reasons else ""
@@ -546,17 +572,30 @@ class OnnxGenAIRunner(PeerRunner):
             ttft = min(probe_ttft, total)
         else:
             ttft = (stamps[0] - t0) if stamps else total
-        text_out = self.tokenizer.decode(new) if self.tokenizer is not None else str(
-            getattr(result, "text", ""))
-        return PeerRun(token_ids=new, text=text_out, ttft_s=ttft, total_s=total,
-                       decode_tok_s=_decode_rate(len(new), ttft, total), new_tokens=len(new),
-                       finish_reason=finish_norm, prompt_tokens=n_prompt, extra=extra)
+        text_out = self.tokenizer.decode(new) if self.tokenizer is not None else str(getattr(result, "text", ""))
+        return PeerRun(
+            token_ids=new,
+            text=text_out,
+            ttft_s=ttft,
+            total_s=total,
+            decode_tok_s=_decode_rate(len(new), ttft, total),
+            new_tokens=len(new),
+            finish_reason=finish_norm,
+            prompt_tokens=n_prompt,
+            extra=extra,
+        )
 
     def describe(self) -> dict:
-        return {"name": self.name, "version": self.version, "threads": self.threads,
-                "thread_pinning": "ONNX_GENAI_INTRA_OP_THREADS",
-                "patched_folder": str(self.folder), "fresh_engine": self.fresh_engine,
-                "ttft_mode": self.ttft_mode, "load_log": self.load_log}
+        return {
+            "name": self.name,
+            "version": self.version,
+            "threads": self.threads,
+            "thread_pinning": "ONNX_GENAI_INTRA_OP_THREADS",
+            "patched_folder": str(self.folder),
+            "fresh_engine": self.fresh_engine,
+            "ttft_mode": self.ttft_mode,
+            "load_log": self.load_log,
+        }
 
     def close(self) -> None:
         self._engine = None
@@ -567,8 +606,9 @@ class OnnxGenAIRunner(PeerRunner):
 # --------------------------------------------------------------------------
 
 
-def make_peer(name: str, model_dir: str | os.PathLike, threads: int = 2,
-              **options) -> tuple[PeerRunner | None, str | None]:
+def make_peer(
+    name: str, model_dir: str | os.PathLike, threads: int = 2, **options
+) -> tuple[PeerRunner | None, str | None]:
     """Build a peer runner, or return ``(None, reason)`` when it is unavailable.
 
     ``options`` go to the runner: ``ngram_size`` / ``max_draft_tokens`` for
@@ -586,19 +626,26 @@ def make_peer(name: str, model_dir: str | os.PathLike, threads: int = 2,
         if name == "ortgenai":
             return OrtGenAIRunner(model_dir, threads=threads), None
         if name == "ortgenai-ngram":
-            return OrtGenAIRunner(model_dir, threads=threads,
-                                  ngram_size=options.get("ngram_size", 3),
-                                  max_draft_tokens=options.get("max_draft_tokens", 8)), None
-        return OnnxGenAIRunner(model_dir, threads=threads,
-                               fresh_engine=options.get("fresh_engine", "always"),
-                               ttft=options.get("ttft", "probe"),
-                               cache_root=options.get("cache_root")), None
+            return OrtGenAIRunner(
+                model_dir,
+                threads=threads,
+                ngram_size=options.get("ngram_size", 3),
+                max_draft_tokens=options.get("max_draft_tokens", 8),
+            ), None
+        return OnnxGenAIRunner(
+            model_dir,
+            threads=threads,
+            fresh_engine=options.get("fresh_engine", "always"),
+            ttft=options.get("ttft", "probe"),
+            cache_root=options.get("cache_root"),
+        ), None
     except Exception as exc:
         return None, f"{name} could not load {model_dir}: {type(exc).__name__}: {exc}"
 
 
-def available_peers(model_dir: str | os.PathLike, threads: int = 2,
-                    names: Sequence[str] = PEER_NAMES, **options) -> tuple[dict, dict]:
+def available_peers(
+    model_dir: str | os.PathLike, threads: int = 2, names: Sequence[str] = PEER_NAMES, **options
+) -> tuple[dict, dict]:
     """``({name: runner}, {name: reason})`` for every requested peer."""
     runners, missing = {}, {}
     for n in names:
@@ -636,13 +683,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     tok = load_tokenizer(args.model_dir)
     cats = [c for c in args.categories.split(",") if c]
     wls = build_workloads(args.n, 1500, tok, tokenizer_folder=args.model_dir, categories=cats)
-    prompts = [(w.name, tok.encode(render_chat(w.messages, args.model_dir),
-                                   add_special_tokens=False).ids) for w in wls]
+    prompts = [(w.name, tok.encode(render_chat(w.messages, args.model_dir), add_special_tokens=False).ids) for w in wls]
     report: dict[str, Any] = {"threads": args.threads, "peers": {}, "missing": {}}
     outputs: dict[str, dict[str, list[int]]] = {}
     for name in [p for p in args.peers.split(",") if p]:
-        runner, why = make_peer(name, args.model_dir, threads=args.threads,
-                                ngram_size=args.ngram_size, max_draft_tokens=args.max_draft_tokens)
+        runner, why = make_peer(
+            name,
+            args.model_dir,
+            threads=args.threads,
+            ngram_size=args.ngram_size,
+            max_draft_tokens=args.max_draft_tokens,
+        )
         if runner is None:
             report["missing"][name] = why
             continue
@@ -656,13 +707,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                 d.pop("text")
             d["extra"] = {k: v for k, v in d["extra"].items() if k != "speculative_stats"} | (
                 {"acceptance_rate": r.extra["speculative_stats"].get("acceptance_rate")}
-                if "speculative_stats" in r.extra else {})
+                if "speculative_stats" in r.extra
+                else {}
+            )
             runs[wname] = d
             outputs.setdefault(wname, {})[name] = r.token_ids
         report["peers"][name] = {"describe": runner.describe(), "runs": runs}
         runner.close()
-    report["same_tokens"] = {
-        w: len({tuple(v) for v in o.values()}) == 1 for w, o in outputs.items()}
+    report["same_tokens"] = {w: len({tuple(v) for v in o.values()}) == 1 for w, o in outputs.items()}
     json.dump(report, sys.stdout, indent=2)
     sys.stdout.write("\n")
     return 0

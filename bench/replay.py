@@ -98,12 +98,16 @@ def main(argv: list[str] | None = None) -> int:
 
     folder = data["config"]["model_dir"]
     tok = load_tokenizer(folder)
-    workloads = build_workloads(data["config"]["n_per_category"], data["config"]["max_prompt_tokens"], tok,
-                                tokenizer_folder=folder)
+    workloads = build_workloads(
+        data["config"]["n_per_category"], data["config"]["max_prompt_tokens"], tok, tokenizer_folder=folder
+    )
     prompts = {w.name: encode_chat(w.messages, folder, tok) for w in workloads}
-    costs = ([float(c) for c in args.costs.split(",")] if args.costs else list(data["cost_curve"]["curve"]))
-    records = [r for r in data["runs"] if r["engine"] == "ortspec-greedy"
-               and (not args.category or r["category"] in args.category)]
+    costs = [float(c) for c in args.costs.split(",")] if args.costs else list(data["cost_curve"]["curve"])
+    records = [
+        r
+        for r in data["runs"]
+        if r["engine"] == "ortspec-greedy" and (not args.category or r["category"] in args.category)
+    ]
     vocab = tok.get_vocab_size()
     settings = {
         "lookup n3 w4": (PromptLookup(3, 4), 4),

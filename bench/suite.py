@@ -44,17 +44,16 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime as _dt
-import hashlib
 import json
 import math
-import os
 import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 SPEC_ENGINES = ("ortspec-lookup-w8", "ortspec-lookup-w4", "ortspec-lookup-adaptive", "ortspec-lookup-additive")
 ORTSPEC_ENGINES = ("ortspec-greedy", *SPEC_ENGINES)
@@ -109,8 +108,13 @@ def _git_commit() -> str | None:
     import subprocess
 
     try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).resolve().parent,
-                             capture_output=True, text=True, timeout=10)
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"],
+            cwd=Path(__file__).resolve().parent,
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
         return out.stdout.strip() or None
     except (OSError, subprocess.SubprocessError):
         return None
@@ -175,8 +179,11 @@ def weight_bytes(model_dir: Path) -> dict[str, Any]:
     cfg = json.loads((model_dir / "genai_config.json").read_text(encoding="utf-8"))
     name = cfg.get("model", {}).get("decoder", {}).get("filename", "model.onnx")
     onnx_path = model_dir / name
-    files = {p.name: p.stat().st_size for p in sorted(model_dir.iterdir())
-             if p.is_file() and (p.name == name or p.name.startswith(name + ".") or p.suffix == ".data")}
+    files = {
+        p.name: p.stat().st_size
+        for p in sorted(model_dir.iterdir())
+        if p.is_file() and (p.name == name or p.name.startswith(name + ".") or p.suffix == ".data")
+    }
     out: dict[str, Any] = {"files": files, "file_bytes": sum(files.values())}
     try:
         import numpy as np
@@ -196,10 +203,15 @@ def weight_bytes(model_dir: Path) -> dict[str, Any]:
             if users.get(t.name) == {"Gather"} and len(t.dims) == 2 and t.dims[0] > 0:
                 gather_only += size
                 gather_rows += size // int(t.dims[0])
-        out.update({"initializer_bytes": total, "gather_only_bytes": gather_only,
-                    "bytes_per_step": total - gather_only + gather_rows,
-                    "method": "sum of initializer sizes (onnx.load without external data); tables read only by "
-                              "Gather counted as one row"})
+        out.update(
+            {
+                "initializer_bytes": total,
+                "gather_only_bytes": gather_only,
+                "bytes_per_step": total - gather_only + gather_rows,
+                "method": "sum of initializer sizes (onnx.load without external data); tables read only by "
+                "Gather counted as one row",
+            }
+        )
     except Exception as exc:  # noqa: BLE001 - onnx missing or unreadable: fall back to file sizes
         out.update({"bytes_per_step": out["file_bytes"], "method": f"file sizes (onnx unavailable: {exc})"})
     return out
@@ -224,8 +236,9 @@ def kv_bytes_per_step(model_dir: Path, context: int) -> int:
     return context * int(dec["num_hidden_layers"]) * 2 * int(dec["num_key_value_heads"]) * head * itemsize
 
 
-def measure_cost_curve(backend, context_ids: Sequence[int], feed_ids: Sequence[int], kmax: int = KMAX,
-                       repeats: int = 15) -> dict[str, Any]:
+def measure_cost_curve(
+    backend, context_ids: Sequence[int], feed_ids: Sequence[int], kmax: int = KMAX, repeats: int = 15
+) -> dict[str, Any]:
     """The verify cost curve (see ``ortspec.costs.measure_pass_costs``)."""
     from ortspec.costs import measure_pass_costs
 
@@ -286,15 +299,28 @@ class RunRecord:
 
     def to_dict(self, keep_ids: bool) -> dict:
         d = {
-            "engine": self.engine, "workload": self.workload, "category": self.category, "repeat": self.repeat,
-            "prompt_tokens": self.prompt_tokens, "new_tokens": self.new_tokens,
-            "finish_reason": self.finish_reason, "ttft_s": _round(self.ttft_s, 5),
-            "total_s": _round(self.total_s, 5), "e2e_tok_s": _round(self.e2e_tok_s, 3),
-            "decode_tok_s": _round(self.decode_tok_s, 3), "acceptance": _round(self.acceptance, 4),
-            "proposed": self.proposed, "accepted": self.accepted, "passes": self.passes,
-            "decode_passes": self.decode_passes, "tokens_per_step": _round(self.tokens_per_step, 3),
-            "identical": self.identical, "first_mismatch": self.first_mismatch,
-            "contention": self.contention, "disturbed": self.disturbed, "extra": self.extra,
+            "engine": self.engine,
+            "workload": self.workload,
+            "category": self.category,
+            "repeat": self.repeat,
+            "prompt_tokens": self.prompt_tokens,
+            "new_tokens": self.new_tokens,
+            "finish_reason": self.finish_reason,
+            "ttft_s": _round(self.ttft_s, 5),
+            "total_s": _round(self.total_s, 5),
+            "e2e_tok_s": _round(self.e2e_tok_s, 3),
+            "decode_tok_s": _round(self.decode_tok_s, 3),
+            "acceptance": _round(self.acceptance, 4),
+            "proposed": self.proposed,
+            "accepted": self.accepted,
+            "passes": self.passes,
+            "decode_passes": self.decode_passes,
+            "tokens_per_step": _round(self.tokens_per_step, 3),
+            "identical": self.identical,
+            "first_mismatch": self.first_mismatch,
+            "contention": self.contention,
+            "disturbed": self.disturbed,
+            "extra": self.extra,
         }
         if self.error:
             d["error"] = self.error
@@ -306,8 +332,9 @@ class RunRecord:
 class OrtspecEngine:
     """One ortspec setting on a shared ``Engine``."""
 
-    def __init__(self, name: str, engine, make_proposer: Callable[[], Any] | None, draft_width: Any,
-                 description: dict) -> None:
+    def __init__(
+        self, name: str, engine, make_proposer: Callable[[], Any] | None, draft_width: Any, description: dict
+    ) -> None:
         self.name = name
         self.engine = engine
         self.make_proposer = make_proposer
@@ -315,22 +342,36 @@ class OrtspecEngine:
         self.description = description
 
     def warmup(self, ids: Sequence[int]) -> None:
-        self.engine.generate(list(ids), max_tokens=8, speculative=self.make_proposer() if self.make_proposer else None,
-                             draft_width=self.draft_width)
+        self.engine.generate(
+            list(ids),
+            max_tokens=8,
+            speculative=self.make_proposer() if self.make_proposer else None,
+            draft_width=self.draft_width,
+        )
 
     def run(self, ids: Sequence[int], max_new: int) -> dict:
-        r = self.engine.generate(list(ids), max_tokens=max_new,
-                                 speculative=self.make_proposer() if self.make_proposer else None,
-                                 draft_width=self.draft_width)
+        r = self.engine.generate(
+            list(ids),
+            max_tokens=max_new,
+            speculative=self.make_proposer() if self.make_proposer else None,
+            draft_width=self.draft_width,
+        )
         s = r.stats
         return {
-            "token_ids": list(r.token_ids), "finish_reason": r.finish_reason.openai, "ttft_s": r.timings.first_token_s,
-            "total_s": r.timings.total_s, "prompt_tokens": r.prompt_tokens,
+            "token_ids": list(r.token_ids),
+            "finish_reason": r.finish_reason.openai,
+            "ttft_s": r.timings.first_token_s,
+            "total_s": r.timings.total_s,
+            "prompt_tokens": r.prompt_tokens,
             "proposed": s.proposed_tokens if self.make_proposer else None,
             "accepted": s.accepted_tokens if self.make_proposer else None,
-            "passes": s.steps, "decode_passes": s.steps,
-            "extra": {"verification_steps": s.verification_steps, "multi_token_accepts": s.multi_token_accepts,
-                      "prefill_s": r.timings.prefill_s},
+            "passes": s.steps,
+            "decode_passes": s.steps,
+            "extra": {
+                "verification_steps": s.verification_steps,
+                "multi_token_accepts": s.multi_token_accepts,
+                "prefill_s": r.timings.prefill_s,
+            },
         }
 
     def describe(self) -> dict:
@@ -368,9 +409,16 @@ class PeerEngine:
             # greedy: the prefill pass yields the first token, then one pass per further token (EOS included)
             passes = decode_passes = n_with_eos
         return {
-            "token_ids": list(r.token_ids), "finish_reason": r.finish_reason, "ttft_s": r.ttft_s,
-            "total_s": r.total_s, "prompt_tokens": r.prompt_tokens, "proposed": proposed, "accepted": accepted,
-            "passes": passes, "decode_passes": decode_passes, "extra": extra,
+            "token_ids": list(r.token_ids),
+            "finish_reason": r.finish_reason,
+            "ttft_s": r.ttft_s,
+            "total_s": r.total_s,
+            "prompt_tokens": r.prompt_tokens,
+            "proposed": proposed,
+            "accepted": accepted,
+            "passes": passes,
+            "decode_passes": decode_passes,
+            "extra": extra,
         }
 
     def describe(self) -> dict:
@@ -390,19 +438,38 @@ def build_ortspec_engines(names: Sequence[str], engine, pass_costs: Sequence[flo
             out[name] = OrtspecEngine(name, engine, None, 8, {"speculative": None})
         elif name in ("ortspec-lookup-w8", "ortspec-lookup-w4"):
             w = 8 if name.endswith("w8") else 4
-            out[name] = OrtspecEngine(name, engine, lambda: PromptLookup(ngram=3, max_draft=8), w,
-                                      {"proposer": "PromptLookup(ngram=3, max_draft=8)", "draft_width": w})
+            out[name] = OrtspecEngine(
+                name,
+                engine,
+                lambda: PromptLookup(ngram=3, max_draft=8),
+                w,
+                {"proposer": "PromptLookup(ngram=3, max_draft=8)", "draft_width": w},
+            )
         elif name == "ortspec-lookup-adaptive":
             policy = CostAwareWidth(pass_costs=tuple(float(c) for c in pass_costs))
-            out[name] = OrtspecEngine(name, engine, lambda: PromptLookup(ngram=3, max_draft=KMAX), policy,
-                                      {"proposer": f"PromptLookup(ngram=3, max_draft={KMAX})",
-                                       "draft_width": "CostAwareWidth(pass_costs=measured verify cost curve)",
-                                       "pass_costs": [round(c, 4) for c in pass_costs]})
+            out[name] = OrtspecEngine(
+                name,
+                engine,
+                lambda: PromptLookup(ngram=3, max_draft=KMAX),
+                policy,
+                {
+                    "proposer": f"PromptLookup(ngram=3, max_draft={KMAX})",
+                    "draft_width": "CostAwareWidth(pass_costs=measured verify cost curve)",
+                    "pass_costs": [round(c, 4) for c in pass_costs],
+                },
+            )
         elif name == "ortspec-lookup-additive":
             policy = AdditiveWidth(maximum=KMAX)
-            out[name] = OrtspecEngine(name, engine, lambda: PromptLookup(ngram=3, max_draft=KMAX), policy,
-                                      {"proposer": f"PromptLookup(ngram=3, max_draft={KMAX})",
-                                       "draft_width": f"AdditiveWidth(current=4, maximum={KMAX}, +2/-1)"})
+            out[name] = OrtspecEngine(
+                name,
+                engine,
+                lambda: PromptLookup(ngram=3, max_draft=KMAX),
+                policy,
+                {
+                    "proposer": f"PromptLookup(ngram=3, max_draft={KMAX})",
+                    "draft_width": f"AdditiveWidth(current=4, maximum={KMAX}, +2/-1)",
+                },
+            )
     return out
 
 
@@ -468,12 +535,22 @@ def summarize(records: Sequence[RunRecord], engines: Sequence[str], categories: 
                 ratios.append(v[metric] / d[metric])
         if not ratios:
             return None
-        return {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios), "n": len(ratios),
-                "geomean": math.exp(sum(math.log(x) for x in ratios) / len(ratios))}
+        return {
+            "median": statistics.median(ratios),
+            "min": min(ratios),
+            "max": max(ratios),
+            "n": len(ratios),
+            "geomean": math.exp(sum(math.log(x) for x in ratios) / len(ratios)),
+        }
 
-    ratios: dict[str, Any] = {"vs_ortgenai_e2e": {}, "vs_ortgenai_decode": {}, "spec_vs_ortgenai_ngram_e2e": {},
-                              "spec_vs_ortgenai_ngram_decode": {}, "spec_vs_ortspec_greedy_e2e": {},
-                              "spec_vs_ortspec_greedy_decode": {}}
+    ratios: dict[str, Any] = {
+        "vs_ortgenai_e2e": {},
+        "vs_ortgenai_decode": {},
+        "spec_vs_ortgenai_ngram_e2e": {},
+        "spec_vs_ortgenai_ngram_decode": {},
+        "spec_vs_ortspec_greedy_e2e": {},
+        "spec_vs_ortspec_greedy_decode": {},
+    }
     for e in engines:
         for cat in cats:
             if e != BASELINE:
@@ -482,12 +559,17 @@ def summarize(records: Sequence[RunRecord], engines: Sequence[str], categories: 
             if e in SPEC_ENGINES:
                 ratios["spec_vs_ortgenai_ngram_e2e"].setdefault(e, {})[cat] = paired(e, NGRAM_PEER, "e2e_tok_s", cat)
                 ratios["spec_vs_ortgenai_ngram_decode"].setdefault(e, {})[cat] = paired(
-                    e, NGRAM_PEER, "decode_tok_s", cat)
+                    e, NGRAM_PEER, "decode_tok_s", cat
+                )
                 ratios["spec_vs_ortspec_greedy_e2e"].setdefault(e, {})[cat] = paired(e, REFERENCE, "e2e_tok_s", cat)
                 ratios["spec_vs_ortspec_greedy_decode"].setdefault(e, {})[cat] = paired(
-                    e, REFERENCE, "decode_tok_s", cat)
-    return {"table": table, "ratios": ratios,
-            "per_prompt": {f"{e}|{w}": {k: _round(v, 4) for k, v in d.items()} for (e, w), d in sorted(pp.items())}}
+                    e, REFERENCE, "decode_tok_s", cat
+                )
+    return {
+        "table": table,
+        "ratios": ratios,
+        "per_prompt": {f"{e}|{w}": {k: _round(v, 4) for k, v in d.items()} for (e, w), d in sorted(pp.items())},
+    }
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -518,32 +600,45 @@ def write_markdown(path: Path, result: dict[str, Any]) -> None:
     mi = result["machine"]
     lines.append(f"# ortspec benchmark — {result['label']}")
     lines.append("")
-    lines.append(f"Generated by `{result['command']}` on {result['date_utc']}. Model `{cfg['model_dir']}` "
-                 f"({cfg['precision']}), {cfg['threads']} intra-op threads for every engine, "
-                 f"{cfg['n_per_category']} prompts per category, {cfg['max_new_tokens']} new tokens, "
-                 f"{cfg['repeat']} run(s) per prompt and engine, engines interleaved per prompt.")
+    lines.append(
+        f"Generated by `{result['command']}` on {result['date_utc']}. Model `{cfg['model_dir']}` "
+        f"({cfg['precision']}), {cfg['threads']} intra-op threads for every engine, "
+        f"{cfg['n_per_category']} prompts per category, {cfg['max_new_tokens']} new tokens, "
+        f"{cfg['repeat']} run(s) per prompt and engine, engines interleaved per prompt."
+    )
     lines.append("")
-    lines.append(f"Machine: {mi.get('cpu')}, cores {mi.get('cores')}, {mi.get('memory_gib')} GiB, {mi.get('os')}, "
-                 f"{mi.get('python')}. Versions: "
-                 + ", ".join(f"{k} {v}" for k, v in (mi.get("versions") or {}).items() if v) + ".")
-    lines.append(f"Workloads digest `{result['workloads']['digest'][:16]}` ({result['workloads']['count']} prompts, "
-                 f"text from {result['workloads']['python']}'s stdlib).")
+    lines.append(
+        f"Machine: {mi.get('cpu')}, cores {mi.get('cores')}, {mi.get('memory_gib')} GiB, {mi.get('os')}, "
+        f"{mi.get('python')}. Versions: "
+        + ", ".join(f"{k} {v}" for k, v in (mi.get("versions") or {}).items() if v)
+        + "."
+    )
+    lines.append(
+        f"Workloads digest `{result['workloads']['digest'][:16]}` ({result['workloads']['count']} prompts, "
+        f"text from {result['workloads']['python']}'s stdlib)."
+    )
     if result["missing"]:
         lines.append("")
-        lines.append("**Missing engines** (not run, not faked): "
-                     + "; ".join(f"`{k}`: {v}" for k, v in result["missing"].items()))
+        lines.append(
+            "**Missing engines** (not run, not faked): "
+            + "; ".join(f"`{k}`: {v}" for k, v in result["missing"].items())
+        )
     lines.append("")
-    lines.append("Medians over prompts. tok/s e2e = new tokens ÷ total time (prefill included); decode tok/s = "
-                 "(new − 1) ÷ (total − TTFT); acceptance = accepted ÷ verified draft tokens; tokens/step = tokens "
-                 "per target pass after the prefill; passes = target forward passes (ortspec: prefill + steps; "
-                 "ORT GenAI n-gram: its reported target_forward_passes + standard_fallback_steps; greedy peers: "
-                 "one per token); identical = runs whose tokens equal ortspec-greedy's (EOS removed); disturbed = "
-                 f"runs during which other processes used > {cfg['contention_threshold']} cores.")
+    lines.append(
+        "Medians over prompts. tok/s e2e = new tokens ÷ total time (prefill included); decode tok/s = "
+        "(new − 1) ÷ (total − TTFT); acceptance = accepted ÷ verified draft tokens; tokens/step = tokens "
+        "per target pass after the prefill; passes = target forward passes (ortspec: prefill + steps; "
+        "ORT GenAI n-gram: its reported target_forward_passes + standard_fallback_steps; greedy peers: "
+        "one per token); identical = runs whose tokens equal ortspec-greedy's (EOS removed); disturbed = "
+        f"runs during which other processes used > {cfg['contention_threshold']} cores."
+    )
     lines.append("")
-    lines.append(f"Noise control: before each prompt's engine group the suite waited up to {cfg.get('wait_quiet_s')} s "
-                 f"for a quiet machine, and re-ran a group with a disturbed run up to {cfg.get('retry_disturbed')} "
-                 f"time(s) ({result.get('retries_used', 0)} re-runs); {result.get('disturbed_runs', 0)} of "
-                 f"{len(result.get('runs', []))} kept runs are still flagged disturbed.")
+    lines.append(
+        f"Noise control: before each prompt's engine group the suite waited up to {cfg.get('wait_quiet_s')} s "
+        f"for a quiet machine, and re-ran a group with a disturbed run up to {cfg.get('retry_disturbed')} "
+        f"time(s) ({result.get('retries_used', 0)} re-runs); {result.get('disturbed_runs', 0)} of "
+        f"{len(result.get('runs', []))} kept runs are still flagged disturbed."
+    )
     for cat in [*cats, "all"]:
         rows = s["table"].get(cat, {})
         if not rows:
@@ -551,8 +646,9 @@ def write_markdown(path: Path, result: dict[str, Any]) -> None:
         lines.append("")
         lines.append(f"## {cat}")
         lines.append("")
-        lines.append("| engine | tok/s e2e | decode tok/s | TTFT s | acceptance | tokens/step | passes | identical "
-                     "| disturbed |")
+        lines.append(
+            "| engine | tok/s e2e | decode tok/s | TTFT s | acceptance | tokens/step | passes | identical | disturbed |"
+        )
         lines.append("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
         for e in engines:
             v = rows.get(e)
@@ -562,7 +658,8 @@ def write_markdown(path: Path, result: dict[str, Any]) -> None:
             lines.append(
                 f"| {e} | {_fmt(v['e2e_tok_s'])} | {_fmt(v['decode_tok_s'])} | {_fmt(v['ttft_s'], 3)} | "
                 f"{_fmt(v['acceptance'] * 100 if v['acceptance'] is not None else None, 0, '%')} | "
-                f"{_fmt(v['tokens_per_step'], 2)} | {_fmt(v['passes'], 0)} | {ident} | {v['disturbed']}/{v['runs']} |")
+                f"{_fmt(v['tokens_per_step'], 2)} | {_fmt(v['passes'], 0)} | {ident} | {v['disturbed']}/{v['runs']} |"
+            )
 
     def ratio_table(title: str, key: str, note: str) -> None:
         tab = s["ratios"].get(key, {})
@@ -598,11 +695,13 @@ def write_markdown(path: Path, result: dict[str, Any]) -> None:
     lines.append("## Physical limits")
     if cc:
         lines.append("")
-        lines.append(f"Verify cost curve on OrtBackend at a {cc['context_tokens']}-token context: one pass over the "
-                     f"pending token + K draft tokens (`decode_verify` of K + 1 tokens; K = 0 is a 1-token `decode`), "
-                     f"median of {cc['repeats']} interleaved samples, rewound after each. The curve measured before "
-                     "the runs is the `pass_costs` of `ortspec-lookup-adaptive`; it is measured again after the runs. "
-                     "Each is re-measured while other processes disturb it.")
+        lines.append(
+            f"Verify cost curve on OrtBackend at a {cc['context_tokens']}-token context: one pass over the "
+            f"pending token + K draft tokens (`decode_verify` of K + 1 tokens; K = 0 is a 1-token `decode`), "
+            f"median of {cc['repeats']} interleaved samples, rewound after each. The curve measured before "
+            "the runs is the `pass_costs` of `ortspec-lookup-adaptive`; it is measured again after the runs. "
+            "Each is re-measured while other processes disturb it."
+        )
         lines.append("")
         lines.append("| K | " + " | ".join(str(k) for k in range(len(cc["curve"]))) + " |")
         lines.append("| --- |" + " ---: |" * len(cc["curve"]))
@@ -612,7 +711,9 @@ def write_markdown(path: Path, result: dict[str, Any]) -> None:
             others = (c.get("contention") or {}).get("others_cores")
             tag = f"{c.get('when', 'start')}, others {others} cores"
             lines.append(f"| ms ({tag}) | " + " | ".join(f"{t * 1000:.1f}" for t in c["pass_s"]) + " |")
-            lines.append(f"| ÷ decode ({c.get('when', 'start')}) | " + " | ".join(f"{x:.2f}" for x in c["curve"]) + " |")
+            lines.append(
+                f"| ÷ decode ({c.get('when', 'start')}) | " + " | ".join(f"{x:.2f}" for x in c["curve"]) + " |"
+            )
     bw = phys.get("bandwidth", {})
     wb = phys.get("weights", {})
     if bw or wb:
@@ -625,50 +726,67 @@ def write_markdown(path: Path, result: dict[str, Any]) -> None:
                 if t == "1":
                     continue
                 lines.append(f"| copy bandwidth, {t} Python thread(s) | {v} GB/s |")
-            lines.append(f"| bandwidth used for the fractions (best copy figure, measured at the start and the end of "
-                         f"the suite) | {phys.get('bandwidth_gb_s')} GB/s |")
+            lines.append(
+                f"| bandwidth used for the fractions (best copy figure, measured at the start and the end of "
+                f"the suite) | {phys.get('bandwidth_gb_s')} GB/s |"
+            )
         if wb:
             lines.append(f"| weight bytes per decode step | {wb.get('bytes_per_step', 0) / 1e6:.1f} MB |")
         if phys.get("kv_bytes_per_step") is not None:
-            lines.append(f"| KV bytes per decode step at {phys.get('kv_context')} tokens | "
-                         f"{phys['kv_bytes_per_step'] / 1e6:.1f} MB |")
+            lines.append(
+                f"| KV bytes per decode step at {phys.get('kv_context')} tokens | "
+                f"{phys['kv_bytes_per_step'] / 1e6:.1f} MB |"
+            )
         if phys.get("decode_step_s"):
-            lines.append(f"| decode step (cost curve K = 0, the quieter measurement: {phys.get('decode_step_from')}) "
-                         f"| {phys['decode_step_s'] * 1000:.2f} ms |")
+            lines.append(
+                f"| decode step (cost curve K = 0, the quieter measurement: {phys.get('decode_step_from')}) "
+                f"| {phys['decode_step_s'] * 1000:.2f} ms |"
+            )
             lines.append(f"| weights streamed per second in a decode step | {phys['achieved_gb_s']:.2f} GB/s |")
-            lines.append(f"| achieved fraction of bandwidth (weights ÷ step ÷ bandwidth) | "
-                         f"{phys['achieved_fraction'] * 100:.0f}% |")
+            lines.append(
+                f"| achieved fraction of bandwidth (weights ÷ step ÷ bandwidth) | "
+                f"{phys['achieved_fraction'] * 100:.0f}% |"
+            )
             if phys.get("achieved_fraction_with_kv") is not None:
                 lines.append(f"| achieved fraction, weights + KV | {phys['achieved_fraction_with_kv'] * 100:.0f}% |")
-            lines.append(f"| bandwidth-bound ceiling (bandwidth ÷ weight bytes) | "
-                         f"{phys['ceiling_tok_s']:.1f} tok/s |")
+            lines.append(f"| bandwidth-bound ceiling (bandwidth ÷ weight bytes) | {phys['ceiling_tok_s']:.1f} tok/s |")
         if phys.get("greedy_backend_step_s"):
-            lines.append(f"| backend time per step inside ortspec-greedy generations (overhead runs) → fraction | "
-                         f"{phys['greedy_backend_step_s'] * 1000:.2f} ms → {phys['greedy_backend_fraction'] * 100:.0f}% |")
+            lines.append(
+                f"| backend time per step inside ortspec-greedy generations (overhead runs) → fraction | "
+                f"{phys['greedy_backend_step_s'] * 1000:.2f} ms → {phys['greedy_backend_fraction'] * 100:.0f}% |"
+            )
         if phys.get("greedy_decode_tok_s"):
-            lines.append(f"| ortspec-greedy decode tok/s (median, all prompts) → fraction | "
-                         f"{phys['greedy_decode_tok_s']:.1f} → {phys['greedy_achieved_fraction'] * 100:.0f}% |")
+            lines.append(
+                f"| ortspec-greedy decode tok/s (median, all prompts) → fraction | "
+                f"{phys['greedy_decode_tok_s']:.1f} → {phys['greedy_achieved_fraction'] * 100:.0f}% |"
+            )
     if phys.get("decode_step_s"):
         lines.append("")
-        lines.append("The copy figure counts bytes read + bytes written; a decode step mostly reads, and a read-only "
-                     "stream can go faster than a copy, so a fraction near (or above) 100% means the step runs at the "
-                     "memory limit. Weight bytes: initializers of the graph (embedding tables read by Gather only "
-                     "would count one row).")
+        lines.append(
+            "The copy figure counts bytes read + bytes written; a decode step mostly reads, and a read-only "
+            "stream can go faster than a copy, so a fraction near (or above) 100% means the step runs at the "
+            "memory limit. Weight bytes: initializers of the graph (embedding tables read by Gather only "
+            "would count one row)."
+        )
     ov = result.get("overhead")
     if ov and ov.get("engines"):
         lines.append("")
         lines.append("## Driver overhead")
         lines.append("")
-        lines.append(f"Time per decode step outside the backend (driver + core + proposer + detokenizer) = step wall "
-                     f"time − time inside backend calls, measured through a timing proxy in separate runs on "
-                     f"{ov['prompts']} prompts; % of a decode step ({_fmt(ov['decode_step_s'] * 1000, 2)} ms, cost "
-                     "curve K = 0) and of the same runs' backend time per step.")
+        lines.append(
+            f"Time per decode step outside the backend (driver + core + proposer + detokenizer) = step wall "
+            f"time − time inside backend calls, measured through a timing proxy in separate runs on "
+            f"{ov['prompts']} prompts; % of a decode step ({_fmt(ov['decode_step_s'] * 1000, 2)} ms, cost "
+            "curve K = 0) and of the same runs' backend time per step."
+        )
         lines.append("")
         lines.append("| engine | steps | overhead µs/step (median) | % of a decode step | % of backend time/step |")
         lines.append("| --- | ---: | ---: | ---: | ---: |")
         for e, v in ov["engines"].items():
-            lines.append(f"| {e} | {v['steps']} | {v['overhead_us_per_step']:.0f} | {v['pct_of_decode_step']:.2f}% | "
-                         f"{_fmt(v['pct_of_backend_step'], 2, '%')} |")
+            lines.append(
+                f"| {e} | {v['steps']} | {v['overhead_us_per_step']:.0f} | {v['pct_of_decode_step']:.2f}% | "
+                f"{_fmt(v['pct_of_backend_step'], 2, '%')} |"
+            )
     if result.get("prompt_checks"):
         pc = result["prompt_checks"]
         lines.append("")
@@ -683,9 +801,11 @@ def write_markdown(path: Path, result: dict[str, Any]) -> None:
     if not mism:
         lines.append("None: every run equals ortspec-greedy token for token.")
     for m in mism:
-        lines.append(f"- `{m['engine']}` on `{m['workload']}` (repeat {m['repeat']}): first difference at new token "
-                     f"{m['first_mismatch']} ({m['reference_len']} vs {m['len']} tokens); reference "
-                     f"{json.dumps(m['reference_text'])} vs {json.dumps(m['text'])}")
+        lines.append(
+            f"- `{m['engine']}` on `{m['workload']}` (repeat {m['repeat']}): first difference at new token "
+            f"{m['first_mismatch']} ({m['reference_len']} vs {m['len']} tokens); reference "
+            f"{json.dumps(m['reference_text'])} vs {json.dumps(m['text'])}"
+        )
     lines.append("")
     path.write_text("\n".join(lines), encoding="utf-8")
 
@@ -704,8 +824,10 @@ def write_plot(path: Path, result: dict[str, Any]) -> str | None:
     fig, axes = plt.subplots(1, 2, figsize=(15, 5.5))
     width = 0.8 / max(len(engines), 1)
     cmap = plt.get_cmap("tab10")
-    for ax, metric, title in ((axes[0], "e2e_tok_s", "tokens/s end to end (prefill included)"),
-                              (axes[1], "decode_tok_s", "decode tokens/s (after the first token)")):
+    for ax, metric, title in (
+        (axes[0], "e2e_tok_s", "tokens/s end to end (prefill included)"),
+        (axes[1], "decode_tok_s", "decode tokens/s (after the first token)"),
+    ):
         for i, e in enumerate(engines):
             vals = [(table.get(c, {}).get(e) or {}).get(metric) or 0.0 for c in cats]
             xs = [j + (i - (len(engines) - 1) / 2) * width for j in range(len(cats))]
@@ -717,8 +839,10 @@ def write_plot(path: Path, result: dict[str, Any]) -> str | None:
         ax.grid(axis="y", alpha=0.3)
     axes[0].legend(fontsize=8, ncol=2)
     cfg = result["config"]
-    fig.suptitle(f"{Path(cfg['model_dir']).name}, {cfg['threads']} threads, {cfg['max_new_tokens']} new tokens, "
-                 f"{cfg['n_per_category']} prompts/category")
+    fig.suptitle(
+        f"{Path(cfg['model_dir']).name}, {cfg['threads']} threads, {cfg['max_new_tokens']} new tokens, "
+        f"{cfg['n_per_category']} prompts/category"
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -733,8 +857,12 @@ def write_plot(path: Path, result: dict[str, Any]) -> str | None:
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m bench.suite", description=__doc__.splitlines()[0])
     ap.add_argument("--model-dir", help="model folder (default: the cached SmolLM2 folder of --precision)")
-    ap.add_argument("--precision", default="fp32", choices=("fp32", "int8"),
-                    help="picks the default cached folder and names the output files (default fp32)")
+    ap.add_argument(
+        "--precision",
+        default="fp32",
+        choices=("fp32", "int8"),
+        help="picks the default cached folder and names the output files (default fp32)",
+    )
     ap.add_argument("--threads", type=int, default=2, help="intra-op threads for every engine (default 2)")
     ap.add_argument("--categories", default="code_edit,summarize,qa_context,open_ended")
     ap.add_argument("--n-per-category", type=int, default=8)
@@ -743,22 +871,45 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--engines", default=",".join(ALL_ENGINES), help="comma-separated engine names")
     ap.add_argument("--repeat", type=int, default=1, help="runs per prompt and engine (default 1)")
     ap.add_argument("--cost-repeat", type=int, default=15, help="samples per verify cost point (default 15)")
-    ap.add_argument("--cost-attempts", type=int, default=3,
-                    help="re-measure the cost curve up to this many times while it is disturbed (default 3)")
-    ap.add_argument("--overhead-prompts", type=int, default=2,
-                    help="prompts per category for the driver-overhead runs (0 = skip; default 2)")
-    ap.add_argument("--contention-threshold", type=float, default=0.3,
-                    help="a run is flagged disturbed when other processes used more cores than this on average")
-    ap.add_argument("--retry-disturbed", type=int, default=1,
-                    help="re-run a prompt's whole engine group up to N times while any of its runs is disturbed")
-    ap.add_argument("--wait-quiet", type=float, default=30.0,
-                    help="before each prompt's engine group (and the cost curve), wait up to this many seconds for "
-                         "other processes to use fewer than --contention-threshold cores (default 30; 0 = never)")
+    ap.add_argument(
+        "--cost-attempts",
+        type=int,
+        default=3,
+        help="re-measure the cost curve up to this many times while it is disturbed (default 3)",
+    )
+    ap.add_argument(
+        "--overhead-prompts",
+        type=int,
+        default=2,
+        help="prompts per category for the driver-overhead runs (0 = skip; default 2)",
+    )
+    ap.add_argument(
+        "--contention-threshold",
+        type=float,
+        default=0.3,
+        help="a run is flagged disturbed when other processes used more cores than this on average",
+    )
+    ap.add_argument(
+        "--retry-disturbed",
+        type=int,
+        default=1,
+        help="re-run a prompt's whole engine group up to N times while any of its runs is disturbed",
+    )
+    ap.add_argument(
+        "--wait-quiet",
+        type=float,
+        default=30.0,
+        help="before each prompt's engine group (and the cost curve), wait up to this many seconds for "
+        "other processes to use fewer than --contention-threshold cores (default 30; 0 = never)",
+    )
     ap.add_argument("--max-length", type=int, default=None, help="ortspec KV capacity (default: the model's)")
     ap.add_argument("--out", help="output folder (default docs/bench/; --quick: a temporary folder)")
     ap.add_argument("--label", help="names the output files (default: --precision, or 'quick')")
-    ap.add_argument("--quick", action="store_true",
-                    help="check the suite works on a tiny random model: 2 prompts/category, 16 tokens")
+    ap.add_argument(
+        "--quick",
+        action="store_true",
+        help="check the suite works on a tiny random model: 2 prompts/category, 16 tokens",
+    )
     ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args(argv)
     if args.quick:
@@ -813,9 +964,25 @@ def run_suite(args: argparse.Namespace, argv: Sequence[str] | None = None) -> di
         out_dir.mkdir(parents=True, exist_ok=True)
         model_dir = _resolve_model(args, workdir)
         quiet = lambda: wait_quiet(args.wait_quiet, args.contention_threshold, background_load)  # noqa: E731
-        result = _run(args, argv, label, out_dir, model_dir, workdir, tqdm, CpuContention, quiet, machine_info,
-                      measure_memory_bandwidth, make_peer, build_workloads, describe_workloads, encode_chat,
-                      load_tokenizer, Engine)
+        result = _run(
+            args,
+            argv,
+            label,
+            out_dir,
+            model_dir,
+            workdir,
+            tqdm,
+            CpuContention,
+            quiet,
+            machine_info,
+            measure_memory_bandwidth,
+            make_peer,
+            build_workloads,
+            describe_workloads,
+            encode_chat,
+            load_tokenizer,
+            Engine,
+        )
         if tmp_name and not args.out:
             print(json.dumps(_headline(result), indent=2))
         return result
@@ -826,9 +993,25 @@ def _headline(result: dict[str, Any]) -> dict[str, Any]:
     return {cat: {e: _round(v.get("e2e_tok_s"), 1) for e, v in rows.items()} for cat, rows in t.items()}
 
 
-def _run(args, argv, label, out_dir, model_dir, workdir, tqdm, CpuContention, quiet, machine_info,
-         measure_memory_bandwidth, make_peer, build_workloads, describe_workloads, encode_chat, load_tokenizer,
-         Engine) -> dict[str, Any]:
+def _run(
+    args,
+    argv,
+    label,
+    out_dir,
+    model_dir,
+    workdir,
+    tqdm,
+    CpuContention,
+    quiet,
+    machine_info,
+    measure_memory_bandwidth,
+    make_peer,
+    build_workloads,
+    describe_workloads,
+    encode_chat,
+    load_tokenizer,
+    Engine,
+) -> dict[str, Any]:
     t_suite = time.perf_counter()
     categories = [c for c in args.categories.split(",") if c]
     wanted = [e for e in args.engines.split(",") if e]
@@ -844,8 +1027,14 @@ def _run(args, argv, label, out_dir, model_dir, workdir, tqdm, CpuContention, qu
 
     # -- workloads, as token ids ---------------------------------------------------------------------------
     tok = load_tokenizer(model_dir)
-    workloads = build_workloads(args.n_per_category, args.max_prompt_tokens, tok, tokenizer_folder=model_dir,
-                                max_new_tokens=args.max_new_tokens, categories=categories)
+    workloads = build_workloads(
+        args.n_per_category,
+        args.max_prompt_tokens,
+        tok,
+        tokenizer_folder=model_dir,
+        max_new_tokens=args.max_new_tokens,
+        categories=categories,
+    )
     prompts = [(w, encode_chat(w.messages, model_dir, tok)) for w in workloads]
     wl_info = describe_workloads(workloads, tok, model_dir)
     log(f"{len(prompts)} prompts, {min(len(i) for _, i in prompts)}-{max(len(i) for _, i in prompts)} tokens")
@@ -855,8 +1044,11 @@ def _run(args, argv, label, out_dir, model_dir, workdir, tqdm, CpuContention, qu
 
     def bandwidth() -> dict[str, Any]:
         q = quiet()
-        b = measure_memory_bandwidth(size_mib=64 if args.quick else 256, repeats=3 if args.quick else 9,
-                                     threads=sorted({1, max(1, args.threads)}))
+        b = measure_memory_bandwidth(
+            size_mib=64 if args.quick else 256,
+            repeats=3 if args.quick else 9,
+            threads=sorted({1, max(1, args.threads)}),
+        )
         b["best_gb_s"] = max([b["copy_gb_s"], *[float(v) for v in (b.get("per_threads") or {}).values()]])
         b["quiet_wait"] = q
         return b
@@ -879,25 +1071,30 @@ def _run(args, argv, label, out_dir, model_dir, workdir, tqdm, CpuContention, qu
         for attempt in range(max(1, args.cost_attempts)):
             q = quiet()
             with CpuContention() as cc:
-                c = measure_cost_curve(engine.backend, pool[:mid], pool[mid: mid + KMAX + 1], KMAX,
-                                       args.cost_repeat)
+                c = measure_cost_curve(engine.backend, pool[:mid], pool[mid : mid + KMAX + 1], KMAX, args.cost_repeat)
             c.update(quiet_wait=q, contention=cc.as_dict(), when=when, attempt=attempt + 1)
             c["disturbed"] = bool(cc.others_cores is not None and cc.others_cores > args.contention_threshold)
             tries.append(c)
-            log(f"cost curve ({when}, try {attempt + 1}): decode {c['decode_step_s'] * 1000:.1f} ms, others "
-                f"{cc.others_cores} cores; " + " ".join(f"{x:.2f}" for x in c["curve"]))
+            log(
+                f"cost curve ({when}, try {attempt + 1}): decode {c['decode_step_s'] * 1000:.1f} ms, others "
+                f"{cc.others_cores} cores; " + " ".join(f"{x:.2f}" for x in c["curve"])
+            )
             if not c["disturbed"]:
                 break
-        best = min(tries, key=lambda c: (c["contention"]["others_cores"] or 0.0))
-        best["discarded_tries"] = [{"decode_step_s": t["decode_step_s"], "contention": t["contention"],
-                                    "curve": t["curve"]} for t in tries if t is not best]
+        best = min(tries, key=lambda c: c["contention"]["others_cores"] or 0.0)
+        best["discarded_tries"] = [
+            {"decode_step_s": t["decode_step_s"], "contention": t["contention"], "curve": t["curve"]}
+            for t in tries
+            if t is not best
+        ]
         return best
 
     log(f"verify cost curve at {mid} tokens, K = 0..{KMAX}, {args.cost_repeat} samples each")
     cost = cost_curve("start")
 
-    engines: dict[str, Any] = dict(build_ortspec_engines([e for e in wanted if e in ORTSPEC_ENGINES], engine,
-                                                         cost["curve"]))
+    engines: dict[str, Any] = dict(
+        build_ortspec_engines([e for e in wanted if e in ORTSPEC_ENGINES], engine, cost["curve"])
+    )
     missing: dict[str, str] = {}
     for name in [e for e in wanted if e in PEER_ENGINES]:
         opts: dict[str, Any] = {"ngram_size": 3, "max_draft_tokens": 8}
@@ -917,8 +1114,10 @@ def _run(args, argv, label, out_dir, model_dir, workdir, tqdm, CpuContention, qu
     # -- prompt identity across engines --------------------------------------------------------------------
     prompt_checks: dict[str, Any] = {}
     if "ortgenai" in engines or "ortgenai-ngram" in engines:
-        prompt_checks["ortgenai"] = {"summary": "given the same token ids (GeneratorParams + append_tokens)",
-                                     "same_ids": len(prompts)}
+        prompt_checks["ortgenai"] = {
+            "summary": "given the same token ids (GeneratorParams + append_tokens)",
+            "same_ids": len(prompts),
+        }
     if "onnx_genai" in engines:
         runner = engines["onnx_genai"].runner
         same, diffs = 0, []
@@ -932,11 +1131,20 @@ def _run(args, argv, label, out_dir, model_dir, workdir, tqdm, CpuContention, qu
             if got == list(ids):
                 same += 1
             elif got is not None:
-                diffs.append({"workload": w.name, "first_mismatch": _first_mismatch(ids, got),
-                              "len": len(got), "expected_len": len(ids)})
+                diffs.append(
+                    {
+                        "workload": w.name,
+                        "first_mismatch": _first_mismatch(ids, got),
+                        "len": len(got),
+                        "expected_len": len(ids),
+                    }
+                )
         prompt_checks["onnx_genai"] = {
             "summary": f"takes text: gets the ids decoded; its tokenizer re-encodes {same}/{len(prompts)} prompts "
-                       "to exactly the same ids", "same_ids": same, "differences": diffs}
+            "to exactly the same ids",
+            "same_ids": same,
+            "differences": diffs,
+        }
 
     # -- warm-up ---------------------------------------------------------------------------------------------
     warm_ids = prompts[0][1]
@@ -949,14 +1157,20 @@ def _run(args, argv, label, out_dir, model_dir, workdir, tqdm, CpuContention, qu
     reference: dict[tuple[str, int], list[int]] = {}
     retries_used = 0
     total_runs = args.repeat * len(prompts) * len(order)
-    bar = tqdm(total=total_runs, desc=f"bench.suite {label}", unit="run", file=sys.stderr, disable=not progress,
-               dynamic_ncols=True)
+    bar = tqdm(
+        total=total_runs,
+        desc=f"bench.suite {label}",
+        unit="run",
+        file=sys.stderr,
+        disable=not progress,
+        dynamic_ncols=True,
+    )
     for rep in range(args.repeat):
         for p_idx, (w, ids) in enumerate(prompts):
             shift = (p_idx + rep) % len(order)
             # the reference first so identity can be checked as runs arrive; the others rotate
             others = [e for e in order if e != REFERENCE]
-            rot = others[shift % len(others):] + others[: shift % len(others)] if others else []
+            rot = others[shift % len(others) :] + others[: shift % len(others)] if others else []
             group_order = [REFERENCE, *rot] if p_idx % 2 == 0 else [*rot, REFERENCE]
             attempt = 0
             while True:
@@ -989,8 +1203,10 @@ def _run(args, argv, label, out_dir, model_dir, workdir, tqdm, CpuContention, qu
 
     # -- the curve again, after the runs: the quieter of the two measurements gives the decode step time -------
     cost_end = cost_curve("end")
-    cost_phys = min((cost, cost_end), key=lambda c: ((c["contention"]["others_cores"] or 0.0) > args.contention_threshold,
-                                                   c["decode_step_s"]))
+    cost_phys = min(
+        (cost, cost_end),
+        key=lambda c: ((c["contention"]["others_cores"] or 0.0) > args.contention_threshold, c["decode_step_s"]),
+    )
 
     # -- overhead (driver + core + proposer), separate runs through a timing proxy --------------------------
     overhead = _measure_overhead(engine, prompts, categories, args, cost_phys["decode_step_s"], log, Engine)
@@ -1007,8 +1223,14 @@ def _run(args, argv, label, out_dir, model_dir, workdir, tqdm, CpuContention, qu
     kv = kv_bytes_per_step(model_dir, cost["context_tokens"])
     step = cost_phys["decode_step_s"]
     physical: dict[str, Any] = {
-        "bandwidth": bw, "bandwidth_runs": bw_runs, "bandwidth_gb_s": bw_best, "weights": wb, "kv_bytes_per_step": kv,
-        "kv_context": cost["context_tokens"], "decode_step_s": step, "decode_step_from": cost_phys["when"],
+        "bandwidth": bw,
+        "bandwidth_runs": bw_runs,
+        "bandwidth_gb_s": bw_best,
+        "weights": wb,
+        "kv_bytes_per_step": kv,
+        "kv_context": cost["context_tokens"],
+        "decode_step_s": step,
+        "decode_step_from": cost_phys["when"],
         "achieved_gb_s": wb["bytes_per_step"] / step / 1e9,
         "achieved_fraction": wb["bytes_per_step"] / step / (bw_best * 1e9),
         "achieved_fraction_with_kv": (wb["bytes_per_step"] + kv) / step / (bw_best * 1e9),
@@ -1027,26 +1249,42 @@ def _run(args, argv, label, out_dir, model_dir, workdir, tqdm, CpuContention, qu
         if r.identical is False:
             ref = reference.get((r.workload, r.repeat), [])
             i = r.first_mismatch or 0
-            mismatches.append({
-                "engine": r.engine, "workload": r.workload, "repeat": r.repeat, "first_mismatch": r.first_mismatch,
-                "reference_len": len(ref), "len": r.new_tokens,
-                "reference_text": engine.tokenizer.decode(ref[max(0, i - 8): i + 8]),
-                "text": engine.tokenizer.decode(r.token_ids[max(0, i - 8): i + 8]),
-                "token_ids": r.token_ids, "reference_ids": ref,
-            })
+            mismatches.append(
+                {
+                    "engine": r.engine,
+                    "workload": r.workload,
+                    "repeat": r.repeat,
+                    "first_mismatch": r.first_mismatch,
+                    "reference_len": len(ref),
+                    "len": r.new_tokens,
+                    "reference_text": engine.tokenizer.decode(ref[max(0, i - 8) : i + 8]),
+                    "text": engine.tokenizer.decode(r.token_ids[max(0, i - 8) : i + 8]),
+                    "token_ids": r.token_ids,
+                    "reference_ids": ref,
+                }
+            )
 
     cmd = "python -m bench.suite" + ("" if not argv else " " + " ".join(argv))
     result: dict[str, Any] = {
         "label": label,
         "command": cmd,
-        "date_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "date_utc": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
         "git_commit": _git_commit(),
         "config": {
-            "model_dir": str(model_dir), "precision": "tiny-fp32" if args.quick and not args.model_dir else args.precision,
-            "threads": args.threads, "categories": categories, "n_per_category": args.n_per_category,
-            "max_new_tokens": args.max_new_tokens, "max_prompt_tokens": args.max_prompt_tokens,
-            "repeat": args.repeat, "cost_repeat": args.cost_repeat, "contention_threshold": args.contention_threshold,
-            "retry_disturbed": args.retry_disturbed, "wait_quiet_s": args.wait_quiet, "engines": wanted, "quick": bool(args.quick),
+            "model_dir": str(model_dir),
+            "precision": "tiny-fp32" if args.quick and not args.model_dir else args.precision,
+            "threads": args.threads,
+            "categories": categories,
+            "n_per_category": args.n_per_category,
+            "max_new_tokens": args.max_new_tokens,
+            "max_prompt_tokens": args.max_prompt_tokens,
+            "repeat": args.repeat,
+            "cost_repeat": args.cost_repeat,
+            "contention_threshold": args.contention_threshold,
+            "retry_disturbed": args.retry_disturbed,
+            "wait_quiet_s": args.wait_quiet,
+            "engines": wanted,
+            "quick": bool(args.quick),
             "ortspec_max_length": engine.backend.max_length,
         },
         "machine": machine,
@@ -1061,9 +1299,14 @@ def _run(args, argv, label, out_dir, model_dir, workdir, tqdm, CpuContention, qu
         "overhead": overhead,
         "summary": {"table": summary["table"], "ratios": summary["ratios"]},
         "per_prompt": summary["per_prompt"],
-        "identity": {e: {"identical": sum(1 for r in records if r.engine == e and r.identical),
-                         "compared": sum(1 for r in records if r.engine == e and r.identical is not None)}
-                     for e in order if e != REFERENCE},
+        "identity": {
+            e: {
+                "identical": sum(1 for r in records if r.engine == e and r.identical),
+                "compared": sum(1 for r in records if r.engine == e and r.identical is not None),
+            }
+            for e in order
+            if e != REFERENCE
+        },
         "mismatches": mismatches,
         "disturbed_runs": sum(1 for r in records if r.disturbed),
         "retries_used": retries_used,
@@ -1108,9 +1351,20 @@ def _one_run(eng, name: str, w, ids, rep: int, args, eos: frozenset[int], CpuCon
             err = f"{type(exc).__name__}: {exc}"
             out = None
     if out is None:
-        return RunRecord(name, w.name, w.category, rep, len(ids), [], "", 0.0, 0.0, error=err,
-                         contention=c.as_dict(), disturbed=bool(c.others_cores and
-                                                                 c.others_cores > args.contention_threshold))
+        return RunRecord(
+            name,
+            w.name,
+            w.category,
+            rep,
+            len(ids),
+            [],
+            "",
+            0.0,
+            0.0,
+            error=err,
+            contention=c.as_dict(),
+            disturbed=bool(c.others_cores and c.others_cores > args.contention_threshold),
+        )
     toks = _strip_eos(out["token_ids"], eos)
     finish = out["finish_reason"]
     if "stop" in finish.lower() or "eos" in finish.lower():
@@ -1120,11 +1374,23 @@ def _one_run(eng, name: str, w, ids, rep: int, args, eos: frozenset[int], CpuCon
     if len(toks) < len(out["token_ids"]):
         finish = "stop"
     return RunRecord(
-        engine=name, workload=w.name, category=w.category, repeat=rep, prompt_tokens=len(ids), token_ids=toks,
-        finish_reason=finish, ttft_s=out["ttft_s"], total_s=out["total_s"], proposed=out["proposed"],
-        accepted=out["accepted"], passes=out["passes"], decode_passes=out["decode_passes"], extra=out["extra"],
+        engine=name,
+        workload=w.name,
+        category=w.category,
+        repeat=rep,
+        prompt_tokens=len(ids),
+        token_ids=toks,
+        finish_reason=finish,
+        ttft_s=out["ttft_s"],
+        total_s=out["total_s"],
+        proposed=out["proposed"],
+        accepted=out["accepted"],
+        passes=out["passes"],
+        decode_passes=out["decode_passes"],
+        extra=out["extra"],
         contention=c.as_dict(),
-        disturbed=bool(c.others_cores is not None and c.others_cores > args.contention_threshold))
+        disturbed=bool(c.others_cores is not None and c.others_cores > args.contention_threshold),
+    )
 
 
 def _measure_overhead(engine, prompts, categories, args, decode_step_s: float, log, Engine) -> dict[str, Any]:
@@ -1144,8 +1410,9 @@ def _measure_overhead(engine, prompts, categories, args, decode_step_s: float, l
     per: dict[str, list[dict]] = {k: [] for k in settings}
     for w, ids in chosen:
         for name, (mk, width) in settings.items():
-            run = timed.start(list(ids), max_tokens=args.max_new_tokens,
-                              speculative=mk() if mk else None, draft_width=width)
+            run = timed.start(
+                list(ids), max_tokens=args.max_new_tokens, speculative=mk() if mk else None, draft_width=width
+            )
             b0, t0 = proxy.seconds, time.perf_counter()
             for _ in run:
                 pass
@@ -1154,8 +1421,15 @@ def _measure_overhead(engine, prompts, categories, args, decode_step_s: float, l
             if steps == 0:
                 continue
             wall, backend_s = t1 - t0, b1 - b0
-            row = {"engine": name, "workload": w.name, "steps": steps, "wall_s": wall, "backend_s": backend_s,
-                   "overhead_s_per_step": (wall - backend_s) / steps, "backend_s_per_step": backend_s / steps}
+            row = {
+                "engine": name,
+                "workload": w.name,
+                "steps": steps,
+                "wall_s": wall,
+                "backend_s": backend_s,
+                "overhead_s_per_step": (wall - backend_s) / steps,
+                "backend_s_per_step": backend_s / steps,
+            }
             per[name].append(row)
             out["runs"].append({k: _round(v, 7) for k, v in row.items()})
     for name, rows in per.items():
@@ -1164,10 +1438,13 @@ def _measure_overhead(engine, prompts, categories, args, decode_step_s: float, l
         ov = statistics.median(r["overhead_s_per_step"] for r in rows)
         bk = statistics.median(r["backend_s_per_step"] for r in rows)
         out["engines"][name] = {
-            "steps": sum(r["steps"] for r in rows), "overhead_us_per_step": ov * 1e6,
-            "backend_ms_per_step": bk * 1e3, "pct_of_decode_step": 100 * ov / decode_step_s,
+            "steps": sum(r["steps"] for r in rows),
+            "overhead_us_per_step": ov * 1e6,
+            "backend_ms_per_step": bk * 1e3,
+            "pct_of_decode_step": 100 * ov / decode_step_s,
             "pct_of_backend_step": 100 * ov / bk if bk > 0 else None,
-            "total_overhead_pct_of_wall": 100 * sum(r["wall_s"] - r["backend_s"] for r in rows)
+            "total_overhead_pct_of_wall": 100
+            * sum(r["wall_s"] - r["backend_s"] for r in rows)
             / sum(r["wall_s"] for r in rows),
         }
     return out

@@ -41,9 +41,10 @@ import re
 import sys
 import sysconfig
 import textwrap
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any
 
 CATEGORIES = ("code_edit", "summarize", "qa_context", "open_ended")
 
@@ -254,7 +255,8 @@ _SCAN_CACHE: dict[str, tuple[list[_CodeUnit], list[_Doc], list[_Doc]]] = {}
 def _stdlib_files() -> list[Path]:
     root = stdlib_dir()
     names = sorted(
-        f for f in os.listdir(root)
+        f
+        for f in os.listdir(root)
         if f.endswith(".py") and not f.startswith("_") and f != "this.py" and f != "antigravity.py"
     )
     return [root / f for f in names]
@@ -304,12 +306,18 @@ def _scan_stdlib() -> tuple[list[_CodeUnit], list[_Doc], list[_Doc]]:
             start = min([node.lineno] + [d.lineno for d in node.decorator_list])
             n_lines = node.end_lineno - start + 1
             if 40 <= n_lines <= 120 and not node.name.startswith("_"):
-                text = textwrap.dedent("\n".join(lines[start - 1:node.end_lineno]))
+                text = textwrap.dedent("\n".join(lines[start - 1 : node.end_lineno]))
                 if len(text) <= 5200 and "\t" not in text:
-                    code_units.append(_CodeUnit(
-                        path.name, node.name,
-                        "class" if isinstance(node, ast.ClassDef) else "function",
-                        text, n_lines, _rename_candidate(node)))
+                    code_units.append(
+                        _CodeUnit(
+                            path.name,
+                            node.name,
+                            "class" if isinstance(node, ast.ClassDef) else "function",
+                            text,
+                            n_lines,
+                            _rename_candidate(node),
+                        )
+                    )
             doc = ast.get_docstring(node)
             if doc and 300 <= len(doc) <= 1600 and not node.name.startswith("_"):
                 object_docs.append(_Doc(path.name, f"{mod}.{node.name}", doc.strip()))
@@ -345,16 +353,18 @@ class _Budget:
             text = render_chat(messages, self.folder)
         else:
             text = _chatml(messages)
-            text = ("<|im_start|>system\nYou are a helpful AI assistant.<|im_end|>\n" + text
-                    if not any(m["role"] == "system" for m in messages) else text)
+            text = (
+                "<|im_start|>system\nYou are a helpful AI assistant.<|im_end|>\n" + text
+                if not any(m["role"] == "system" for m in messages)
+                else text
+            )
         return len(self.tokenizer.encode(text, add_special_tokens=False).ids)
 
     def fits(self, messages: Sequence[dict]) -> bool:
         return self.count(messages) <= self.limit
 
 
-def _shrink(units: list[str], build: Callable[[list[str]], list[dict]], budget: _Budget
-            ) -> tuple[list[dict], int]:
+def _shrink(units: list[str], build: Callable[[list[str]], list[dict]], budget: _Budget) -> tuple[list[dict], int]:
     """Largest prefix of ``units`` whose ``build`` fits; returns (messages, kept)."""
     full = build(units)
     if budget.fits(full):
@@ -394,7 +404,7 @@ def _cut_prose(text: str, keep_sentences: int) -> str:
                 cut = sents[rest - 1]
                 pos = para.find(cut)
                 if pos >= 0:
-                    piece = para[:pos + len(cut)]
+                    piece = para[: pos + len(cut)]
                 out.append(piece)
             break
     return "\n\n".join(out)
@@ -404,7 +414,8 @@ def _cut_prose(text: str, keep_sentences: int) -> str:
 # Category builders
 # --------------------------------------------------------------------------
 
-_STOP = set("""
+_STOP = set(
+    """
 about above after again against all also and any are because been before being
 below between both but can could did does doing down during each few for from
 further had has have having here how into its itself just more most must not now
@@ -413,7 +424,8 @@ them then there these they this those through too under until very was were what
 when where which while who whom why will with would you your used uses using use
 returns return value values given object objects none true false default
 following first second called call calls instead otherwise either whether
-""".split())
+""".split()
+)
 
 
 def _key_word(text: str) -> str:
@@ -437,22 +449,30 @@ def _code_edit_instruction(kind: str, unit: _CodeUnit) -> str:
     what = "function" if unit.kind == "function" else "class"
     if kind == "rename" and unit.rename_from:
         old = unit.rename_from
-        return (f"Reproduce the {what} `{unit.name}` above exactly, with one change: rename "
-                f"the variable `{old}` to `{old}_new` everywhere it appears. Keep every other "
-                f"line, comment and blank line identical. Output only the code in a Python code block.")
+        return (
+            f"Reproduce the {what} `{unit.name}` above exactly, with one change: rename "
+            f"the variable `{old}` to `{old}_new` everywhere it appears. Keep every other "
+            f"line, comment and blank line identical. Output only the code in a Python code block."
+        )
     if kind == "comment_returns":
-        return (f"Reproduce the {what} `{unit.name}` above exactly, but add the comment "
-                f"`# checked` on its own line immediately before every `return` statement. "
-                f"Keep everything else identical. Output only the code in a Python code block.")
+        return (
+            f"Reproduce the {what} `{unit.name}` above exactly, but add the comment "
+            f"`# checked` on its own line immediately before every `return` statement. "
+            f"Keep everything else identical. Output only the code in a Python code block."
+        )
     if kind == "rename_def":
-        return (f"Copy the {what} `{unit.name}` above line for line, changing only its name "
-                f"to `{unit.name}_v2`. Do not change anything else. Output only the code "
-                f"in a Python code block.")
+        return (
+            f"Copy the {what} `{unit.name}` above line for line, changing only its name "
+            f"to `{unit.name}_v2`. Do not change anything else. Output only the code "
+            f"in a Python code block."
+        )
     # docstring (also the fallback when nothing can be renamed)
-    return (f"Reproduce the {what} `{unit.name}` above exactly, adding the line "
-            f"`Reviewed for the benchmark.` as the last line of its docstring (add a "
-            f"docstring if it has none). Keep everything else identical. Output only the "
-            f"code in a Python code block.")
+    return (
+        f"Reproduce the {what} `{unit.name}` above exactly, adding the line "
+        f"`Reviewed for the benchmark.` as the last line of its docstring (add a "
+        f"docstring if it has none). Keep everything else identical. Output only the "
+        f"code in a Python code block."
+    )
 
 
 def _build_code_edit(n: int, budget: _Budget, max_new_tokens: int, pyver: str) -> list[Workload]:
@@ -464,10 +484,16 @@ def _build_code_edit(n: int, budget: _Budget, max_new_tokens: int, pyver: str) -
 
         def make(code_lines: list[str], unit: _CodeUnit, truncated: bool = False) -> list[dict]:
             code = "\n".join(code_lines)
-            head = (f"Here is the {unit.kind} `{unit.name}` from Python's standard library file "
-                    f"`{unit.file}`" + (" (its beginning only)" if truncated else "") + ":")
-            return [{"role": "user", "content":
-                     f"{head}\n\n```python\n{code}\n```\n\n{_code_edit_instruction(_edit_kind(kind0, unit), unit)}"}]
+            head = (
+                f"Here is the {unit.kind} `{unit.name}` from Python's standard library file "
+                f"`{unit.file}`" + (" (its beginning only)" if truncated else "") + ":"
+            )
+            return [
+                {
+                    "role": "user",
+                    "content": f"{head}\n\n```python\n{code}\n```\n\n{_code_edit_instruction(_edit_kind(kind0, unit), unit)}",
+                }
+            ]
 
         chosen = None
         # Walk forward from the spread position to the first unused unit that fits.
@@ -481,17 +507,26 @@ def _build_code_edit(n: int, budget: _Budget, max_new_tokens: int, pyver: str) -
                 break
         if chosen is None:  # nothing fits the budget: cut the spread one at line boundaries
             unit = units[start]
-            msgs, _ = _shrink(unit.source.splitlines(),
-                              lambda ls, u=unit: make(ls, u, True), budget)
+            msgs, _ = _shrink(unit.source.splitlines(), lambda ls, u=unit: make(ls, u, True), budget)
             chosen = (start, unit, msgs, True)
         j, unit, msgs, truncated = chosen
         used.add(j)
         kind = _edit_kind(kind0, unit)
-        out.append(Workload(
-            "code_edit", f"code_edit/{i:02d}-{Path(unit.file).stem}.{unit.name}-{kind}", msgs,
-            max_new_tokens,
-            {"source": f"{unit.file}:{unit.name}", "edit": kind, "source_lines": unit.n_lines,
-             "truncated": truncated, "python": pyver}))
+        out.append(
+            Workload(
+                "code_edit",
+                f"code_edit/{i:02d}-{Path(unit.file).stem}.{unit.name}-{kind}",
+                msgs,
+                max_new_tokens,
+                {
+                    "source": f"{unit.file}:{unit.name}",
+                    "edit": kind,
+                    "source_lines": unit.n_lines,
+                    "truncated": truncated,
+                    "python": pyver,
+                },
+            )
+        )
     return out
 
 
@@ -506,17 +541,25 @@ _SUMMARIZE_TASKS = (
 def _summarize_instruction(kind: str, passage: str) -> str:
     if kind == "quote_keyword":
         word = _key_word(passage)
-        return (f"Quote, word for word, every sentence of the passage that mentions "
-                f"\"{word}\". Put each quoted sentence on its own line in double quotes. "
-                f"Then explain in two sentences what these quotes say about {word}.")
+        return (
+            f"Quote, word for word, every sentence of the passage that mentions "
+            f'"{word}". Put each quoted sentence on its own line in double quotes. '
+            f"Then explain in two sentences what these quotes say about {word}."
+        )
     if kind == "first_paragraph":
-        return ("Repeat the passage's first paragraph exactly as written, then summarize "
-                "the rest of the passage in three to five sentences.")
+        return (
+            "Repeat the passage's first paragraph exactly as written, then summarize "
+            "the rest of the passage in three to five sentences."
+        )
     if kind == "key_sentences":
-        return ("Copy the four most important sentences of the passage verbatim as a "
-                "bulleted list, then write a one-paragraph summary of the whole passage.")
-    return ("Rewrite the passage as a bulleted list with one bullet per sentence, keeping "
-            "the original wording of each sentence. Then add a one-sentence summary.")
+        return (
+            "Copy the four most important sentences of the passage verbatim as a "
+            "bulleted list, then write a one-paragraph summary of the whole passage."
+        )
+    return (
+        "Rewrite the passage as a bulleted list with one bullet per sentence, keeping "
+        "the original wording of each sentence. Then add a one-sentence summary."
+    )
 
 
 def _build_summarize(n: int, budget: _Budget, max_new_tokens: int, pyver: str) -> list[Workload]:
@@ -528,20 +571,31 @@ def _build_summarize(n: int, budget: _Budget, max_new_tokens: int, pyver: str) -
 
         def make(sents: list[str], doc=doc, kind=kind) -> list[dict]:
             passage = doc.text if len(sents) >= len(all_sents) else _cut_prose(doc.text, len(sents))
-            return [{"role": "user", "content":
-                     f"The following passage is the documentation of Python's `{doc.name}` module.\n\n"
-                     f"\"\"\"\n{passage}\n\"\"\"\n\n{_summarize_instruction(kind, passage)}"}]
+            return [
+                {
+                    "role": "user",
+                    "content": f"The following passage is the documentation of Python's `{doc.name}` module.\n\n"
+                    f'"""\n{passage}\n"""\n\n{_summarize_instruction(kind, passage)}',
+                }
+            ]
 
         all_sents = [s for para in doc.text.split("\n\n") for s in _sentences(para)]
         msgs, kept = _shrink(all_sents, make, budget)
-        out.append(Workload(
-            "summarize", f"summarize/{i:02d}-{doc.name}-{kind}", msgs, max_new_tokens,
-            {"source": doc.file, "task": kind, "truncated": kept < len(all_sents), "python": pyver}))
+        out.append(
+            Workload(
+                "summarize",
+                f"summarize/{i:02d}-{doc.name}-{kind}",
+                msgs,
+                max_new_tokens,
+                {"source": doc.file, "task": kind, "truncated": kept < len(all_sents), "python": pyver},
+            )
+        )
     return out
 
 
-def _build_qa_context(n: int, budget: _Budget, max_new_tokens: int, pyver: str,
-                      docs_per_prompt: int = 5) -> list[Workload]:
+def _build_qa_context(
+    n: int, budget: _Budget, max_new_tokens: int, pyver: str, docs_per_prompt: int = 5
+) -> list[Workload]:
     _, _, docs = _scan_stdlib()
     out: list[Workload] = []
     count = len(docs)
@@ -557,8 +611,9 @@ def _build_qa_context(n: int, budget: _Budget, max_new_tokens: int, pyver: str,
         target = picked[target_pos]
         multi_turn = i % 2 == 1
 
-        def make(selection: list[_Doc], target_text: str | None = None,
-                 target=target, multi_turn=multi_turn) -> list[dict]:
+        def make(
+            selection: list[_Doc], target_text: str | None = None, target=target, multi_turn=multi_turn
+        ) -> list[dict]:
             blocks = []
             for idx, d in enumerate(selection, start=1):
                 text = target_text if (d is target and target_text is not None) else d.text
@@ -567,18 +622,26 @@ def _build_qa_context(n: int, budget: _Budget, max_new_tokens: int, pyver: str,
             num = selection.index(target) + 1
             short = target.name.split(".")[-1]
             if not multi_turn:
-                return [{"role": "user", "content":
-                         f"Answer using only the documents below.\n\n{context}\n\n"
-                         f"Question: what does `{short}` do? Start by quoting the relevant "
-                         f"document word for word, then answer in your own words."}]
+                return [
+                    {
+                        "role": "user",
+                        "content": f"Answer using only the documents below.\n\n{context}\n\n"
+                        f"Question: what does `{short}` do? Start by quoting the relevant "
+                        f"document word for word, then answer in your own words.",
+                    }
+                ]
             return [
-                {"role": "user", "content":
-                 f"Here are some documents.\n\n{context}\n\nWhich document describes `{short}`? "
-                 f"Answer with its number."},
+                {
+                    "role": "user",
+                    "content": f"Here are some documents.\n\n{context}\n\nWhich document describes `{short}`? "
+                    f"Answer with its number.",
+                },
                 {"role": "assistant", "content": f"Document {num} describes `{target.name}`."},
-                {"role": "user", "content":
-                 f"Quote document {num} exactly, then list its main points and say when "
-                 f"one would use `{short}`."},
+                {
+                    "role": "user",
+                    "content": f"Quote document {num} exactly, then list its main points and say when "
+                    f"one would use `{short}`.",
+                },
             ]
 
         selection = list(picked)
@@ -593,11 +656,21 @@ def _build_qa_context(n: int, budget: _Budget, max_new_tokens: int, pyver: str,
             sents = _sentences(target.text)
             msgs, _ = _shrink(sents, lambda s: make(selection, " ".join(s)), budget)
             truncated = True
-        out.append(Workload(
-            "qa_context", f"qa_context/{i:02d}-{target.name}-{'multi' if multi_turn else 'single'}",
-            msgs, max_new_tokens,
-            {"documents": [d.name for d in selection], "target": target.name,
-             "multi_turn": multi_turn, "truncated": truncated, "python": pyver}))
+        out.append(
+            Workload(
+                "qa_context",
+                f"qa_context/{i:02d}-{target.name}-{'multi' if multi_turn else 'single'}",
+                msgs,
+                max_new_tokens,
+                {
+                    "documents": [d.name for d in selection],
+                    "target": target.name,
+                    "multi_turn": multi_turn,
+                    "truncated": truncated,
+                    "python": pyver,
+                },
+            )
+        )
     return out
 
 
@@ -651,9 +724,15 @@ def _build_open_ended(n: int, budget: _Budget, max_new_tokens: int, pyver: str) 
             if rounds:
                 text += f" Write it for an audience of {('children', 'students', 'experts')[rounds % 3]}."
             tag = f"explain{k:02d}"
-        out.append(Workload("open_ended", f"open_ended/{i:02d}-{tag}",
-                            [{"role": "user", "content": text}], max_new_tokens,
-                            {"python": pyver}))
+        out.append(
+            Workload(
+                "open_ended",
+                f"open_ended/{i:02d}-{tag}",
+                [{"role": "user", "content": text}],
+                max_new_tokens,
+                {"python": pyver},
+            )
+        )
     return out
 
 
@@ -703,13 +782,17 @@ def workloads_digest(workloads: Sequence[Workload]) -> str:
     """SHA-256 over the prompts: equal digests mean identical workloads."""
     h = hashlib.sha256()
     for w in workloads:
-        h.update(json.dumps([w.category, w.name, w.messages, w.max_new_tokens],
-                            sort_keys=True, ensure_ascii=False).encode("utf-8"))
+        h.update(
+            json.dumps([w.category, w.name, w.messages, w.max_new_tokens], sort_keys=True, ensure_ascii=False).encode(
+                "utf-8"
+            )
+        )
     return h.hexdigest()
 
 
-def describe_workloads(workloads: Sequence[Workload], tokenizer=None,
-                       tokenizer_folder: str | os.PathLike | None = None) -> dict:
+def describe_workloads(
+    workloads: Sequence[Workload], tokenizer=None, tokenizer_folder: str | os.PathLike | None = None
+) -> dict:
     """Summary for a results file: Python version (source of the text), counts, digest."""
     info: dict[str, Any] = {
         "python": python_version_tag(),

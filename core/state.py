@@ -68,16 +68,13 @@ Detokenize = Callable[[Sequence[int]], str]
 _REPLACEMENT_CHAR = "\ufffd"
 
 
-class FinishReason(str, enum.Enum):
+class FinishReason(enum.StrEnum):
     """Why a generation ended. ``openai`` is the OpenAI API's word for it (the one place they are mapped)."""
 
     EOS_TOKEN = "eos_token"
     STOP_SEQUENCE = "stop_sequence"  # a stop token sequence or a stop string
     MAX_NEW_TOKENS = "max_new_tokens"  # Options.max_new_tokens tokens were generated
     CONTEXT_FULL = "context_full"  # prompt + generated tokens reached the context limit
-
-    def __str__(self) -> str:
-        return self.value
 
     @property
     def openai(self) -> str:
@@ -509,9 +506,7 @@ def _advance(
     return new_state, tuple(commits), new_state.kv_len
 
 
-def _matched_stop_sequence(
-    generated: list[int], sequences: tuple[tuple[int, ...], ...]
-) -> tuple[int, ...] | None:
+def _matched_stop_sequence(generated: list[int], sequences: tuple[tuple[int, ...], ...]) -> tuple[int, ...] | None:
     for seq in sequences:
         n = len(seq)
         if len(generated) >= n and tuple(generated[-n:]) == seq:

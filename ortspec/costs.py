@@ -90,15 +90,23 @@ def cached_pass_costs(backend: Backend, cache_file: Path, kmax: int = 16, repeat
         curve.append(max(c, curve[-1]))
     try:
         cache_file.parent.mkdir(parents=True, exist_ok=True)
-        cache_file.write_text(json.dumps({"curve": curve, "decode_step_s": result["decode_step_s"],
-                                          "measured": time.strftime("%Y-%m-%dT%H:%M:%S")}))
+        cache_file.write_text(
+            json.dumps(
+                {
+                    "curve": curve,
+                    "decode_step_s": result["decode_step_s"],
+                    "measured": time.strftime("%Y-%m-%dT%H:%M:%S"),
+                }
+            )
+        )
     except OSError:
         pass
     return tuple(curve)
 
 
-def measure_verify_drift(backend: Backend, context_ids: Sequence[int], feed_ids: Sequence[int],
-                         windows: int = 3) -> float:
+def measure_verify_drift(
+    backend: Backend, context_ids: Sequence[int], feed_ids: Sequence[int], windows: int = 3
+) -> float:
     """The largest |logit| difference between a multi-token verify pass and one-token decodes of the same tokens.
 
     For each of ``windows`` windows of ``feed_ids`` (split evenly), after ``context_ids``: one ``decode_verify``

@@ -134,9 +134,7 @@ class Generation:
     ) -> None:
         self._t_start = time.perf_counter()
         options = options if options is not None else Options()
-        self._policy: WidthPolicy = (
-            draft_width if isinstance(draft_width, WidthPolicy) else FixedWidth(draft_width)
-        )
+        self._policy: WidthPolicy = draft_width if isinstance(draft_width, WidthPolicy) else FixedWidth(draft_width)
         self.state = DecodeState.start(prompt_tokens, options, detokenize, capacity=backend.max_length)
         self._backend = backend
         self._proposer = proposer

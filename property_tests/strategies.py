@@ -14,7 +14,22 @@ from ortspec.core import AdditiveWidth, CostAwareWidth, Options, PromptLookup
 # Token i decodes to PIECES[i % len(PIECES)]: ASCII words and the three bytes of U+20AC, so that text arrives in
 # partial characters and stop strings can span tokens.
 PIECES: tuple[bytes, ...] = (
-    b"a", b"b", b" ", b"ab", b"ba", b"\xe2", b"\x82", b"\xac", b"E", b"N", b"D", b"\n", b"xy", b"z", b"", b"END",
+    b"a",
+    b"b",
+    b" ",
+    b"ab",
+    b"ba",
+    b"\xe2",
+    b"\x82",
+    b"\xac",
+    b"E",
+    b"N",
+    b"D",
+    b"\n",
+    b"xy",
+    b"z",
+    b"",
+    b"END",
 )
 
 
@@ -129,9 +144,7 @@ def proposers_for(draw, model: FakeModel):
     kind = draw(st.sampled_from(["lookup", "lookup", "oracle", "adversarial", "empty"]))
     if kind == "lookup":
         ngram = draw(st.integers(1, 5))
-        return PromptLookup(
-            ngram=ngram, max_draft=draw(st.integers(1, 12)), min_ngram=draw(st.integers(1, ngram))
-        )
+        return PromptLookup(ngram=ngram, max_draft=draw(st.integers(1, 12)), min_ngram=draw(st.integers(1, ngram)))
     if kind == "oracle":
         return OracleProposer(model)
     if kind == "adversarial":
@@ -150,7 +163,10 @@ def width_policies():
         probe_width=st.integers(1, 4),
     )
     additive = st.builds(
-        AdditiveWidth, current=st.integers(1, 6), maximum=st.integers(6, 12), grow=st.integers(0, 3),
+        AdditiveWidth,
+        current=st.integers(1, 6),
+        maximum=st.integers(6, 12),
+        grow=st.integers(0, 3),
         shrink=st.integers(0, 3),
     )
     return st.one_of(st.integers(1, 12), st.integers(1, 12), cost_aware, additive)

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import math
 
-from property_tests.conftest import examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ortspec import generate
 from ortspec.backends.fake import FakeBackend
+from property_tests.conftest import examples
 from property_tests.strategies import (
     OracleProposer,
     detokenize,

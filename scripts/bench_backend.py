@@ -34,10 +34,10 @@ def measure(b: OrtBackend, *, ks, runs: int, warmup: int, prompt_len: int, seed:
     b.decode(toks[:prompt_len], 0)
     prefill_ms = 1000 * (time.perf_counter() - t0)
     p = prompt_len
-    ops = [("decode", lambda: b.decode(toks[p:p + 1], p))]
+    ops = [("decode", lambda: b.decode(toks[p : p + 1], p))]
     for k in ks:
-        ops.append((f"verify{k}", lambda k=k: b.decode_verify(toks[p:p + k], p)))
-        ops.append((f"argmax{k}", lambda k=k: b.verify_picks(toks[p:p + k], p)))
+        ops.append((f"verify{k}", lambda k=k: b.decode_verify(toks[p : p + k], p)))
+        ops.append((f"argmax{k}", lambda k=k: b.verify_picks(toks[p : p + k], p)))
     samples: dict[str, list[float]] = {name: [] for name, _ in ops}
     for r in range(warmup + runs):
         for name, fn in ops:
@@ -72,8 +72,11 @@ def genai_model(folder: Path, threads: int):
     import onnxruntime_genai as og
 
     config = og.Config(str(folder))
-    config.overlay(json.dumps({"model": {"decoder": {"session_options": {
-        "intra_op_num_threads": threads, "inter_op_num_threads": 1}}}}))
+    config.overlay(
+        json.dumps(
+            {"model": {"decoder": {"session_options": {"intra_op_num_threads": threads, "inter_op_num_threads": 1}}}}
+        )
+    )
     return og.Model(config)
 
 
@@ -127,21 +130,24 @@ def _interleaved(backends, toks, p, runs, warmup):
     for r in range(warmup + runs):
         for label, b in backends:
             t0 = time.perf_counter()
-            b.decode(toks[p:p + 1], p)
+            b.decode(toks[p : p + 1], p)
             t1 = time.perf_counter()
             b.rewind(p)
-            b.decode_verify(toks[p:p + 4], p)
+            b.decode_verify(toks[p : p + 4], p)
             t2 = time.perf_counter()
             b.rewind(p)
             if r >= warmup:
                 dec[label].append(t1 - t0)
                 ver[label].append(t2 - t1)
-    return ({k: 1000 * statistics.median(v) for k, v in dec.items()},
-            {k: 1000 * statistics.median(v) for k, v in ver.items()})
+    return (
+        {k: 1000 * statistics.median(v) for k, v in dec.items()},
+        {k: 1000 * statistics.median(v) for k, v in ver.items()},
+    )
 
 
-def sweep(folder: Path, *, threads: int, max_length: int, runs: int, warmup: int, prompt_len: int,
-          reverse: bool = False) -> list[dict]:
+def sweep(
+    folder: Path, *, threads: int, max_length: int, runs: int, warmup: int, prompt_len: int, reverse: bool = False
+) -> list[dict]:
     """A/B pairs: each variant against the default, the two sessions open together and timed in alternation,
     so load drifts (other processes on a shared machine) hit both alike; reports variant / default."""
     from ortspec.adapters.model_dir import ModelFolder
@@ -160,18 +166,27 @@ def sweep(folder: Path, *, threads: int, max_length: int, runs: int, warmup: int
 
     base_label, base_opts = SWEEP[0]
     rows = []
-    for label, opts in (SWEEP[:0:-1] if reverse else SWEEP[1:]):
+    for label, opts in SWEEP[:0:-1] if reverse else SWEEP[1:]:
         pair = [(base_label, open_backend(base_opts)), (label, open_backend(opts))]
         if reverse:
             pair.reverse()
         dec, ver = _interleaved(pair, toks, p, runs, warmup)
-        row = {"config": label, "decode_ms": dec[label], "verify4_ms": ver[label],
-               "default_decode_ms": dec[base_label], "default_verify4_ms": ver[base_label],
-               "decode_vs_default": dec[label] / dec[base_label], "verify4_vs_default": ver[label] / ver[base_label]}
+        row = {
+            "config": label,
+            "decode_ms": dec[label],
+            "verify4_ms": ver[label],
+            "default_decode_ms": dec[base_label],
+            "default_verify4_ms": ver[base_label],
+            "decode_vs_default": dec[label] / dec[base_label],
+            "verify4_vs_default": ver[label] / ver[base_label],
+        }
         rows.append(row)
-        print(f"  {label:24s} decode {dec[label]:7.2f} ms ({row['decode_vs_default']:4.2f}x default "
-              f"{dec[base_label]:6.2f})   verify(4) {ver[label]:7.2f} ms ({row['verify4_vs_default']:4.2f}x default "
-              f"{ver[base_label]:6.2f})", flush=True)
+        print(
+            f"  {label:24s} decode {dec[label]:7.2f} ms ({row['decode_vs_default']:4.2f}x default "
+            f"{dec[base_label]:6.2f})   verify(4) {ver[label]:7.2f} ms ({row['verify4_vs_default']:4.2f}x default "
+            f"{ver[base_label]:6.2f})",
+            flush=True,
+        )
         del pair
     return rows
 
@@ -208,8 +223,10 @@ def main(argv=None) -> int:
     print(f"prefill {args.prompt_len} tokens: {r['prefill_ms']:.1f} ms")
     print(f"decode (1 token): {r['decode_ms']:.2f} ms  ({1000 / r['decode_ms']:.1f} tok/s)")
     for k in ks:
-        print(f"verify K={k:2d}: {r['verify_ms'][k]:7.2f} ms  ratio {r['verify_ratio'][k]:5.2f}x decode   "
-              f"verify_picks {r['verify_picks_ms'][k]:7.2f} ms")
+        print(
+            f"verify K={k:2d}: {r['verify_ms'][k]:7.2f} ms  ratio {r['verify_ratio'][k]:5.2f}x decode   "
+            f"verify_picks {r['verify_picks_ms'][k]:7.2f} ms"
+        )
 
     if args.genai or args.sweep:
         rng = np.random.default_rng(1)
@@ -221,13 +238,22 @@ def main(argv=None) -> int:
             print(f"onnxruntime-genai failed: {exc}")
         else:
             results["greedy"] = g
-            print(f"greedy {args.greedy_tokens} tokens: ortspec {g['ortspec_tok_s']:.1f} tok/s, onnxruntime-genai "
-                  f"{g['onnxruntime_genai_tok_s']:.1f} tok/s, ratio {g['ratio']:.2f}, same tokens: {g['same_tokens']}")
+            print(
+                f"greedy {args.greedy_tokens} tokens: ortspec {g['ortspec_tok_s']:.1f} tok/s, onnxruntime-genai "
+                f"{g['onnxruntime_genai_tok_s']:.1f} tok/s, ratio {g['ratio']:.2f}, same tokens: {g['same_tokens']}"
+            )
     del b
     if args.sweep:
         print("session-option sweep (decode and verify(4) medians):")
-        results["sweep"] = sweep(folder, threads=threads, max_length=max_length, runs=args.runs,
-                                 warmup=args.warmup, prompt_len=args.prompt_len, reverse=args.sweep_reverse)
+        results["sweep"] = sweep(
+            folder,
+            threads=threads,
+            max_length=max_length,
+            runs=args.runs,
+            warmup=args.warmup,
+            prompt_len=args.prompt_len,
+            reverse=args.sweep_reverse,
+        )
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
     return 0

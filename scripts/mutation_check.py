@@ -26,10 +26,21 @@ MUTANTS = {
         "        if finish is not None:\n            break\n",
         "        if finish is not None and finish is not FinishReason.EOS_TOKEN:\n            break\n",
     ),
-    "rewind-off-by-one": ("state.py", "return new_state, tuple(commits), new_state.kv_len", "return new_state, tuple(commits), new_state.kv_len + 1"),
-    "budget-overshoot": ("state.py", "budget = state.options.max_new_tokens - len(state.generated_tokens) - 1",
-                         "budget = state.options.max_new_tokens - len(state.generated_tokens)"),
-    "max-tokens-overshoot": ("state.py", "if len(generated) >= opts.max_new_tokens:", "if len(generated) > opts.max_new_tokens:"),
+    "rewind-off-by-one": (
+        "state.py",
+        "return new_state, tuple(commits), new_state.kv_len",
+        "return new_state, tuple(commits), new_state.kv_len + 1",
+    ),
+    "budget-overshoot": (
+        "state.py",
+        "budget = state.options.max_new_tokens - len(state.generated_tokens) - 1",
+        "budget = state.options.max_new_tokens - len(state.generated_tokens)",
+    ),
+    "max-tokens-overshoot": (
+        "state.py",
+        "if len(generated) >= opts.max_new_tokens:",
+        "if len(generated) > opts.max_new_tokens:",
+    ),
     "accept-without-check": ("state.py", "candidates[-1] == draft[len(candidates) - 1]", "candidates[-1] >= 0"),
     "stop-only-at-block-end": (
         "state.py",
@@ -77,10 +88,24 @@ def main() -> int:
             tmp = Path(tmp_str)
             site = stage(tmp, MUTANTS[name])
             env = dict(os.environ, PYTHONPATH=str(site), HYPOTHESIS_PROFILE=args.profile)
-            cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "property_tests/test_equivalence.py"]
+            cmd = [
+                sys.executable,
+                "-m",
+                "pytest",
+                "-x",
+                "-q",
+                "-p",
+                "no:cacheprovider",
+                "property_tests/test_equivalence.py",
+            ]
             # Isolate from the editable install: -I would drop PYTHONPATH, so check where ortspec comes from.
-            probe = subprocess.run([sys.executable, "-c", "import ortspec.core.state as s; print(s.__file__)"],
-                                   cwd=tmp, env=env, capture_output=True, text=True)
+            probe = subprocess.run(
+                [sys.executable, "-c", "import ortspec.core.state as s; print(s.__file__)"],
+                cwd=tmp,
+                env=env,
+                capture_output=True,
+                text=True,
+            )
             if not probe.stdout.strip().startswith(str(site)):
                 raise SystemExit(f"staged package not imported first: {probe.stdout or probe.stderr}")
             proc = subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True)

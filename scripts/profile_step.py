@@ -36,14 +36,15 @@ def _ort_profile(folder: Path, threads: int, ids: list[int], k: int, steps: int)
         b = OrtBackend.from_folder(folder, threads=threads, session_options=so)
         b.decode(ids, 0)
         base = b.current_len()
-        feed = ids[-(width + 1):]
+        feed = ids[-(width + 1) :]
         for _ in range(steps):
             b.decode_verify(feed, base)
             b.rewind(base)
         path = b.session.end_profiling()
         events = json.loads(Path(path).read_text())
-        runs = sorted((e for e in events if e.get("cat") == "Session" and e.get("name") == "model_run"),
-                      key=lambda e: e["ts"])
+        runs = sorted(
+            (e for e in events if e.get("cat") == "Session" and e.get("name") == "model_run"), key=lambda e: e["ts"]
+        )
         step_runs = runs[-steps:]  # the prompt pass comes first (possibly in chunks): leave it out
         since = step_runs[0]["ts"]
         per_op: dict[str, float] = collections.defaultdict(float)
@@ -110,7 +111,9 @@ def main(argv: list[str] | None = None) -> int:
         "| --- | --- | --- |",
     ]
     d, v = prof["decode"], prof[f"verify K={args.k}"]
-    lines.append(f"| ONNX Runtime model_run (median) | {d['model_run_us'] / 1000:.2f} ms | {v['model_run_us'] / 1000:.2f} ms |")
+    lines.append(
+        f"| ONNX Runtime model_run (median) | {d['model_run_us'] / 1000:.2f} ms | {v['model_run_us'] / 1000:.2f} ms |"
+    )
     ops = list(dict.fromkeys(list(d["ops_us"])[:8] + list(v["ops_us"])[:8]))
     for op in ops:
         lines.append(f"| op {op} | {d['ops_us'].get(op, 0) / 1000:.2f} ms | {v['ops_us'].get(op, 0) / 1000:.2f} ms |")

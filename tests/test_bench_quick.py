@@ -9,12 +9,12 @@ import pytest
 
 
 def _builder_available() -> bool:
-    return all(importlib.util.find_spec(m) is not None
-               for m in ("torch", "transformers", "onnx", "onnxruntime_genai"))
+    return all(importlib.util.find_spec(m) is not None for m in ("torch", "transformers", "onnx", "onnxruntime_genai"))
 
 
-@pytest.mark.skipif(not _builder_available(),
-                    reason="the tiny model builder needs torch, transformers, onnx and onnxruntime_genai")
+@pytest.mark.skipif(
+    not _builder_available(), reason="the tiny model builder needs torch, transformers, onnx and onnxruntime_genai"
+)
 def test_quick_suite_writes_results(tmp_path):
     from bench.suite import ORTSPEC_ENGINES, main
 

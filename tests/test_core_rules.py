@@ -663,7 +663,7 @@ def _check_record(rec: TokenLogprob, row, token, n):
     assert rec.logprob == pytest.approx(lp[token], rel=1e-12, abs=1e-12)
     ref = _ref_top(row, n)
     assert [t for t, _ in rec.top] == [t for t, _ in ref]
-    for (_, got), (_, want) in zip(rec.top, ref):
+    for (_, got), (_, want) in zip(rec.top, ref, strict=True):
         assert got == pytest.approx(want, rel=1e-12, abs=1e-12)
 
 
@@ -720,7 +720,7 @@ def test_logprobs_come_from_the_row_that_produced_each_token():
     s2, commits, _ = step(s, base, np.stack([r0, r1, r2]), (4, 5, 6))
     assert s2.generated_tokens == (4, 5, 11)
     assert len(s2.logprobs) == 3
-    for rec, row, tok, commit in zip(s2.logprobs, [base, r0, r1], [4, 5, 11], commits):
+    for rec, row, tok, commit in zip(s2.logprobs, [base, r0, r1], [4, 5, 11], commits, strict=True):
         _check_record(rec, row, tok, 4)
         assert commit.logprob == rec
 
@@ -856,7 +856,9 @@ def test_step_from_picks_tie_guard_with_margins():
     s2, commits, rewind_to = step_from_picks(s, [4, 5, 6], (4, 5), margins=[2.0, 2.0, 0.1], vocab_size=V)
     assert tokens(commits) == (4, 5)
     assert s2.stats.tie_guard_stops == 1
-    s3, commits, rewind_to = step_from_picks(s, [4, 5, 6], (4, 5), margins=np.array([0.1, 2.0, 2.0], np.float32), vocab_size=V)
+    s3, commits, rewind_to = step_from_picks(
+        s, [4, 5, 6], (4, 5), margins=np.array([0.1, 2.0, 2.0], np.float32), vocab_size=V
+    )
     assert commits == () and rewind_to == s.kv_len and draft_budget(s3) == 0
     s4, commits, _ = step_from_picks(s, [4, 5, 6], (4, 5), vocab_size=V)  # no margins: no guard
     assert tokens(commits) == (4, 5, 6)

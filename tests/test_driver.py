@@ -213,7 +213,7 @@ def test_logprobs_through_the_driver_are_the_same_with_and_without_speculation()
     assert plain.token_ids == spec.token_ids
     assert len(plain.logprobs) == len(plain.token_ids)
     assert plain.logprobs == spec.logprobs
-    for rec, tok in zip(plain.logprobs, plain.token_ids):
+    for rec, tok in zip(plain.logprobs, plain.token_ids, strict=True):
         assert rec.token_id == tok and rec.top[0][0] == tok
 
 

@@ -41,8 +41,7 @@ def test_prompt_as_ids_and_chat(engine):
 
 def test_stream_callback_signature_and_abort(engine):
     seen = []
-    r = engine.generate_stream("abc abc abc", lambda t, i, f: seen.append((t, i, f)), max_tokens=12,
-                               ignore_eos=True)
+    r = engine.generate_stream("abc abc abc", lambda t, i, f: seen.append((t, i, f)), max_tokens=12, ignore_eos=True)
     assert "".join(t for t, _, _ in seen) == r.text
     assert seen[-1][2] == "max_new_tokens"
 
@@ -107,12 +106,47 @@ def test_folder_without_tokenizer_is_refused(tiny_model_dir, tmp_path):
 
 
 def test_cli_generate_and_bench(tiny_model_dir, capsys):
-    assert cli_main(["generate", "hello hello hello", "--model", str(tiny_model_dir), "--max-tokens", "8",
-                     "--threads", "1", "--no-chat", "--ignore-eos"]) == 0
+    assert (
+        cli_main(
+            [
+                "generate",
+                "hello hello hello",
+                "--model",
+                str(tiny_model_dir),
+                "--max-tokens",
+                "8",
+                "--threads",
+                "1",
+                "--no-chat",
+                "--ignore-eos",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr()
     assert "8 tokens" in out.err and "tok/s" in out.err
-    assert cli_main(["bench", "--model", str(tiny_model_dir), "--prompt", "a b a b a b", "--repeat", "1", "--cost-repeat", "3",
-                     "--max-tokens", "8", "--threads", "1", "--no-chat", "--ignore-eos"]) == 0
+    assert (
+        cli_main(
+            [
+                "bench",
+                "--model",
+                str(tiny_model_dir),
+                "--prompt",
+                "a b a b a b",
+                "--repeat",
+                "1",
+                "--cost-repeat",
+                "3",
+                "--max-tokens",
+                "8",
+                "--threads",
+                "1",
+                "--no-chat",
+                "--ignore-eos",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert out.count("identical to greedy 1/1") == 2 and "verify K=8" in out
 
@@ -150,8 +184,11 @@ def test_verify_drift_is_measured_and_warned_about(engine, tiny_model_dir):
         def decode_verify(self, tokens, base):
             return self.inner.decode_verify(tokens, base) + 0.25
 
-    drifting = Engine(Drifting(OrtBackend.from_folder(tiny_model_dir, threads=1)), engine.tokenizer,
-                      eos_token_ids=engine.eos_token_ids)
+    drifting = Engine(
+        Drifting(OrtBackend.from_folder(tiny_model_dir, threads=1)),
+        engine.tokenizer,
+        eos_token_ids=engine.eos_token_ids,
+    )
     assert drifting.verify_drift() == pytest.approx(0.25, abs=1e-3)
     with pytest.warns(RuntimeWarning, match="can differ from greedy"):
         drifting.generate("abc abc", max_tokens=4, speculative="prompt-lookup", draft_width=2)

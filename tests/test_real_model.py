@@ -49,8 +49,9 @@ def test_stop_string_mid_block(real_engine):
     word = "Swiss-Austrian"
     assert word in greedy.text, greedy.text
     for speculative in (None, PromptLookup(max_draft=12)):
-        r = real_engine.generate(PROMPTS[1], chat=True, max_tokens=64, stop=word, speculative=speculative,
-                                 draft_width=12, tie_margin=TIE)
+        r = real_engine.generate(
+            PROMPTS[1], chat=True, max_tokens=64, stop=word, speculative=speculative, draft_width=12, tie_margin=TIE
+        )
         assert r.finish_reason == FinishReason.STOP_SEQUENCE
         assert r.stop_matched == word
         assert r.text == greedy.text[: greedy.text.index(word)]
@@ -65,8 +66,13 @@ def test_eos_ends_generation(real_engine):
 
 def test_streaming_matches_result(real_engine):
     seen = []
-    r = real_engine.generate_stream(PROMPTS[2], lambda text, tok, reason: seen.append((text, tok, reason)),
-                                    chat=True, max_tokens=48, speculative="prompt-lookup")
+    r = real_engine.generate_stream(
+        PROMPTS[2],
+        lambda text, tok, reason: seen.append((text, tok, reason)),
+        chat=True,
+        max_tokens=48,
+        speculative="prompt-lookup",
+    )
     assert "".join(t for t, _, _ in seen) == r.text
     assert tuple(tok for _, tok, _ in seen) == r.token_ids
     assert [reason for _, _, reason in seen[:-1]] == [None] * (len(seen) - 1)
