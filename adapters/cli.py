@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 from ortspec.core import PromptLookup
+from ortspec.driver import GenerateResult
 
 DEMO_PASSAGE = """\
 def merge_intervals(intervals):
@@ -166,7 +167,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     kwargs.pop("tie_margin")
     engine.generate(prompts[0], **dict(kwargs, max_tokens=4))  # warm-up
     proposer = _speculative(args) or PromptLookup(max_draft=16)
-    greedy, spec = [], {m: [] for m in margins}
+    greedy: list[GenerateResult] = []
+    spec: dict[float, list[GenerateResult]] = {m: [] for m in margins}
     runs = [(p, r) for p in prompts for r in range(args.repeat)]
     # Each prompt runs greedy then every speculative setting back to back, so machine noise hits all alike.
     for prompt, _ in tqdm(runs, desc="greedy vs speculative", unit="prompt", file=sys.stderr):

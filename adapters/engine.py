@@ -58,12 +58,13 @@ def _split_stop(stop: Stop) -> tuple[tuple[str, ...], tuple[tuple[int, ...], ...
         return (), ()
     if isinstance(stop, str):
         return (stop,), ()
-    strings, sequences = [], []
+    strings: list[str] = []
+    sequences: list[tuple[int, ...]] = []
     for item in stop:
         if isinstance(item, str):
             strings.append(item)
         elif isinstance(item, Sequence) and all(isinstance(t, int) for t in item):
-            sequences.append(tuple(item))
+            sequences.append(tuple(int(t) for t in item))
         else:
             raise ValueError(f"stop: {item!r} is neither a string nor a sequence of token ids")
     return tuple(strings), tuple(sequences)
@@ -141,7 +142,7 @@ def takes_options(
     options_type: Callable[P, GenerationOptions],
 ) -> Callable[[Callable[[Any, Prompt, GenerationOptions], R]], Callable[Concatenate[Any, Prompt, P], R]]:
     """Decorate ``method(self, prompt, options)`` to take ``options_type``'s keywords instead of ``options``."""
-    return lambda method: _bind_options(method, 2, options_type)  # type: ignore[no-any-return]
+    return lambda method: _bind_options(method, 2, options_type)
 
 
 def takes_callback_and_options(
@@ -151,7 +152,7 @@ def takes_callback_and_options(
     Callable[Concatenate[Any, Prompt, StreamCallback, P], R],
 ]:
     """``takes_options`` for ``method(self, prompt, callback, options)``."""
-    return lambda method: _bind_options(method, 3, options_type)  # type: ignore[no-any-return]
+    return lambda method: _bind_options(method, 3, options_type)
 
 
 class Engine:

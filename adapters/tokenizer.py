@@ -6,6 +6,7 @@ import json
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 from tokenizers import Tokenizer as _HFTokenizer
 
@@ -22,7 +23,7 @@ class Tokenizer:
     def __init__(self, tokenizer: _HFTokenizer, chat_template: str | None = None) -> None:
         self._tok = tokenizer
         self.chat_template = chat_template
-        self._template = None
+        self._template: Any = None  # the compiled jinja2 template, made on first use
 
     @classmethod
     def from_folder(cls, folder: str | os.PathLike[str]) -> Tokenizer:

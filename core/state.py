@@ -468,8 +468,8 @@ def _advance(
             finish = FinishReason.EOS_TOKEN
         elif seq is not None:
             finish, matched = FinishReason.STOP_SEQUENCE, seq
-        elif (s := text.find_stop()) is not None:
-            finish, matched = FinishReason.STOP_SEQUENCE, s
+        elif (stop := text.find_stop()) is not None:
+            finish, matched = FinishReason.STOP_SEQUENCE, stop
         else:
             finish = bound
         lp = logprob(i, token) if logprob is not None else None
@@ -480,15 +480,15 @@ def _advance(
             break
 
     committed_draft = min(len(commits), accepted)
-    s = state.stats
+    before = state.stats
     stats = attrs.evolve(
-        s,
-        steps=s.steps + 1,
-        verification_steps=s.verification_steps + (1 if k else 0),
-        proposed_tokens=s.proposed_tokens + k,
-        accepted_tokens=s.accepted_tokens + committed_draft,
-        multi_token_accepts=s.multi_token_accepts + (1 if committed_draft >= 2 else 0),
-        tie_guard_stops=s.tie_guard_stops + (1 if guard_stopped else 0),
+        before,
+        steps=before.steps + 1,
+        verification_steps=before.verification_steps + (1 if k else 0),
+        proposed_tokens=before.proposed_tokens + k,
+        accepted_tokens=before.accepted_tokens + committed_draft,
+        multi_token_accepts=before.multi_token_accepts + (1 if committed_draft >= 2 else 0),
+        tie_guard_stops=before.tie_guard_stops + (1 if guard_stopped else 0),
     )
     new_state = attrs.evolve(
         state,

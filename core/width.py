@@ -8,6 +8,7 @@ only changes how many tokens are verified, never which tokens are committed.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Protocol, runtime_checkable
 
 import attrs
@@ -35,12 +36,16 @@ class FixedWidth:
         return self
 
 
-def _check_costs(instance, attribute, value):
+def _check_costs(instance: object, attribute: object, value: tuple[float, ...]) -> None:
     if len(value) < 2 or any(not (c > 0) for c in value):
         raise ValueError(f"pass_costs must hold >= 2 positive costs (index = draft width), got {value!r}")
 
 
-def _check_decay(instance, attribute, value):
+def _to_costs(value: Iterable[float]) -> tuple[float, ...]:
+    return tuple(value)
+
+
+def _check_decay(instance: object, attribute: object, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
         raise ValueError(f"decay must be a number in [0, 1], got {value!r}")
 
@@ -59,7 +64,7 @@ class CostAwareWidth:
     every ``probe_every`` steps so that it notices when drafts start to match again.
     """
 
-    pass_costs: tuple[float, ...] = attrs.field(converter=tuple, validator=_check_costs)
+    pass_costs: tuple[float, ...] = attrs.field(converter=_to_costs, validator=_check_costs)
     decay: float = attrs.field(default=0.85, validator=_check_decay)
     successes: float = 1.0
     trials: float = 2.0
