@@ -18,9 +18,8 @@ import numpy as np
 import pytest
 
 from ortspec.adapters.convert import default_model_dir, is_complete, make_tiny_model
-from ortspec.adapters.model_dir import ModelFolder, ModelFolderError
 from ortspec.backends.base import Backend, BackendError
-from ortspec.backends.onnx import OrtBackend, argmax_margin, physical_cores
+from ortspec.backends.onnx import ModelFolder, ModelFolderError, OrtBackend, argmax_margin, physical_cores
 
 ROW_TOL = 1e-4  # float32 logits: batched rows vs one-token steps
 MAX_DIFFS: dict[str, float] = {}
@@ -333,7 +332,7 @@ def test_grow_copy_path_equals_shared_buffers(tiny_dir, caplog, record_property)
 
 def test_float16_kv_model_on_cpu(tiny16_dir, record_property):
     b = OrtBackend.from_folder(tiny16_dir, threads=1)
-    assert b.share_buffer and str(b._kv_dtype) == "float16"
+    assert b.share_buffer and str(b.graph.kv_dtype) == "float16"
     toks = _tokens(20, b.vocab_size, seed=19)
     b.decode(toks[:8], 0)
     rows = b.decode_verify(toks[8:], 8).copy()
@@ -453,9 +452,9 @@ def test_cuda_rows_rewind_and_argmax(cuda_dir, array_module, record_property):
 @pytest.mark.parametrize("array_module", _array_modules())
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
 def test_cuda_argmax_margin_kernel_ties_and_wide_rows(cuda_dir, array_module, dtype):
-    from ortspec.backends.onnx import _cuda_arrays
+    from ortspec.backends.onnx.arrays import cuda_arrays
 
-    xp = _cuda_arrays(0, array_module)
+    xp = cuda_arrays(0, array_module)
     rng = np.random.default_rng(31)
     rows = rng.normal(size=(7, 49152)).astype(dtype)
     rows[1, 7] = rows[1, 40000] = 50  # a tie: lowest id, margin 0
