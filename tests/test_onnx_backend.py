@@ -79,7 +79,7 @@ def _reference_logits(folder: Path, tokens: list[int]) -> np.ndarray:
     feeds = {"input_ids": np.array([tokens], np.int64), "attention_mask": np.ones((1, len(tokens)), np.int64)}
     kv_type = np.float16 if "float16" in sess.get_inputs()[2].type else np.float32
     for layer in range(mf.num_layers):
-        for name in (mf.past_key_name(layer), mf.past_value_name(layer)):
+        for name in (mf.past_key_pattern % layer, mf.past_value_pattern % layer):
             feeds[name] = np.zeros((1, mf.num_kv_heads, 0, mf.head_size), kv_type)
     return sess.run([mf.logits_name], feeds)[0][0].astype(np.float32)
 
@@ -92,8 +92,8 @@ def test_model_folder_reads_builder_config(tiny_dir):
     mf = ModelFolder.load(tiny_dir)
     assert mf.num_layers == 2 and mf.num_kv_heads == 2 and mf.num_attention_heads == 4 and mf.head_size == 16
     assert mf.context_length == 256 and mf.vocab_size == 384
-    assert mf.eos_token_ids == (0,) and mf.eos_token_id == 0 and mf.bos_token_id == 1 and mf.pad_token_id == 0
-    assert mf.past_key_name(1) == "past_key_values.1.key" and mf.present_value_name(0) == "present.0.value"
+    assert mf.eos_token_ids == (0,)
+    assert mf.past_key_pattern % 1 == "past_key_values.1.key" and mf.present_value_pattern % 0 == "present.0.value"
     assert mf.past_present_share_buffer is True
     assert mf.model_path.name == "model.onnx" and mf.tokenizer_path.is_file()
 

@@ -1,7 +1,8 @@
-"""Read an ONNX Runtime GenAI model folder (``genai_config.json`` + ``model.onnx`` + ``tokenizer.json``).
+"""Reading an ONNX Runtime GenAI model folder (``genai_config.json`` + ``model.onnx`` + ``tokenizer.json``).
 
-:meth:`ModelFolder.load` validates what a backend needs from the config and returns a frozen value; every
-problem is reported as a :class:`ModelFolderError` that names the folder, the file and the offending key.
+:meth:`ModelFolder.load` validates what the ONNX Runtime backend needs from the config and returns a frozen
+value; every problem is reported as a :class:`ModelFolderError` that names the folder, the file and the
+offending key.
 """
 
 from __future__ import annotations
@@ -28,23 +29,25 @@ def _as_tuple_of_ints(value: Any) -> tuple[int, ...]:
 
 @attrs.frozen
 class ModelFolder:
-    """What a backend needs to know about one decoder folder written by the onnxruntime-genai builder."""
+    """What the ONNX Runtime backend needs to know about one decoder folder written by the onnxruntime-genai builder.
+
+    ``model_path`` (the decoder's ``.onnx`` file) and ``tokenizer_path`` exist when the value is made by
+    :meth:`load`. ``eos_token_ids`` holds at least one id in ``[0, vocab_size)``; ``num_attention_heads`` is a
+    multiple of ``num_kv_heads``. The graph names come from ``model.decoder.inputs`` / ``outputs``; the KV names
+    are ``%d`` patterns filled with the layer index. ``session_options`` is ``model.decoder.session_options``
+    without its ``provider_options``.
+    """
 
     path: Path
-    model_path: Path  # the decoder's .onnx file
+    model_path: Path
     tokenizer_path: Path
-    model_type: str
     vocab_size: int
     context_length: int
     num_layers: int
     num_attention_heads: int
     num_kv_heads: int
     head_size: int
-    hidden_size: int | None
     eos_token_ids: tuple[int, ...] = attrs.field(converter=_as_tuple_of_ints)
-    bos_token_id: int | None
-    pad_token_id: int | None
-    # graph input / output names; the KV names are ``%d`` patterns filled with the layer index
     input_ids_name: str
     attention_mask_name: str | None
     position_ids_name: str | None
@@ -54,27 +57,7 @@ class ModelFolder:
     present_key_pattern: str
     present_value_pattern: str
     past_present_share_buffer: bool
-    search_max_length: int | None
     session_options: Mapping[str, Any] = attrs.field(converter=lambda d: dict(d))
-    provider_options: tuple[Any, ...] = attrs.field(converter=tuple)
-
-    # ----------------------------------------------------------------------------------------------------------
-    def past_key_name(self, layer: int) -> str:
-        return self.past_key_pattern % layer
-
-    def past_value_name(self, layer: int) -> str:
-        return self.past_value_pattern % layer
-
-    def present_key_name(self, layer: int) -> str:
-        return self.present_key_pattern % layer
-
-    def present_value_name(self, layer: int) -> str:
-        return self.present_value_pattern % layer
-
-    @property
-    def eos_token_id(self) -> int:
-        """The first end-of-sequence id (the config may list several)."""
-        return self.eos_token_ids[0]
 
     # ----------------------------------------------------------------------------------------------------------
     @classmethod
@@ -96,10 +79,12 @@ class ModelFolder:
 
     @classmethod
     def from_config(cls, folder: Path, raw: Any) -> ModelFolder:
-        cfg_path = folder / CONFIG_NAME
+        """Validate ``raw`` (the parsed ``genai_config.json`` of ``folder``) and check that the decoder and
+        tokenizer files exist; ``ModelFolderError`` names the file and the key at fault."""
+        config_path = folder / CONFIG_NAME
 
-        def fail(msg: str) -> ModelFolderError:
-            return ModelFolderError(f"{cfg_path}: {msg}")
+        def fail(message: str) -> ModelFolderError:
+            return ModelFolderError(f"{config_path}: {message}")
 
         def section(parent: Any, key: str, where: str) -> Mapping[str, Any]:
             value = parent.get(key) if isinstance(parent, Mapping) else None
@@ -131,31 +116,31 @@ class ModelFolder:
                 raise fail(f"{where}{key} must be a non-empty string, got {value!r}")
             if pattern:
                 try:
-                    a, b = value % 0, value % 1
+                    layer0, layer1 = value % 0, value % 1
                 except (TypeError, ValueError) as exc:
                     raise fail(f"{where}{key} must be a name pattern with one %d, got {value!r}") from exc
-                if a == b:
+                if layer0 == layer1:
                     raise fail(f"{where}{key} must be a name pattern with one %d, got {value!r}")
             return value
 
         if not isinstance(raw, Mapping):
             raise fail("the top level must be a JSON object")
         model = section(raw, "model", "")
+        decoder_key = "model.decoder."
         decoder = section(model, "decoder", "model.")
-        w = "model.decoder."
-        inputs = section(decoder, "inputs", w)
-        outputs = section(decoder, "outputs", w)
+        inputs = section(decoder, "inputs", decoder_key)
+        outputs = section(decoder, "outputs", decoder_key)
         search = raw.get("search", {})
         if not isinstance(search, Mapping):
             raise fail("section 'search' must be an object")
 
-        filename = name(decoder, "filename", w, None)
+        filename = name(decoder, "filename", decoder_key, None)
         if filename is None:
-            raise fail(f"missing {w}filename")
+            raise fail(f"missing {decoder_key}filename")
         model_path = folder / filename
         if not model_path.is_file():
             raise ModelFolderError(
-                f"model folder {folder} lacks {filename}, the decoder named by {CONFIG_NAME} ({w}filename)"
+                f"model folder {folder} lacks {filename}, the decoder named by {CONFIG_NAME} ({decoder_key}filename)"
             )
         tokenizer_path = folder / TOKENIZER_NAME
         if not tokenizer_path.is_file():
@@ -164,68 +149,76 @@ class ModelFolder:
         eos = model.get("eos_token_id")
         if isinstance(eos, bool) or eos is None:
             raise fail("missing model.eos_token_id")
-        eos_list = [eos] if isinstance(eos, int) else eos
+        eos_ids = [eos] if isinstance(eos, int) else eos
         if (
-            not isinstance(eos_list, list)
-            or not eos_list
-            or not all(isinstance(e, int) and not isinstance(e, bool) and e >= 0 for e in eos_list)
+            not isinstance(eos_ids, list)
+            or not eos_ids
+            or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in eos_ids)
         ):
             raise fail(f"model.eos_token_id must be an id or a non-empty list of ids, got {eos!r}")
 
-        num_heads = integer(decoder, "num_attention_heads", w)
-        num_kv = integer(decoder, "num_key_value_heads", w, required=False) or num_heads
-        hidden = integer(decoder, "hidden_size", w, required=False)
-        head_size = integer(decoder, "head_size", w, required=False)
+        num_heads = integer(decoder, "num_attention_heads", decoder_key)
+        num_kv_heads = integer(decoder, "num_key_value_heads", decoder_key, required=False) or num_heads
+        hidden_size = integer(decoder, "hidden_size", decoder_key, required=False)
+        head_size = integer(decoder, "head_size", decoder_key, required=False)
         if head_size is None:
-            if hidden is None:
-                raise fail(f"missing {w}head_size (and no {w}hidden_size to derive it from)")
-            head_size = hidden // num_heads
-        if num_heads % num_kv:
-            raise fail(f"{w}num_attention_heads={num_heads} is not a multiple of num_key_value_heads={num_kv}")
-        vocab = integer(model, "vocab_size", "model.")
-        for e in eos_list:
-            if e >= vocab:
-                raise fail(f"model.eos_token_id {e} is outside the vocabulary of {vocab}")
+            if hidden_size is None:
+                raise fail(f"missing {decoder_key}head_size (and no {decoder_key}hidden_size to derive it from)")
+            head_size = hidden_size // num_heads
+        if num_heads % num_kv_heads:
+            raise fail(
+                f"{decoder_key}num_attention_heads={num_heads} is not a multiple of num_key_value_heads={num_kv_heads}"
+            )
+        vocab_size = integer(model, "vocab_size", "model.")
+        for token_id in eos_ids:
+            if token_id >= vocab_size:
+                raise fail(f"model.eos_token_id {token_id} is outside the vocabulary of {vocab_size}")
 
-        session = decoder.get("session_options", {})
-        if not isinstance(session, Mapping):
-            raise fail(f"{w}session_options must be an object")
-        provider_options = session.get("provider_options", [])
-        if not isinstance(provider_options, list):
-            raise fail(f"{w}session_options.provider_options must be a list")
-        share = search.get("past_present_share_buffer", False)
-        if not isinstance(share, bool):
-            raise fail(f"search.past_present_share_buffer must be true or false, got {share!r}")
+        session_options = decoder.get("session_options", {})
+        if not isinstance(session_options, Mapping):
+            raise fail(f"{decoder_key}session_options must be an object")
+        if not isinstance(session_options.get("provider_options", []), list):
+            raise fail(f"{decoder_key}session_options.provider_options must be a list")
+        share_buffer = search.get("past_present_share_buffer", False)
+        if not isinstance(share_buffer, bool):
+            raise fail(f"search.past_present_share_buffer must be true or false, got {share_buffer!r}")
+
+        context_length = integer(model, "context_length", "model.")
+        num_layers = integer(decoder, "num_hidden_layers", decoder_key)
+        # Keys the builder writes that this backend does not read are still checked, so that a malformed
+        # config is refused whichever reader meets it.
+        integer(model, "bos_token_id", "model.", required=False, minimum=0)
+        integer(model, "pad_token_id", "model.", required=False, minimum=0)
+        in_inputs, in_outputs = decoder_key + "inputs.", decoder_key + "outputs."
+        input_ids_name = name(inputs, "input_ids", in_inputs, "input_ids")
+        attention_mask_name = name(inputs, "attention_mask", in_inputs, None)
+        position_ids_name = name(inputs, "position_ids", in_inputs, None)
+        past_key_pattern = name(inputs, "past_key_names", in_inputs, "past_key_values.%d.key", pattern=True)
+        past_value_pattern = name(inputs, "past_value_names", in_inputs, "past_key_values.%d.value", pattern=True)
+        logits_name = name(outputs, "logits", in_outputs, "logits")
+        present_key_pattern = name(outputs, "present_key_names", in_outputs, "present.%d.key", pattern=True)
+        present_value_pattern = name(outputs, "present_value_names", in_outputs, "present.%d.value", pattern=True)
+        integer(search, "max_length", "search.", required=False)  # checked, not read (see above)
 
         return cls(
             path=folder,
             model_path=model_path,
             tokenizer_path=tokenizer_path,
-            model_type=str(model.get("type", "")),
-            vocab_size=vocab,
-            context_length=integer(model, "context_length", "model."),
-            num_layers=integer(decoder, "num_hidden_layers", w),
+            vocab_size=vocab_size,
+            context_length=context_length,
+            num_layers=num_layers,
             num_attention_heads=num_heads,
-            num_kv_heads=num_kv,
+            num_kv_heads=num_kv_heads,
             head_size=head_size,
-            hidden_size=hidden,
-            eos_token_ids=eos_list,
-            bos_token_id=integer(model, "bos_token_id", "model.", required=False, minimum=0),
-            pad_token_id=integer(model, "pad_token_id", "model.", required=False, minimum=0),
-            input_ids_name=name(inputs, "input_ids", w + "inputs.", "input_ids"),
-            attention_mask_name=name(inputs, "attention_mask", w + "inputs.", None),
-            position_ids_name=name(inputs, "position_ids", w + "inputs.", None),
-            past_key_pattern=name(inputs, "past_key_names", w + "inputs.", "past_key_values.%d.key", pattern=True),
-            past_value_pattern=name(
-                inputs, "past_value_names", w + "inputs.", "past_key_values.%d.value", pattern=True
-            ),
-            logits_name=name(outputs, "logits", w + "outputs.", "logits"),
-            present_key_pattern=name(outputs, "present_key_names", w + "outputs.", "present.%d.key", pattern=True),
-            present_value_pattern=name(
-                outputs, "present_value_names", w + "outputs.", "present.%d.value", pattern=True
-            ),
-            past_present_share_buffer=share,
-            search_max_length=integer(search, "max_length", "search.", required=False),
-            session_options={k: v for k, v in session.items() if k != "provider_options"},
-            provider_options=provider_options,
+            eos_token_ids=eos_ids,
+            input_ids_name=input_ids_name,
+            attention_mask_name=attention_mask_name,
+            position_ids_name=position_ids_name,
+            past_key_pattern=past_key_pattern,
+            past_value_pattern=past_value_pattern,
+            logits_name=logits_name,
+            present_key_pattern=present_key_pattern,
+            present_value_pattern=present_value_pattern,
+            past_present_share_buffer=share_buffer,
+            session_options={key: value for key, value in session_options.items() if key != "provider_options"},
         )
