@@ -3,10 +3,13 @@ per-row argmax/margin reductions behind ``verify_picks``.
 
 * :class:`HostArrays` (numpy, for the CPU provider), :class:`CupyArrays` and :class:`TorchArrays` (CUDA device
   memory) share the :class:`ArrayModule` interface; :func:`cuda_arrays` picks a CUDA one.
-* The per-row reductions behind ``verify_picks`` (``DevicePicks`` in ``backends/base.py``): for each row of a
-  ``[rows, vocab]`` array, the argmax id (the lowest id among equal maxima) as int64, and the gap between the two
-  largest values (0 on a tie) as float32. :func:`argmax_margin` (numpy), :func:`xp_argmax_margin` (numpy or CuPy
-  reductions), :func:`torch_argmax_margin` (torch tensors) and the fused CUDA kernel (:data:`ARGMAX_MARGIN_SOURCE`).
+* The picks contract (``DevicePicks`` in ``backends/base.py``), which every reduction here honours: for each row of
+  a ``[rows, vocab]`` array, the argmax id (the lowest id among equal maxima; always in ``[0, vocab)``) as int64,
+  and the gap between the two largest values (0 on a tie) as float32. The margin is NaN when the row is not
+  finite where its pick is made: it holds a NaN, or its largest value is +inf, or every value is -inf (the rows
+  ``core.state.step`` refuses). The id of such a row is in range but otherwise unspecified.
+  :func:`argmax_margin` (numpy), :func:`xp_argmax_margin` (numpy or CuPy reductions), :func:`torch_argmax_margin`
+  (torch tensors on any device) and the fused CUDA kernel (:data:`ARGMAX_MARGIN_SOURCE`).
 """
 
 from __future__ import annotations
@@ -69,7 +72,7 @@ class ArrayModule(Protocol):
         ...
 
     def argmax_margin(self, rows) -> tuple[np.ndarray, np.ndarray]:
-        """Per row of ``rows`` ``[count, vocab]``: argmax id (lowest on ties) and top-1/top-2 gap, as host arrays."""
+        """The picks contract (module docstring) on ``rows`` ``[count, vocab]``, returned as host arrays."""
         ...
 
 
@@ -79,76 +82,110 @@ class ArrayModule(Protocol):
 
 
 def argmax_margin(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Per row: the argmax (lowest id among ties) and the gap between the two largest values (0 on a tie)."""
+    """Per row of ``rows`` ``[count, vocab >= 2]``: the argmax id (lowest among ties), int64, and the gap between
+    the two largest values (0 on a tie), float32; NaN margin for a row that is not finite where its pick is made.
+
+    The pick is ``numpy.argmax``'s, as in ``core.state.step``: the first maximum, or the first NaN if the row
+    holds one."""
     rows = np.asarray(rows)
     if rows.ndim != 2 or rows.shape[1] < 2:
         raise ValueError(f"argmax_margin needs a [rows, vocab>=2] array, got shape {rows.shape}")
-    ids = np.argmax(rows, axis=1)  # numpy returns the first occurrence: the lowest id on ties
-    two = np.partition(rows, rows.shape[1] - 2, axis=1)[:, -2:]
-    margins = (two[:, 1] - two[:, 0]).astype(np.float32)
+    ids = np.argmax(rows, axis=1)  # the first occurrence of the maximum; a NaN counts as the maximum
+    picked = np.take_along_axis(rows, ids[:, None], axis=1)[:, 0]
+    finite = np.isfinite(picked)  # False for a row holding a NaN, topped by +inf, or all -inf
+    two_largest = np.partition(rows, rows.shape[1] - 2, axis=1)[:, -2:]
+    # subtract only where the top is finite (inf - inf would warn); the second largest may be -inf (margin +inf)
+    gaps = np.where(finite, two_largest[:, 1], 0) - np.where(finite, two_largest[:, 0], 0)
+    margins = np.where(finite, gaps, np.nan).astype(np.float32)
     return ids.astype(np.int64), margins
 
 
 def xp_argmax_margin(xp, rows):
-    """Argmax (lowest id on ties) and top-1/top-2 gap with array-module reductions (several kernels)."""
-    n = rows.shape[1]
-    top = rows.max(axis=1)
-    ids = xp.where(rows == top[:, None], xp.arange(n), n).min(axis=1)
-    masked = rows.copy()
-    masked[xp.arange(rows.shape[0]), ids] = -xp.inf
-    return ids, top - masked.max(axis=1)
+    """:func:`argmax_margin` with reductions of the array module ``xp`` (numpy or CuPy; several kernels on a device).
+
+    ``rows``: a float ``[count, vocab]`` array of ``xp``. Returns ``(ids, margins)`` as ``xp`` arrays (integer ids,
+    margins of ``rows``' dtype). A row holding a NaN picks its first NaN, as ``numpy.argmax`` does."""
+    count, vocab = rows.shape
+    top = rows.max(axis=1)  # NaN for a row that holds one
+    at_top = (rows == top[:, None]) | xp.isnan(rows)
+    ids = xp.where(at_top, xp.arange(vocab), vocab).min(axis=1)  # < vocab: every row has an element at its top
+    rest = rows.copy()
+    rest[xp.arange(count), ids] = -xp.inf
+    second = rest.max(axis=1)
+    finite = xp.isfinite(top)
+    gaps = xp.where(finite, top, 0) - xp.where(finite, second, 0)
+    return ids, xp.where(finite, gaps, xp.nan).astype(rows.dtype)
 
 
 def torch_argmax_margin(rows) -> tuple[np.ndarray, np.ndarray]:
-    """Argmax (lowest id on ties) and top-1/top-2 gap of a torch tensor, computed on its device."""
+    """:func:`argmax_margin` on a torch tensor ``[count, vocab]`` on any device (computed there in float32);
+    returns host numpy arrays (int64 ids, float32 margins). A row holding a NaN picks its first NaN."""
     import torch
 
     rows = rows.to(torch.float32)
-    n = rows.shape[1]
-    arange = torch.arange(n, device=rows.device)
-    top = rows.max(dim=1).values
-    ids = torch.where(rows == top[:, None], arange, n).min(dim=1).values
-    masked = rows.clone()
-    masked[torch.arange(rows.shape[0], device=rows.device), ids] = -float("inf")
-    margins = top - masked.max(dim=1).values
+    count, vocab = rows.shape
+    top = rows.max(dim=1).values  # NaN for a row that holds one
+    at_top = (rows == top[:, None]) | rows.isnan()
+    columns = torch.arange(vocab, device=rows.device)
+    ids = torch.where(at_top, columns, vocab).min(dim=1).values  # < vocab: every row has an element at its top
+    rest = rows.clone()
+    rest[torch.arange(count, device=rows.device), ids] = -float("inf")
+    second = rest.max(dim=1).values
+    finite = torch.isfinite(top)
+    gaps = torch.where(finite, top, 0.0) - torch.where(finite, second, 0.0)
+    margins = torch.where(finite, gaps, float("nan"))
     return ids.cpu().numpy().astype(np.int64), margins.cpu().numpy().astype(np.float32)
 
 
-ARGMAX_THREADS = 256
-# Per row (one block): the largest value, its lowest index, and the second largest value counting a repeat of the
-# largest (so a tie gives a margin of 0). out[2*row] = index, out[2*row+1] = largest - second.
+ARGMAX_THREADS = 256  # threads per block; the kernel source's THREADS
+# One block per row, ``THREADS`` threads striding over it. Each thread keeps its largest value, that value's
+# lowest index, the second largest value counting a repeat of the largest (so a tie gives a margin of 0), and
+# whether it saw a NaN (NaN compares false, so it never enters the running values); a tree reduction in shared
+# memory merges the threads, and ``__syncthreads_or`` ORs their NaN flags. Output ``out`` (float64,
+# ``[2 * rows]``): ``out[2 * row]`` the index (0 when nothing compared greater than -inf: an all -inf or NaN
+# row), ``out[2 * row + 1]`` largest - second, or NaN when the row holds a NaN or its largest value is +-inf.
+# ``T`` (the element type) is defined in front of this source.
 ARGMAX_MARGIN_SOURCE = r"""
-#define NT 256
-extern "C" __global__ void ortspec_argmax_margin(const T* rows, const int n, double* out) {
-    __shared__ float s1[NT];
-    __shared__ float s2[NT];
-    __shared__ int si[NT];
-    const T* row = rows + (size_t)blockIdx.x * n;
-    float v1 = __int_as_float(0xff800000), v2 = __int_as_float(0xff800000);  // -inf
-    int i1 = 0x7fffffff;
-    for (int j = threadIdx.x; j < n; j += NT) {
-        float x = (float)row[j];
-        if (x > v1) { v2 = v1; v1 = x; i1 = j; }
-        else if (x > v2) { v2 = x; }
+extern "C" __global__ void ortspec_argmax_margin(const T* rows, const int vocab, double* out) {
+    __shared__ float block_top[THREADS];
+    __shared__ float block_second[THREADS];
+    __shared__ int block_top_id[THREADS];
+    const int thread = threadIdx.x;
+    const int no_id = 0x7fffffff;
+    const float negative_infinity = __int_as_float(0xff800000);
+    const float positive_infinity = __int_as_float(0x7f800000);
+    const T* row = rows + (size_t)blockIdx.x * vocab;
+    float top = negative_infinity, second = negative_infinity;
+    int top_id = no_id;
+    int saw_nan = 0;
+    for (int j = thread; j < vocab; j += THREADS) {
+        const float x = (float)row[j];
+        saw_nan |= (x != x);
+        if (x > top) { second = top; top = x; top_id = j; }
+        else if (x > second) { second = x; }
     }
-    s1[threadIdx.x] = v1; s2[threadIdx.x] = v2; si[threadIdx.x] = i1;
-    __syncthreads();
-    for (int stride = NT / 2; stride > 0; stride >>= 1) {
-        if (threadIdx.x < stride) {
-            const int o = threadIdx.x + stride;
-            float a1 = s1[threadIdx.x], a2 = s2[threadIdx.x], b1 = s1[o], b2 = s2[o];
-            int ai = si[threadIdx.x], bi = si[o];
-            if (b1 > a1 || (b1 == a1 && bi < ai)) {
-                s1[threadIdx.x] = b1; si[threadIdx.x] = bi; s2[threadIdx.x] = fmaxf(b2, a1);
+    block_top[thread] = top; block_second[thread] = second; block_top_id[thread] = top_id;
+    const int row_has_nan = __syncthreads_or(saw_nan);  // also the barrier before the reduction
+    for (int stride = THREADS / 2; stride > 0; stride >>= 1) {
+        if (thread < stride) {
+            const int other = thread + stride;
+            const float mine = block_top[thread], theirs = block_top[other];
+            const int my_id = block_top_id[thread], their_id = block_top_id[other];
+            if (theirs > mine || (theirs == mine && their_id < my_id)) {
+                block_top[thread] = theirs; block_top_id[thread] = their_id;
+                block_second[thread] = fmaxf(block_second[other], mine);
             } else {
-                s2[threadIdx.x] = fmaxf(a2, b1);
+                block_second[thread] = fmaxf(block_second[thread], theirs);
             }
         }
         __syncthreads();
     }
-    if (threadIdx.x == 0) {
-        out[2 * blockIdx.x] = (double)si[0];
-        out[2 * blockIdx.x + 1] = (double)(s1[0] - s2[0]);
+    if (thread == 0) {
+        const float best = block_top[0];
+        const bool finite = best > negative_infinity && best < positive_infinity;
+        out[2 * blockIdx.x] = (double)(block_top_id[0] == no_id ? 0 : block_top_id[0]);
+        out[2 * blockIdx.x + 1] = (row_has_nan || !finite) ? __longlong_as_double(0x7ff8000000000000LL)
+                                                           : (double)(best - block_second[0]);
     }
 }
 """
@@ -161,7 +198,7 @@ def cupy_argmax_kernel(cp, dtype: str):
     Raises (``KeyError`` for another dtype, CuPy's errors when NVRTC fails)."""
     kernel = _compiled_kernels.get(dtype)
     if kernel is None:
-        head = _ELEMENT_TYPES[dtype]
+        head = _ELEMENT_TYPES[dtype] + f"#define THREADS {ARGMAX_THREADS}\n"
         kernel = cp.RawKernel(head + ARGMAX_MARGIN_SOURCE, "ortspec_argmax_margin")
         kernel.compile()
         _compiled_kernels[dtype] = kernel

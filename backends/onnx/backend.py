@@ -252,7 +252,8 @@ class OrtBackend:
 
     def verify_picks(self, tokens: Sequence[int], base: int) -> tuple[np.ndarray, np.ndarray]:
         """The ``decode_verify`` pass, reduced where the logits live to each row's argmax id (lowest on ties;
-        int64 ``[len(tokens)]``) and top-1/top-2 gap (float32 ``[len(tokens)]``); fresh host arrays."""
+        int64 ``[len(tokens)]``, always in ``[0, vocab)``) and top-1/top-2 gap (float32 ``[len(tokens)]``; NaN for
+        a row that is not finite where its pick is made); fresh host arrays."""
         tokens = self._validate(tokens, base, "base")
         count = len(tokens)
         self._alloc_rows(count)
