@@ -50,8 +50,8 @@ class OrtBackend:
     Public attributes: ``session`` (the ``InferenceSession``), ``folder`` (its :class:`ModelFolder`), ``graph``
     (the checked :class:`~ortspec.backends.onnx.graph.DecoderGraph`), ``provider`` (``"cpu"`` or ``"cuda"``),
     ``prefill_chunk``, ``threads`` (intra-op), ``share_buffer`` (True: the in-place KV path) and
-    ``picks_on_device`` (the ``DevicePicks`` capability: True on CUDA). The backend owns its buffers; the arrays
-    it returns are views of them, valid until its next call."""
+    ``picks_on_device`` (the ``DevicePicks`` capability: True on CUDA). The backend owns its buffers: the logits
+    that ``decode`` and ``decode_verify`` return are views of them, valid until its next call."""
 
     def __init__(
         self,

@@ -57,7 +57,7 @@ class ModelFolder:
     present_key_pattern: str
     present_value_pattern: str
     past_present_share_buffer: bool
-    session_options: Mapping[str, Any] = attrs.field(converter=lambda d: dict(d))
+    session_options: Mapping[str, Any] = attrs.field(converter=dict)
 
     # ----------------------------------------------------------------------------------------------------------
     @classmethod

@@ -176,7 +176,9 @@ def open_session(model_path: Path, *, providers: list, session_options):
         session = ort.InferenceSession(str(model_path), sess_options=session_options, providers=providers)
     except Exception as exc:  # noqa: BLE001 - ORT raises its own exception types
         raise BackendError(f"onnxruntime could not load {model_path}: {exc}") from exc
-    wants_cuda = any((p[0] if isinstance(p, tuple) else p) == "CUDAExecutionProvider" for p in providers)
+    wants_cuda = any(
+        (entry[0] if isinstance(entry, tuple) else entry) == "CUDAExecutionProvider" for entry in providers
+    )
     if wants_cuda and "CUDAExecutionProvider" not in session.get_providers():
         raise BackendError(
             f"the session for {model_path} did not get the CUDA execution provider: onnxruntime could "
