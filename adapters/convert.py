@@ -2,7 +2,7 @@
 
 Both produce the folder layout that ``onnxruntime_genai.models.builder`` writes (``model.onnx`` plus its external
 data, ``genai_config.json``, ``tokenizer.json`` and ``tokenizer_config.json``), which is what
-:class:`ortspec.adapters.model_dir.ModelFolder` reads.
+:class:`ortspec.backends.onnx.ModelFolder` reads.
 
 The conversion needs the ``convert`` extra (``pip install 'ortspec[convert]'``): torch, transformers, gguf,
 accelerate, onnx, onnx-ir and onnxruntime-genai. None of them is imported at module import time.

@@ -23,9 +23,9 @@ from typing import Any, Concatenate, ParamSpec, TypeVar
 import attrs
 
 from ortspec.adapters.cache import cache_root
-from ortspec.adapters.model_dir import ModelFolder
 from ortspec.adapters.tokenizer import Tokenizer
 from ortspec.backends.base import Backend
+from ortspec.backends.onnx import ModelFolder
 from ortspec.core import CostAwareWidth, Options, PromptLookup, Proposer, WidthPolicy
 from ortspec.core.checks import int_at_least
 from ortspec.driver import GenerateResult, Generation

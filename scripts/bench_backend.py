@@ -150,8 +150,7 @@ def sweep(
 ) -> list[dict]:
     """A/B pairs: each variant against the default, the two sessions open together and timed in alternation,
     so load drifts (other processes on a shared machine) hit both alike; reports variant / default."""
-    from ortspec.adapters.model_dir import ModelFolder
-    from ortspec.backends.onnx import make_session_options
+    from ortspec.backends.onnx import ModelFolder, make_session_options
 
     mf = ModelFolder.load(folder)
     rng = np.random.default_rng(2)

@@ -146,7 +146,7 @@ for folder in sys.argv[1:]:
         b = OrtBackend.from_folder(folder, provider="cuda")
         row = b.decode([5, 6, 7], 0)
         print(f"  {folder}: {b!r} providers={b.session.get_providers()} argmax={int(np.argmax(row))} "
-              f"arrays={b._xp.name}")
+              f"arrays={b._arrays.name}")
     except Exception as exc:  # noqa: BLE001
         print(f"  {folder}: {type(exc).__name__}: {str(exc)[:600]}")
 EOF

@@ -11,7 +11,7 @@ import pytest
 from ortspec import FinishReason, GenerationAborted, PromptLookup
 from ortspec.adapters.cli import main as cli_main
 from ortspec.adapters.engine import Engine
-from ortspec.adapters.model_dir import ModelFolderError
+from ortspec.backends.onnx import ModelFolderError
 
 
 @pytest.fixture(scope="module")

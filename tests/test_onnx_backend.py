@@ -12,15 +12,16 @@ import importlib.util
 import json
 import os
 import shutil
+import warnings
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from ortspec.adapters.convert import default_model_dir, is_complete, make_tiny_model
-from ortspec.adapters.model_dir import ModelFolder, ModelFolderError
 from ortspec.backends.base import Backend, BackendError
-from ortspec.backends.onnx import OrtBackend, argmax_margin, physical_cores
+from ortspec.backends.onnx import ModelFolder, ModelFolderError, OrtBackend, argmax_margin, physical_cores
+from ortspec.backends.onnx.arrays import torch_argmax_margin, xp_argmax_margin
 
 ROW_TOL = 1e-4  # float32 logits: batched rows vs one-token steps
 MAX_DIFFS: dict[str, float] = {}
@@ -80,7 +81,7 @@ def _reference_logits(folder: Path, tokens: list[int]) -> np.ndarray:
     feeds = {"input_ids": np.array([tokens], np.int64), "attention_mask": np.ones((1, len(tokens)), np.int64)}
     kv_type = np.float16 if "float16" in sess.get_inputs()[2].type else np.float32
     for layer in range(mf.num_layers):
-        for name in (mf.past_key_name(layer), mf.past_value_name(layer)):
+        for name in (mf.past_key_pattern % layer, mf.past_value_pattern % layer):
             feeds[name] = np.zeros((1, mf.num_kv_heads, 0, mf.head_size), kv_type)
     return sess.run([mf.logits_name], feeds)[0][0].astype(np.float32)
 
@@ -93,8 +94,8 @@ def test_model_folder_reads_builder_config(tiny_dir):
     mf = ModelFolder.load(tiny_dir)
     assert mf.num_layers == 2 and mf.num_kv_heads == 2 and mf.num_attention_heads == 4 and mf.head_size == 16
     assert mf.context_length == 256 and mf.vocab_size == 384
-    assert mf.eos_token_ids == (0,) and mf.eos_token_id == 0 and mf.bos_token_id == 1 and mf.pad_token_id == 0
-    assert mf.past_key_name(1) == "past_key_values.1.key" and mf.present_value_name(0) == "present.0.value"
+    assert mf.eos_token_ids == (0,)
+    assert mf.past_key_pattern % 1 == "past_key_values.1.key" and mf.present_value_pattern % 0 == "present.0.value"
     assert mf.past_present_share_buffer is True
     assert mf.model_path.name == "model.onnx" and mf.tokenizer_path.is_file()
 
@@ -309,6 +310,78 @@ def test_argmax_margin_breaks_ties_to_the_lowest_id():
     assert margins.tolist() == [0.0, 0.0, 0.5]
 
 
+def _picks_rows(vocab: int) -> np.ndarray:
+    """float32 ``[12, vocab]`` rows: non-finite ones (NaN, +inf, all -inf), exact ties, and plain random ones."""
+    rng = np.random.default_rng(37)
+    rows = rng.normal(size=(12, vocab)).astype(np.float32)
+    rows[0, 5] = np.nan  # one NaN among finite values
+    rows[1, :] = np.nan  # all NaN
+    rows[2, vocab - 1] = np.inf  # +inf in the last column
+    rows[3, 3] = rows[3, 7] = np.inf  # two +inf
+    rows[4, :] = -np.inf  # all -inf
+    rows[5, :] = -np.inf
+    rows[5, vocab - 2] = 1.5  # one finite value among -inf: a finite pick, margin +inf
+    rows[6, 2] = rows[6, vocab - 3] = 50  # an exact tie: the lowest id, margin 0
+    rows[7, :] = 1  # all equal
+    rows[8, 0], rows[8, 1] = 60, np.nan  # a NaN after the largest value
+    rows[9, 1], rows[9, 2] = np.inf, -np.inf  # +inf and -inf
+    rows[10, 123 % vocab], rows[10, vocab // 2] = 70, 69.5
+    return rows
+
+
+NON_FINITE_ROWS = [0, 1, 2, 3, 4, 8, 9]
+
+
+def _assert_picks_match_numpy(ids, margins, rows: np.ndarray) -> None:
+    """``(ids, margins)`` keep the picks contract and equal numpy ``argmax_margin`` on ``rows``: the same NaN
+    margins, ids in range everywhere, and the same ids and margins on every row with a finite pick."""
+    expect_ids, expect_margins = argmax_margin(rows)
+    vocab = rows.shape[1]
+    assert ids.dtype == np.int64 and margins.dtype == np.float32 and ids.shape == margins.shape == (len(rows),)
+    assert ((ids >= 0) & (ids < vocab)).all(), ids
+    refused = np.isnan(expect_margins)
+    assert np.isnan(margins).tolist() == refused.tolist()
+    assert ids[~refused].tolist() == expect_ids[~refused].tolist()
+    np.testing.assert_array_equal(margins[~refused], expect_margins[~refused])
+
+
+@pytest.mark.parametrize("vocab", [384, 49152])
+def test_argmax_margin_is_nan_where_the_pick_is_not_finite(vocab):
+    rows = _picks_rows(vocab)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "invalid value" warning from inf - inf
+        ids, margins = argmax_margin(rows)
+    assert ids.tolist() == np.argmax(rows, axis=1).tolist()  # core.state.step's pick
+    refused = [not np.isfinite(row[np.argmax(row)]) for row in rows]  # the rows core.state.step refuses
+    assert np.isnan(margins).tolist() == refused
+    assert [i for i, r in enumerate(refused) if r] == NON_FINITE_ROWS
+    assert ids[6] == 2 and margins[6] == 0 and ids[7] == 0 and margins[7] == 0
+    assert ids[5] == vocab - 2 and margins[5] == np.inf
+    assert ids[10] == 123 % vocab and margins[10] == 0.5
+
+
+@pytest.mark.parametrize("vocab", [384, 49152])
+def test_xp_argmax_margin_on_numpy_matches_argmax_margin(vocab):
+    """The CuPy-reductions fallback, run with numpy as the array module."""
+    rows = _picks_rows(vocab)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ids, margins = xp_argmax_margin(np, rows)
+    assert ids.tolist() == np.argmax(rows, axis=1).tolist()  # numpy's pick even where a NaN is picked
+    _assert_picks_match_numpy(ids.astype(np.int64), margins, rows)
+
+
+@pytest.mark.parametrize("vocab", [384, 49152])
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_torch_argmax_margin_on_cpu_matches_argmax_margin(vocab, dtype):
+    """The torch path (the CUDA fallback when CuPy is missing), run on CPU tensors."""
+    torch = pytest.importorskip("torch")
+    rows = _picks_rows(vocab).astype(dtype)
+    ids, margins = torch_argmax_margin(torch.from_numpy(rows))
+    assert ids.tolist() == np.argmax(rows, axis=1).tolist()
+    _assert_picks_match_numpy(ids, margins, rows.astype(np.float32))
+
+
 def test_grow_copy_path_equals_shared_buffers(tiny_dir, caplog, record_property):
     with caplog.at_level("WARNING", logger="ortspec.backends.onnx"):
         copy = OrtBackend.from_folder(tiny_dir, threads=1, share_buffer=False)
@@ -333,7 +406,7 @@ def test_grow_copy_path_equals_shared_buffers(tiny_dir, caplog, record_property)
 
 def test_float16_kv_model_on_cpu(tiny16_dir, record_property):
     b = OrtBackend.from_folder(tiny16_dir, threads=1)
-    assert b.share_buffer and str(b._kv_dtype) == "float16"
+    assert b.share_buffer and str(b.graph.kv_dtype) == "float16"
     toks = _tokens(20, b.vocab_size, seed=19)
     b.decode(toks[:8], 0)
     rows = b.decode_verify(toks[8:], 8).copy()
@@ -453,9 +526,9 @@ def test_cuda_rows_rewind_and_argmax(cuda_dir, array_module, record_property):
 @pytest.mark.parametrize("array_module", _array_modules())
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
 def test_cuda_argmax_margin_kernel_ties_and_wide_rows(cuda_dir, array_module, dtype):
-    from ortspec.backends.onnx import _cuda_arrays
+    from ortspec.backends.onnx.arrays import cuda_arrays
 
-    xp = _cuda_arrays(0, array_module)
+    xp = cuda_arrays(0, array_module)
     rng = np.random.default_rng(31)
     rows = rng.normal(size=(7, 49152)).astype(dtype)
     rows[1, 7] = rows[1, 40000] = 50  # a tie: lowest id, margin 0
@@ -470,6 +543,25 @@ def test_cuda_argmax_margin_kernel_ties_and_wide_rows(cuda_dir, array_module, dt
     assert ids[1] == 7 and margins[1] == 0 and ids[2] == 0 and margins[2] == 0 and ids[3] == 49151
     one = xp.argmax_margin(xp.from_host(rows[5:6]))
     assert one[0].tolist() == [123] and abs(float(one[1][0]) - 0.5) < 1e-6
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("array_module", _array_modules())
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+@pytest.mark.parametrize("vocab", [384, 49152])
+def test_cuda_argmax_margin_non_finite_rows(cuda_dir, array_module, dtype, vocab):
+    """The fused kernel (CuPy) or torch_argmax_margin (torch) on device rows with NaN, +inf, all -inf and ties;
+    with CuPy also the reductions fallback."""
+    from ortspec.backends.onnx.arrays import cuda_arrays
+
+    arrays = cuda_arrays(0, array_module)
+    rows = _picks_rows(vocab).astype(dtype)
+    ids, margins = arrays.argmax_margin(arrays.from_host(rows))
+    _assert_picks_match_numpy(ids, margins, rows.astype(np.float32))
+    if arrays.name == "cupy":
+        cp = arrays.cp
+        ids, margins = xp_argmax_margin(cp, arrays.from_host(rows.astype(np.float32)))
+        _assert_picks_match_numpy(cp.asnumpy(ids).astype(np.int64), cp.asnumpy(margins), rows.astype(np.float32))
 
 
 @pytest.mark.cuda

@@ -1,0 +1,188 @@
+"""ONNX Runtime sessions: thread counts, ``SessionOptions`` from a folder's settings, the execution providers
+(with the CUDA library preload), and opening one decoder's ``InferenceSession``.
+
+``onnxruntime`` is imported inside the functions, so importing this module stays cheap.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from ..base import BackendError
+
+logger = logging.getLogger(__name__)
+
+# ``graph_optimization_level`` argument -> ``onnxruntime.GraphOptimizationLevel`` member name
+GRAPH_OPTIMIZATION_LEVELS = {
+    "disable": "ORT_DISABLE_ALL",
+    "basic": "ORT_ENABLE_BASIC",
+    "extended": "ORT_ENABLE_EXTENDED",
+    "layout": "ORT_ENABLE_LAYOUT",
+    "all": "ORT_ENABLE_ALL",
+}
+
+
+def physical_cores() -> int:
+    """Physical CPU cores: psutil if installed, else distinct (physical id, core id) pairs in /proc/cpuinfo, else
+    ``os.cpu_count()`` (logical processors), else 1."""
+    try:
+        import psutil
+
+        count = psutil.cpu_count(logical=False)
+        if count:
+            return int(count)
+    except Exception:  # noqa: BLE001 - psutil is optional
+        pass
+    try:
+        cores: set[tuple[str, str]] = set()
+        package_id = core_id = ""
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as cpuinfo:
+            for line in cpuinfo:
+                key, _, value = line.partition(":")
+                key = key.strip()
+                if key == "physical id":
+                    package_id = value.strip()
+                elif key == "core id":
+                    core_id = value.strip()
+                elif not key:  # a blank line ends one logical processor
+                    if core_id:
+                        cores.add((package_id, core_id))
+                    package_id = core_id = ""
+        if core_id:
+            cores.add((package_id, core_id))
+        if cores:
+            return len(cores)
+    except OSError:
+        pass
+    return os.cpu_count() or 1
+
+
+def make_session_options(
+    *,
+    threads: int | None = None,
+    inter_op_threads: int | None = None,
+    graph_optimization_level: str = "all",
+    allow_spinning: bool | None = None,
+    enable_mem_pattern: bool | None = None,
+    enable_cpu_mem_arena: bool | None = None,
+    config_entries: Mapping[str, str] | None = None,
+    genai_session_options: Mapping[str, Any] | None = None,
+):
+    """Build ``onnxruntime.SessionOptions`` for one decoder (sequential execution).
+
+    ``threads`` (intra-op) defaults to :func:`physical_cores`, ``inter_op_threads`` to 1. ``genai_session_options``
+    is the folder's ``model.decoder.session_options``: its thread counts, log settings, memory flags and
+    ``config_entries`` apply first, and explicit arguments here override them. ``graph_optimization_level`` is
+    one of :data:`GRAPH_OPTIMIZATION_LEVELS` (``ValueError`` otherwise).
+    """
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    genai = dict(genai_session_options or {})
+    if "log_id" in genai:
+        options.logid = str(genai["log_id"])
+    if "log_severity_level" in genai:
+        options.log_severity_level = int(genai["log_severity_level"])
+    else:
+        options.log_severity_level = 3  # errors only: ORT warns about every node it leaves on the CPU
+    if genai.get("enable_profiling"):
+        options.enable_profiling = True
+    if "enable_cpu_mem_arena" in genai:
+        options.enable_cpu_mem_arena = bool(genai["enable_cpu_mem_arena"])
+    if "enable_mem_pattern" in genai:
+        options.enable_mem_pattern = bool(genai["enable_mem_pattern"])
+    for key, value in dict(genai.get("config_entries", {}) or {}).items():
+        options.add_session_config_entry(str(key), str(value))
+
+    options.intra_op_num_threads = (
+        int(threads) if threads is not None else int(genai.get("intra_op_num_threads") or physical_cores())
+    )
+    if inter_op_threads is None:
+        inter_op_threads = int(genai.get("inter_op_num_threads") or 1)
+    options.inter_op_num_threads = int(inter_op_threads)
+    options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    level = graph_optimization_level.lower()
+    if level not in GRAPH_OPTIMIZATION_LEVELS:
+        raise ValueError(
+            f"graph_optimization_level must be one of {sorted(GRAPH_OPTIMIZATION_LEVELS)}, "
+            f"got {graph_optimization_level!r}"
+        )
+    level_enum = getattr(ort.GraphOptimizationLevel, GRAPH_OPTIMIZATION_LEVELS[level], None)
+    if level_enum is None:  # older onnxruntime without ORT_ENABLE_LAYOUT
+        level_enum = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    options.graph_optimization_level = level_enum
+    if allow_spinning is not None:
+        options.add_session_config_entry("session.intra_op.allow_spinning", "1" if allow_spinning else "0")
+        options.add_session_config_entry("session.inter_op.allow_spinning", "1" if allow_spinning else "0")
+    if enable_mem_pattern is not None:
+        options.enable_mem_pattern = enable_mem_pattern
+    if enable_cpu_mem_arena is not None:
+        options.enable_cpu_mem_arena = enable_cpu_mem_arena
+    for key, value in dict(config_entries or {}).items():
+        options.add_session_config_entry(str(key), str(value))
+    return options
+
+
+_cuda_libraries_preloaded = False
+
+
+def preload_cuda_libraries(ort) -> None:
+    """Let onnxruntime-gpu find CUDA libraries installed as nvidia-* pip packages (``onnxruntime.preload_dlls``).
+
+    Once per process, best effort: a failure is logged at debug level and the session creation reports the real
+    problem."""
+    global _cuda_libraries_preloaded
+    if _cuda_libraries_preloaded or not hasattr(ort, "preload_dlls"):
+        return
+    _cuda_libraries_preloaded = True
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):
+            ort.preload_dlls()
+    except Exception as exc:  # noqa: BLE001 - best effort: the session creation reports the real failure
+        logger.debug("onnxruntime.preload_dlls() failed: %s", exc)
+
+
+def execution_providers(provider: str, device_id: int) -> list:
+    """The ``providers`` list for ``InferenceSession``: ``"cpu"`` -> the CPU provider; ``"cuda"`` -> CUDA on
+    ``device_id`` with the CPU for nodes CUDA lacks, after preloading the CUDA libraries. Raises ``BackendError``
+    when this onnxruntime has no CUDA execution provider."""
+    import onnxruntime as ort
+
+    if provider != "cuda":
+        return ["CPUExecutionProvider"]
+    available = ort.get_available_providers()
+    if "CUDAExecutionProvider" not in available:
+        raise BackendError(
+            "provider='cuda' but this onnxruntime has no CUDAExecutionProvider (available: "
+            + ", ".join(available)
+            + "); install onnxruntime-gpu (pip install 'ortspec[cuda]')"
+        )
+    preload_cuda_libraries(ort)
+    return [("CUDAExecutionProvider", {"device_id": str(device_id)}), "CPUExecutionProvider"]
+
+
+def open_session(model_path: Path, *, providers: list, session_options):
+    """Open ``model_path`` as an ``InferenceSession``. Raises ``BackendError`` when onnxruntime cannot load it, or
+    when ``providers`` asks for CUDA and the session did not get it (its CUDA libraries failed to load)."""
+    import onnxruntime as ort
+
+    try:
+        session = ort.InferenceSession(str(model_path), sess_options=session_options, providers=providers)
+    except Exception as exc:  # noqa: BLE001 - ORT raises its own exception types
+        raise BackendError(f"onnxruntime could not load {model_path}: {exc}") from exc
+    wants_cuda = any(
+        (entry[0] if isinstance(entry, tuple) else entry) == "CUDAExecutionProvider" for entry in providers
+    )
+    if wants_cuda and "CUDAExecutionProvider" not in session.get_providers():
+        raise BackendError(
+            f"the session for {model_path} did not get the CUDA execution provider: onnxruntime could "
+            "not load its CUDA libraries (CUDA/cuBLAS of the major version this onnxruntime-gpu was built for, "
+            "e.g. the nvidia-* pip packages that torch installs)"
+        )
+    return session
