@@ -950,8 +950,9 @@ def run_suite(args: argparse.Namespace, argv: Sequence[str] | None = None) -> di
 
     from bench.machine import CpuContention, background_load, machine_info, measure_memory_bandwidth
     from bench.peers import make_peer
-    from bench.workloads import build_workloads, describe_workloads, encode_chat, load_tokenizer
+    from bench.workloads import build_workloads, describe_workloads, encode_chat
     from ortspec.adapters.engine import Engine
+    from ortspec.adapters.tokenizer import Tokenizer
 
     label = args.label or ("quick" if args.quick else args.precision)
     out_dir = Path(args.out) if args.out else (None if args.quick else DEFAULT_OUT)
@@ -980,7 +981,7 @@ def run_suite(args: argparse.Namespace, argv: Sequence[str] | None = None) -> di
             build_workloads,
             describe_workloads,
             encode_chat,
-            load_tokenizer,
+            Tokenizer.from_folder,
             Engine,
         )
         if tmp_name and not args.out:
@@ -1031,12 +1032,11 @@ def _run(
         args.n_per_category,
         args.max_prompt_tokens,
         tok,
-        tokenizer_folder=model_dir,
         max_new_tokens=args.max_new_tokens,
         categories=categories,
     )
-    prompts = [(w, encode_chat(w.messages, model_dir, tok)) for w in workloads]
-    wl_info = describe_workloads(workloads, tok, model_dir)
+    prompts = [(w, encode_chat(w.messages, tok)) for w in workloads]
+    wl_info = describe_workloads(workloads, tok)
     log(f"{len(prompts)} prompts, {min(len(i) for _, i in prompts)}-{max(len(i) for _, i in prompts)} tokens")
 
     # -- machine -------------------------------------------------------------------------------------------
@@ -1122,9 +1122,8 @@ def _run(
         runner = engines["onnx_genai"].runner
         same, diffs = 0, []
         for w, ids in prompts:
-            text, _ = runner._prompt_text(ids)
             try:
-                got = [int(t) for t in runner._engine.tokenize(text)]
+                got = runner.retokenize(ids)
             except Exception as exc:  # noqa: BLE001
                 got = None
                 diffs.append({"workload": w.name, "error": str(exc)})
