@@ -53,9 +53,11 @@ class Tokenizer:
             raise TypeError(f"encode takes a str, got {type(text).__name__}")
         return self._tok.encode(text, add_special_tokens=False).ids
 
-    def decode(self, ids: Sequence[int]) -> str:
-        """Text of ``ids``, special tokens skipped (pure: the same ids give the same text)."""
-        return self._tok.decode(list(ids), skip_special_tokens=True)
+    def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
+        """Text of ``ids``, special tokens skipped (pure: the same ids give the same text). With
+        ``skip_special_tokens=False`` they are spelled out (``<|im_start|>``...), so a rendered prompt's ids decode
+        to text that ``encode`` turns back into them (for engines that take a prompt as text only)."""
+        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True) -> str:
         """Render ``messages`` (dicts with ``role`` and ``content``) with the folder's chat template (ChatML

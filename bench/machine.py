@@ -46,16 +46,16 @@ def _best_copy_seconds(src, dst, repeats: int, threads: int) -> float:
     bounds = [(i * n) // threads for i in range(threads + 1)]
     chunks = [(src[bounds[i] : bounds[i + 1]], dst[bounds[i] : bounds[i + 1]]) for i in range(threads)]
     best = float("inf")
+
+    def work(s, d, barrier: threading.Barrier, done: threading.Barrier) -> None:
+        barrier.wait()
+        np.copyto(d, s)
+        done.wait()
+
     for _ in range(repeats):
         barrier = threading.Barrier(threads + 1)
         done = threading.Barrier(threads + 1)
-
-        def work(s, d):
-            barrier.wait()
-            np.copyto(d, s)
-            done.wait()
-
-        workers = [threading.Thread(target=work, args=c) for c in chunks]
+        workers = [threading.Thread(target=work, args=(*c, barrier, done)) for c in chunks]
         for w in workers:
             w.start()
         barrier.wait()

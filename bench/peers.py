@@ -23,11 +23,15 @@ Peers (names accepted by :func:`make_peer`):
 
 Timing is the same for all peers: the clock starts once the prompt (text or
 ids) is in hand, ``ttft_s`` is the time until the first new token is available,
-``total_s`` the time until generation ends, and
-``decode_tok_s = (new_tokens - 1) / (total_s - ttft_s)``. Thread counts are
-pinned (intra-op threads = ``threads``; sessions run sequentially). The end-of-sequence
-token is not part of ``token_ids``/``new_tokens``; ``finish_reason`` says
-``"stop"`` (EOS) or ``"length"``.
+``total_s`` the time until generation ends, and ``decode_tok_s`` is
+``ortspec.driver.decode_rate`` of them. Thread counts are pinned (intra-op
+threads = ``threads``; sessions run sequentially). The end-of-sequence token is
+not part of ``token_ids``/``new_tokens``; ``finish_reason`` is OpenAI's word, as
+``FinishReason.openai`` gives it for ortspec: ``"stop"`` (EOS) or ``"length"``
+(each runner turns its peer's own report into it).
+Prompt text is tokenized and token ids are decoded with ortspec's ``Tokenizer``
+for the model folder; its facts (EOS ids, graph file, head size) come from
+``ModelFolder.load``.
 
 The original model folder is never modified: configuration changes go into a
 temporary or cache folder holding edited copies of the config files and hard
@@ -49,6 +53,11 @@ from typing import Any
 
 import numpy as np
 
+from ortspec.adapters.cache import cache_root as ortspec_cache_root
+from ortspec.adapters.model_dir import ModelFolder
+from ortspec.adapters.tokenizer import Tokenizer
+from ortspec.driver import decode_rate
+
 PEER_NAMES = ("ortgenai", "ortgenai-ngram", "onnx_genai")
 
 
@@ -60,7 +69,7 @@ class PeerRun:
     text: str
     ttft_s: float
     total_s: float
-    decode_tok_s: float
+    decode_tok_s: float | None
     new_tokens: int
     finish_reason: str = ""
     prompt_tokens: int = 0
@@ -78,13 +87,6 @@ class PeerRun:
             "prompt_tokens": self.prompt_tokens,
             "extra": dict(self.extra),
         }
-
-
-def _decode_rate(new_tokens: int, ttft_s: float, total_s: float) -> float:
-    span = total_s - ttft_s
-    if new_tokens <= 1 or span <= 0:
-        return 0.0
-    return (new_tokens - 1) / span
 
 
 class PeerRunner:
@@ -144,28 +146,6 @@ def _overlay_folder(src: Path, dst: Path, edits: dict[str, Callable[[bytes], byt
     return dst
 
 
-def _eos_ids_from_genai_config(folder: Path) -> set[int]:
-    try:
-        cfg = json.loads((folder / "genai_config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return set()
-    eos = cfg.get("model", {}).get("eos_token_id")
-    if isinstance(eos, int):
-        return {eos}
-    if isinstance(eos, list):
-        return {int(e) for e in eos}
-    return set()
-
-
-def _hf_tokenizer(folder: Path):
-    try:
-        from tokenizers import Tokenizer
-
-        return Tokenizer.from_file(str(folder / "tokenizer.json"))
-    except Exception:
-        return None
-
-
 # --------------------------------------------------------------------------
 # ONNX Runtime GenAI
 # --------------------------------------------------------------------------
@@ -193,10 +173,8 @@ class OrtGenAIRunner(PeerRunner):
         self._tmp: tempfile.TemporaryDirectory | None = None
         self.thread_pinning = ""
         self.model = self._load_model()
-        self.tokenizer = og.Tokenizer(self.model)
-        self.eos_ids = set(int(e) for e in np.atleast_1d(self.tokenizer.eos_token_ids)) or _eos_ids_from_genai_config(
-            self.model_dir
-        )
+        self.tokenizer = Tokenizer.from_folder(self.model_dir)
+        self.eos_ids = set(ModelFolder.load(self.model_dir).eos_token_ids)
 
     def _session_overlay(self) -> dict:
         return {"model": {"decoder": {"session_options": {"intra_op_num_threads": self.threads}}}}
@@ -226,7 +204,7 @@ class OrtGenAIRunner(PeerRunner):
 
     def _prompt_ids(self, prompt) -> list[int]:
         if isinstance(prompt, str):
-            return [int(t) for t in self.tokenizer.encode(prompt)]
+            return self.tokenizer.encode(prompt)
         return [int(t) for t in prompt]
 
     def speculative_options(self) -> dict:
@@ -258,11 +236,16 @@ class OrtGenAIRunner(PeerRunner):
         t_end = time.perf_counter()
         seq = [int(t) for t in gen.get_sequence(0)]
         new = seq[len(ids) :]
+        extra: dict[str, Any] = {"generate_next_token_calls": steps}
         finish = "length"
         if new and new[-1] in self.eos_ids:
             new = new[:-1]
             finish = "stop"
-        extra: dict[str, Any] = {"generate_next_token_calls": steps}
+        elif len(new) < max_new_tokens:
+            # ORT GenAI 0.18 leaves the EOS token out of get_sequence(): a run that ended before the budget ended
+            # at EOS. "peer_finish_reason" is what the sequence alone shows.
+            extra["peer_finish_reason"] = finish
+            finish = "stop"
         if spec:
             try:
                 extra["speculative_stats"] = dict(gen.get_speculative_stats())
@@ -274,10 +257,10 @@ class OrtGenAIRunner(PeerRunner):
         total = t_end - t0
         return PeerRun(
             token_ids=new,
-            text=self.tokenizer.decode(np.asarray(new, dtype=np.int32)) if new else "",
+            text=self.tokenizer.decode(new),
             ttft_s=ttft,
             total_s=total,
-            decode_tok_s=_decode_rate(len(new), ttft, total),
+            decode_tok_s=decode_rate(len(new), ttft, total),
             new_tokens=len(new),
             finish_reason=finish,
             prompt_tokens=len(ids),
@@ -306,20 +289,6 @@ class OrtGenAIRunner(PeerRunner):
 # --------------------------------------------------------------------------
 # onnx_genai
 # --------------------------------------------------------------------------
-
-
-def _default_cache_root() -> Path:
-    base = os.environ.get("ORTSPEC_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "ortspec"
-    )
-    return Path(base) / "peers" / "onnx_genai"
-
-
-def _head_size(cfg: dict) -> int:
-    dec = cfg.get("model", {}).get("decoder", {})
-    if dec.get("head_size"):
-        return int(dec["head_size"])
-    return int(dec["hidden_size"]) // int(dec["num_attention_heads"])
 
 
 def _concretize_dims(model, names: dict[str, int]) -> int:
@@ -351,11 +320,11 @@ def patch_for_onnx_genai(
     (``kv_cache_dim``) so one export can serve plain and quantized KV caches.
     onnx_genai allocates its KV cache from the declared shapes and refuses a
     non-concrete axis ("cannot infer KV head_dim from 'present.0.key'"), so the
-    copy declares it as the head size (from ``genai_config.json``). Only the
+    copy declares it as the head size (``ModelFolder.head_size``). Only the
     graph proto is rewritten; the external weight file and every other file are
     hard linked (copied across file systems; symlinks do not work because ONNX
     Runtime rejects external data that resolves outside the model folder). The result is cached under
-    ``cache_root`` (default ``~/.cache/ortspec/peers/onnx_genai``) keyed by the
+    ``cache_root`` (default ``peers/onnx_genai`` in ``ortspec.adapters.cache.cache_root()``) keyed by the
     source path, size and mtime. If the graph has no such symbolic axis the
     original folder is returned unchanged. ``threads`` is not written anywhere:
     onnx_genai ignores ``session_options`` in genai_config.json and reads
@@ -363,14 +332,12 @@ def patch_for_onnx_genai(
     """
     import onnx
 
-    src = Path(model_dir).resolve()
-    cfg = json.loads((src / "genai_config.json").read_text(encoding="utf-8"))
-    onnx_name = cfg.get("model", {}).get("decoder", {}).get("filename", "model.onnx")
-    onnx_path = src / onnx_name
+    folder = ModelFolder.load(Path(model_dir).resolve())
+    src, onnx_path, head = folder.path, folder.model_path, folder.head_size
+    onnx_name = onnx_path.name
     st = onnx_path.stat()
-    head = _head_size(cfg)
     key = hashlib.sha256(f"{src}|{st.st_size}|{st.st_mtime_ns}|{head}|v1".encode()).hexdigest()[:16]
-    root = Path(cache_root) if cache_root else _default_cache_root()
+    root = Path(cache_root) if cache_root else ortspec_cache_root() / "peers" / "onnx_genai"
     dst = root / f"{src.name}-{key}"
     if (dst / ".ortspec-complete").is_file():
         return dst
@@ -477,8 +444,8 @@ class OnnxGenAIRunner(PeerRunner):
         self.fresh_engine = fresh_engine
         self.ttft_mode = ttft
         self.folder = patch_for_onnx_genai(self.model_dir, threads=self.threads, cache_root=cache_root)
-        self.tokenizer = _hf_tokenizer(self.model_dir)
-        self.eos_ids = _eos_ids_from_genai_config(self.model_dir)
+        self.tokenizer = Tokenizer.from_folder(self.model_dir)
+        self.eos_ids = set(ModelFolder.load(self.model_dir).eos_token_ids)
         self._seen: set[str] = set()
         self.load_s = 0.0
         self.load_log = ""
@@ -495,15 +462,19 @@ class OnnxGenAIRunner(PeerRunner):
             self.load_log = cap.text.strip()
         return engine
 
-    def _prompt_text(self, prompt) -> tuple[str, int]:
+    def prompt_text(self, prompt: str | Sequence[int]) -> tuple[str, int]:
+        """The text onnx_genai is given for ``prompt`` and the prompt's token count. ``Engine.generate`` takes
+        text only (a list raises TypeError), so token ids are decoded with their special tokens spelled out."""
         if isinstance(prompt, str):
-            n = len(self.tokenizer.encode(prompt, add_special_tokens=False).ids) if self.tokenizer else 0
-            return prompt, n
-        # Engine.generate takes text only (a list raises TypeError): decode the ids.
+            return prompt, len(self.tokenizer.encode(prompt))
         ids = [int(t) for t in prompt]
-        if self.tokenizer is None:
-            raise RuntimeError("onnx_genai takes text; token ids need tokenizer.json to decode")
         return self.tokenizer.decode(ids, skip_special_tokens=False), len(ids)
+
+    def retokenize(self, ids: Sequence[int]) -> list[int]:
+        """The token ids onnx_genai's own tokenizer makes of the text this runner gives it for ``ids``: equal to
+        ``ids`` when the prompt reaches onnx_genai exactly as the other engines get it."""
+        text, _ = self.prompt_text(ids)
+        return [int(t) for t in self._engine.tokenize(text)]
 
     def _probe_ttft(self, text: str) -> float:
         engine = self._new_engine()
@@ -513,10 +484,9 @@ class OnnxGenAIRunner(PeerRunner):
         del engine
         return ttft
 
-    def run(self, prompt, max_new_tokens: int) -> PeerRun:
-        text, n_prompt = self._prompt_text(prompt)
+    def _engine_for(self, text: str):
+        """The engine to run ``text`` on, reloaded as ``fresh_engine`` asks (never inside a timed span)."""
         key = hashlib.sha256(text.encode("utf-8")).hexdigest()
-        probe_ttft = self._probe_ttft(text) if self.ttft_mode == "probe" else None
         rebuild = (self.fresh_engine == "always" and self._engine_used) or (
             self.fresh_engine == "repeat" and key in self._seen
         )
@@ -525,7 +495,12 @@ class OnnxGenAIRunner(PeerRunner):
             self._engine = self._new_engine()
         self._seen.add(key)
         self._engine_used = True
+        return self._engine
 
+    def run(self, prompt, max_new_tokens: int) -> PeerRun:
+        text, n_prompt = self.prompt_text(prompt)
+        probe_ttft = self._probe_ttft(text) if self.ttft_mode == "probe" else None
+        engine = self._engine_for(text)
         stamps: list[float] = []
         ids: list[int] = []
         reasons: list[Any] = []
@@ -538,9 +513,8 @@ class OnnxGenAIRunner(PeerRunner):
                 reasons.append(finish_reason)
 
         t0 = time.perf_counter()
-        result = self._engine.generate_stream(text, on_token, max_tokens=int(max_new_tokens), temperature=0.0)
-        t_end = time.perf_counter()
-        total = t_end - t0
+        result = engine.generate_stream(text, on_token, max_tokens=int(max_new_tokens), temperature=0.0)
+        total = time.perf_counter() - t0
         extra: dict[str, Any] = {
             "engine_load_s": self.load_s,
             "fresh_engine": self.fresh_engine,
@@ -548,7 +522,31 @@ class OnnxGenAIRunner(PeerRunner):
         }
         if stamps:
             extra["first_callback_s"] = stamps[0] - t0
-        finish = str(reasons[-1]) if reasons else ""
+        finish = self._read_result(result, ids, str(reasons[-1]) if reasons else "", extra)
+        new = ids[:-1] if ids and ids[-1] in self.eos_ids else list(ids)
+        if probe_ttft is not None:
+            extra["probe_ttft_s"] = probe_ttft
+            if probe_ttft >= total:  # noise (e.g. background load): no decode span left
+                extra["probe_exceeds_total"] = True
+            ttft = min(probe_ttft, total)
+        else:
+            ttft = (stamps[0] - t0) if stamps else total
+        return PeerRun(
+            token_ids=new,
+            text=self.tokenizer.decode(new),
+            ttft_s=ttft,
+            total_s=total,
+            decode_tok_s=decode_rate(len(new), ttft, total),
+            new_tokens=len(new),
+            finish_reason=finish,
+            prompt_tokens=n_prompt,
+            extra=extra,
+        )
+
+    @staticmethod
+    def _read_result(result: Any, ids: list[int], finish: str, extra: dict[str, Any]) -> str:
+        """Complete ``ids`` and ``extra`` from ``generate_stream``'s result; return the finish reason in OpenAI's
+        words (the raw one goes to ``extra["raw_finish_reason"]``)."""
         if result is not None:
             fr = getattr(result, "finish_reason", None)
             if fr is not None:
@@ -558,32 +556,10 @@ class OnnxGenAIRunner(PeerRunner):
                 extra["prefix_cache_hit_len"] = int(hit)
             rid = getattr(result, "token_ids", None)
             if rid is not None and not ids:
-                ids = [int(t) for t in rid]
-        new = list(ids)
-        if new and new[-1] in self.eos_ids:
-            new = new[:-1]
+                ids.extend(int(t) for t in rid)
         extra["raw_finish_reason"] = finish
         # 0.1.0.dev6 says "eos_token" or "max_tokens" (a stop string would be "stop").
-        finish_norm = "length" if finish in ("max_tokens", "length") else ("stop" if finish else "")
-        if probe_ttft is not None:
-            extra["probe_ttft_s"] = probe_ttft
-            if probe_ttft >= total:  # noise (e.g. background load): no decode span left
-                extra["probe_exceeds_total"] = True
-            ttft = min(probe_ttft, total)
-        else:
-            ttft = (stamps[0] - t0) if stamps else total
-        text_out = self.tokenizer.decode(new) if self.tokenizer is not None else str(getattr(result, "text", ""))
-        return PeerRun(
-            token_ids=new,
-            text=text_out,
-            ttft_s=ttft,
-            total_s=total,
-            decode_tok_s=_decode_rate(len(new), ttft, total),
-            new_tokens=len(new),
-            finish_reason=finish_norm,
-            prompt_tokens=n_prompt,
-            extra=extra,
-        )
+        return "length" if finish in ("max_tokens", "length") else ("stop" if finish else "")
 
     def describe(self) -> dict:
         return {
@@ -643,20 +619,6 @@ def make_peer(
         return None, f"{name} could not load {model_dir}: {type(exc).__name__}: {exc}"
 
 
-def available_peers(
-    model_dir: str | os.PathLike, threads: int = 2, names: Sequence[str] = PEER_NAMES, **options
-) -> tuple[dict, dict]:
-    """``({name: runner}, {name: reason})`` for every requested peer."""
-    runners, missing = {}, {}
-    for n in names:
-        r, why = make_peer(n, model_dir, threads=threads, **options)
-        if r is None:
-            missing[n] = why
-        else:
-            runners[n] = r
-    return runners, missing
-
-
 # --------------------------------------------------------------------------
 # Command line smoke test
 # --------------------------------------------------------------------------
@@ -666,7 +628,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     import argparse
     import sys
 
-    from bench.workloads import build_workloads, load_tokenizer, render_chat
+    from bench.workloads import build_workloads, encode_chat
 
     ap = argparse.ArgumentParser(description="Run the peer engines on a few workloads.")
     ap.add_argument("--model-dir", required=True)
@@ -680,10 +642,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--text", action="store_true", help="include generated text")
     args = ap.parse_args(argv)
 
-    tok = load_tokenizer(args.model_dir)
+    tok = Tokenizer.from_folder(args.model_dir)
     cats = [c for c in args.categories.split(",") if c]
-    wls = build_workloads(args.n, 1500, tok, tokenizer_folder=args.model_dir, categories=cats)
-    prompts = [(w.name, tok.encode(render_chat(w.messages, args.model_dir), add_special_tokens=False).ids) for w in wls]
+    wls = build_workloads(args.n, 1500, tok, categories=cats)
+    prompts = [(w.name, encode_chat(w.messages, tok)) for w in wls]
     report: dict[str, Any] = {"threads": args.threads, "peers": {}, "missing": {}}
     outputs: dict[str, dict[str, list[int]]] = {}
     for name in [p for p in args.peers.split(",") if p]:

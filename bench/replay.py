@@ -19,7 +19,10 @@ from pathlib import Path
 
 import numpy as np
 
+from bench.workloads import build_workloads, encode_chat
 from ortspec import Options, generate
+from ortspec.adapters.model_dir import ModelFolder
+from ortspec.adapters.tokenizer import Tokenizer
 from ortspec.backends.base import BackendError
 from ortspec.core import AdditiveWidth, CostAwareWidth, PromptLookup
 
@@ -94,21 +97,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--category", action="append", help="only these categories")
     args = p.parse_args(argv)
     data = json.loads(Path(args.results).read_text())
-    from bench.workloads import build_workloads, encode_chat, load_tokenizer
-
     folder = data["config"]["model_dir"]
-    tok = load_tokenizer(folder)
-    workloads = build_workloads(
-        data["config"]["n_per_category"], data["config"]["max_prompt_tokens"], tok, tokenizer_folder=folder
-    )
-    prompts = {w.name: encode_chat(w.messages, folder, tok) for w in workloads}
+    tok = Tokenizer.from_folder(folder)
+    workloads = build_workloads(data["config"]["n_per_category"], data["config"]["max_prompt_tokens"], tok)
+    prompts = {w.name: encode_chat(w.messages, tok) for w in workloads}
     costs = [float(c) for c in args.costs.split(",")] if args.costs else list(data["cost_curve"]["curve"])
     records = [
         r
         for r in data["runs"]
         if r["engine"] == "ortspec-greedy" and (not args.category or r["category"] in args.category)
     ]
-    vocab = tok.get_vocab_size()
+    vocab = ModelFolder.load(folder).vocab_size
     settings = {
         "lookup n3 w4": (PromptLookup(3, 4), 4),
         "lookup n3 w8": (PromptLookup(3, 8), 8),

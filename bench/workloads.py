@@ -20,10 +20,10 @@ Four categories:
 ``open_ended``
     Short creative / explanatory prompts where nothing can be copied.
 
-When a tokenizer is given, each prompt (rendered with the chat template when a
-model folder is known, else counted with a ChatML estimate) is kept within
+When a tokenizer (``ortspec.adapters.tokenizer.Tokenizer``, the product's) is
+given, each prompt, rendered with its chat template, is kept within
 ``max_prompt_tokens`` by choosing sources that fit or by cutting source text at
-line / sentence boundaries.
+line / sentence boundaries; without one a characters/4 estimate is used.
 
 ``python -m bench.workloads [--model-dir DIR] [--n 8]`` prints a JSON summary.
 """
@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import ast
 import collections
+import functools
 import hashlib
 import json
 import os
@@ -45,6 +46,8 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from ortspec.adapters.tokenizer import Tokenizer
 
 CATEGORIES = ("code_edit", "summarize", "qa_context", "open_ended")
 
@@ -59,8 +62,8 @@ DEFAULT_MAX_NEW_TOKENS = 256
 class Workload:
     """One benchmark prompt.
 
-    ``messages`` is a chat (list of ``{"role": ..., "content": ...}``); render it
-    with :func:`render_chat`. ``meta`` records where the text came from and the
+    ``messages`` is a chat (list of ``{"role": ..., "content": ...}``); its
+    token ids are :func:`encode_chat`'s. ``meta`` records where the text came from and the
     Python version whose stdlib supplied it.
     """
 
@@ -90,141 +93,14 @@ def stdlib_dir() -> Path:
 
 
 # --------------------------------------------------------------------------
-# Chat template rendering
+# Prompt token ids
 # --------------------------------------------------------------------------
 
-_CHATML_FALLBACK = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
-)
 
-
-def _chatml(messages: Sequence[dict], add_generation_prompt: bool = True) -> str:
-    parts = [f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages]
-    if add_generation_prompt:
-        parts.append("<|im_start|>assistant\n")
-    return "".join(parts)
-
-
-def _token_text(value: Any) -> str:
-    """Special tokens in tokenizer_config.json are strings or AddedToken dicts."""
-    if value is None:
-        return ""
-    if isinstance(value, dict):
-        return str(value.get("content", ""))
-    return str(value)
-
-
-def load_chat_template(tokenizer_folder: str | os.PathLike | None) -> tuple[str | None, dict]:
-    """Find a chat template in a model folder.
-
-    Looks, in order, at ``chat_template.jinja``, ``chat_template.json`` and the
-    ``chat_template`` key of ``tokenizer_config.json`` (a string, or a list of
-    ``{"name", "template"}`` from which ``"default"`` or the first is taken).
-    Returns ``(template_or_None, special_tokens)`` where ``special_tokens`` holds
-    ``bos_token`` / ``eos_token`` strings when the config names them.
-    """
-    if tokenizer_folder is None:
-        return None, {}
-    folder = Path(tokenizer_folder)
-    special: dict[str, str] = {}
-    config: dict = {}
-    cfg_path = folder / "tokenizer_config.json"
-    if cfg_path.is_file():
-        try:
-            config = json.loads(cfg_path.read_text(encoding="utf-8"))
-        except (OSError, ValueError):
-            config = {}
-        for key in ("bos_token", "eos_token", "pad_token", "unk_token"):
-            if key in config:
-                special[key] = _token_text(config[key])
-
-    jinja_path = folder / "chat_template.jinja"
-    if jinja_path.is_file():
-        return jinja_path.read_text(encoding="utf-8"), special
-    json_path = folder / "chat_template.json"
-    if json_path.is_file():
-        try:
-            data = json.loads(json_path.read_text(encoding="utf-8"))
-            tpl = data.get("chat_template") if isinstance(data, dict) else None
-            if isinstance(tpl, str):
-                return tpl, special
-        except (OSError, ValueError):
-            pass
-    tpl = config.get("chat_template")
-    if isinstance(tpl, list):
-        named = {t.get("name"): t.get("template") for t in tpl if isinstance(t, dict)}
-        tpl = named.get("default") or next(iter(named.values()), None)
-    if isinstance(tpl, str) and tpl.strip():
-        return tpl, special
-    return None, special
-
-
-_TEMPLATE_CACHE: dict[str, Any] = {}
-
-
-def _compile_template(source: str):
-    compiled = _TEMPLATE_CACHE.get(source)
-    if compiled is not None:
-        return compiled
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    def raise_exception(message):  # used by some HF templates
-        raise ValueError(message)
-
-    def tojson(value, indent=None):
-        return json.dumps(value, ensure_ascii=False, indent=indent)
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-    env.filters["tojson"] = tojson
-    env.globals["raise_exception"] = raise_exception
-    compiled = env.from_string(source)
-    _TEMPLATE_CACHE[source] = compiled
-    return compiled
-
-
-def render_chat(
-    messages: Sequence[dict],
-    tokenizer_folder: str | os.PathLike | None = None,
-    add_generation_prompt: bool = True,
-) -> str:
-    """Render ``messages`` into the prompt text the model expects.
-
-    Uses the folder's chat template (see :func:`load_chat_template`) through
-    jinja2 when available; otherwise the ChatML layout
-    ``<|im_start|>role\\ncontent<|im_end|>\\n`` ... ``<|im_start|>assistant\\n``.
-    """
-    template, special = load_chat_template(tokenizer_folder)
-    if template is None:
-        return _chatml(messages, add_generation_prompt)
-    try:
-        compiled = _compile_template(template)
-    except ImportError:  # no jinja2: the ChatML layout is SmolLM2's anyway
-        return _chatml(messages, add_generation_prompt)
-    return compiled.render(
-        messages=[dict(m) for m in messages],
-        add_generation_prompt=add_generation_prompt,
-        bos_token=special.get("bos_token", ""),
-        eos_token=special.get("eos_token", ""),
-        pad_token=special.get("pad_token", ""),
-        unk_token=special.get("unk_token", ""),
-    )
-
-
-def load_tokenizer(folder: str | os.PathLike):
-    """``tokenizers.Tokenizer`` from ``folder/tokenizer.json``."""
-    from tokenizers import Tokenizer
-
-    return Tokenizer.from_file(str(Path(folder) / "tokenizer.json"))
-
-
-def encode_chat(messages: Sequence[dict], tokenizer_folder: str | os.PathLike, tokenizer=None) -> list[int]:
-    """Token ids of the rendered chat (special tokens are spelled in the text)."""
-    tok = tokenizer if tokenizer is not None else load_tokenizer(tokenizer_folder)
-    text = render_chat(messages, tokenizer_folder)
-    return list(tok.encode(text, add_special_tokens=False).ids)
+def encode_chat(messages: Sequence[dict], tokenizer: Tokenizer) -> list[int]:
+    """Token ids of the chat rendered with the model folder's chat template (special tokens are spelled in the
+    text), as every engine in the suite receives it."""
+    return tokenizer.encode(tokenizer.apply_chat_template(messages))
 
 
 # --------------------------------------------------------------------------
@@ -338,27 +214,17 @@ def _spread(count: int, n: int, offset: int = 0) -> list[int]:
 
 
 class _Budget:
-    """Counts prompt tokens: exact with a model folder, ChatML estimate otherwise."""
+    """Counts prompt tokens: exact with a tokenizer (the chat rendered with its template), estimated without."""
 
-    def __init__(self, tokenizer, tokenizer_folder, max_prompt_tokens: int):
+    def __init__(self, tokenizer: Tokenizer | None, max_prompt_tokens: int):
         self.tokenizer = tokenizer
-        self.folder = tokenizer_folder
         self.limit = max_prompt_tokens
 
     def count(self, messages: Sequence[dict]) -> int:
         if self.tokenizer is None:
             # ~4 characters per token is a fair guess for English/code.
             return sum(len(m["content"]) for m in messages) // 4 + 8 * len(messages) + 40
-        if self.folder is not None:
-            text = render_chat(messages, self.folder)
-        else:
-            text = _chatml(messages)
-            text = (
-                "<|im_start|>system\nYou are a helpful AI assistant.<|im_end|>\n" + text
-                if not any(m["role"] == "system" for m in messages)
-                else text
-            )
-        return len(self.tokenizer.encode(text, add_special_tokens=False).ids)
+        return len(encode_chat(messages, self.tokenizer))
 
     def fits(self, messages: Sequence[dict]) -> bool:
         return self.count(messages) <= self.limit
@@ -475,39 +341,36 @@ def _code_edit_instruction(kind: str, unit: _CodeUnit) -> str:
     )
 
 
+def _code_edit_messages(kind0: str, unit: _CodeUnit, code_lines: list[str], truncated: bool = False) -> list[dict]:
+    code = "\n".join(code_lines)
+    head = (
+        f"Here is the {unit.kind} `{unit.name}` from Python's standard library file "
+        f"`{unit.file}`" + (" (its beginning only)" if truncated else "") + ":"
+    )
+    instruction = _code_edit_instruction(_edit_kind(kind0, unit), unit)
+    return [{"role": "user", "content": f"{head}\n\n```python\n{code}\n```\n\n{instruction}"}]
+
+
 def _build_code_edit(n: int, budget: _Budget, max_new_tokens: int, pyver: str) -> list[Workload]:
     units, _, _ = _scan_stdlib()
     out: list[Workload] = []
     used: set[int] = set()
     for i, start in enumerate(_spread(len(units), n)):
         kind0 = _EDIT_KINDS[i % len(_EDIT_KINDS)]
-
-        def make(code_lines: list[str], unit: _CodeUnit, truncated: bool = False) -> list[dict]:
-            code = "\n".join(code_lines)
-            head = (
-                f"Here is the {unit.kind} `{unit.name}` from Python's standard library file "
-                f"`{unit.file}`" + (" (its beginning only)" if truncated else "") + ":"
-            )
-            return [
-                {
-                    "role": "user",
-                    "content": f"{head}\n\n```python\n{code}\n```\n\n{_code_edit_instruction(_edit_kind(kind0, unit), unit)}",
-                }
-            ]
-
         chosen = None
         # Walk forward from the spread position to the first unused unit that fits.
         for step in range(len(units)):
             j = (start + step) % len(units)
             if j in used:
                 continue
-            msgs = make(units[j].source.splitlines(), units[j])
+            msgs = _code_edit_messages(kind0, units[j], units[j].source.splitlines())
             if budget.fits(msgs):
                 chosen = (j, units[j], msgs, False)
                 break
         if chosen is None:  # nothing fits the budget: cut the spread one at line boundaries
             unit = units[start]
-            msgs, _ = _shrink(unit.source.splitlines(), lambda ls, u=unit: make(ls, u, True), budget)
+            cut = functools.partial(_code_edit_messages, kind0, unit, truncated=True)
+            msgs, _ = _shrink(unit.source.splitlines(), cut, budget)
             chosen = (start, unit, msgs, True)
         j, unit, msgs, truncated = chosen
         used.add(j)
@@ -562,24 +425,25 @@ def _summarize_instruction(kind: str, passage: str) -> str:
     )
 
 
+def _summarize_messages(doc: _Doc, kind: str, total_sentences: int, sents: list[str]) -> list[dict]:
+    passage = doc.text if len(sents) >= total_sentences else _cut_prose(doc.text, len(sents))
+    return [
+        {
+            "role": "user",
+            "content": f"The following passage is the documentation of Python's `{doc.name}` module.\n\n"
+            f'"""\n{passage}\n"""\n\n{_summarize_instruction(kind, passage)}',
+        }
+    ]
+
+
 def _build_summarize(n: int, budget: _Budget, max_new_tokens: int, pyver: str) -> list[Workload]:
     _, docs, _ = _scan_stdlib()
     out: list[Workload] = []
     for i, j in enumerate(_spread(len(docs), n)):
         doc = docs[j]
         kind = _SUMMARIZE_TASKS[i % len(_SUMMARIZE_TASKS)]
-
-        def make(sents: list[str], doc=doc, kind=kind) -> list[dict]:
-            passage = doc.text if len(sents) >= len(all_sents) else _cut_prose(doc.text, len(sents))
-            return [
-                {
-                    "role": "user",
-                    "content": f"The following passage is the documentation of Python's `{doc.name}` module.\n\n"
-                    f'"""\n{passage}\n"""\n\n{_summarize_instruction(kind, passage)}',
-                }
-            ]
-
         all_sents = [s for para in doc.text.split("\n\n") for s in _sentences(para)]
+        make = functools.partial(_summarize_messages, doc, kind, len(all_sents))
         msgs, kept = _shrink(all_sents, make, budget)
         out.append(
             Workload(
@@ -591,6 +455,42 @@ def _build_summarize(n: int, budget: _Budget, max_new_tokens: int, pyver: str) -
             )
         )
     return out
+
+
+def _qa_messages(target: _Doc, multi_turn: bool, selection: list[_Doc], target_text: str | None = None) -> list[dict]:
+    blocks = []
+    for idx, d in enumerate(selection, start=1):
+        text = target_text if (d is target and target_text is not None) else d.text
+        blocks.append(f"Document {idx} — `{d.name}`:\n{text}")
+    context = "\n\n".join(blocks)
+    num = selection.index(target) + 1
+    short = target.name.split(".")[-1]
+    if not multi_turn:
+        return [
+            {
+                "role": "user",
+                "content": f"Answer using only the documents below.\n\n{context}\n\n"
+                f"Question: what does `{short}` do? Start by quoting the relevant "
+                f"document word for word, then answer in your own words.",
+            }
+        ]
+    return [
+        {
+            "role": "user",
+            "content": f"Here are some documents.\n\n{context}\n\nWhich document describes `{short}`? "
+            f"Answer with its number.",
+        },
+        {"role": "assistant", "content": f"Document {num} describes `{target.name}`."},
+        {
+            "role": "user",
+            "content": f"Quote document {num} exactly, then list its main points and say when one would use `{short}`.",
+        },
+    ]
+
+
+def _qa_messages_cut(target: _Doc, multi_turn: bool, selection: list[_Doc], target_sents: list[str]) -> list[dict]:
+    """:func:`_qa_messages` with the target document cut to ``target_sents``."""
+    return _qa_messages(target, multi_turn, selection, " ".join(target_sents))
 
 
 def _build_qa_context(
@@ -610,40 +510,7 @@ def _build_qa_context(
         target_pos = i % len(picked)
         target = picked[target_pos]
         multi_turn = i % 2 == 1
-
-        def make(
-            selection: list[_Doc], target_text: str | None = None, target=target, multi_turn=multi_turn
-        ) -> list[dict]:
-            blocks = []
-            for idx, d in enumerate(selection, start=1):
-                text = target_text if (d is target and target_text is not None) else d.text
-                blocks.append(f"Document {idx} — `{d.name}`:\n{text}")
-            context = "\n\n".join(blocks)
-            num = selection.index(target) + 1
-            short = target.name.split(".")[-1]
-            if not multi_turn:
-                return [
-                    {
-                        "role": "user",
-                        "content": f"Answer using only the documents below.\n\n{context}\n\n"
-                        f"Question: what does `{short}` do? Start by quoting the relevant "
-                        f"document word for word, then answer in your own words.",
-                    }
-                ]
-            return [
-                {
-                    "role": "user",
-                    "content": f"Here are some documents.\n\n{context}\n\nWhich document describes `{short}`? "
-                    f"Answer with its number.",
-                },
-                {"role": "assistant", "content": f"Document {num} describes `{target.name}`."},
-                {
-                    "role": "user",
-                    "content": f"Quote document {num} exactly, then list its main points and say when "
-                    f"one would use `{short}`.",
-                },
-            ]
-
+        make = functools.partial(_qa_messages, target, multi_turn)
         selection = list(picked)
         msgs = make(selection)
         while not budget.fits(msgs) and len(selection) > 1:
@@ -654,7 +521,7 @@ def _build_qa_context(
         truncated = False
         if not budget.fits(msgs):
             sents = _sentences(target.text)
-            msgs, _ = _shrink(sents, lambda s: make(selection, " ".join(s)), budget)
+            msgs, _ = _shrink(sents, functools.partial(_qa_messages_cut, target, multi_turn, selection), budget)
             truncated = True
         out.append(
             Workload(
@@ -747,27 +614,23 @@ _BUILDERS = {
 def build_workloads(
     n_per_category: int = 8,
     max_prompt_tokens: int = 1500,
-    tokenizer=None,
+    tokenizer: Tokenizer | str | os.PathLike | None = None,
     *,
-    tokenizer_folder: str | os.PathLike | None = None,
     max_new_tokens: int | dict[str, int] = DEFAULT_MAX_NEW_TOKENS,
     categories: Iterable[str] = CATEGORIES,
 ) -> list[Workload]:
     """Build ``n_per_category`` prompts for each category, in category order.
 
-    ``tokenizer`` is a ``tokenizers.Tokenizer`` (or a model folder path, from which
-    ``tokenizer.json`` and the chat template are loaded). With a tokenizer every
-    prompt is kept within ``max_prompt_tokens``; ``tokenizer_folder`` makes the
-    count exact by rendering the folder's chat template. Without a tokenizer a
-    characters/4 estimate is used. ``max_new_tokens`` may be an int or a
-    per-category dict.
+    ``tokenizer`` is an ortspec ``Tokenizer`` (or a model folder, read with
+    ``Tokenizer.from_folder``): every prompt, rendered with its chat template, is
+    kept within ``max_prompt_tokens``. Without a tokenizer a characters/4 estimate
+    is used. ``max_new_tokens`` may be an int or a per-category dict.
     """
     if n_per_category < 1:
         raise ValueError("n_per_category must be >= 1")
     if isinstance(tokenizer, (str, os.PathLike)):
-        tokenizer_folder = tokenizer_folder or tokenizer
-        tokenizer = load_tokenizer(tokenizer)
-    budget = _Budget(tokenizer, tokenizer_folder, max_prompt_tokens)
+        tokenizer = Tokenizer.from_folder(tokenizer)
+    budget = _Budget(tokenizer, max_prompt_tokens)
     pyver = python_version_tag()
     result: list[Workload] = []
     for cat in categories:
@@ -790,10 +653,9 @@ def workloads_digest(workloads: Sequence[Workload]) -> str:
     return h.hexdigest()
 
 
-def describe_workloads(
-    workloads: Sequence[Workload], tokenizer=None, tokenizer_folder: str | os.PathLike | None = None
-) -> dict:
-    """Summary for a results file: Python version (source of the text), counts, digest."""
+def describe_workloads(workloads: Sequence[Workload], tokenizer: Tokenizer | None = None) -> dict:
+    """Summary for a results file: Python version (source of the text), counts, digest, and with a tokenizer
+    every prompt's token count."""
     info: dict[str, Any] = {
         "python": python_version_tag(),
         "python_full": sys.version,
@@ -803,11 +665,7 @@ def describe_workloads(
         "per_category": dict(collections.Counter(w.category for w in workloads)),
     }
     if tokenizer is not None:
-        lens = {}
-        for w in workloads:
-            text = render_chat(w.messages, tokenizer_folder) if tokenizer_folder else _chatml(w.messages)
-            lens[w.name] = len(tokenizer.encode(text, add_special_tokens=False).ids)
-        info["prompt_tokens"] = lens
+        info["prompt_tokens"] = {w.name: len(encode_chat(w.messages, tokenizer)) for w in workloads}
     return info
 
 
@@ -818,9 +676,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--max-prompt-tokens", type=int, default=1500)
     ap.add_argument("--full", action="store_true", help="include the prompt texts")
     args = ap.parse_args(argv)
-    tok = load_tokenizer(args.model_dir) if args.model_dir else None
-    wls = build_workloads(args.n, args.max_prompt_tokens, tok, tokenizer_folder=args.model_dir)
-    summary = describe_workloads(wls, tok, args.model_dir)
+    tok = Tokenizer.from_folder(args.model_dir) if args.model_dir else None
+    wls = build_workloads(args.n, args.max_prompt_tokens, tok)
+    summary = describe_workloads(wls, tok)
     if args.full:
         summary["workloads"] = [w.to_dict() for w in wls]
     else:

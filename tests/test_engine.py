@@ -39,6 +39,14 @@ def test_prompt_as_ids_and_chat(engine):
     assert msgs == chat
 
 
+def test_decode_can_spell_out_special_tokens(engine):
+    tok = engine.tokenizer
+    ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": "hi there"}]))
+    assert "<|im_start|>" not in tok.decode(ids)
+    text = tok.decode(ids, skip_special_tokens=False)
+    assert "<|im_start|>" in text and tok.encode(text) == ids
+
+
 def test_stream_callback_signature_and_abort(engine):
     seen = []
     r = engine.generate_stream("abc abc abc", lambda t, i, f: seen.append((t, i, f)), max_tokens=12, ignore_eos=True)

@@ -1,0 +1,247 @@
+"""The engines under test, behind one interface: ``warmup(ids)``, ``run(ids, max_new) -> EngineRun``,
+``describe()`` and ``close()``; and ``TimingBackend``, the proxy through which the suite times what happens
+outside the backend.
+
+``OrtspecEngine`` is one ortspec setting (a proposer and a draft width) on a shared ``Engine``; ``PeerEngine``
+wraps a ``bench.peers`` runner. Every engine reports the new tokens without a final EOS token (the peers drop
+it, ortspec keeps it) and the finish reason in OpenAI's words, ``"stop"`` or ``"length"`` (ortspec's
+``FinishReason.openai``; the peer runners turn their peers' own reports into it).
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from bench.peers import PeerRun, PeerRunner, make_peer
+from ortspec.adapters.engine import Engine
+from ortspec.core import AdditiveWidth, CostAwareWidth, PromptLookup, Proposer, WidthPolicy
+from ortspec.driver import Generation
+
+SPEC_ENGINES = ("ortspec-lookup-w8", "ortspec-lookup-w4", "ortspec-lookup-adaptive", "ortspec-lookup-additive")
+ORTSPEC_ENGINES = ("ortspec-greedy", *SPEC_ENGINES)
+PEER_ENGINES = ("ortgenai", "ortgenai-ngram", "onnx_genai")
+ALL_ENGINES = (*ORTSPEC_ENGINES, *PEER_ENGINES)
+REFERENCE = "ortspec-greedy"  # identity is checked against its tokens
+BASELINE = "ortgenai"
+NGRAM_PEER = "ortgenai-ngram"
+KMAX = 16  # the widest draft of the adaptive settings, and the verify cost curve's last K
+
+
+@attrs.frozen
+class EngineRun:
+    """One generation, as every engine reports it.
+
+    ``token_ids``: the new tokens, a final EOS removed. ``finish_reason``: ``"stop"`` (EOS) or ``"length"`` (``""``
+    when a peer gave none). ``ttft_s`` / ``total_s``: seconds from the prompt ids in hand to the first new token /
+    to the end. ``proposed`` / ``accepted``: draft tokens (speculative engines). ``passes``: target forward passes
+    (prefill included where the engine reports it); ``decode_passes``: the passes that ``tokens/step`` divides by.
+    ``extra``: engine-specific details, recorded as they are.
+    """
+
+    token_ids: tuple[int, ...]
+    finish_reason: str
+    ttft_s: float
+    total_s: float
+    proposed: int | None = None
+    accepted: int | None = None
+    passes: int | None = None
+    decode_passes: int | None = None
+    extra: dict[str, Any] = attrs.field(factory=dict)
+
+
+class OrtspecEngine:
+    """One ortspec setting on a shared ``Engine``: a proposer factory (``None``: plain greedy; a fresh proposer
+    per generation) and a draft width (an int or a width policy)."""
+
+    def __init__(
+        self,
+        name: str,
+        engine: Engine,
+        make_proposer: Callable[[], Proposer] | None,
+        draft_width: int | WidthPolicy,
+        description: dict[str, Any],
+    ) -> None:
+        self.name = name
+        self.engine = engine
+        self.make_proposer = make_proposer
+        self.draft_width = draft_width
+        self.description = description
+
+    def start(self, ids: Sequence[int], max_new: int) -> Generation:
+        """A generation of ``max_new`` tokens at most after ``ids`` with this setting (an iterator of commits)."""
+        proposer = self.make_proposer() if self.make_proposer else None
+        return self.engine.start(list(ids), max_tokens=max_new, speculative=proposer, draft_width=self.draft_width)
+
+    def warmup(self, ids: Sequence[int]) -> None:
+        self.start(ids, 8).run()
+
+    def run(self, ids: Sequence[int], max_new: int) -> EngineRun:
+        r = self.start(ids, max_new).run()
+        s = r.stats
+        tokens = r.token_ids[:-1] if r.token_ids and r.token_ids[-1] in self.engine.eos_token_ids else r.token_ids
+        speculative = self.make_proposer is not None
+        return EngineRun(
+            token_ids=tuple(tokens),
+            finish_reason=r.finish_reason.openai,
+            ttft_s=r.timings.first_token_s,
+            total_s=r.timings.total_s,
+            proposed=s.proposed_tokens if speculative else None,
+            accepted=s.accepted_tokens if speculative else None,
+            passes=s.steps,
+            decode_passes=s.steps,
+            extra={
+                "verification_steps": s.verification_steps,
+                "multi_token_accepts": s.multi_token_accepts,
+                "prefill_s": r.timings.prefill_s,
+            },
+        )
+
+    def describe(self) -> dict[str, Any]:
+        return dict(self.description)
+
+    def close(self) -> None:
+        """Nothing to release: the shared ``Engine`` outlives its settings."""
+
+
+def ortspec_engine(name: str, engine: Engine, pass_costs: Sequence[float] = ()) -> OrtspecEngine:
+    """The ortspec setting called ``name`` (one of ``ORTSPEC_ENGINES``) on ``engine``; ``pass_costs`` is the
+    verify cost curve that ``ortspec-lookup-adaptive``'s width policy uses."""
+    if name == "ortspec-greedy":
+        return OrtspecEngine(name, engine, None, 8, {"speculative": None})
+    if name in ("ortspec-lookup-w8", "ortspec-lookup-w4"):
+        width = 8 if name.endswith("w8") else 4
+        lookup = functools.partial(PromptLookup, ngram=3, max_draft=8)
+        return OrtspecEngine(
+            name, engine, lookup, width, {"proposer": "PromptLookup(ngram=3, max_draft=8)", "draft_width": width}
+        )
+    lookup = functools.partial(PromptLookup, ngram=3, max_draft=KMAX)
+    described = f"PromptLookup(ngram=3, max_draft={KMAX})"
+    if name == "ortspec-lookup-adaptive":
+        policy = CostAwareWidth(pass_costs=tuple(float(c) for c in pass_costs))
+        return OrtspecEngine(
+            name,
+            engine,
+            lookup,
+            policy,
+            {
+                "proposer": described,
+                "draft_width": "CostAwareWidth(pass_costs=measured verify cost curve)",
+                "pass_costs": [round(c, 4) for c in pass_costs],
+            },
+        )
+    if name == "ortspec-lookup-additive":
+        policy = AdditiveWidth(maximum=KMAX)
+        description = {"proposer": described, "draft_width": f"AdditiveWidth(current=4, maximum={KMAX}, +2/-1)"}
+        return OrtspecEngine(name, engine, lookup, policy, description)
+    raise ValueError(f"unknown ortspec engine {name!r}; known: {', '.join(ORTSPEC_ENGINES)}")
+
+
+class PeerEngine:
+    """A ``bench.peers`` runner behind the engines' interface."""
+
+    def __init__(self, name: str, runner: PeerRunner) -> None:
+        self.name = name
+        self.runner = runner
+
+    def warmup(self, ids: Sequence[int]) -> None:
+        self.runner.warmup(list(ids), 8)
+
+    def run(self, ids: Sequence[int], max_new: int) -> EngineRun:
+        r = self.runner.run(list(ids), max_new)
+        proposed, accepted, passes = self._counts(r)
+        return EngineRun(
+            token_ids=tuple(r.token_ids),
+            finish_reason=r.finish_reason,
+            ttft_s=r.ttft_s,
+            total_s=r.total_s,
+            proposed=proposed,
+            accepted=accepted,
+            passes=passes,
+            decode_passes=passes,
+            extra=dict(r.extra),
+        )
+
+    def _counts(self, r: PeerRun) -> tuple[int | None, int | None, int | None]:
+        """(proposed, accepted, target passes) as far as the peer reports them."""
+        spec = r.extra.get("speculative_stats")
+        if spec:
+            passes = None
+            if "target_forward_passes" in spec and "standard_fallback_steps" in spec:
+                passes = int(spec["target_forward_passes"]) + int(spec["standard_fallback_steps"])
+            return spec.get("draft_tokens_evaluated"), spec.get("draft_tokens_accepted"), passes
+        if self.name in ("ortgenai", "onnx_genai"):
+            # greedy: the prefill pass yields the first token, then one pass per further token (EOS included)
+            return None, None, r.new_tokens + (1 if r.finish_reason == "stop" else 0)
+        return None, None, None
+
+    def describe(self) -> dict[str, Any]:
+        return self.runner.describe()
+
+    def close(self) -> None:
+        self.runner.close()
+
+
+def load_peer(
+    name: str, model_dir: Path, threads: int, cache_root: Path | None = None
+) -> tuple[PeerEngine, None] | tuple[None, str]:
+    """The peer ``name`` (one of ``PEER_ENGINES``) on ``model_dir``, or ``(None, why it is missing)``. The
+    n-gram peer drafts 3-grams, up to 8 tokens; onnx_genai gets a fresh engine per run (no prefix-cache hits),
+    its time to first token from a probe, and its patched folder under ``cache_root`` when given."""
+    options: dict[str, Any] = {"ngram_size": 3, "max_draft_tokens": 8}
+    if name == "onnx_genai":
+        options.update(fresh_engine="always", ttft="probe")
+        if cache_root is not None:
+            options["cache_root"] = str(cache_root)
+    runner, why = make_peer(name, model_dir, threads=threads, **options)
+    if runner is None:
+        return None, why or "unavailable"
+    return PeerEngine(name, runner), None
+
+
+BenchEngine = OrtspecEngine | PeerEngine
+
+
+class TimingBackend:
+    """Forwards the backend protocol to ``inner`` and adds up the wall time spent inside its calls."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+        self.seconds = 0.0
+        self.calls = 0
+
+    def _timed(self, fn, *args):
+        t0 = time.perf_counter()
+        try:
+            return fn(*args)
+        finally:
+            self.seconds += time.perf_counter() - t0
+            self.calls += 1
+
+    def decode(self, tokens, past):
+        return self._timed(self.inner.decode, tokens, past)
+
+    def decode_verify(self, tokens, base):
+        return self._timed(self.inner.decode_verify, tokens, base)
+
+    def rewind(self, length):
+        return self._timed(self.inner.rewind, length)
+
+    def reset(self):
+        return self._timed(self.inner.reset)
+
+    def current_len(self):
+        return self._timed(self.inner.current_len)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.inner.vocab_size
+
+    @property
+    def max_length(self) -> int:
+        return self.inner.max_length
