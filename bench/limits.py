@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ortspec.adapters.model_dir import ModelFolder
+from ortspec.backends.onnx import ModelFolder
 
 
 def weight_bytes(folder: ModelFolder) -> dict[str, Any]:

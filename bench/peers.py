@@ -54,8 +54,8 @@ from typing import Any
 import numpy as np
 
 from ortspec.adapters.cache import cache_root as ortspec_cache_root
-from ortspec.adapters.model_dir import ModelFolder
 from ortspec.adapters.tokenizer import Tokenizer
+from ortspec.backends.onnx import ModelFolder
 from ortspec.driver import decode_rate
 
 PEER_NAMES = ("ortgenai", "ortgenai-ngram", "onnx_genai")
