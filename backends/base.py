@@ -21,12 +21,13 @@ live to each row's argmax id (lowest id on ties, int64 ``[len(tokens)]``) and th
 logits (float32 ``[len(tokens)]``; NaN for a row that is not finite where its pick is made). It copies
 ``2 * len(tokens)`` numbers to the host instead of ``len(tokens) * vocab``. The driver asks for picks, and feeds the
 core's ``step_from_picks``, only when ``uses_device_picks(backend)`` (and no logprobs are wanted).
+``argmax_margin`` is the reduction on the host, the reference every device kernel must equal.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol, runtime_checkable
+from typing import Protocol, TypeGuard, runtime_checkable
 
 import numpy as np
 
@@ -106,6 +107,25 @@ class DevicePicks(Protocol):
         ...
 
 
-def uses_device_picks(backend: Backend) -> bool:
+def argmax_margin(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per row of ``rows`` ``[count, vocab >= 2]``: the argmax id (lowest among ties), int64, and the gap between
+    the two largest values (0 on a tie), float32; NaN margin for a row that is not finite where its pick is made.
+
+    The pick is ``numpy.argmax``'s, as in ``core.state.step``: the first maximum, or the first NaN if the row
+    holds one."""
+    rows = np.asarray(rows)
+    if rows.ndim != 2 or rows.shape[1] < 2:
+        raise ValueError(f"argmax_margin needs a [rows, vocab>=2] array, got shape {rows.shape}")
+    ids = np.argmax(rows, axis=1)  # the first occurrence of the maximum; a NaN counts as the maximum
+    picked = np.take_along_axis(rows, ids[:, None], axis=1)[:, 0]
+    finite = np.isfinite(picked)  # False for a row holding a NaN, topped by +inf, or all -inf
+    two_largest = np.partition(rows, rows.shape[1] - 2, axis=1)[:, -2:]
+    # subtract only where the top is finite (inf - inf would warn); the second largest may be -inf (margin +inf)
+    gaps = np.where(finite, two_largest[:, 1], 0) - np.where(finite, two_largest[:, 0], 0)
+    margins = np.where(finite, gaps, np.nan).astype(np.float32)
+    return ids.astype(np.int64), margins
+
+
+def uses_device_picks(backend: Backend) -> TypeGuard[DevicePicks]:
     """True when the driver should ask ``backend`` for picks instead of logits rows."""
     return isinstance(backend, DevicePicks) and bool(backend.picks_on_device)

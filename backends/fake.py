@@ -17,11 +17,16 @@ from collections.abc import Sequence
 import attrs
 import numpy as np
 
-from .base import BackendError, check_position, check_tokens
+from .base import BackendError, argmax_margin, check_position, check_tokens
 
 _HASH_MUL = 0x100000001B3
 _HASH_MASK = (1 << 64) - 1
-_TABLE_ROWS = 4096
+_TABLE_FLOATS = 1 << 18  # the whole-context part draws from a table of this many floats (1 MiB) ...
+_MAX_TABLE_ROWS = 4096  # ... in at most this many rows: 4096 rows up to a vocabulary of 64, fewer beyond
+
+
+def _table_rows(vocab_size: int) -> int:
+    return max(64, min(_MAX_TABLE_ROWS, _TABLE_FLOATS // vocab_size))
 
 
 @attrs.frozen
@@ -31,7 +36,8 @@ class FakeModel:
     ``markov``: weight of the last-token successor table (high: repetitive text); ``noise``: weight of the
     whole-context part; ``tie_rate``: fraction of positions whose top two logits are made to tie exactly (even
     hashes) or nearly (odd hashes, gap ``near_tie_gap``); ``eos_id``/``eos_rate``: an EOS token and the fraction of
-    positions where it wins.
+    positions where it wins; ``nonfinite_rate``: fraction of positions whose row is not finite where the pick is
+    made (a NaN somewhere, +inf at the top, or every logit -inf), which every decoder must refuse.
     """
 
     vocab_size: int = 32
@@ -42,6 +48,7 @@ class FakeModel:
     near_tie_gap: float = 1e-4
     eos_id: int | None = None
     eos_rate: float = 0.0
+    nonfinite_rate: float = 0.0
     _successor: np.ndarray = attrs.field(init=False, eq=False, repr=False)
     _table: np.ndarray = attrs.field(init=False, eq=False, repr=False)
 
@@ -52,7 +59,7 @@ class FakeModel:
             raise ValueError(f"eos_id {self.eos_id} is outside the vocabulary")
         rng = np.random.default_rng(self.seed)
         object.__setattr__(self, "_successor", rng.integers(0, self.vocab_size, size=self.vocab_size))
-        table = rng.standard_normal((_TABLE_ROWS, self.vocab_size)).astype(np.float32)
+        table = rng.standard_normal((_table_rows(self.vocab_size), self.vocab_size)).astype(np.float32)
         object.__setattr__(self, "_table", table)
 
     def context_hash(self, previous_hash: int, token: int) -> int:
@@ -61,7 +68,7 @@ class FakeModel:
 
     def logits_after(self, last_token: int, context_hash: int) -> np.ndarray:
         """Next-token logits ``[vocab]`` float32 for a context ending in ``last_token`` with ``context_hash``."""
-        row = self._table[context_hash % _TABLE_ROWS] * np.float32(self.noise)
+        row = self._table[context_hash % self._table.shape[0]] * np.float32(self.noise)
         row[self._successor[last_token]] += np.float32(self.markov)
         selector = (context_hash >> 20) % 100_000 / 100_000.0
         if self.eos_id is not None and selector < self.eos_rate:
@@ -71,6 +78,14 @@ class FakeModel:
             best, second = order[0], order[1]
             gap = 0.0 if (context_hash >> 40) % 2 == 0 else self.near_tie_gap
             row[second] = row[best] - np.float32(gap)
+        if (context_hash >> 44) % 100_000 / 100_000.0 < self.nonfinite_rate:
+            kind = (context_hash >> 8) % 3
+            if kind == 0:
+                row[(context_hash >> 12) % self.vocab_size] = np.nan
+            elif kind == 1:
+                row[int(np.argmax(row))] = np.inf
+            else:
+                row[:] = -np.inf
         return row
 
     def logits_for(self, context: Sequence[int]) -> np.ndarray:
@@ -94,10 +109,12 @@ class FakeModel:
 class FakeBackend:
     """A ``Backend`` over a ``FakeModel``: resident tokens stand in for the KV cache."""
 
-    def __init__(self, model: FakeModel, max_length: int = 4096) -> None:
+    def __init__(self, model: FakeModel, max_length: int = 4096, *, picks_on_device: bool = False) -> None:
+        """``picks_on_device``: act like a device backend, so the driver asks ``verify_picks`` for picks."""
         if max_length < 1:
             raise ValueError(f"max_length must be >= 1, got {max_length}")
         self.model = model
+        self.picks_on_device = picks_on_device
         self._max_length = max_length
         self._tokens: list[int] = []
         self._hashes: list[int] = [model.seed]  # _hashes[i]: hash of the first i resident tokens
@@ -144,6 +161,10 @@ class FakeBackend:
 
     def decode_verify(self, tokens: Sequence[int], base: int) -> np.ndarray:
         return self._run(tokens, base, "base")
+
+    def verify_picks(self, tokens: Sequence[int], base: int) -> tuple[np.ndarray, np.ndarray]:
+        """The ``DevicePicks`` capability on the host: ``decode_verify`` reduced to picks and margins."""
+        return argmax_margin(self._run(tokens, base, "base"))
 
     def rewind(self, length: int) -> None:
         if (

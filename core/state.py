@@ -45,6 +45,11 @@ argmax whose top two logits almost tie. With the guard on, a pick from a multi-t
 the threshold is not committed: the step ends before it, and when that is the very first pick the state asks for
 a plain step next (``draft_budget`` is 0), whose 1-token pass decides it exactly as greedy decoding would.
 
+Non-finite rows. A pick whose row is not finite there (a NaN anywhere, a top of +inf, every logit -inf) is never
+turned into a token. A plain step raises ``ValueError``. In a multi-token pass the block ends before such a row
+(the picks before it are committed) and the next step is plain, so the error is raised exactly where plain
+decoding raises it, after the same tokens.
+
 Text. With a ``detokenize`` function (ids -> str), text is decoded incrementally over a sliding window of
 tokens, so each token's text delta costs O(window); a delta ending in U+FFFD (a partial UTF-8 character) waits
 for the next token. Text that could still become part of a stop string is held back from the stream until it
@@ -66,6 +71,10 @@ from .checks import check_int, ids_in_vocab, is_int, token_ids
 Detokenize = Callable[[Sequence[int]], str]
 
 _REPLACEMENT_CHAR = "\ufffd"
+
+
+class _NonFiniteRow(ValueError):
+    """A logits row is not finite where its pick is made (see "Non-finite rows" above)."""
 
 
 class FinishReason(enum.StrEnum):
@@ -226,17 +235,22 @@ class DecodeState:
         detokenize: Detokenize | None = None,
         *,
         capacity: int | None = None,
+        vocab_size: int | None = None,
     ) -> DecodeState:
-        """The state before the first step. ``capacity``: the backend's KV capacity in positions.
+        """The state before the first step. ``capacity``: the backend's KV capacity in positions;
+        ``vocab_size``: the model's vocabulary (prompt ids must lie in it).
 
-        Raises ``ValueError`` for an empty prompt, a prompt longer than the context limit, or stop strings
-        without a ``detokenize`` function. A prompt that fills the context limit gives a state that has already
-        finished (``CONTEXT_FULL``, no token)."""
+        Raises ``ValueError`` for an empty prompt, a prompt id outside the vocabulary, a prompt longer than the
+        context limit, or stop strings without a ``detokenize`` function. A prompt that fills the context limit
+        gives a state that has already finished (``CONTEXT_FULL``, no token)."""
         if not isinstance(options, Options):
             raise ValueError(f"options must be an ortspec Options, got {type(options).__name__}")
         if isinstance(prompt_tokens, (str, bytes)):
             raise ValueError("prompt_tokens must be token ids, not text (tokenize it first)")
-        prompt = token_ids("prompt_tokens", prompt_tokens)
+        if vocab_size is None:
+            prompt = token_ids("prompt_tokens", prompt_tokens)
+        else:
+            prompt = ids_in_vocab("prompt_tokens", prompt_tokens, check_int("vocab_size", vocab_size, 1))
         if not prompt:
             raise ValueError("prompt_tokens is empty: generation needs at least one prompt token")
         if options.stop_strings and detokenize is None:
@@ -353,7 +367,7 @@ def step(
         row = all_rows[i]
         t = int(np.argmax(row))  # first maximum: ties go to the lowest id; a NaN anywhere is picked
         if not math.isfinite(float(row[t])):
-            raise ValueError(f"logits row {i} is not finite where the pick is made (value {row[t]})")
+            raise _NonFiniteRow(f"logits row {i} is not finite where the pick is made (value {row[t]})")
         return t
 
     def margin(i: int) -> float:
@@ -368,11 +382,11 @@ def step(
 
 def step_from_picks(
     state: DecodeState,
-    picks: Sequence[int],
+    picks: Sequence[int] | np.ndarray,
     draft: Sequence[int],
     *,
     vocab_size: int,
-    margins: Sequence[float] | None = None,
+    margins: Sequence[float] | np.ndarray | None = None,
 ) -> tuple[DecodeState, tuple[Commit, ...], int]:
     """``step`` with the K + 1 target picks already made where the logits live (a device-side argmax):
     ``picks[0]`` from the base row, ``picks[i + 1]`` after ``draft[i]``, each the row's argmax (lowest id on
@@ -390,7 +404,7 @@ def step_from_picks(
 
     def pick(i: int) -> int:
         if margins is not None and math.isnan(float(margins[i])):
-            raise ValueError(f"logits row {i} is not finite where the pick is made (its margin is NaN)")
+            raise _NonFiniteRow(f"logits row {i} is not finite where the pick is made (its margin is NaN)")
         return ids[i]
 
     def margin(i: int) -> float:
@@ -430,11 +444,17 @@ def _advance(
     any of them."""
     opts = state.options
     k = len(draft)
-    # Accept: picks[0], then picks[i] while the draft agreed with every pick before it.
+    # Accept: picks[0], then picks[i] while the draft agreed with every pick before it. A non-finite row after the
+    # first ends the block before it; the next step is plain and refuses it there, as plain decoding would.
     candidates: list[int] = [pick(0)]
+    nonfinite_cut = False
     while len(candidates) <= k and candidates[-1] == draft[len(candidates) - 1]:
-        candidates.append(pick(len(candidates)))
-    accepted = len(candidates) - 1
+        try:
+            candidates.append(pick(len(candidates)))
+        except _NonFiniteRow:
+            nonfinite_cut = True
+            break
+    accepted = len(candidates) if nonfinite_cut else len(candidates) - 1  # draft tokens among the candidates
 
     # Tie guard: a multi-token pass's pick whose margin is below tie_margin is not committed, nor anything after
     # it. If that leaves nothing, the next step is a plain 1-token pass, which decides the pick as greedy would.
@@ -443,7 +463,7 @@ def _advance(
         guarded = next((i for i in range(len(candidates)) if margin(i) < opts.tie_margin), len(candidates))
     guard_stopped = guarded < len(candidates)
     del candidates[guarded:]
-    plain_step_next = not candidates
+    plain_step_next = not candidates or nonfinite_cut
 
     # Commit: each candidate passes the rules in order; the first rule that fires ends the generation.
     limit = state.context_limit

@@ -15,7 +15,15 @@ from ortspec.core import (
     TokenLogprob,
     WidthPolicy,
 )
-from ortspec.driver import GenerateResult, Generation, GenerationAborted, Timings, generate
+from ortspec.driver import (
+    GenerateResult,
+    Generation,
+    GenerationAborted,
+    GenerationError,
+    ProposerError,
+    Timings,
+    generate,
+)
 
 __version__ = "0.1.0"
 
@@ -29,8 +37,10 @@ __all__ = [
     "GenerateResult",
     "Generation",
     "GenerationAborted",
+    "GenerationError",
     "Options",
     "PromptLookup",
+    "ProposerError",
     "Proposer",
     "Stats",
     "Timings",

@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator, Sequence
 
 import attrs
 
-from ortspec.backends.base import Backend, uses_device_picks
+from ortspec.backends.base import Backend, DevicePicks, uses_device_picks
 from ortspec.core.proposers import Proposer
 from ortspec.core.state import (
     Commit,
@@ -85,13 +85,29 @@ class GenerateResult:
         return decode_rate(len(self.token_ids), self.timings.first_token_s, self.timings.total_s) or 0.0
 
 
-class GenerationAborted(Exception):
+class GenerationError(RuntimeError):
+    """A generation failed after it started (the backend, the proposer or the core raised): ``partial`` is what
+    was delivered before the failure, and the original exception is the ``__cause__``. Nothing delivered is
+    taken back; the backend stays usable (the next generation resets it)."""
+
+    def __init__(self, message: str, partial: GenerateResult) -> None:
+        super().__init__(message)
+        self.partial = partial
+
+
+class GenerationAborted(GenerationError):
     """The stream callback raised: generation stopped, ``partial`` holds what was committed (and streamed)
     before it, and the original exception is the ``__cause__``."""
 
     def __init__(self, partial: GenerateResult) -> None:
-        super().__init__(f"the stream callback raised after {len(partial.token_ids)} tokens; generation stopped")
-        self.partial = partial
+        super().__init__(
+            f"the stream callback raised after {len(partial.token_ids)} tokens; generation stopped", partial
+        )
+
+
+class ProposerError(ValueError):
+    """The proposer raised, or proposed something that is not a draft (ids that are not ints in the
+    vocabulary); the ``__cause__`` says which."""
 
 
 def generate(
@@ -108,8 +124,10 @@ def generate(
 
     The output is the same with or without a proposer (and whatever it proposes); only the number of target
     passes changes. ``draft_width`` is the most draft tokens per pass, or a ``WidthPolicy`` choosing it per step.
-    ``callback`` receives each ``Commit`` (token id and text delta) in order. Raises ``ValueError`` for bad
-    input, ``BackendError`` when the backend refuses a call, ``GenerationAborted`` when the callback raises.
+    ``callback`` receives each ``Commit`` (token id and text delta) in order. The proposer's draft is cut to
+    the step's width (longer proposals are truncated). Raises ``ValueError`` for bad input (before anything
+    runs), ``GenerationAborted`` when the callback raises, and ``GenerationError`` (with the partial result) when
+    the backend, the proposer (``ProposerError``) or the core fails once generation started.
     """
     run = Generation(backend, prompt_tokens, options, proposer, draft_width=draft_width, detokenize=detokenize)
     return run.run(callback)
@@ -135,16 +153,25 @@ class Generation:
         self._t_start = time.perf_counter()
         options = options if options is not None else Options()
         self._policy: WidthPolicy = draft_width if isinstance(draft_width, WidthPolicy) else FixedWidth(draft_width)
-        self.state = DecodeState.start(prompt_tokens, options, detokenize, capacity=backend.max_length)
+        self.state = DecodeState.start(
+            prompt_tokens, options, detokenize, capacity=backend.max_length, vocab_size=backend.vocab_size
+        )
         self._backend = backend
         self._proposer = proposer
-        self._device_picks = uses_device_picks(backend) and not options.top_logprobs
+        self._picker: DevicePicks | None = None  # set when the backend makes the picks where its logits live
+        if uses_device_picks(backend) and not options.top_logprobs:
+            self._picker = backend
         self._commits: tuple[Commit, ...] = ()
         self._delivered = 0  # of self._commits
         self._t_first: float | None = None
 
-        # The prompt pass: its last row picks the first token, exactly as a plain step would. Afterwards the
-        # KV holds the whole prompt and the first generated token is pending, as the core expects.
+        self._t_prefill = self._t_start
+        self._guarded(self._prompt_pass)
+
+    def _prompt_pass(self) -> None:
+        """Its last row picks the first token, exactly as a plain step would. Afterwards the KV holds the whole
+        prompt and the first generated token is pending, as the core expects."""
+        backend = self._backend
         backend.reset()
         if not self.state.finished:
             logits = backend.decode(self.state.prompt_tokens, 0)
@@ -153,6 +180,15 @@ class Generation:
             self._t_first = time.perf_counter()
         self._t_prefill = time.perf_counter()
 
+    def _guarded(self, action: Callable[[], None]) -> None:
+        """Run one pass; a failure becomes a ``GenerationError`` carrying what was delivered before it."""
+        try:
+            action()
+        except Exception as exc:
+            partial = self.result()
+            message = f"generation failed after {len(partial.token_ids)} tokens: {type(exc).__name__}: {exc}"
+            raise GenerationError(message, partial) from exc
+
     def __iter__(self) -> Iterator[Commit]:
         while True:
             while self._delivered < len(self._commits):
@@ -160,7 +196,7 @@ class Generation:
                 yield self._commits[self._delivered - 1]
             if self.state.finished:
                 return
-            self._step()
+            self._guarded(self._step)
 
     @property
     def done(self) -> bool:
@@ -184,11 +220,14 @@ class Generation:
         draft: tuple[int, ...] = ()
         width = min(draft_budget(state), self._policy.width()) if self._proposer is not None else 0
         if self._proposer is not None and width > 0:
-            proposal = tuple(self._proposer.propose(state.context_tokens, width))[:width]
-            draft = check_draft(state, proposal, backend.vocab_size)
+            try:
+                proposal = tuple(self._proposer.propose(state.context_tokens, width))[:width]
+                draft = check_draft(state, proposal, backend.vocab_size)
+            except Exception as exc:
+                raise ProposerError(f"the proposer {self._proposer!r} failed: {type(exc).__name__}: {exc}") from exc
         tokens = (state.pending_token, *draft)
-        if self._device_picks:
-            picks, margins = backend.verify_picks(tokens, state.kv_len)  # type: ignore[attr-defined]
+        if self._picker is not None:
+            picks, margins = self._picker.verify_picks(tokens, state.kv_len)
             new_state, commits, rewind_to = step_from_picks(
                 state, picks, draft, vocab_size=backend.vocab_size, margins=margins
             )

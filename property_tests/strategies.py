@@ -1,4 +1,13 @@
-"""Hypothesis strategies: fake models, prompts, options, proposers and detokenizers."""
+"""Hypothesis strategies aimed at the places where speculative decoding goes wrong.
+
+A scenario first decides how the generation should end (EOS, a stop sequence, a stop string, the token budget,
+the context limit, or nothing in particular) and at which token, reads the model's true greedy continuation and
+plants that rule at that token, so most generations end where a draft block is in flight. Proposers range from an
+oracle (every draft accepted) through a noisy oracle (a correct prefix, then garbage) and prompt lookup to
+arbitrary tokens. Vocabularies run from 2 ids to thousands, widths to 32, detokenizers are byte-level (multi-byte
+characters split across tokens) or SentencePiece-like (non-concatenative), and the picks path of a device
+backend is used as often as the logits path.
+"""
 
 from __future__ import annotations
 
@@ -11,45 +20,49 @@ from hypothesis import strategies as st
 from ortspec.backends.fake import FakeModel
 from ortspec.core import AdditiveWidth, CostAwareWidth, Options, PromptLookup
 
-# Token i decodes to PIECES[i % len(PIECES)]: ASCII words and the three bytes of U+20AC, so that text arrives in
-# partial characters and stop strings can span tokens.
-PIECES: tuple[bytes, ...] = (
-    b"a",
-    b"b",
-    b" ",
-    b"ab",
-    b"ba",
-    b"\xe2",
-    b"\x82",
-    b"\xac",
-    b"E",
-    b"N",
-    b"D",
-    b"\n",
-    b"xy",
-    b"z",
-    b"",
-    b"END",
-)
+# Byte-level pieces: ASCII words and the bytes of 2-, 3- and 4-byte characters (é, €, 中, 𝄞), alone and glued to
+# ASCII, so text arrives in partial characters and stop strings span tokens.
+BYTE_PIECES: tuple[bytes, ...] = (
+    b"a", b"b", b" ", b"ab", b"ba", b"\xe2", b"\x82", b"\xac", b"E", b"N", b"D", b"\n", b"xy", b"z", b"", b"END",
+    b"\xc3", b"\xa9", b"\xe4\xb8", b"\xad", b"\xf0\x9d", b"\x84\x9e", b"a\xc3", b"\xa9b", b"\xe2\x82\xac",
+    b"stop", b"s", b"to", b"p ", b".", b"\xf0", b"\x9d\x84\x9e",
+)  # fmt: skip
+# SentencePiece-like pieces: "▁" is a space, and the text of a sequence drops its leading space.
+SP_PIECES: tuple[str, ...] = (
+    "▁a", "b", "▁", "▁ab", "c", "é", "▁€", "中", "▁stop", "s", "top", "▁END", "x", "", "▁▁", ".", "\n", "▁z",
+)  # fmt: skip
 
 
-def detokenize(ids: Sequence[int]) -> str:
-    return b"".join(PIECES[i % len(PIECES)] for i in ids).decode("utf-8", errors="replace")
+def byte_detokenize(ids: Sequence[int]) -> str:
+    return b"".join(BYTE_PIECES[i % len(BYTE_PIECES)] for i in ids).decode("utf-8", errors="replace")
+
+
+def sentencepiece_detokenize(ids: Sequence[int]) -> str:
+    text = "".join(SP_PIECES[i % len(SP_PIECES)] for i in ids).replace("▁", " ")
+    return text[1:] if text.startswith(" ") else text
+
+
+DETOKENIZERS = {"bytes": byte_detokenize, "sentencepiece": sentencepiece_detokenize}
+END_KINDS = ("stop_string", "stop_sequence", "context", "max_new_tokens", "eos", "free")
 
 
 @st.composite
-def fake_models(draw) -> FakeModel:
-    vocab = draw(st.integers(2, 48))
+def fake_models(draw, nonfinite: bool = False) -> FakeModel:
+    size = draw(st.sampled_from(["small", "small", "small", "hundreds", "thousands"]))
+    vocab = draw(
+        {"small": st.integers(2, 48), "hundreds": st.integers(200, 600), "thousands": st.integers(1000, 5000)}[size]
+    )
     eos_id = draw(st.one_of(st.none(), st.integers(0, vocab - 1)))
     return FakeModel(
         vocab_size=vocab,
         seed=draw(st.integers(0, 2**32 - 1)),
-        markov=draw(st.sampled_from([0.0, 0.5, 2.0, 6.0])),
+        markov=draw(st.sampled_from([0.0, 0.5, 2.0, 6.0, 6.0])),
         noise=draw(st.sampled_from([0.05, 0.5, 1.0])),
         tie_rate=draw(st.sampled_from([0.0, 0.0, 0.2, 0.6])),
         near_tie_gap=draw(st.sampled_from([0.0, 1e-6, 1e-3, 0.1])),
         eos_id=eos_id,
         eos_rate=draw(st.sampled_from([0.0, 0.0, 0.02, 0.1])) if eos_id is not None else 0.0,
+        nonfinite_rate=draw(st.sampled_from([0.0, 0.0, 0.0, 0.03])) if nonfinite else 0.0,
     )
 
 
@@ -64,46 +77,114 @@ def prompts(draw, vocab: int) -> tuple[int, ...]:
     return tuple(draw(st.lists(ids, min_size=1, max_size=30)))
 
 
-def _slices(seq: Sequence, max_len: int):
-    """A strategy for a non-empty contiguous slice of ``seq`` of at most ``max_len`` items."""
-    n = len(seq)
-    return st.integers(0, n - 1).flatmap(
-        lambda i: st.integers(i + 1, min(n, i + max_len)).map(lambda j: tuple(seq[i:j]))
-    )
+@attrs.frozen
+class Scenario:
+    model: FakeModel
+    prompt: tuple[int, ...]
+    options: Options
+    detokenizer: str | None  # a key of DETOKENIZERS, or None for no text
+    capacity: int
+    planned_end: str  # one of END_KINDS: the rule planted at token `planned_at`
+    planned_at: int
+
+    @property
+    def detokenize(self):
+        return DETOKENIZERS[self.detokenizer] if self.detokenizer else None
+
+
+def _token_spans(ids: Sequence[int], detokenize) -> list[tuple[int, int]]:
+    """For each token, the (start, end) of the text it completes, by prefix decoding."""
+    spans, prev = [], 0
+    for n in range(1, len(ids) + 1):
+        text = detokenize(ids[:n])
+        if text.endswith("\ufffd") and n < len(ids):
+            spans.append((prev, prev))
+            continue
+        spans.append((prev, len(text)))
+        prev = len(text)
+    return spans
 
 
 @st.composite
-def options_for(draw, model: FakeModel, prompt: tuple[int, ...]) -> tuple[Options, bool]:
-    """Options whose stop rules are drawn from the true greedy continuation, so they fire (often mid-block)."""
-    max_new = draw(st.one_of(st.integers(1, 8), st.integers(9, 70)))
+def scenarios(draw, end: str | None = None, nonfinite: bool = False) -> Scenario:
+    """A model, a prompt and options with one rule planted at a drawn token: ``end`` (one of ``END_KINDS``), or
+    a kind drawn evenly when None."""
+    model = draw(fake_models(nonfinite))
+    prompt = draw(prompts(model.vocab_size))
+    # Hypothesis favours the first option and small integers; they are chosen so that its simplest examples
+    # still reach deep into a generation (a medium budget, a rule planted late, a wide oracle draft).
+    max_new = draw(st.sampled_from([(9, 48), (49, 80), (9, 48), (1, 8)]).flatmap(lambda r: st.integers(*r)))
     continuation = model.greedy(prompt, max_new)
-    text = detokenize(continuation)
+    if end is None:  # an even spread (sampled_from would favour the first kind heavily)
+        end = END_KINDS[draw(st.integers(0, 2**20)) % len(END_KINDS)]
+    # The token at which the planted rule fires: mostly late, so that a draft block is in flight.
+    if draw(st.integers(0, 5)) < 5:
+        at = max(0, max_new - 2 - draw(st.integers(0, max(0, max_new - 5))))
+    else:
+        at = draw(st.integers(0, max_new - 1))
+    detokenizer = draw(st.sampled_from([None, "bytes", "bytes", "sentencepiece"]))
+    if end == "stop_string" and detokenizer is None:
+        detokenizer = "bytes"
+    detokenize = DETOKENIZERS[detokenizer] if detokenizer else None
+
     eos: set[int] = set()
-    if draw(st.booleans()):
-        eos = set(draw(st.lists(st.integers(0, model.vocab_size - 1), max_size=2)))
-    if model.eos_id is not None and draw(st.booleans()):
-        eos.add(model.eos_id)
-    stop_sequences = []
-    if draw(st.booleans()):
-        stop_sequences = draw(st.lists(_slices(continuation, 3), max_size=2))
+    stop_sequences: list[tuple[int, ...]] = []
     stop_strings: list[str] = []
-    if draw(st.booleans()) and text:
-        stop_strings = [s for s in draw(st.lists(_slices(text, 4), max_size=3)) if "".join(s)]
-        stop_strings = ["".join(s) for s in stop_strings]
     max_context = None
-    if draw(st.booleans()):
-        max_context = len(prompt) + draw(st.integers(0, max_new + 2))
-    use_text = bool(stop_strings) or draw(st.booleans())
+    capacity = 4096
+    if end == "eos":
+        # A token whose first occurrence is at or after `at` (else the first one), so EOS fires late.
+        late = [t for t in dict.fromkeys(continuation) if continuation.index(t) >= at]
+        eos.add(draw(st.sampled_from(late)) if late else continuation[at])
+    elif end == "stop_sequence":
+        # The shortest n-gram ending at `at` that does not occur earlier.
+        for n in range(min(draw(st.integers(1, 3)), at + 1), at + 2):
+            seq = tuple(continuation[at + 1 - n : at + 1])
+            if all(tuple(continuation[i : i + n]) != seq for i in range(at + 1 - n)):
+                break
+        stop_sequences.append(seq)
+    elif end == "stop_string":
+        text = detokenize(continuation)
+        spans = _token_spans(continuation, detokenize)
+        last = spans[at][1] if spans[at][1] > 0 else len(text)
+        if last > 0:
+            # The shortest substring (from a drawn length up) ending at `last` whose first occurrence ends there.
+            for length in range(draw(st.integers(1, min(16, last))), last + 1):
+                if text.find(text[last - length : last]) == last - length:
+                    break
+            stop_strings.append(text[last - length : last])
+    elif end == "max_new_tokens":
+        max_new = at + 1
+    elif end == "context":
+        limit = len(prompt) + at + 1
+        how = draw(st.sampled_from(["max_context", "capacity", "both"]))
+        if how in ("max_context", "both"):
+            max_context = limit
+        if how in ("capacity", "both"):
+            capacity = limit + (draw(st.integers(0, 3)) if how == "both" else 0)
+    # Unplanned rules now and then, so that rules also compete.
+    if draw(st.integers(0, 4)) == 4:
+        eos.update(draw(st.lists(st.integers(0, model.vocab_size - 1), max_size=2)))
+    if model.eos_id is not None and draw(st.integers(0, 3)) == 3:
+        eos.add(model.eos_id)
+    if detokenize is not None and draw(st.integers(0, 4)) == 4:
+        stop_strings.append(draw(st.sampled_from(["END", "stop", "€", "a b", "\n", "中", "zz", "b."])))
+    if draw(st.integers(0, 5)) == 5:
+        stop_sequences.append(tuple(draw(st.lists(st.integers(0, model.vocab_size - 1), min_size=1, max_size=2))))
     options = Options(
         max_new_tokens=max_new,
         eos_token_ids=eos,
         stop_token_sequences=stop_sequences,
         stop_strings=stop_strings,
         max_context=max_context,
-        top_logprobs=draw(st.sampled_from([0, 0, 1, 3])),
-        tie_margin=draw(st.sampled_from([0.0, 0.0, 1e-5, 1e-2, 0.3])),
+        top_logprobs=draw(st.sampled_from([0, 0, 0, 1, 3])),
+        tie_margin=draw(st.sampled_from([0.0, 0.0, 0.0, 0.0, 1e-5, 1e-2, 0.3])),
     )
-    return options, use_text
+    return Scenario(model, prompt, options, detokenizer, capacity, end, at)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Proposers
 
 
 @attrs.frozen
@@ -117,9 +198,24 @@ class OracleProposer:
 
 
 @attrs.frozen
+class NoisyOracleProposer:
+    """Half the time the true continuation, else a correct prefix of a length that depends on the context
+    followed by arbitrary tokens: full and partial acceptance."""
+
+    model: FakeModel
+    seed: int
+
+    def propose(self, context, width):
+        rng = np.random.default_rng([self.seed, len(context), int(context[-1])])
+        good = width if rng.integers(0, 2) else int(rng.integers(0, width + 1))
+        tail = rng.integers(0, self.model.vocab_size, size=width - good).tolist()
+        return self.model.greedy(context, good) + tail
+
+
+@attrs.frozen
 class AdversarialProposer:
-    """Drafts arbitrary in-vocabulary tokens, a deterministic function of the context, sometimes too many, and
-    sometimes a correct prefix followed by garbage."""
+    """Arbitrary in-vocabulary tokens, a deterministic function of the context, sometimes more than the width
+    (the driver truncates), as a list or a numpy array."""
 
     model: FakeModel
     seed: int
@@ -128,10 +224,8 @@ class AdversarialProposer:
     def propose(self, context, width):
         rng = np.random.default_rng([self.seed, len(context), int(context[-1])])
         n = int(rng.integers(0, width + self.overshoot + 1))
-        good = int(rng.integers(0, n + 1))
-        head = self.model.greedy(context, good) if good else []
-        tail = rng.integers(0, self.model.vocab_size, size=n - good).tolist()
-        return list(head + tail)  # a list, not a tuple: the driver must accept any sequence
+        tokens = rng.integers(0, self.model.vocab_size, size=n)
+        return tokens if n % 2 else tokens.tolist()
 
 
 class EmptyProposer:
@@ -141,20 +235,41 @@ class EmptyProposer:
 
 @st.composite
 def proposers_for(draw, model: FakeModel):
-    kind = draw(st.sampled_from(["lookup", "lookup", "oracle", "adversarial", "empty"]))
+    kind = draw(st.sampled_from(["oracle"] * 8 + ["noisy"] * 3 + ["lookup"] * 2 + ["adversarial", "empty"]))
     if kind == "lookup":
         ngram = draw(st.integers(1, 5))
-        return PromptLookup(ngram=ngram, max_draft=draw(st.integers(1, 12)), min_ngram=draw(st.integers(1, ngram)))
+        return PromptLookup(ngram=ngram, max_draft=draw(st.integers(1, 32)), min_ngram=draw(st.integers(1, ngram)))
     if kind == "oracle":
         return OracleProposer(model)
+    if kind == "noisy":
+        return NoisyOracleProposer(model, draw(st.integers(0, 2**31)))
     if kind == "adversarial":
         return AdversarialProposer(model, draw(st.integers(0, 2**31)), draw(st.integers(0, 5)))
     return EmptyProposer()
 
 
+@attrs.frozen
+class FaultyProposer:
+    """A proposer that goes wrong at its ``at``-th call: it raises, or returns ids that are not a draft."""
+
+    model: FakeModel
+    at: int
+    fault: str  # "raise", "out_of_range", "negative", "not_int"
+    calls: list = attrs.field(factory=list, eq=False)
+
+    def propose(self, context, width):
+        self.calls.append(len(context))
+        if len(self.calls) <= self.at:
+            return tuple(self.model.greedy(context, width))
+        if self.fault == "raise":
+            raise RuntimeError("the drafter crashed")
+        bad = {"out_of_range": self.model.vocab_size, "negative": -1, "not_int": 1.5}[self.fault]
+        return (bad,)
+
+
 def width_policies():
-    """A fixed width, the cost-aware policy with an arbitrary cost curve, or the +2/-1 schedule."""
-    costs = st.lists(st.floats(0.5, 4.0), min_size=1, max_size=12).map(lambda c: (1.0, *c))
+    """A fixed width up to 32, the cost-aware policy with an arbitrary cost curve, or the +2/-1 schedule."""
+    costs = st.lists(st.floats(0.5, 4.0), min_size=1, max_size=32).map(lambda c: (1.0, *c))
     cost_aware = st.builds(
         CostAwareWidth,
         pass_costs=costs,
@@ -165,8 +280,12 @@ def width_policies():
     additive = st.builds(
         AdditiveWidth,
         current=st.integers(1, 6),
-        maximum=st.integers(6, 12),
+        maximum=st.integers(6, 32),
         grow=st.integers(0, 3),
         shrink=st.integers(0, 3),
     )
-    return st.one_of(st.integers(1, 12), st.integers(1, 12), cost_aware, additive)
+    kind = st.sampled_from(["medium", "wide", "narrow", "medium", "cost-aware", "additive"])
+    return kind.flatmap(
+        lambda k: {"medium": st.integers(4, 12), "wide": st.integers(1, 32), "narrow": st.integers(1, 3),
+                   "cost-aware": cost_aware, "additive": additive}[k]
+    )  # fmt: skip

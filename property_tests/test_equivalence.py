@@ -1,125 +1,381 @@
-"""The central property: speculative generation is greedy generation, whatever the proposer and options."""
+"""The central property: greedy generation is the reference decoder, and speculative generation is greedy
+generation, whatever the proposer, the width policy, the backend's pick path and the options.
+
+The reference (``property_tests/reference.py``) shares no code with ``ortspec``; the greedy run goes through the
+library's driver and core with no proposer; the speculative run goes through the same driver with a proposer,
+on the logits path or the device-picks path. All three must agree on the tokens, the text, the finish reason, the
+matched stop, the logprobs and the streamed deltas; the failures (non-finite rows, a proposer or a stream callback
+that raises, corrupt picks) must surface as errors that carry exactly what was delivered before them.
+"""
 
 from __future__ import annotations
 
 import math
 
-from hypothesis import given, settings
+import attrs
+import numpy as np
+import pytest
+from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
-from ortspec import generate
-from ortspec.backends.fake import FakeBackend
+from ortspec import GenerationAborted, GenerationError, ProposerError, generate
+from ortspec.backends.fake import FakeBackend, FakeModel
+from ortspec.core import FinishReason, Options, PromptLookup
+from property_tests import edges
 from property_tests.conftest import examples
+from property_tests.reference import ReferenceError, ReferenceRun, greedy_reference
 from property_tests.strategies import (
+    FaultyProposer,
     OracleProposer,
-    detokenize,
-    fake_models,
-    options_for,
-    prompts,
+    Scenario,
     proposers_for,
+    scenarios,
     width_policies,
 )
 
 
-def run(model, prompt, options, proposer, width, use_text, capacity):
-    backend = FakeBackend(model, max_length=capacity)
-    streamed = []
-    result = generate(
-        backend,
-        prompt,
-        options,
-        proposer,
-        draft_width=width,
-        callback=lambda c: streamed.append((c.token_id, c.text, c.logprob)),
-        detokenize=detokenize if use_text else None,
-    )
-    assert backend.current_len() == len(prompt) + len(result.token_ids) - 1 or not result.token_ids
-    # No pass ever made the KV hold a position that could not be committed: drafts never overshoot the token
-    # budget or the context limit.
-    limit = min(options.max_context or capacity, capacity, len(prompt) + options.max_new_tokens)
+class TracingBackend(FakeBackend):
+    """A FakeBackend that records the draft of every pass (``drafts[i]`` for pass ``i + 1``; the prompt pass
+    verifies nothing)."""
+
+    def __init__(self, model, max_length, *, picks_on_device=False):
+        super().__init__(model, max_length, picks_on_device=picks_on_device)
+        self.drafts: list[tuple[int, ...]] = []
+
+    def _run(self, tokens, position, what):
+        rows = super()._run(tokens, position, what)
+        self.drafts.append(tuple(int(t) for t in tokens[1:]) if position else ())
+        return rows
+
+
+@attrs.frozen
+class Run:
+    result: object
+    stream: list  # (pass number, token id, text, logprob) per commit
+    drafts: list[tuple[int, ...]]
+
+    @property
+    def widths(self) -> list[int]:
+        return [len(d) for d in self.drafts]
+
+
+def run(sc: Scenario, proposer=None, width=1, *, picks=False, callback=None) -> Run:
+    backend = TracingBackend(sc.model, sc.capacity, picks_on_device=picks)
+    stream = []
+
+    def on_commit(c):
+        stream.append((backend.passes, c.token_id, c.text, c.logprob))
+        if callback is not None:
+            callback(c)
+
+    result = generate(backend, sc.prompt, sc.options, proposer, draft_width=width, callback=on_commit,
+                      detokenize=sc.detokenize)  # fmt: skip
+    # The KV trails the committed tokens by one, and no pass ever held a position that could not be committed.
+    assert backend.current_len() == len(sc.prompt) + len(result.token_ids) - 1 or not result.token_ids
+    limit = min(sc.options.max_context or sc.capacity, sc.capacity, len(sc.prompt) + sc.options.max_new_tokens)
     assert backend.peak_len <= limit - 1
-    return result, streamed
+    return Run(result, stream, backend.drafts)
 
 
-def check_stats(result):
-    s = result.stats
+def reference(sc: Scenario) -> ReferenceRun:
+    o = sc.options
+    return greedy_reference(
+        sc.model.logits_for, sc.prompt, max_new_tokens=o.max_new_tokens, eos_token_ids=o.eos_token_ids,
+        stop_token_sequences=o.stop_token_sequences, stop_strings=o.stop_strings, max_context=o.max_context,
+        capacity=sc.capacity, top_logprobs=o.top_logprobs, detokenize=sc.detokenize,
+    )  # fmt: skip
+
+
+def assert_matches_reference(ref: ReferenceRun, greedy: Run) -> None:
+    r = greedy.result
+    assert list(r.token_ids) == ref.tokens
+    assert r.text == ref.text
+    assert (str(r.finish_reason) if r.finish_reason else None) == ref.finish_reason
+    assert r.stop_matched == ref.stop_matched
+    assert [text for _, _, text, _ in greedy.stream] == ref.deltas
+    if ref.logprobs:
+        assert len(r.logprobs) == len(ref.logprobs)
+        for got, (token, logprob, top) in zip(r.logprobs, ref.logprobs, strict=True):
+            assert got.token_id == token
+            assert got.logprob == pytest.approx(logprob, abs=1e-9)
+            assert [t for t, _ in got.top] == [t for t, _ in top]
+            assert [v for _, v in got.top] == pytest.approx([v for _, v in top], abs=1e-9)
+    else:
+        assert r.logprobs is None
+
+
+def assert_same_output(spec: Run, greedy: Run) -> None:
+    a, b = spec.result, greedy.result
+    assert a.token_ids == b.token_ids
+    assert a.text == b.text
+    assert a.finish_reason == b.finish_reason
+    assert a.stop_matched == b.stop_matched
+    assert a.logprobs == b.logprobs
+    assert [c[1:] for c in spec.stream] == [c[1:] for c in greedy.stream]  # same deltas, token by token
+    assert "".join(c[2] for c in spec.stream) == a.text
+
+
+def check_stats(run: Run) -> None:
+    s = run.result.stats
     assert 0 <= s.accepted_tokens <= s.proposed_tokens
-    assert s.verification_steps <= s.steps
+    assert s.verification_steps <= s.steps == len(run.widths)  # one backend pass per step
+    assert s.proposed_tokens == sum(run.widths)
     assert s.multi_token_accepts <= s.verification_steps
     assert s.tie_guard_stops <= s.steps
-    assert len(result.token_ids) <= s.accepted_tokens + s.steps
+    assert len(run.result.token_ids) <= s.accepted_tokens + s.steps
 
 
-@st.composite
-def scenarios(draw):
-    model = draw(fake_models())
-    prompt = draw(prompts(model.vocab_size))
-    options, use_text = draw(options_for(model, prompt))
-    proposer = draw(proposers_for(model))
-    width = draw(width_policies())
-    capacity = draw(st.one_of(st.just(4096), st.integers(len(prompt), len(prompt) + 80)))
-    return model, prompt, options, proposer, width, use_text, capacity
+def classify(sc: Scenario, spec: Run) -> list[str]:
+    """Labels for the edge-coverage tally: which risky places this example reached."""
+    r, s = spec.result, spec.result.stats
+    labels = []
+    if s.verification_steps:
+        labels.append("ran a verify pass")
+    if s.multi_token_accepts:
+        labels.append("accepted several draft tokens in one pass")
+    if spec.stream and r.finish_reason is not None:
+        last_pass = spec.stream[-1][0]
+        in_last = sum(1 for c in spec.stream if c[0] == last_pass)
+        draft = spec.drafts[last_pass - 1]
+        # Ended inside a block: the last pass verified a draft and its rules committed two or more of its
+        # candidates, or stopped before all of its candidates (accepted drafts + bonus) were committed.
+        greedy_next = sc.model.greedy(sc.prompt + r.token_ids[: len(r.token_ids) - in_last], len(draft))
+        accepted = next((i for i, t in enumerate(draft) if t != greedy_next[i]), len(draft))
+        if draft and (in_last >= 2 or in_last < accepted + 1):
+            kind = {
+                FinishReason.EOS_TOKEN: "eos",
+                FinishReason.MAX_NEW_TOKENS: "max_new_tokens",
+                FinishReason.CONTEXT_FULL: "context",
+            }.get(r.finish_reason)
+            if r.finish_reason is FinishReason.STOP_SEQUENCE:
+                kind = "stop string" if isinstance(r.stop_matched, str) else "stop sequence"
+            labels.append(f"ended inside a block: {kind}")
+    if sc.model.vocab_size >= 256:
+        labels.append("vocabulary >= 256")
+    if max(spec.widths, default=0) > 12:
+        labels.append("a pass verified more than 12 drafts")
+    if sc.detokenizer == "sentencepiece":
+        labels.append("non-concatenative detokenizer")
+    if any("\ufffd" in t for t in [r.text]) or any(ord(ch) > 0x7F for ch in r.text):
+        labels.append("non-ASCII text")
+    if any(len(s) > 4 for s in sc.options.stop_strings):
+        labels.append("stop string longer than 4 characters")
+    return labels
 
 
-def assert_equivalent(model, prompt, options, proposer, width, use_text, capacity):
-    greedy, greedy_stream = run(model, prompt, options, None, 1, use_text, capacity)
-    spec, spec_stream = run(model, prompt, options, proposer, width, use_text, capacity)
+def check_equivalence(sc: Scenario, data) -> None:
+    """The property for one scenario: reference == greedy == speculative, and the edge tally."""
+    proposer = data.draw(proposers_for(sc.model), label="proposer")
+    width = data.draw(width_policies(), label="width")
+    picks = sc.options.top_logprobs == 0 and data.draw(st.booleans(), label="device picks")
+    ref = reference(sc)
+    greedy = run(sc)
+    spec = run(sc, proposer, width, picks=picks)
 
-    # Same decisions...
-    assert spec.token_ids == greedy.token_ids
-    assert spec.text == greedy.text
-    assert spec.finish_reason == greedy.finish_reason
-    assert spec.stop_matched == greedy.stop_matched
-    assert spec.logprobs == greedy.logprobs
-    # ...streamed the same way, token by token, and the stream adds up to the text.
-    assert spec_stream == greedy_stream
-    assert "".join(t for _, t, _ in spec_stream) == spec.text
-    assert [t for t, _, _ in spec_stream] == list(spec.token_ids)
-    # Greedy itself is the model's argmax chain, cut by the rules.
-    assert list(greedy.token_ids) == model.greedy(prompt, len(greedy.token_ids))
-    assert len(greedy.token_ids) <= options.max_new_tokens
-    limit = min(options.max_context or capacity, capacity)
-    assert len(prompt) + len(greedy.token_ids) <= limit
-    # Never more target passes than greedy (a tie-guard stop that commits nothing costs one pass).
-    assert spec.stats.steps <= greedy.stats.steps + spec.stats.tie_guard_stops
+    assert_matches_reference(ref, greedy)
+    assert_same_output(spec, greedy)
     check_stats(greedy)
     check_stats(spec)
-    assert greedy.stats.proposed_tokens == 0
-    if isinstance(proposer, OracleProposer) and isinstance(width, int) and options.tie_margin == 0:
+    assert greedy.result.stats.proposed_tokens == 0
+    # Never more target passes than greedy (a tie-guard stop that commits nothing costs one pass).
+    assert spec.result.stats.steps <= greedy.result.stats.steps + spec.result.stats.tie_guard_stops
+    if isinstance(proposer, OracleProposer) and isinstance(width, int) and sc.options.tie_margin == 0:
         # Oracle drafts are all accepted, except where a stop rule ended the block.
-        assert spec.stats.proposed_tokens - spec.stats.accepted_tokens <= width
+        assert spec.result.stats.proposed_tokens - spec.result.stats.accepted_tokens <= width
+
+    labels = classify(sc, spec) + (["device picks path"] if picks else [])
+    for label in labels:
+        event(label)
+    edges.record(labels)
 
 
-@settings(max_examples=examples(9000))
-@given(scenarios())
-def test_speculative_equals_greedy(scenario):
-    assert_equivalent(*scenario)
+def _equivalence_test(end: str, n: int):
+    """The property over scenarios that plant ``end`` (so every kind of ending gets its share), ``n`` examples
+    in the ci profile."""
+
+    @settings(max_examples=examples(n))
+    @given(scenarios(end=end), st.data())
+    def test(sc, data):
+        check_equivalence(sc, data)
+
+    test.__doc__ = f"speculative == greedy == reference, generations planted to end by {end}"
+    return test
+
+
+# 8,500 examples in all; the limits end a block less often (the last block must be drafted whole), so they get more.
+test_equivalence_ending_by_stop_string = _equivalence_test("stop_string", 1400)
+test_equivalence_ending_by_stop_sequence = _equivalence_test("stop_sequence", 1400)
+test_equivalence_ending_by_eos = _equivalence_test("eos", 1200)
+test_equivalence_ending_by_max_new_tokens = _equivalence_test("max_new_tokens", 1700)
+test_equivalence_ending_by_context = _equivalence_test("context", 2200)
+test_equivalence_ending_freely = _equivalence_test("free", 600)
 
 
 @settings(max_examples=examples(1500))
-@given(scenarios(), st.integers(1, 3))
-def test_speculative_equals_greedy_with_tiny_budgets(scenario, budget):
-    model, prompt, options, proposer, width, use_text, capacity = scenario
-    import attrs
+@given(scenarios(), st.integers(1, 3), st.data())
+def test_speculative_equals_greedy_with_tiny_budgets(sc, budget, data):
+    sc = attrs.evolve(sc, options=attrs.evolve(sc.options, max_new_tokens=budget))
+    proposer = data.draw(proposers_for(sc.model), label="proposer")
+    width = data.draw(width_policies(), label="width")
+    greedy = run(sc)
+    assert_matches_reference(reference(sc), greedy)
+    assert_same_output(run(sc, proposer, width, picks=sc.options.top_logprobs == 0), greedy)
 
-    options = attrs.evolve(options, max_new_tokens=budget)
-    assert_equivalent(model, prompt, options, proposer, width, use_text, capacity)
+
+def _expect_failure(sc: Scenario, action) -> tuple[GenerationError, list]:
+    """Run ``action(backend, on_commit)`` on a fresh backend; return the GenerationError and what was streamed."""
+    backend = FakeBackend(sc.model, sc.capacity)
+    streamed = []
+    with pytest.raises(GenerationError) as info:
+        action(backend, streamed.append)
+    # Whatever failed, the same backend serves the next generation correctly.
+    again = generate(backend, sc.prompt, sc.options, detokenize=sc.detokenize)
+    assert list(again.token_ids) == reference(sc).tokens
+    return info.value, streamed
+
+
+def _assert_partial(error: GenerationError, streamed: list, ref: ReferenceRun) -> None:
+    """The error carries exactly what was delivered: a prefix of the reference, token for token and text."""
+    partial = error.partial
+    finished = len(streamed) == len(ref.tokens)  # the failure came after the last token was delivered
+    assert (str(partial.finish_reason) if partial.finish_reason else None) == (ref.finish_reason if finished else None)
+    assert list(partial.token_ids) == [c.token_id for c in streamed] == ref.tokens[: len(streamed)]
+    assert partial.text == "".join(c.text for c in streamed) == "".join(ref.deltas[: len(streamed)])
+
+
+@settings(max_examples=examples(600))
+@given(scenarios(), st.integers(0, 6), st.sampled_from(["raise", "out_of_range", "negative", "not_int"]), st.data())
+def test_a_faulty_proposer_stops_generation_with_what_was_delivered(sc, at, fault, data):
+    ref = reference(sc)
+    proposer = FaultyProposer(sc.model, at, fault)
+    width = data.draw(st.integers(1, 8), label="width")
+    try:
+        result = generate(FakeBackend(sc.model, sc.capacity), sc.prompt, sc.options, proposer, draft_width=width,
+                          detokenize=sc.detokenize)  # fmt: skip
+    except GenerationError as exc:
+        assert isinstance(exc.__cause__, ProposerError)
+        assert len(proposer.calls) == at + 1  # it failed at the first bad proposal
+        error, streamed = _expect_failure(
+            sc, lambda b, cb: generate(b, sc.prompt, sc.options, FaultyProposer(sc.model, at, fault),
+                                       draft_width=width, callback=cb, detokenize=sc.detokenize),
+        )  # fmt: skip
+        _assert_partial(error, streamed, ref)
+        event("proposer fault surfaced")
+    else:  # the generation ended before the proposer was asked a bad time
+        assert len(proposer.calls) <= at
+        assert list(result.token_ids) == ref.tokens
+
+
+@settings(max_examples=examples(600))
+@given(scenarios(), st.integers(0, 20), st.data())
+def test_a_raising_callback_stops_generation_with_what_was_delivered(sc, at, data):
+    ref = reference(sc)
+    proposer = data.draw(proposers_for(sc.model), label="proposer")
+    if len(ref.tokens) <= at:
+        return
+
+    def action(backend, record):
+        def callback(commit):
+            record(commit)
+            if len(record.__self__) > at:
+                raise KeyError("the consumer went away")
+
+        generate(backend, sc.prompt, sc.options, proposer, draft_width=8, callback=callback,
+                 detokenize=sc.detokenize)  # fmt: skip
+
+    error, streamed = _expect_failure(sc, action)
+    assert isinstance(error, GenerationAborted) and isinstance(error.__cause__, KeyError)
+    assert len(streamed) == at + 1
+    _assert_partial(error, streamed, ref)
+
+
+class CorruptPicksBackend(FakeBackend):
+    """A device-picks backend whose ``fault``-th picks pass returns an id outside the vocabulary or a NaN
+    margin (a broken kernel)."""
+
+    def __init__(self, model, max_length, fault_at, kind):
+        super().__init__(model, max_length, picks_on_device=True)
+        self.fault_at, self.kind, self.picks_calls = fault_at, kind, 0
+
+    def verify_picks(self, tokens, base):
+        picks, margins = super().verify_picks(tokens, base)
+        self.picks_calls += 1
+        if self.picks_calls == self.fault_at:
+            if self.kind == "id":
+                picks[0] = self.vocab_size + 7
+            else:
+                margins[0] = np.nan
+        return picks, margins
+
+
+@settings(max_examples=examples(400))
+@given(scenarios(), st.integers(1, 5), st.sampled_from(["id", "nan"]))
+def test_corrupt_device_picks_never_become_tokens(sc, fault_at, kind):
+    sc = attrs.evolve(sc, options=attrs.evolve(sc.options, top_logprobs=0))
+    ref = reference(sc)
+    backend = CorruptPicksBackend(sc.model, sc.capacity, fault_at, kind)
+    streamed = []
+    try:
+        result = generate(backend, sc.prompt, sc.options, OracleProposer(sc.model), draft_width=4,
+                          callback=streamed.append, detokenize=sc.detokenize)  # fmt: skip
+    except GenerationError as exc:
+        assert isinstance(exc.__cause__, ValueError)
+        assert ("outside the vocabulary" if kind == "id" else "not finite") in str(exc.__cause__)
+        assert backend.picks_calls == fault_at
+        _assert_partial(exc, streamed, ref)
+    else:
+        assert backend.picks_calls < fault_at
+        assert list(result.token_ids) == ref.tokens
+
+
+@settings(max_examples=examples(800))
+@given(scenarios(nonfinite=True), st.data())
+def test_non_finite_rows_are_refused_at_the_same_token(sc, data):
+    """A row that is not finite where its pick is made is never turned into a token, on any path: greedy,
+    speculative (logits or device picks) and the reference all stop at the same token."""
+    proposer = data.draw(proposers_for(sc.model), label="proposer")
+    picks = sc.options.top_logprobs == 0 and data.draw(st.booleans(), label="device picks")
+    try:
+        reference(sc)
+    except ReferenceError as exc:
+        ref_error = exc
+    else:
+        assert_same_output(run(sc, proposer, 8, picks=picks), run(sc))
+        return
+    event("non-finite row reached")
+    for prop in (None, proposer):
+        backend = FakeBackend(sc.model, sc.capacity, picks_on_device=picks)
+        streamed = []
+        with pytest.raises(GenerationError, match="not finite") as info:
+            generate(backend, sc.prompt, sc.options, prop, draft_width=8, callback=streamed.append,
+                     detokenize=sc.detokenize)  # fmt: skip
+        assert list(info.value.partial.token_ids) == ref_error.run.tokens == [c.token_id for c in streamed]
+
+
+@given(fake_models_and_empty=st.integers(2, 64))
+def test_an_empty_prompt_is_refused(fake_models_and_empty):
+
+    backend = FakeBackend(FakeModel(vocab_size=fake_models_and_empty))
+    with pytest.raises(ValueError, match="prompt_tokens is empty"):
+        generate(backend, [], Options(max_new_tokens=4))
+    with pytest.raises(ReferenceError):
+        greedy_reference(lambda ctx: np.zeros(4), [], max_new_tokens=4)
+    assert backend.passes == 0
 
 
 def test_property_sanity_lookup_accepts_on_repetitive_model():
     """The suite must exercise acceptance, not only rejection: a repetitive model accepts most lookups."""
-    from ortspec import Options, PromptLookup
-    from ortspec.backends.fake import FakeModel
 
     model = FakeModel(vocab_size=8, seed=3, markov=6.0, noise=0.05)
-    result, _ = run(model, (1, 2, 3, 1, 2), Options(max_new_tokens=60), PromptLookup(), 8, False, 4096)
+    sc = Scenario(model, (1, 2, 3, 1, 2), Options(max_new_tokens=60), None, 4096, "free", 0)
+    result = run(sc, PromptLookup(), 8).result
     assert result.stats.accepted_tokens > 30
     assert result.stats.steps < 30
     assert not math.isnan(result.stats.acceptance_rate)
 
 
 @settings(max_examples=examples(300))
-@given(width_policies(), st.lists(st.tuples(st.integers(0, 12), st.integers(0, 12)), max_size=40))
+@given(width_policies(), st.lists(st.tuples(st.integers(0, 32), st.integers(0, 32)), max_size=40))
 def test_width_policies_are_deterministic_and_in_range(policy, observations):
     """The same observations give the same widths; a width is never negative."""
     if isinstance(policy, int):

@@ -972,10 +972,26 @@ def test_non_finite_logit_at_the_base_pick(bad):
 
 @pytest.mark.parametrize("bad", [np.nan, np.inf])
 def test_non_finite_logit_at_a_verify_pick(bad):
+    """A verify row that is not finite ends the block before it: the picks before it are committed, and the next
+    step is plain, whose 1-token pass refuses the row exactly where plain decoding refuses it."""
     rows = stack([5, 6])
     rows[1, 2] = bad
-    with pytest.raises(ValueError, match="row 2 is not finite"):
-        step(start(), onehot(4), rows, (4, 5))
+    s, commits, rewind_to = step(start(), onehot(4), rows, (4, 5))
+    assert tokens(commits) == (4, 5)  # both accepted draft tokens, no bonus
+    assert s.stats.accepted_tokens == 2
+    assert s.plain_step_next and draft_budget(s) == 0
+    assert rewind_to == s.kv_len
+    plain_row = onehot(6)
+    plain_row[2] = bad
+    with pytest.raises(ValueError, match="row 0 is not finite"):
+        step(s, plain_row, None, ())
+
+
+def test_non_finite_margin_from_device_picks_ends_the_block_like_a_row():
+    s, commits, _ = step_from_picks(start(), [4, 5, 6], (4, 5), vocab_size=V, margins=[1.0, 1.0, float("nan")])
+    assert tokens(commits) == (4, 5) and s.plain_step_next
+    with pytest.raises(ValueError, match="not finite"):
+        step_from_picks(s, [6], (), vocab_size=V, margins=[float("nan")])
 
 
 def test_all_minus_inf_row_is_refused():

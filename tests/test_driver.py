@@ -5,10 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ortspec.backends.base import BackendError
 from ortspec.backends.fake import FakeBackend, FakeModel
 from ortspec.core import FinishReason, FixedWidth, Options, PromptLookup
-from ortspec.driver import GenerateResult, Generation, GenerationAborted, generate
+from ortspec.driver import GenerateResult, Generation, GenerationAborted, GenerationError, ProposerError, generate
 
 VOCAB = 32
 PROMPT = (3, 1, 4, 1, 5, 9, 2, 6)
@@ -45,14 +44,13 @@ class RecordingBackend(FakeBackend):
 class DeviceAcceptBackend(RecordingBackend):
     """A backend offering ``verify_picks`` (the device-side accept path: the driver feeds ``step_from_picks``)."""
 
-    picks_on_device = True
+    def __init__(self, model, max_length=4096):
+        super().__init__(model, max_length)
+        self.picks_on_device = True
 
     def verify_picks(self, tokens, base):
         self.calls.append(("argmax", tuple(int(t) for t in tokens)))
-        rows = FakeBackend.decode_verify(self, tokens, base)
-        ids = np.argmax(rows, axis=1).astype(np.int64)
-        top2 = np.sort(rows, axis=1)[:, -2:]
-        return ids, (top2[:, 1] - top2[:, 0]).astype(np.float32)
+        return FakeBackend.verify_picks(self, tokens, base)
 
 
 class Oracle:
@@ -384,16 +382,19 @@ def test_proposer_returning_too_many_tokens_is_truncated():
 def test_proposer_returning_an_out_of_vocab_id_raises_before_the_backend_sees_it():
     model = make_model(18)
     backend = RecordingBackend(model)
-    with pytest.raises(ValueError, match=f"token id {VOCAB}, outside the vocabulary"):
+    with pytest.raises(GenerationError, match=f"token id {VOCAB}, outside the vocabulary") as info:
         generate(backend, PROMPT, Options(max_new_tokens=10), Fixed((1, VOCAB)), draft_width=4)
+    assert isinstance(info.value.__cause__, ProposerError)
+    assert info.value.partial.token_ids == tuple(model.greedy(PROMPT, 1))  # the prompt pass's token is kept
     assert all(max(t) < VOCAB for _, t in backend.calls)
     assert [kind for kind, _ in backend.calls] == ["decode"]  # only the prefill
 
 
 def test_proposer_returning_a_negative_id_raises():
     backend = RecordingBackend(make_model())
-    with pytest.raises(ValueError, match="not a token id"):
+    with pytest.raises(GenerationError, match="not a token id") as info:
         generate(backend, PROMPT, Options(max_new_tokens=10), Fixed((-1,)), draft_width=4)
+    assert isinstance(info.value.__cause__, ProposerError)
     assert [kind for kind, _ in backend.calls] == ["decode"]
 
 
@@ -547,11 +548,11 @@ def test_bad_prompt(bad, match):
 
 @pytest.mark.parametrize("prompt", [[1, VOCAB + 3, 2], [VOCAB]])
 def test_prompt_id_outside_the_vocabulary_is_refused(prompt):
-    # The driver does not pre-check prompt ids; the backend refuses them (BackendError) before any output.
-    got = []
-    with pytest.raises((ValueError, BackendError), match=f"token id {VOCAB + 3 if len(prompt) > 1 else VOCAB}"):
-        generate(FakeBackend(make_model()), prompt, Options(max_new_tokens=3), callback=got.append)
-    assert got == []
+    # The core checks prompt ids against the backend's vocabulary before any pass.
+    backend = RecordingBackend(make_model())
+    with pytest.raises(ValueError, match=f"prompt_tokens holds token id {VOCAB + 3 if len(prompt) > 1 else VOCAB}"):
+        generate(backend, prompt, Options(max_new_tokens=3))
+    assert backend.calls == []
 
 
 def test_stop_strings_without_detokenize_raise():

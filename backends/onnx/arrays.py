@@ -19,7 +19,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from ..base import BackendError
+from ..base import BackendError, argmax_margin
 
 logger = logging.getLogger(__name__)
 
@@ -79,25 +79,6 @@ class ArrayModule(Protocol):
 # ----------------------------------------------------------------------------------------------------------------
 # Reductions
 # ----------------------------------------------------------------------------------------------------------------
-
-
-def argmax_margin(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Per row of ``rows`` ``[count, vocab >= 2]``: the argmax id (lowest among ties), int64, and the gap between
-    the two largest values (0 on a tie), float32; NaN margin for a row that is not finite where its pick is made.
-
-    The pick is ``numpy.argmax``'s, as in ``core.state.step``: the first maximum, or the first NaN if the row
-    holds one."""
-    rows = np.asarray(rows)
-    if rows.ndim != 2 or rows.shape[1] < 2:
-        raise ValueError(f"argmax_margin needs a [rows, vocab>=2] array, got shape {rows.shape}")
-    ids = np.argmax(rows, axis=1)  # the first occurrence of the maximum; a NaN counts as the maximum
-    picked = np.take_along_axis(rows, ids[:, None], axis=1)[:, 0]
-    finite = np.isfinite(picked)  # False for a row holding a NaN, topped by +inf, or all -inf
-    two_largest = np.partition(rows, rows.shape[1] - 2, axis=1)[:, -2:]
-    # subtract only where the top is finite (inf - inf would warn); the second largest may be -inf (margin +inf)
-    gaps = np.where(finite, two_largest[:, 1], 0) - np.where(finite, two_largest[:, 0], 0)
-    margins = np.where(finite, gaps, np.nan).astype(np.float32)
-    return ids.astype(np.int64), margins
 
 
 def xp_argmax_margin(xp, rows):
