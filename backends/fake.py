@@ -109,12 +109,20 @@ class FakeModel:
 class FakeBackend:
     """A ``Backend`` over a ``FakeModel``: resident tokens stand in for the KV cache."""
 
-    def __init__(self, model: FakeModel, max_length: int = 4096, *, picks_on_device: bool = False) -> None:
-        """``picks_on_device``: act like a device backend, so the driver asks ``verify_picks`` for picks."""
+    def __init__(
+        self, model: FakeModel, max_length: int = 4096, *, picks_on_device: bool = False, verify_drift: float = 0.0
+    ) -> None:
+        """``picks_on_device``: act like a device backend, so the driver asks ``verify_picks`` for picks.
+        ``verify_drift``: every row of a ``decode_verify`` / ``verify_picks`` pass over more than one token is off
+        by up to this much per logit (deterministic noise), as batch-dependent kernels are; the prompt pass and
+        1-token passes stay exact."""
         if max_length < 1:
             raise ValueError(f"max_length must be >= 1, got {max_length}")
+        if not verify_drift >= 0:
+            raise ValueError(f"verify_drift must be >= 0, got {verify_drift}")
         self.model = model
         self.picks_on_device = picks_on_device
+        self.verify_drift = float(verify_drift)
         self._max_length = max_length
         self._tokens: list[int] = []
         self._hashes: list[int] = [model.seed]  # _hashes[i]: hash of the first i resident tokens
@@ -160,11 +168,19 @@ class FakeBackend:
         return self._run(tokens, past, "past")[-1]
 
     def decode_verify(self, tokens: Sequence[int], base: int) -> np.ndarray:
-        return self._run(tokens, base, "base")
+        return self._verify_rows(tokens, base)
 
     def verify_picks(self, tokens: Sequence[int], base: int) -> tuple[np.ndarray, np.ndarray]:
         """The ``DevicePicks`` capability on the host: ``decode_verify`` reduced to picks and margins."""
-        return argmax_margin(self._run(tokens, base, "base"))
+        return argmax_margin(self._verify_rows(tokens, base))
+
+    def _verify_rows(self, tokens: Sequence[int], base: int) -> np.ndarray:
+        rows = self._run(tokens, base, "base")
+        if self.verify_drift and len(rows) > 1:
+            for i, row in enumerate(rows):
+                noise = np.random.default_rng(self._hashes[base + i + 1]).uniform(-1.0, 1.0, row.shape[0])
+                row += (noise * self.verify_drift).astype(np.float32)
+        return rows
 
     def rewind(self, length: int) -> None:
         if (

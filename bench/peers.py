@@ -94,6 +94,7 @@ class PeerRunner:
 
     name: str = "peer"
     version: str = ""
+    tokenizer: Tokenizer  # the folder's tokenizer, set by each subclass
 
     def run(self, prompt: str | Sequence[int], max_new_tokens: int) -> PeerRun:  # pragma: no cover
         raise NotImplementedError
@@ -107,6 +108,21 @@ class PeerRunner:
 
     def close(self) -> None:
         pass
+
+    def _result(self, new: list[int], ttft: float, total: float, finish: str, prompt_tokens: int,
+                extra: dict) -> PeerRun:  # fmt: skip
+        """A ``PeerRun`` for ``new`` tokens (text through the folder's Tokenizer, decode rate after the first)."""
+        return PeerRun(
+            token_ids=new,
+            text=self.tokenizer.decode(new),
+            ttft_s=ttft,
+            total_s=total,
+            decode_tok_s=decode_rate(len(new), ttft, total),
+            new_tokens=len(new),
+            finish_reason=finish,
+            prompt_tokens=prompt_tokens,
+            extra=extra,
+        )
 
 
 # --------------------------------------------------------------------------
@@ -254,18 +270,7 @@ class OrtGenAIRunner(PeerRunner):
             extra["speculative_options"] = spec
         del gen
         ttft = (t_first if t_first is not None else t_end) - t0
-        total = t_end - t0
-        return PeerRun(
-            token_ids=new,
-            text=self.tokenizer.decode(new),
-            ttft_s=ttft,
-            total_s=total,
-            decode_tok_s=decode_rate(len(new), ttft, total),
-            new_tokens=len(new),
-            finish_reason=finish,
-            prompt_tokens=len(ids),
-            extra=extra,
-        )
+        return self._result(new, ttft, t_end - t0, finish, len(ids), extra)
 
     def describe(self) -> dict:
         d = {
@@ -531,17 +536,7 @@ class OnnxGenAIRunner(PeerRunner):
             ttft = min(probe_ttft, total)
         else:
             ttft = (stamps[0] - t0) if stamps else total
-        return PeerRun(
-            token_ids=new,
-            text=self.tokenizer.decode(new),
-            ttft_s=ttft,
-            total_s=total,
-            decode_tok_s=decode_rate(len(new), ttft, total),
-            new_tokens=len(new),
-            finish_reason=finish,
-            prompt_tokens=n_prompt,
-            extra=extra,
-        )
+        return self._result(new, ttft, total, finish, n_prompt, extra)
 
     @staticmethod
     def _read_result(result: Any, ids: list[int], finish: str, extra: dict[str, Any]) -> str:

@@ -1,12 +1,13 @@
 """Hypothesis profiles: ``ci`` (the default, >= 10,000 examples of the equivalence property in a few minutes),
-``thorough`` (20x more) and ``quick`` (5%, for mutation checks). Choose with HYPOTHESIS_PROFILE=thorough.
+``thorough`` (20x more), ``quick`` (5%) and ``mutation`` (ci counts, no shrinking; for scripts/mutation_check.py).
+Choose with HYPOTHESIS_PROFILE=thorough.
 
 After the run, the edge-coverage rates of the equivalence property (``property_tests/edges.py``) are printed,
 and the session fails if one is below its target."""
 
 import os
 
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, Phase, settings
 
 from property_tests import edges
 
@@ -20,8 +21,10 @@ _common = dict(
 settings.register_profile("ci", **_common)
 settings.register_profile("thorough", **_common)
 settings.register_profile("quick", **_common)
+# scripts/mutation_check.py: the ci example counts without shrinking (only whether a test fails matters).
+settings.register_profile("mutation", **_common, phases=[Phase.explicit, Phase.reuse, Phase.generate])
 PROFILE = os.environ.get("HYPOTHESIS_PROFILE", "ci")
-SCALE = {"ci": 1.0, "thorough": 20.0, "quick": 0.05}[PROFILE]
+SCALE = {"ci": 1.0, "thorough": 20.0, "quick": 0.05, "mutation": 1.0}[PROFILE]
 settings.load_profile(PROFILE)
 
 

@@ -153,6 +153,15 @@ def scenarios(draw, end: str | None = None, nonfinite: bool = False) -> Scenario
                 if text.find(text[last - length : last]) == last - length:
                     break
             stop_strings.append(text[last - length : last])
+            # Half the time a second stop string, listed after the first, that ends one character earlier in the
+            # text of the same token: the earliest completion must win, not the first listed.
+            first_char = spans[at][0]
+            if last - 1 > first_char and draw(st.booleans()):
+                end2 = last - 1
+                for length2 in range(draw(st.integers(1, min(8, end2))), end2 + 1):
+                    if text.find(text[end2 - length2 : end2]) == end2 - length2:
+                        stop_strings.append(text[end2 - length2 : end2])
+                        break
     elif end == "max_new_tokens":
         max_new = at + 1
     elif end == "context":

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 from ortspec import GenerationAborted, GenerationError, ProposerError, generate
 from ortspec.backends.fake import FakeBackend, FakeModel
-from ortspec.core import FinishReason, Options, PromptLookup
+from ortspec.core import FinishReason, FixedWidth, Options, PromptLookup
 from property_tests import edges
 from property_tests.conftest import examples
 from property_tests.reference import ReferenceError, ReferenceRun, greedy_reference
@@ -34,12 +34,27 @@ from property_tests.strategies import (
 )
 
 
+@attrs.frozen
+class ObservedPolicy:
+    """A width policy that logs every ``observe(proposed, accepted)`` the driver makes."""
+
+    inner: object
+    log: list
+
+    def width(self) -> int:
+        return self.inner.width()
+
+    def observe(self, proposed: int, accepted: int) -> ObservedPolicy:
+        self.log.append((proposed, accepted))
+        return ObservedPolicy(self.inner.observe(proposed, accepted), self.log)
+
+
 class TracingBackend(FakeBackend):
     """A FakeBackend that records the draft of every pass (``drafts[i]`` for pass ``i + 1``; the prompt pass
     verifies nothing)."""
 
-    def __init__(self, model, max_length, *, picks_on_device=False):
-        super().__init__(model, max_length, picks_on_device=picks_on_device)
+    def __init__(self, model, max_length, *, picks_on_device=False, verify_drift=0.0):
+        super().__init__(model, max_length, picks_on_device=picks_on_device, verify_drift=verify_drift)
         self.drafts: list[tuple[int, ...]] = []
 
     def _run(self, tokens, position, what):
@@ -59,8 +74,8 @@ class Run:
         return [len(d) for d in self.drafts]
 
 
-def run(sc: Scenario, proposer=None, width=1, *, picks=False, callback=None) -> Run:
-    backend = TracingBackend(sc.model, sc.capacity, picks_on_device=picks)
+def run(sc: Scenario, proposer=None, width=1, *, picks=False, callback=None, drift=0.0) -> Run:
+    backend = TracingBackend(sc.model, sc.capacity, picks_on_device=picks, verify_drift=drift)
     stream = []
 
     def on_commit(c):
@@ -168,15 +183,22 @@ def check_equivalence(sc: Scenario, data) -> None:
     proposer = data.draw(proposers_for(sc.model), label="proposer")
     width = data.draw(width_policies(), label="width")
     picks = sc.options.top_logprobs == 0 and data.draw(st.booleans(), label="device picks")
+    observations: list[tuple[int, int]] = []
     ref = reference(sc)
     greedy = run(sc)
-    spec = run(sc, proposer, width, picks=picks)
+    spec = run(sc, proposer, ObservedPolicy(FixedWidth(width) if isinstance(width, int) else width, observations),
+               picks=picks)  # fmt: skip
 
     assert_matches_reference(ref, greedy)
     assert_same_output(spec, greedy)
     check_stats(greedy)
     check_stats(spec)
     assert greedy.result.stats.proposed_tokens == 0
+    # The width policy is told the truth: each step's draft size and how many of its drafts were committed.
+    s = spec.result.stats
+    assert [p for p, _ in observations] == spec.widths[1:]
+    assert sum(a for _, a in observations) == s.accepted_tokens
+    assert all(0 <= a <= p for p, a in observations)
     # Never more target passes than greedy (a tie-guard stop that commits nothing costs one pass).
     assert spec.result.stats.steps <= greedy.result.stats.steps + spec.result.stats.tie_guard_stops
     if isinstance(proposer, OracleProposer) and isinstance(width, int) and sc.options.tie_margin == 0:
@@ -386,3 +408,27 @@ def test_width_policies_are_deterministic_and_in_range(policy, observations):
         assert policy.width() == replay.width() >= 0
         policy, replay = policy.observe(proposed, accepted), replay.observe(proposed, accepted)
         assert policy == replay
+
+
+@settings(max_examples=examples(800))
+@given(scenarios(), st.sampled_from([1e-4, 1e-3, 1e-2, 0.1]), st.data())
+def test_the_tie_guard_keeps_a_drifting_backend_exact(sc, drift, data):
+    """On a backend whose multi-token verify rows are off by up to ``drift`` per logit (as batch-dependent kernels
+    are), a tie guard wider than twice the drift keeps speculative output equal to greedy output: a pick whose
+    margin exceeds 2 x drift is the exact row's argmax too, and narrower ones are re-decided by 1-token passes.
+    (The tokens are exact; logprobs from drifted rows are off by up to the drift, so they are not asked for.)"""
+    gap = data.draw(st.sampled_from([0.0, drift / 2, drift * 1.5, drift * 3]), label="near-tie gap")
+    model = attrs.evolve(sc.model, tie_rate=0.5, near_tie_gap=gap)
+    options = attrs.evolve(sc.options, tie_margin=2.2 * drift + 1e-5, top_logprobs=0)
+    sc = attrs.evolve(sc, model=model, options=options)
+    proposer = data.draw(proposers_for(model), label="proposer")
+    picks = data.draw(st.booleans(), label="device picks")
+    greedy = run(sc, drift=drift)  # plain steps are 1-token passes: exact
+    assert_matches_reference(reference(sc), greedy)
+    spec = run(sc, proposer, data.draw(width_policies(), label="width"), picks=picks, drift=drift)
+    assert_same_output(spec, greedy)
+    if spec.result.stats.tie_guard_stops:
+        event("the tie guard stopped a block")
+    unguarded = run(attrs.evolve(sc, options=attrs.evolve(sc.options, tie_margin=0.0)), proposer, 8, drift=drift)
+    if unguarded.result.token_ids != greedy.result.token_ids:
+        event("without the guard the drift changed the output")

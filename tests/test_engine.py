@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+from conftest import GreedyReplay
 
 from ortspec import FinishReason, GenerationAborted, PromptLookup
 from ortspec.adapters.cli import main as cli_main
@@ -22,9 +23,19 @@ def engine(tiny_model_dir):
 def test_generate_greedy_and_speculative_agree(engine):
     prompt = "the quick brown fox jumps over the lazy dog. the quick brown fox"
     g = engine.generate(prompt, max_tokens=40, ignore_eos=True)
-    for speculative in ("prompt-lookup", PromptLookup(ngram=2, max_draft=4)):
-        s = engine.generate(prompt, max_tokens=40, ignore_eos=True, speculative=speculative)
+    ids = engine.tokenize(prompt)
+    vocab = engine.backend.vocab_size
+    for speculative in (
+        "prompt-lookup",
+        PromptLookup(ngram=2, max_draft=4),
+        GreedyReplay(ids, g.token_ids, vocab),
+        GreedyReplay(ids, g.token_ids, vocab, wrong_every=3),
+    ):
+        s = engine.generate(prompt, max_tokens=40, ignore_eos=True, speculative=speculative, draft_width=6)
         assert s.token_ids == g.token_ids and s.text == g.text
+        assert s.stats.verification_steps > 0, (speculative, s.stats)
+        if isinstance(speculative, GreedyReplay):
+            assert s.stats.accepted_tokens >= 10 and s.stats.multi_token_accepts > 0, s.stats
     assert len(g.token_ids) == 40 and g.finish_reason == FinishReason.MAX_NEW_TOKENS
 
 
@@ -72,8 +83,11 @@ def test_stop_strings_and_token_sequences(engine):
     if len(base.text) < 6:
         pytest.skip("the random model produced too little text")
     stop = base.text[3:6]
-    r = engine.generate("one two three", max_tokens=30, ignore_eos=True, stop=[stop], speculative="prompt-lookup")
+    replay = GreedyReplay(engine.tokenize("one two three"), base.token_ids, engine.backend.vocab_size)
+    r = engine.generate("one two three", max_tokens=30, ignore_eos=True, stop=[stop], speculative=replay)
     assert r.finish_reason == FinishReason.STOP_SEQUENCE and stop not in r.text
+    assert r.text == base.text[: base.text.index(stop)]
+    assert r.stats.accepted_tokens > 0  # the stop string was completed inside an accepted block
     seq = list(base.token_ids[2:4])
     r = engine.generate("one two three", max_tokens=30, ignore_eos=True, stop=[seq])
     assert r.finish_reason == FinishReason.STOP_SEQUENCE and r.token_ids[-2:] == tuple(seq)

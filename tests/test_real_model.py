@@ -1,8 +1,8 @@
 """End to end on the real default model, SmolLM2-135M-Instruct fp32 (converted on first use, then cached).
 
-Speculative output must equal greedy output token for token. Real numerics can flip a near-tied argmax between
-a multi-token verify pass and a one-token decode; these tests run with the tie guard on, as the docs advise for
-exactness-critical use.
+Speculative output must equal greedy output token for token, at the default settings (tie guard off): on fp32 a
+verify pass agrees with one-token decodes to ~5e-5 logits. Every speculative test also asserts that drafts were
+verified and some accepted, so that it tests speculation and not greedy decoding twice.
 """
 
 from __future__ import annotations
@@ -14,7 +14,13 @@ from ortspec.adapters.cli import DEMO_PROMPT
 
 pytestmark = pytest.mark.real_model
 
-TIE = 0.05
+
+def assert_speculated(result) -> None:
+    """The run verified drafts and committed some of them."""
+    assert result.stats.verification_steps > 0, result.stats
+    assert result.stats.accepted_tokens > 0, result.stats
+
+
 PASSAGE = (
     "The Rhine is a river that begins in the Swiss canton of Graubünden in the southeastern Swiss Alps. It forms "
     "part of the Swiss-Liechtenstein border, then the Swiss-Austrian border, and flows through Germany and the "
@@ -30,12 +36,22 @@ PROMPTS = [
 
 @pytest.mark.parametrize("prompt", PROMPTS, ids=["code-edit", "repeat", "list", "open-ended"])
 def test_speculative_equals_greedy(real_engine, prompt):
-    greedy = real_engine.generate(prompt, chat=True, max_tokens=96, tie_margin=TIE)
-    spec = real_engine.generate(prompt, chat=True, max_tokens=96, tie_margin=TIE, speculative="prompt-lookup")
+    greedy = real_engine.generate(prompt, chat=True, max_tokens=96)
+    for draft_width in ("auto", 8):
+        spec = real_engine.generate(prompt, chat=True, max_tokens=96, speculative="prompt-lookup",
+                                    draft_width=draft_width)  # fmt: skip
+        assert spec.token_ids == greedy.token_ids
+        assert spec.text == greedy.text
+        assert spec.finish_reason == greedy.finish_reason
+        assert spec.stats.steps <= greedy.stats.steps
+        assert_speculated(spec)
+
+
+def test_tie_guard_keeps_output_and_speculation(real_engine):
+    greedy = real_engine.generate(PROMPTS[0], chat=True, max_tokens=96)
+    spec = real_engine.generate(PROMPTS[0], chat=True, max_tokens=96, speculative="prompt-lookup", tie_margin=0.05)
     assert spec.token_ids == greedy.token_ids
-    assert spec.text == greedy.text
-    assert spec.finish_reason == greedy.finish_reason
-    assert spec.stats.steps <= greedy.stats.steps + spec.stats.tie_guard_stops
+    assert_speculated(spec)
 
 
 def test_copy_task_accepts_drafts(real_engine):
@@ -50,18 +66,23 @@ def test_stop_string_mid_block(real_engine):
     assert word in greedy.text, greedy.text
     for speculative in (None, PromptLookup(max_draft=12)):
         r = real_engine.generate(
-            PROMPTS[1], chat=True, max_tokens=64, stop=word, speculative=speculative, draft_width=12, tie_margin=TIE
+            PROMPTS[1], chat=True, max_tokens=64, stop=word, speculative=speculative, draft_width=12
         )
         assert r.finish_reason == FinishReason.STOP_SEQUENCE
         assert r.stop_matched == word
         assert r.text == greedy.text[: greedy.text.index(word)]
+        if speculative is not None:
+            assert_speculated(r)
 
 
 def test_eos_ends_generation(real_engine):
-    r = real_engine.generate("Say only the word: yes", chat=True, max_tokens=64, speculative="prompt-lookup")
-    assert r.finish_reason == FinishReason.EOS_TOKEN
+    """EOS inside an accepted block: the passage is copied with drafts and ends with EOS."""
+    greedy = real_engine.generate(PROMPTS[1], chat=True, max_tokens=96)
+    assert greedy.finish_reason == FinishReason.EOS_TOKEN
+    r = real_engine.generate(PROMPTS[1], chat=True, max_tokens=96, speculative="prompt-lookup", draft_width=8)
+    assert r.finish_reason == FinishReason.EOS_TOKEN and r.token_ids == greedy.token_ids
     assert r.token_ids[-1] in real_engine.eos_token_ids
-    assert len(r.token_ids) < 64
+    assert_speculated(r)
 
 
 def test_streaming_matches_result(real_engine):
@@ -75,6 +96,7 @@ def test_streaming_matches_result(real_engine):
     )
     assert "".join(t for t, _, _ in seen) == r.text
     assert tuple(tok for _, tok, _ in seen) == r.token_ids
+    assert_speculated(r)
     assert [reason for _, _, reason in seen[:-1]] == [None] * (len(seen) - 1)
     assert seen[-1][2] == str(r.finish_reason)
     chunks = list(real_engine.stream(PROMPTS[2], chat=True, max_tokens=48, speculative="prompt-lookup"))

@@ -245,8 +245,8 @@ class CupyArrays:
         self.cp = cupy
         self.device_id = device_id
         self._device = cupy.cuda.Device(device_id)
-        self._picks_out = None  # device float64 [2 * rows]: the kernel's output, grown as needed
-        self._picks_host = None  # its host copy
+        self._picks_out: Any = None  # device float64 [2 * rows]: the kernel's output, grown as needed
+        self._picks_host: Any = None  # its host copy
         self._kernel_failed = False
 
     def empty(self, shape, dtype):

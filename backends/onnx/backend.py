@@ -230,14 +230,14 @@ class OrtBackend:
         self._len = length
 
     def decode(self, tokens: Sequence[int], past: int) -> np.ndarray:
-        tokens = self._validate(tokens, past, "past")
-        count = len(tokens)
+        ids = self._validate(tokens, past, "past")
+        count = len(ids)
         start_len = self._len
         try:
             start = 0
             while start < count:
                 chunk = min(self.prefill_chunk, count - start)
-                self._run(tokens[start : start + chunk])
+                self._run(ids[start : start + chunk])
                 start += chunk
         except BaseException:
             self._len = start_len  # chunks already folded in are forgotten: the call had no effect
@@ -245,19 +245,19 @@ class OrtBackend:
         return self._host_row(chunk - 1)
 
     def decode_verify(self, tokens: Sequence[int], base: int) -> np.ndarray:
-        tokens = self._validate(tokens, base, "base")
-        self._alloc_rows(len(tokens))
-        self._run(tokens)
-        return self._host_rows(len(tokens))
+        ids = self._validate(tokens, base, "base")
+        self._alloc_rows(len(ids))
+        self._run(ids)
+        return self._host_rows(len(ids))
 
     def verify_picks(self, tokens: Sequence[int], base: int) -> tuple[np.ndarray, np.ndarray]:
         """The ``decode_verify`` pass, reduced where the logits live to each row's argmax id (lowest on ties;
         int64 ``[len(tokens)]``, always in ``[0, vocab)``) and top-1/top-2 gap (float32 ``[len(tokens)]``; NaN for
         a row that is not finite where its pick is made); fresh host arrays."""
-        tokens = self._validate(tokens, base, "base")
-        count = len(tokens)
+        ids = self._validate(tokens, base, "base")
+        count = len(ids)
         self._alloc_rows(count)
-        self._run(tokens)
+        self._run(ids)
         return self._arrays.argmax_margin(self._logits[:count])
 
     # ------------------------------------------------------------------------------------------------------------
@@ -298,7 +298,7 @@ class OrtBackend:
                 device_id,
                 graph.position_dtype,
                 [1, count],
-                arrays.ptr(self._positions) + past * graph.position_dtype.itemsize,
+                arrays.ptr(self._positions) + past * np.dtype(graph.position_dtype).itemsize,
             )
         binding.bind_output(
             graph.logits_name, device, device_id, graph.logits_dtype, [1, count, self._vocab], arrays.ptr(self._logits)

@@ -92,12 +92,8 @@ class ModelFolder:
                 raise fail(f"missing or malformed section {where}{key!r} (expected an object)")
             return value
 
-        def integer(
-            parent: Mapping[str, Any], key: str, where: str, *, required: bool = True, minimum: int | None = 1
-        ) -> int | None:
+        def optional_int(parent: Mapping[str, Any], key: str, where: str, *, minimum: int | None = 1) -> int | None:
             if key not in parent or parent[key] is None:
-                if required:
-                    raise fail(f"missing {where}{key}")
                 return None
             value = parent[key]
             if isinstance(value, bool) or not isinstance(value, int):
@@ -106,7 +102,13 @@ class ModelFolder:
                 raise fail(f"{where}{key} must be >= {minimum}, got {value}")
             return value
 
-        def name(
+        def integer(parent: Mapping[str, Any], key: str, where: str, *, minimum: int | None = 1) -> int:
+            value = optional_int(parent, key, where, minimum=minimum)
+            if value is None:
+                raise fail(f"missing {where}{key}")
+            return value
+
+        def optional_name(
             parent: Mapping[str, Any], key: str, where: str, default: str | None, *, pattern: bool = False
         ) -> str | None:
             value = parent.get(key, default)
@@ -123,6 +125,11 @@ class ModelFolder:
                     raise fail(f"{where}{key} must be a name pattern with one %d, got {value!r}")
             return value
 
+        def name(parent: Mapping[str, Any], key: str, where: str, default: str, *, pattern: bool = False) -> str:
+            value = optional_name(parent, key, where, default, pattern=pattern)
+            assert value is not None  # a default is given
+            return value
+
         if not isinstance(raw, Mapping):
             raise fail("the top level must be a JSON object")
         model = section(raw, "model", "")
@@ -134,7 +141,7 @@ class ModelFolder:
         if not isinstance(search, Mapping):
             raise fail("section 'search' must be an object")
 
-        filename = name(decoder, "filename", decoder_key, None)
+        filename = optional_name(decoder, "filename", decoder_key, None)
         if filename is None:
             raise fail(f"missing {decoder_key}filename")
         model_path = folder / filename
@@ -158,9 +165,9 @@ class ModelFolder:
             raise fail(f"model.eos_token_id must be an id or a non-empty list of ids, got {eos!r}")
 
         num_heads = integer(decoder, "num_attention_heads", decoder_key)
-        num_kv_heads = integer(decoder, "num_key_value_heads", decoder_key, required=False) or num_heads
-        hidden_size = integer(decoder, "hidden_size", decoder_key, required=False)
-        head_size = integer(decoder, "head_size", decoder_key, required=False)
+        num_kv_heads = optional_int(decoder, "num_key_value_heads", decoder_key) or num_heads
+        hidden_size = optional_int(decoder, "hidden_size", decoder_key)
+        head_size = optional_int(decoder, "head_size", decoder_key)
         if head_size is None:
             if hidden_size is None:
                 raise fail(f"missing {decoder_key}head_size (and no {decoder_key}hidden_size to derive it from)")
@@ -187,18 +194,18 @@ class ModelFolder:
         num_layers = integer(decoder, "num_hidden_layers", decoder_key)
         # Keys the builder writes that this backend does not read are still checked, so that a malformed
         # config is refused whichever reader meets it.
-        integer(model, "bos_token_id", "model.", required=False, minimum=0)
-        integer(model, "pad_token_id", "model.", required=False, minimum=0)
+        optional_int(model, "bos_token_id", "model.", minimum=0)
+        optional_int(model, "pad_token_id", "model.", minimum=0)
         in_inputs, in_outputs = decoder_key + "inputs.", decoder_key + "outputs."
         input_ids_name = name(inputs, "input_ids", in_inputs, "input_ids")
-        attention_mask_name = name(inputs, "attention_mask", in_inputs, None)
-        position_ids_name = name(inputs, "position_ids", in_inputs, None)
+        attention_mask_name = optional_name(inputs, "attention_mask", in_inputs, None)
+        position_ids_name = optional_name(inputs, "position_ids", in_inputs, None)
         past_key_pattern = name(inputs, "past_key_names", in_inputs, "past_key_values.%d.key", pattern=True)
         past_value_pattern = name(inputs, "past_value_names", in_inputs, "past_key_values.%d.value", pattern=True)
         logits_name = name(outputs, "logits", in_outputs, "logits")
         present_key_pattern = name(outputs, "present_key_names", in_outputs, "present.%d.key", pattern=True)
         present_value_pattern = name(outputs, "present_value_names", in_outputs, "present.%d.value", pattern=True)
-        integer(search, "max_length", "search.", required=False)  # checked, not read (see above)
+        optional_int(search, "max_length", "search.")  # checked, not read (see above)
 
         return cls(
             path=folder,

@@ -99,7 +99,7 @@ def inspect_graph(session, folder: ModelFolder) -> DecoderGraph:
             "tell it the sequence length"
         )
 
-    kv_dtype = None
+    kv_dtype: np.dtype | None = None
     kv_names = []
     for layer in range(folder.num_layers):
         names = LayerKVNames(
@@ -160,6 +160,8 @@ def inspect_graph(session, folder: ModelFolder) -> DecoderGraph:
     if extra:
         raise BackendError(f"{where}: the graph declares inputs this backend does not know how to feed: {extra}")
 
+    if kv_dtype is None:
+        raise BackendError(f"{where}: the graph has no KV inputs (genai_config.json names no layers)")
     return DecoderGraph(
         ids_name=ids.name,
         ids_dtype=ids_dtype,

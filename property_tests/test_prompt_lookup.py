@@ -1,0 +1,50 @@
+"""PromptLookup against a reference written from its docstring: longest suffix first, the most recent earlier
+occurrence, the copy running on past the end of the context (LZ77-style). Ids run to 2**24 so that the byte
+search's token alignment is exercised (an id's bytes can match across two neighbouring ids)."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ortspec.core import PromptLookup
+from property_tests.conftest import examples
+
+
+def lookup_reference(context: list[int], width: int, ngram: int, max_draft: int, min_ngram: int) -> tuple[int, ...]:
+    limit = min(width, max_draft)
+    if limit < 1 or len(context) < 2:
+        return ()
+    for n in range(min(ngram, len(context) - 1), min_ngram - 1, -1):
+        suffix = context[-n:]
+        # The most recent occurrence that ends before the last token (so that at least one token follows it).
+        for start in range(len(context) - n - 1, -1, -1):
+            if context[start : start + n] == suffix:
+                first, out = start + n, []
+                while len(out) < limit:
+                    i = first + len(out)
+                    out.append(context[i] if i < len(context) else out[i - len(context)])
+                return tuple(out)
+    return ()
+
+
+# Ids whose bytes overlap: 0x01010101, 0x00000101, ... make misaligned byte matches likely.
+BYTEY_IDS = [0, 1, 0x0101, 0x010101, 0x01010101, 0x0100, 0x010000, 0x01000000, 0x00FF00FF, 0xFF00, 255, 256]
+
+
+@st.composite
+def contexts(draw) -> list[int]:
+    alphabet = draw(st.sampled_from(["bytey", "small", "wide"]))
+    ids = {"bytey": st.sampled_from(BYTEY_IDS), "small": st.integers(0, 5), "wide": st.integers(0, 2**24)}[alphabet]
+    if draw(st.booleans()):
+        motif = draw(st.lists(ids, min_size=1, max_size=5))
+        return draw(st.lists(ids, max_size=6)) + motif * draw(st.integers(1, 5)) + draw(st.lists(ids, max_size=3))
+    return draw(st.lists(ids, max_size=40))
+
+
+@settings(max_examples=examples(3000))
+@given(contexts(), st.integers(0, 40), st.integers(1, 6), st.integers(1, 32), st.data())
+def test_prompt_lookup_equals_its_reference(context, width, ngram, max_draft, data):
+    min_ngram = data.draw(st.integers(1, ngram), label="min_ngram")
+    proposer = PromptLookup(ngram=ngram, max_draft=max_draft, min_ngram=min_ngram)
+    assert proposer.propose(context, width) == lookup_reference(context, width, ngram, max_draft, min_ngram)
