@@ -15,6 +15,7 @@ import functools
 import hashlib
 import inspect
 import os
+import threading
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -155,8 +156,53 @@ def takes_callback_and_options(
     return lambda method: _bind_options(method, 3, options_type)
 
 
+class GenerationSuperseded(RuntimeError):
+    """Another generation started on the same Engine before this one finished; this one cannot continue."""
+
+
+class _Lease:
+    """Held around every pass of one generation: the Engine's lock, and a check that no newer generation has
+    taken the backend since this one started."""
+
+    def __init__(self, engine: Engine, epoch: int) -> None:
+        self.engine, self.epoch = engine, epoch
+
+    def __enter__(self) -> None:
+        self.engine._lock.acquire()
+        if self.engine._epoch != self.epoch:
+            self.engine._lock.release()
+            raise GenerationSuperseded(
+                "another generation started on this Engine before this one finished (one sequence at a time per "
+                "Engine: use one Engine per thread or worker)"
+            )
+
+    def __exit__(self, *exc: object) -> None:
+        self.engine._lock.release()
+
+
+def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens ``a`` and ``b`` share."""
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
 class Engine:
-    """Greedy and speculative generation on one model folder. Not re-entrant: one generation at a time."""
+    """Greedy and speculative generation on one model folder, one sequence at a time.
+
+    Threads: ``generate`` and ``generate_stream`` hold the Engine's lock for the whole generation, so concurrent
+    calls from several threads run one after another, each correct. An iterator from ``start`` or ``stream`` holds
+    it for each pass; if another generation starts on the Engine before the iterator is exhausted, the iterator's
+    next pass raises ``GenerationError`` (caused by ``GenerationSuperseded``): two sequences never share the KV.
+
+    ``prefix_reuse``: keep the KV of the last sequence and, when the next prompt starts with some of the same
+    tokens (the next turn of a chat, another question about the same document), rewind to the longest common
+    prefix and prefill only the rest. The output is the same as without it (the KV of a token depends only on the
+    tokens before it); only the time to the first token changes. Off by default, so timings compare like with
+    like; the server turns it on.
+    """
 
     def __init__(
         self,
@@ -165,11 +211,16 @@ class Engine:
         *,
         eos_token_ids: Sequence[int] = (),
         folder: ModelFolder | None = None,
+        prefix_reuse: bool = False,
     ) -> None:
         self.backend = backend
         self.tokenizer = tokenizer
         self.eos_token_ids = frozenset(eos_token_ids)
         self.folder = folder
+        self.prefix_reuse = prefix_reuse
+        self._lock = threading.RLock()
+        self._epoch = 0  # bumped by every generation and measurement: the backend's current owner
+        self._last: Generation | None = None  # the latest generation, whose KV the backend holds
         self._pass_costs: tuple[float, ...] | None = None
         self._drift: float | None = None
         self._drift_warned = False
@@ -182,17 +233,19 @@ class Engine:
         provider: str = "cpu",
         threads: int | None = None,
         max_length: int | None = None,
+        prefix_reuse: bool = False,
     ) -> Engine:
         """Load an ONNX Runtime GenAI folder (``genai_config.json``, the model, ``tokenizer.json``).
 
         ``provider``: ``"cpu"`` or ``"cuda"``; ``threads``: intra-op threads (default: physical cores);
-        ``max_length``: KV capacity in tokens (default: the config's context length)."""
+        ``max_length``: KV capacity in tokens (default: the config's context length); ``prefix_reuse``: see the
+        class docstring."""
         from ortspec.backends.onnx import OrtBackend
 
         folder = ModelFolder.load(Path(path))
         tokenizer = Tokenizer.from_folder(folder.path)
         backend = OrtBackend.from_folder(folder, provider=provider, threads=threads, max_length=max_length)
-        return cls(backend, tokenizer, eos_token_ids=folder.eos_token_ids, folder=folder)
+        return cls(backend, tokenizer, eos_token_ids=folder.eos_token_ids, folder=folder, prefix_reuse=prefix_reuse)
 
     # -- text -------------------------------------------------------------------------------------------------
     def tokenize(self, text: str) -> list[int]:
@@ -236,12 +289,26 @@ class Engine:
         )
         ids = self.prompt_ids(prompt, chat=options.chat, system=options.system)
         draft_width = options.draft_width
-        if draft_width == "auto":
-            draft_width = CostAwareWidth(self.pass_costs()) if proposer is not None else 1
-        assert not isinstance(draft_width, str)
-        return Generation(
-            self.backend, ids, core_options, proposer, draft_width=draft_width, detokenize=self.tokenizer.decode
-        )
+        with self._lock:
+            if draft_width == "auto":
+                draft_width = CostAwareWidth(self.pass_costs()) if proposer is not None else 1
+            assert not isinstance(draft_width, str)
+            cached = 0
+            if self.prefix_reuse and self._last is not None:
+                cached = common_prefix_length(self._last.resident_tokens(), ids)
+            self._epoch += 1
+            generation = Generation(
+                self.backend,
+                ids,
+                core_options,
+                proposer,
+                draft_width=draft_width,
+                detokenize=self.tokenizer.decode,
+                cached_prefix=cached,
+                lease=_Lease(self, self._epoch),
+            )
+            self._last = generation
+            return generation
 
     @takes_options(GenerationOptions)
     def start(self, prompt: Prompt, options: GenerationOptions) -> Generation:
@@ -251,7 +318,8 @@ class Engine:
     @takes_options(GenerationOptions)
     def generate(self, prompt: Prompt, options: GenerationOptions) -> GenerateResult:
         """Generate up to ``max_tokens`` tokens after ``prompt`` (text, chat messages or token ids)."""
-        return self.start_with(prompt, options).run()
+        with self._lock:
+            return self.start_with(prompt, options).run()
 
     @takes_callback_and_options(GenerationOptions)
     def generate_stream(self, prompt: Prompt, callback: StreamCallback, options: GenerationOptions) -> GenerateResult:
@@ -261,8 +329,9 @@ class Engine:
         callback's exception."""
         if not callable(callback):
             raise ValueError("callback must be callable as callback(text, token_id, finish_reason)")
-        run = self.start_with(prompt, options)
-        return run.run(lambda c: callback(c.text, c.token_id, str(run.state.finish_reason) if run.done else None))
+        with self._lock:
+            run = self.start_with(prompt, options)
+            return run.run(lambda c: callback(c.text, c.token_id, str(run.state.finish_reason) if run.done else None))
 
     @takes_options(GenerationOptions)
     def stream(self, prompt: Prompt, options: GenerationOptions) -> Iterator[str]:
@@ -280,8 +349,16 @@ class Engine:
 
             context = max(1, min(256, self.backend.max_length - 40))
             ids = probe_ids(self.backend.vocab_size, context + 27)
-            self._drift = measure_verify_drift(self.backend, ids[:context], ids[context:], windows=3)
+            with self._lock:
+                self._take_backend()
+                self._drift = measure_verify_drift(self.backend, ids[:context], ids[context:], windows=3)
         return self._drift
+
+    def _take_backend(self) -> None:
+        """A measurement is about to use (and reset) the backend (the caller holds the lock): it supersedes any
+        generation in flight, and the KV of the last sequence is gone."""
+        self._epoch += 1
+        self._last = None
 
     def _warn_if_inexact(self) -> None:
         if self._drift_warned or self.verify_drift() <= DRIFT_WARNING_THRESHOLD:
@@ -312,5 +389,7 @@ class Engine:
                 )
             )
             cache_file = cache_root() / "pass_costs" / (hashlib.sha256(key.encode()).hexdigest()[:16] + ".json")
-            self._pass_costs = cached_pass_costs(self.backend, cache_file, kmax)
+            with self._lock:
+                self._take_backend()
+                self._pass_costs = cached_pass_costs(self.backend, cache_file, kmax)
         return self._pass_costs

@@ -15,8 +15,10 @@ accepted, committed, streamed or when to stop is decided by ``ortspec.core``; th
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager
 
 import attrs
 
@@ -63,7 +65,8 @@ class Timings:
 class GenerateResult:
     """What a generation produced. ``token_ids`` are the generated tokens (EOS and stop tokens kept);
     ``text`` is their text, cut before a matched stop string; ``logprobs`` is None unless asked for;
-    ``finish_reason`` is None for a partial result (see ``Generation.result``)."""
+    ``finish_reason`` is None for a partial result (see ``Generation.result``). ``cached_prompt_tokens`` of the
+    ``prompt_tokens`` were not prefilled: their KV was reused from the previous sequence."""
 
     token_ids: tuple[int, ...]
     text: str
@@ -73,6 +76,7 @@ class GenerateResult:
     logprobs: tuple[TokenLogprob, ...] | None
     timings: Timings
     prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0
 
     @property
     def tokens_per_second(self) -> float:
@@ -137,7 +141,13 @@ class Generation:
     """One generation as an iterator of ``Commit``s, run one target pass at a time as it is consumed.
 
     ``result()`` describes what has been delivered so far (complete once the iterator is exhausted). Arguments
-    and errors are those of ``generate``; the backend is reset on construction and is this run's until it ends.
+    and errors are those of ``generate``; the backend is this run's from construction until it ends.
+
+    ``cached_prefix``: how many leading prompt tokens the backend already holds the KV of (the caller vouches, e.g.
+    from ``resident_tokens()`` of the previous generation on the same backend); the prompt pass then rewinds to
+    them and prefills only the rest (at least the last prompt token, whose row picks the first token). 0 resets
+    the backend. ``lease``: a context manager entered around every pass (the prompt pass and each step), e.g. to
+    hold a lock and check that the backend is still this generation's; what it raises ends the generation.
     """
 
     def __init__(
@@ -149,6 +159,8 @@ class Generation:
         *,
         draft_width: int | WidthPolicy = 8,
         detokenize: Detokenize | None = None,
+        cached_prefix: int = 0,
+        lease: AbstractContextManager[object] | None = None,
     ) -> None:
         self._t_start = time.perf_counter()
         options = options if options is not None else Options()
@@ -164,6 +176,11 @@ class Generation:
         self._commits: tuple[Commit, ...] = ()
         self._delivered = 0  # of self._commits
         self._t_first: float | None = None
+        self._lease = lease if lease is not None else contextlib.nullcontext()
+        prompt_len = len(self.state.prompt_tokens)
+        if isinstance(cached_prefix, bool) or not isinstance(cached_prefix, int) or cached_prefix < 0:
+            raise ValueError(f"cached_prefix must be an int >= 0, got {cached_prefix!r}")
+        self._cached = min(cached_prefix, prompt_len - 1)
 
         self._t_prefill = self._t_start
         self._guarded(self._prompt_pass)
@@ -171,19 +188,24 @@ class Generation:
     def _prompt_pass(self) -> None:
         """Its last row picks the first token, exactly as a plain step would. Afterwards the KV holds the whole
         prompt and the first generated token is pending, as the core expects."""
-        backend = self._backend
-        backend.reset()
+        backend, cached = self._backend, self._cached
+        if cached:
+            backend.rewind(cached)
+        else:
+            backend.reset()
         if not self.state.finished:
-            logits = backend.decode(self.state.prompt_tokens, 0)
+            logits = backend.decode(self.state.prompt_tokens[cached:], cached)
             self.state, self._commits, rewind_to = step(self.state, logits, None, ())
             backend.rewind(rewind_to)
             self._t_first = time.perf_counter()
         self._t_prefill = time.perf_counter()
 
     def _guarded(self, action: Callable[[], None]) -> None:
-        """Run one pass; a failure becomes a ``GenerationError`` carrying what was delivered before it."""
+        """Run one pass (inside the lease); a failure becomes a ``GenerationError`` carrying what was delivered
+        before it."""
         try:
-            action()
+            with self._lease:
+                action()
         except Exception as exc:
             partial = self.result()
             message = f"generation failed after {len(partial.token_ids)} tokens: {type(exc).__name__}: {exc}"
@@ -197,6 +219,13 @@ class Generation:
             if self.state.finished:
                 return
             self._guarded(self._step)
+
+    def resident_tokens(self) -> tuple[int, ...]:
+        """The tokens whose KV the backend holds at its first positions, whatever happened to this generation
+        (finished, stopped early, failed): the committed context up to the KV length, as far as the backend's
+        cache reaches. What the next generation on this backend may pass as ``cached_prefix``."""
+        held = min(self.state.kv_len, self._backend.current_len())
+        return self.state.context_tokens[:held]
 
     @property
     def done(self) -> bool:
@@ -260,4 +289,5 @@ class Generation:
                 total_s=now - self._t_start,
             ),
             prompt_tokens=len(s.prompt_tokens),
+            cached_prompt_tokens=self._cached,
         )

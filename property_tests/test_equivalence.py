@@ -432,3 +432,41 @@ def test_the_tie_guard_keeps_a_drifting_backend_exact(sc, drift, data):
     unguarded = run(attrs.evolve(sc, options=attrs.evolve(sc.options, tie_margin=0.0)), proposer, 8, drift=drift)
     if unguarded.result.token_ids != greedy.result.token_ids:
         event("without the guard the drift changed the output")
+
+
+@settings(max_examples=examples(500))
+@given(scenarios(), st.data())
+def test_prefix_reuse_changes_nothing(sc, data):
+    """A generation that reuses the KV of the previous sequence on the same backend (``cached_prefix`` from its
+    ``resident_tokens()``, after it finished, was abandoned part way, or failed) emits exactly what a fresh one
+    does; ``resident_tokens()`` is always true of the backend."""
+    from ortspec import Generation
+    from ortspec.core.proposers import Proposer  # noqa: F401 - the protocol FaultyProposer follows
+
+    backend = FakeBackend(sc.model, sc.capacity)
+    how = data.draw(st.sampled_from(["finished", "abandoned", "failed"]), label="first sequence")
+    proposer = FaultyProposer(sc.model, data.draw(st.integers(0, 3)), "raise") if how == "failed" else None
+    first = Generation(backend, sc.prompt, sc.options, proposer or OracleProposer(sc.model), draft_width=4,
+                       detokenize=sc.detokenize)  # fmt: skip
+    try:
+        for i, _ in enumerate(first):
+            if how == "abandoned" and i == data.draw(st.integers(0, 5), label="abandon at"):
+                break
+    except GenerationError:
+        pass
+    resident = first.resident_tokens()
+    assert backend.resident_tokens()[: len(resident)] == resident
+    # The next prompt shares a prefix of any length with what the backend holds.
+    keep = data.draw(st.integers(0, len(resident)), label="shared prefix")
+    tail = data.draw(st.lists(st.integers(0, sc.model.vocab_size - 1), min_size=0 if keep else 1, max_size=8))
+    prompt2 = tuple(resident[:keep]) + tuple(tail)
+    if len(prompt2) > min(sc.capacity, sc.options.max_context or sc.capacity):
+        return
+    cached = next((i for i, (a, b) in enumerate(zip(resident, prompt2, strict=False)) if a != b),
+                  min(len(resident), len(prompt2)))  # fmt: skip
+    second = Generation(backend, prompt2, sc.options, OracleProposer(sc.model), draft_width=4,
+                        detokenize=sc.detokenize, cached_prefix=cached)  # fmt: skip
+    got = second.run()
+    want = generate(FakeBackend(sc.model, sc.capacity), prompt2, sc.options, detokenize=sc.detokenize)
+    assert (got.token_ids, got.text, got.finish_reason) == (want.token_ids, want.text, want.finish_reason)
+    assert got.cached_prompt_tokens == min(cached, len(prompt2) - 1)

@@ -9,9 +9,9 @@ import sys
 import pytest
 from conftest import GreedyReplay
 
-from ortspec import FinishReason, GenerationAborted, PromptLookup
+from ortspec import FinishReason, GenerationAborted, GenerationError, PromptLookup
 from ortspec.adapters.cli import main as cli_main
-from ortspec.adapters.engine import Engine
+from ortspec.adapters.engine import Engine, GenerationSuperseded
 from ortspec.backends.onnx import ModelFolderError
 
 
@@ -218,3 +218,80 @@ def test_verify_drift_is_measured_and_warned_about(engine, tiny_model_dir):
         warnings.simplefilter("error")
         drifting.generate("abc abc", max_tokens=4, speculative="prompt-lookup", draft_width=2)  # warned once
         drifting.generate("abc abc", max_tokens=4)  # greedy never warns
+
+
+def test_concurrent_generate_calls_on_one_engine_are_serialized(engine):
+    """Threads sharing an Engine: each generation is what it is alone (sequences never share the KV)."""
+    import threading
+
+    prompts = ["alpha beta gamma", "one two three four", "the quick brown fox", "x y z x y z"]
+    alone = {p: engine.generate(p, max_tokens=24, ignore_eos=True, speculative="prompt-lookup").token_ids
+             for p in prompts}  # fmt: skip
+    got: dict[tuple[int, str], tuple[int, ...]] = {}
+    errors: list[BaseException] = []
+
+    def worker(i: int, prompt: str) -> None:
+        try:
+            for _ in range(3):
+                r = engine.generate(prompt, max_tokens=24, ignore_eos=True, speculative="prompt-lookup")
+                got[(i, prompt)] = r.token_ids
+                assert r.token_ids == alone[prompt]
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(i, p)) for i, p in enumerate(prompts * 2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert len(got) == len(threads)
+
+
+def test_an_iterator_superseded_by_another_generation_raises(engine):
+    it = iter(engine.start("alpha beta gamma", max_tokens=30, ignore_eos=True))
+    next(it)
+    other = engine.generate("one two three", max_tokens=5, ignore_eos=True)
+    with pytest.raises(GenerationError) as info:
+        list(it)
+    assert isinstance(info.value.__cause__, GenerationSuperseded)
+    assert engine.generate("one two three", max_tokens=5, ignore_eos=True).token_ids == other.token_ids
+
+
+def test_separate_engines_in_threads_run_in_parallel_correctly(tiny_model_dir):
+    import threading
+
+    engines = [Engine.from_dir(tiny_model_dir, threads=1) for _ in range(2)]
+    want = engines[0].generate("the quick brown fox", max_tokens=32, ignore_eos=True).token_ids
+    results: list[tuple[int, ...]] = []
+
+    def worker(e: Engine) -> None:
+        for _ in range(3):
+            results.append(e.generate("the quick brown fox", max_tokens=32, ignore_eos=True).token_ids)
+
+    threads = [threading.Thread(target=worker, args=(e,)) for e in engines]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results == [want] * 6
+
+
+def test_prefix_reuse_prefills_only_the_new_tokens_and_changes_nothing(tiny_model_dir):
+    fresh = Engine.from_dir(tiny_model_dir, threads=1)
+    reuse = Engine.from_dir(tiny_model_dir, threads=1, prefix_reuse=True)
+    reuse.verify_drift(), reuse.pass_costs()  # measured once; a measurement takes the backend (and its KV)
+    turn1 = [{"role": "user", "content": "tell me about the quick brown fox"}]
+    r1 = reuse.generate(turn1, max_tokens=20, ignore_eos=True)
+    assert r1.cached_prompt_tokens == 0
+    turn2 = [*turn1, {"role": "assistant", "content": r1.text}, {"role": "user", "content": "and the lazy dog?"}]
+    for speculative in (None, "prompt-lookup"):
+        want = fresh.generate(turn2, max_tokens=20, ignore_eos=True, speculative=speculative)
+        got = reuse.generate(turn2, max_tokens=20, ignore_eos=True, speculative=speculative)
+        assert got.token_ids == want.token_ids and got.text == want.text
+        assert got.cached_prompt_tokens > 0 and want.cached_prompt_tokens == 0
+    # The same prompt again reuses all but its last token; a different one reuses only the common prefix.
+    again = reuse.generate(turn2, max_tokens=20, ignore_eos=True)
+    assert again.cached_prompt_tokens == again.prompt_tokens - 1
+    other = reuse.generate("completely different", max_tokens=5, ignore_eos=True)
+    assert other.token_ids == fresh.generate("completely different", max_tokens=5, ignore_eos=True).token_ids
