@@ -338,6 +338,13 @@ class Engine:
         """Yield the generated text in chunks as it is decided (empty chunks are skipped)."""
         return (commit.text for commit in self.start_with(prompt, options) if commit.text)
 
+    def resident_tokens(self) -> tuple[int, ...]:
+        """The tokens whose KV the backend holds from the last sequence (what ``prefix_reuse`` can reuse; empty
+        after a measurement or before the first generation). A router can send a request to the Engine whose
+        resident tokens share the longest prefix with the request's prompt."""
+        with self._lock:
+            return self._last.resident_tokens() if self._last is not None else ()
+
     # -- measurements -----------------------------------------------------------------------------------------
     def verify_drift(self) -> float:
         """Largest logit difference between this backend's verify passes and one-token decodes (measured once,
