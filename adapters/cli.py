@@ -94,7 +94,26 @@ def _gen_kwargs(args: argparse.Namespace) -> dict:
         draft_width=args.draft_width,
         tie_margin=args.tie_margin,
         ignore_eos=args.ignore_eos,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        min_p=args.min_p,
+        seed=args.seed,
+        repetition_penalty=args.repetition_penalty,
+        presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty,
+        logit_bias=dict(args.logit_bias) if args.logit_bias else None,
     )
+
+
+def _logit_bias(text: str) -> tuple[int, float]:
+    token, sep, bias = text.partition("=")
+    try:
+        if not sep:
+            raise ValueError
+        return int(token), float(bias)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected TOKEN_ID=BIAS (e.g. 42=-100), got {text!r}") from None
 
 
 def _stats_line(result, label: str) -> str:
@@ -110,6 +129,8 @@ def _stats_line(result, label: str) -> str:
     ]
     if s.proposed_tokens:
         parts.append(f"acceptance {s.accepted_tokens}/{s.proposed_tokens} = {s.acceptance_rate:.0%}")
+    if result.seed is not None:
+        parts.append(f"seed {result.seed}")
     return "; ".join(parts)
 
 
@@ -127,29 +148,44 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+DEMO_SAMPLING = dict(temperature=0.7, top_p=0.9, seed=1234)
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     engine = _engine(args)
     kwargs = _gen_kwargs(args)
     kwargs["chat"] = True
+    proposer = _speculative(args) or PromptLookup(max_draft=16)
     print("Prompt (chat-formatted):\n" + DEMO_PROMPT + "\n", flush=True)
     engine.generate(DEMO_PROMPT, **dict(kwargs, max_tokens=8))  # warm-up
-    greedy = engine.generate(DEMO_PROMPT, **kwargs)
-    print("--- speculative (prompt lookup) output, streamed ---", flush=True)
+    same = _demo_compare(engine, kwargs, proposer, "greedy" if not kwargs["temperature"] else "sampled")
+    if not kwargs["temperature"]:  # the same comparison, sampled with a fixed seed
+        sampled = {**kwargs, **DEMO_SAMPLING}
+        label = "sampled (" + ", ".join(f"{k} {v}" for k, v in DEMO_SAMPLING.items()) + ")"
+        same = _demo_compare(engine, sampled, proposer, label) and same
+    return 0 if same else 1
+
+
+def _demo_compare(engine, kwargs: dict, proposer, label: str) -> bool:
+    """Plain, then speculative (streamed) on the demo prompt with ``kwargs``; print both and whether they agree."""
+    plain = engine.generate(DEMO_PROMPT, **kwargs)
+    print(f"--- {label}: speculative (prompt lookup) output, streamed ---", flush=True)
     spec = engine.generate_stream(
         DEMO_PROMPT,
         lambda text, *_: (sys.stdout.write(text), sys.stdout.flush()),
-        speculative=_speculative(args) or PromptLookup(max_draft=16),
-        **kwargs,
+        speculative=proposer,
+        **{**kwargs, "seed": plain.seed if plain.seed is not None else kwargs.get("seed")},
     )
     print("\n---")
-    print(_stats_line(greedy, "greedy     "))
+    print(_stats_line(plain, "plain      "))
     print(_stats_line(spec, "speculative"))
-    same = greedy.token_ids == spec.token_ids
+    same = plain.token_ids == spec.token_ids
     print(
-        f"speedup {spec.tokens_per_second / greedy.tokens_per_second:.2f}x end to end; "
-        f"output identical to greedy: {'yes' if same else 'NO'}"
+        f"speedup {spec.tokens_per_second / plain.tokens_per_second:.2f}x end to end; "
+        f"output identical to plain decoding: {'yes' if same else 'NO'}\n",
+        flush=True,
     )
-    return 0 if same else 1
+    return same
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -275,6 +311,19 @@ def build_parser() -> argparse.ArgumentParser:
             help="near-tie guard: do not accept a verified pick whose top-2 logit gap is below this (default 0 = off)",
         )
         p.add_argument("--ignore-eos", action="store_true", help="do not stop at the model's EOS token")
+        s = p.add_argument_group(
+            "sampling", "exact seeded sampling: with the same --seed, speculative output equals plain output"
+        )
+        s.add_argument("--temperature", type=float, default=None, help="0 or unset: greedy (default)")
+        s.add_argument("--top-k", type=int, default=None, help="keep the K most likely tokens (0 or unset: off)")
+        s.add_argument("--top-p", type=float, default=None, help="nucleus: smallest set reaching P (1 or unset: off)")
+        s.add_argument("--min-p", type=float, default=0.0, help="drop tokens below MIN_P x the top probability")
+        s.add_argument("--seed", type=int, default=None, help="the sampler's seed (default: drawn, then printed)")
+        s.add_argument("--repetition-penalty", type=float, default=1.0, help="Hugging Face semantics (1 = off)")
+        s.add_argument("--presence-penalty", type=float, default=0.0, help="OpenAI semantics (0 = off)")
+        s.add_argument("--frequency-penalty", type=float, default=0.0, help="OpenAI semantics (0 = off)")
+        s.add_argument("--logit-bias", type=_logit_bias, action="append", metavar="ID=BIAS",
+                       help="add BIAS to token ID's logit (repeatable)")  # fmt: skip
 
     p = sub.add_parser("demo", help="speculative vs greedy on a built-in input-grounded prompt (the main job)")
     model_options(p)

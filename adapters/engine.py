@@ -15,6 +15,7 @@ import functools
 import hashlib
 import inspect
 import os
+import secrets
 import threading
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -71,15 +72,6 @@ def _split_stop(stop: Stop) -> tuple[tuple[str, ...], tuple[tuple[int, ...], ...
     return tuple(strings), tuple(sequences)
 
 
-def _check_greedy(instance: GenerationOptions, attribute: Any, value: Any) -> None:
-    greedy = {"temperature": (None, 0, 0.0), "top_p": (None, 1, 1.0), "top_k": (None, 0, 1)}[attribute.name]
-    if value not in greedy:
-        raise ValueError(
-            f"{attribute.name}={value!r}: ortspec decodes greedily (exact speculative decoding): leave "
-            "temperature, top_p and top_k unset (or temperature=0)"
-        )
-
-
 def _check_draft_width(instance: GenerationOptions, attribute: Any, value: Any) -> None:
     if value == "auto" or isinstance(value, WidthPolicy):
         return
@@ -97,8 +89,13 @@ class GenerationOptions:
     curve), the most draft tokens per pass, or a width policy. ``chat``: format a text prompt as one user turn
     with the folder's chat template (``system``: an optional system turn). ``ignore_eos``: do not stop at the
     model's EOS tokens. ``top_logprobs``: report each token's log-probability and the N most likely
-    alternatives. ``tie_margin``: the near-tie guard, in logits (0 = off). ``temperature``, ``top_p``, ``top_k``
-    and ``seed`` are accepted for ``onnx_genai`` compatibility at their greedy values only.
+    alternatives. ``tie_margin``: the near-tie guard, in logits (0 = off).
+
+    Sampling (onnx_genai's names; every rule in ``ortspec/core/sampling.py``): ``temperature`` (unset or 0:
+    greedy), ``top_k`` (unset or 0: off), ``top_p`` (unset or 1: off), ``min_p``, ``seed`` (any int in
+    [0, 2**64); unset while sampling: the Engine draws one and reports it as ``result.seed``, so every run can be
+    replayed), ``repetition_penalty``, ``presence_penalty``, ``frequency_penalty``, ``logit_bias`` ({token id:
+    bias}). With the same seed, speculative output equals plain output token for token.
     """
 
     max_tokens: int = attrs.field(default=128, validator=int_at_least(1))
@@ -110,10 +107,33 @@ class GenerationOptions:
     ignore_eos: bool = False
     top_logprobs: int = attrs.field(default=0, validator=int_at_least(0))
     tie_margin: float = 0.0
-    temperature: float | None = attrs.field(default=None, validator=_check_greedy)
-    top_p: float | None = attrs.field(default=None, validator=_check_greedy)
-    top_k: int | None = attrs.field(default=None, validator=_check_greedy)
-    seed: int | None = None  # greedy decoding has no randomness
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float = 0.0
+    seed: int | None = None
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: Mapping[int, float] | None = None
+
+    def sampling_options(self) -> dict[str, Any]:
+        """The core ``Options`` keywords for sampling; a seed is drawn when sampling without one."""
+        temperature = 0.0 if self.temperature is None else self.temperature
+        seed = self.seed
+        if seed is None and isinstance(temperature, (int, float)) and temperature > 0:
+            seed = secrets.randbits(64)
+        return dict(
+            temperature=temperature,
+            top_k=0 if self.top_k is None else self.top_k,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            min_p=self.min_p,
+            seed=seed,
+            repetition_penalty=self.repetition_penalty,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            logit_bias=self.logit_bias,
+        )
 
 
 P = ParamSpec("P")
@@ -286,6 +306,7 @@ class Engine:
             stop_token_sequences=stop_sequences,
             top_logprobs=options.top_logprobs,
             tie_margin=options.tie_margin,
+            **options.sampling_options(),
         )
         ids = self.prompt_ids(prompt, chat=options.chat, system=options.system)
         draft_width = options.draft_width

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -46,3 +47,12 @@ def ids_in_vocab(name: str, values: Iterable[object], vocab_size: int) -> tuple[
         if t >= vocab_size:
             raise ValueError(f"{name} holds token id {t}, outside the vocabulary [0, {vocab_size})")
     return ids
+
+
+def check_number(name: str, value: object) -> float:
+    """``value`` as a float; ``ValueError`` naming ``name`` unless it is a finite int or float (not a bool)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
+    if not math.isfinite(float(value)):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
+    return float(value)

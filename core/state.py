@@ -4,6 +4,8 @@ Rule 1: everything that decides what is committed lives in this file: which draf
 candidates are committed and in what order the stop rules see them, when a generation ends and why, how many
 draft tokens a step may verify, how much KV the backend keeps, what text is released to the stream, and what a
 partly delivered generation reports. The driver, the backends and the Engine only carry these decisions out.
+The one piece kept apart is the arithmetic of a single pick (processors, filters, the seeded draw), in
+``core/sampling.py``: a pure function of one row that this file calls for every position it decides.
 
 Theory of operation
 -------------------
@@ -21,7 +23,9 @@ one target pass over ``(pending, *draft)``: row 0 of that pass (``base_logits``)
 position, and row ``i + 1`` (``rows[i]``) predicts the position after ``draft[i]``. Plain greedy decoding is the
 same step with an empty draft.
 
-From the K + 1 rows the step takes the target's picks (argmax, lowest id on ties). ``picks[0]`` is what greedy
+From the K + 1 rows the step takes the target's picks: the argmax (lowest id on ties) when decoding greedily, or
+a seeded draw that is a pure function of (the processed row, the seed, the token's index) when sampling, so a
+verify row yields exactly the token plain decoding would pick at that position. ``picks[0]`` is what plain
 decoding would emit next; ``picks[i]`` for ``i >= 1`` is what it would emit after ``draft[:i]``, so the step may
 use it only while ``draft[:i]`` equals ``picks[:i]``. The committed candidates are therefore
 ``picks[0 .. accepted]``: the accepted draft tokens followed by one free *bonus* token. A device backend may make
@@ -61,20 +65,17 @@ from __future__ import annotations
 
 import enum
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import attrs
 import numpy as np
 
-from .checks import check_int, ids_in_vocab, is_int, token_ids
+from .checks import check_int, check_number, ids_in_vocab, is_int, token_ids
+from .sampling import NonFiniteRow, Pick, Sampling, StepContext
 
 Detokenize = Callable[[Sequence[int]], str]
 
 _REPLACEMENT_CHAR = "\ufffd"
-
-
-class _NonFiniteRow(ValueError):
-    """A logits row is not finite where its pick is made (see "Non-finite rows" above)."""
 
 
 class FinishReason(enum.StrEnum):
@@ -131,6 +132,22 @@ def _to_stop_strings(value: object) -> tuple[str, ...]:
     return out
 
 
+def _to_logit_bias(value: object) -> tuple[tuple[int, float], ...]:
+    if value is None:
+        return ()
+    items = value.items() if isinstance(value, Mapping) else value
+    if isinstance(items, (str, bytes)) or not isinstance(items, Iterable):
+        raise ValueError(f"logit_bias: expected a mapping of token id -> bias, got {value!r}")
+    out: dict[int, float] = {}
+    for item in items:
+        if not isinstance(item, tuple) or len(item) != 2:
+            raise ValueError(f"logit_bias: expected (token id, bias) pairs, got {item!r}")
+        token, bias = item
+        token = token_ids("logit_bias", [token])[0]
+        out[token] = check_number(f"logit_bias[{token}]", bias)
+    return tuple(sorted(out.items()))
+
+
 @attrs.frozen
 class Options:
     """What to generate and when to stop. Every field is validated; a bad one raises ``ValueError`` naming it.
@@ -139,6 +156,11 @@ class Options:
     (the state's context limit is the smaller of the two). ``top_logprobs`` > 0 records, for each committed
     token, its log-probability and the N most likely alternatives. ``tie_margin`` > 0 turns on the near-tie
     guard (see the module docstring), in logit units.
+
+    Sampling (``core/sampling.py`` states every rule): ``temperature`` (0 = greedy), ``top_k`` (0 = off),
+    ``top_p`` (1 = off), ``min_p`` (0 = off), ``seed`` (an int in [0, 2**64); required when ``temperature > 0``:
+    the core has no randomness of its own), ``repetition_penalty`` (1 = off), ``presence_penalty`` and
+    ``frequency_penalty`` (0 = off), ``logit_bias`` ({token id: bias}, given as a mapping or pairs).
     """
 
     max_new_tokens: int = 128
@@ -148,19 +170,53 @@ class Options:
     max_context: int | None = None
     top_logprobs: int = 0
     tie_margin: float = 0.0
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = attrs.field(default=(), converter=_to_logit_bias)
 
     def __attrs_post_init__(self) -> None:
         check_int("max_new_tokens", self.max_new_tokens, 1)
         if self.max_context is not None:
             check_int("max_context", self.max_context, 1)
         check_int("top_logprobs", self.top_logprobs, 0)
-        if (
-            isinstance(self.tie_margin, bool)
-            or not isinstance(self.tie_margin, (int, float, np.floating))
-            or not math.isfinite(self.tie_margin)
-            or self.tie_margin < 0
-        ):
+        if check_number("tie_margin", self.tie_margin) < 0:
             raise ValueError(f"tie_margin must be a finite number >= 0, got {self.tie_margin!r}")
+        if check_number("temperature", self.temperature) < 0:
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        check_int("top_k", self.top_k, 0)
+        if not 0 < check_number("top_p", self.top_p) <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not 0 <= check_number("min_p", self.min_p) <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
+        if check_number("repetition_penalty", self.repetition_penalty) <= 0:
+            raise ValueError(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty!r}")
+        check_number("presence_penalty", self.presence_penalty)
+        check_number("frequency_penalty", self.frequency_penalty)
+        if self.seed is not None and (check_int("seed", self.seed, 0) >= 1 << 64):
+            raise ValueError(f"seed must be an int in [0, 2**64), got {self.seed!r}")
+        if self.temperature > 0 and self.seed is None:
+            raise ValueError("temperature > 0 needs a seed (an int): the core has no randomness of its own")
+
+    @property
+    def sampling(self) -> Sampling:
+        """The options that shape each pick (``core/sampling.py``)."""
+        return Sampling(
+            temperature=float(self.temperature),
+            top_k=int(self.top_k),
+            top_p=float(self.top_p),
+            min_p=float(self.min_p),
+            seed=None if self.seed is None else int(self.seed),
+            repetition_penalty=float(self.repetition_penalty),
+            presence_penalty=float(self.presence_penalty),
+            frequency_penalty=float(self.frequency_penalty),
+            logit_bias=self.logit_bias,
+        )
 
 
 @attrs.frozen
@@ -251,6 +307,7 @@ class DecodeState:
             prompt = token_ids("prompt_tokens", prompt_tokens)
         else:
             prompt = ids_in_vocab("prompt_tokens", prompt_tokens, check_int("vocab_size", vocab_size, 1))
+            ids_in_vocab("logit_bias", [token for token, _ in options.logit_bias], vocab_size)
         if not prompt:
             raise ValueError("prompt_tokens is empty: generation needs at least one prompt token")
         if options.stop_strings and detokenize is None:
@@ -352,6 +409,8 @@ def step(
         raise ValueError(f"base_logits must have shape [vocab], got {base.shape}")
     vocab = base.shape[0]
     draft = check_draft(state, draft, vocab)
+    if state.options.logit_bias and state.options.logit_bias[-1][0] >= vocab:
+        raise ValueError(f"logit_bias names token id {state.options.logit_bias[-1][0]}, outside the vocabulary")
     k = len(draft)
     if k == 0:
         if rows is not None and np.asarray(rows).size != 0:
@@ -363,21 +422,27 @@ def step(
             raise ValueError(f"rows must have shape [{k}, {vocab}] for a draft of {k} tokens, got {rows.shape}")
         all_rows = [base, *rows]
 
-    def pick(i: int) -> int:
-        row = all_rows[i]
-        t = int(np.argmax(row))  # first maximum: ties go to the lowest id; a NaN anywhere is picked
-        if not math.isfinite(float(row[t])):
-            raise _NonFiniteRow(f"logits row {i} is not finite where the pick is made (value {row[t]})")
-        return t
+    context = StepContext(state.options.sampling, state.prompt_tokens, state.generated_tokens)
+    want_margin = bool(k) and state.options.tie_margin > 0
+    picks: dict[int, Pick] = {}
 
-    def margin(i: int) -> float:
-        top2 = np.partition(all_rows[i], vocab - 2)[-2:] if vocab > 1 else np.array([0.0, math.inf])
-        return float(top2[1] - top2[0])
+    def row_pick(i: int) -> Pick:
+        if i not in picks:
+            top_n = state.options.top_logprobs
+            picks[i] = context.pick(all_rows[i], i, draft[:i], margin=want_margin, top_n=top_n)
+        return picks[i]
 
     def logprob(i: int, token: int) -> TokenLogprob:
-        return _logprob(all_rows[i], token, state.options.top_logprobs)
+        p = row_pick(i)
+        return TokenLogprob(token_id=token, logprob=p.logprob, top=p.top)
 
-    return _advance(state, draft, pick, margin, logprob if state.options.top_logprobs else None)
+    return _advance(
+        state,
+        draft,
+        lambda i: row_pick(i).token,
+        lambda i: row_pick(i).margin,
+        logprob if state.options.top_logprobs else None,
+    )
 
 
 def step_from_picks(
@@ -395,6 +460,8 @@ def step_from_picks(
     ``top_logprobs`` > 0 is refused here."""
     if state.options.top_logprobs:
         raise ValueError("step_from_picks cannot report logprobs (it has no logits); use step()")
+    if not state.options.sampling.is_plain_greedy:
+        raise ValueError("step_from_picks takes argmax picks: sampling, penalties and logit_bias need step()")
     draft = check_draft(state, draft, vocab_size)
     ids = ids_in_vocab("picks", picks, vocab_size)
     if len(ids) != len(draft) + 1:
@@ -404,7 +471,7 @@ def step_from_picks(
 
     def pick(i: int) -> int:
         if margins is not None and math.isnan(float(margins[i])):
-            raise _NonFiniteRow(f"logits row {i} is not finite where the pick is made (its margin is NaN)")
+            raise NonFiniteRow(f"logits row {i} is not finite where the pick is made (its margin is NaN)")
         return ids[i]
 
     def margin(i: int) -> float:
@@ -451,7 +518,7 @@ def _advance(
     while len(candidates) <= k and candidates[-1] == draft[len(candidates) - 1]:
         try:
             candidates.append(pick(len(candidates)))
-        except _NonFiniteRow:
+        except NonFiniteRow:
             nonfinite_cut = True
             break
     accepted = len(candidates) if nonfinite_cut else len(candidates) - 1  # draft tokens among the candidates
@@ -595,18 +662,3 @@ class _TextTracker:
                     best = n
                     break
         return best
-
-
-def _logprob(row: np.ndarray, token: int, top_n: int) -> TokenLogprob:
-    """Log-softmax of ``row`` at ``token`` and its ``top_n`` most likely ids (lowest id first on ties)."""
-    x = np.asarray(row, dtype=np.float64)
-    m = float(np.max(x))
-    lse = m + math.log(float(np.sum(np.exp(x - m))))
-    n = min(top_n, x.shape[0])
-    cand = np.argpartition(-x, n - 1)[:n] if n < x.shape[0] else np.arange(x.shape[0])
-    # argpartition may cut a tie arbitrarily: take every id tied with the n-th value, then order exactly.
-    threshold = x[cand].min()
-    cand = np.nonzero(x >= threshold)[0]
-    order = np.lexsort((cand, -x[cand]))[:n]
-    top = tuple((int(cand[j]), float(x[cand[j]] - lse)) for j in order)
-    return TokenLogprob(token_id=token, logprob=float(x[token] - lse), top=top)

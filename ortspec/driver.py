@@ -66,7 +66,8 @@ class GenerateResult:
     """What a generation produced. ``token_ids`` are the generated tokens (EOS and stop tokens kept);
     ``text`` is their text, cut before a matched stop string; ``logprobs`` is None unless asked for;
     ``finish_reason`` is None for a partial result (see ``Generation.result``). ``cached_prompt_tokens`` of the
-    ``prompt_tokens`` were not prefilled: their KV was reused from the previous sequence."""
+    ``prompt_tokens`` were not prefilled: their KV was reused from the previous sequence. ``seed`` is the sampler's
+    seed when sampling."""
 
     token_ids: tuple[int, ...]
     text: str
@@ -77,6 +78,7 @@ class GenerateResult:
     timings: Timings
     prompt_tokens: int = 0
     cached_prompt_tokens: int = 0
+    seed: int | None = None  # the sampler's seed (None when decoding greedily): rerun with it to replay
 
     @property
     def tokens_per_second(self) -> float:
@@ -171,7 +173,7 @@ class Generation:
         self._backend = backend
         self._proposer = proposer
         self._picker: DevicePicks | None = None  # set when the backend makes the picks where its logits live
-        if uses_device_picks(backend) and not options.top_logprobs:
+        if uses_device_picks(backend) and not options.top_logprobs and options.sampling.is_plain_greedy:
             self._picker = backend
         self._commits: tuple[Commit, ...] = ()
         self._delivered = 0  # of self._commits
@@ -290,4 +292,5 @@ class Generation:
             ),
             prompt_tokens=len(s.prompt_tokens),
             cached_prompt_tokens=self._cached,
+            seed=s.options.seed if s.options.temperature > 0 else None,
         )

@@ -1,11 +1,15 @@
-"""Plain greedy decoding, written from the README's rules and nothing else: the oracle of the property suite.
+"""Plain decoding (greedy and seeded sampling), written from the documented rules and nothing else: the oracle of
+the property suite.
 
 It shares no code with ``ortspec`` (no import of it): it asks the model for the logits after the whole context,
 one token at a time, and applies the documented rules in the documented order. It is slow (O(n^2) model calls)
 and obvious on purpose. The rules:
 
-- The pick is the argmax of the row, the lowest id on ties; a row whose pick is NaN or infinite (a NaN anywhere,
-  +inf at the top, every logit -inf) is an error.
+- The pick at each position follows ``core/sampling.py``'s docstring, re-implemented here one token at a time:
+  processors (repetition penalty over prompt + generated, presence/frequency penalties over generated, logit bias;
+  float32), then the argmax (lowest id on ties) at temperature 0, or, at temperature T, the inverse-CDF draw with
+  SplitMix64's uniform over the tokens that survive the window (``(z_max - z) / T <= 40``), top-k, top-p and
+  min-p. A row whose pick is NaN or infinite (a NaN anywhere, +inf at the top, every logit -inf) is an error.
 - The context limit is the smaller of ``max_context`` and ``capacity``. An empty prompt or one longer than the
   limit is an error; a prompt that fills it ends at once (``context_full``, no token).
 - After each token, in this order: EOS (kept), stop token sequences (the first listed that the tokens end with),
@@ -16,8 +20,9 @@ and obvious on purpose. The rules:
   it as it is, before stop strings are searched.
 - The stream releases, after each token, all of the text but its longest suffix that is a proper prefix of some
   stop string; the last token releases everything.
-- Logprobs: the log-softmax of the pick's row in float64, and the ``top_logprobs`` most likely ids (highest value
-  first, lowest id on ties).
+- Logprobs: under the distribution the pick came from (greedy: the log-softmax of the processed row in float64;
+  sampling: the surviving tokens' renormalized probabilities), with the ``top_logprobs`` most likely ids (most
+  likely first, lowest id on ties).
 
 The detokenizer must be prefix-stable (the text of ``ids[:n]``, less a trailing partial character, is a prefix
 of the text of ``ids``), as byte-level and SentencePiece decoders are; the library's incremental decoding
@@ -51,11 +56,109 @@ class ReferenceError(ValueError):
         self.run = run if run is not None else ReferenceRun()
 
 
+@dataclass(frozen=True)
+class PickRules:
+    """The options that shape a pick (the same names as ortspec's Options)."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+
+
+def _splitmix64(x: int) -> int:
+    mask = (1 << 64) - 1
+    x = (x + 0x9E3779B97F4A7C15) & mask
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & mask
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & mask
+    return x ^ (x >> 31)
+
+
+def reference_pick(
+    row: np.ndarray, rules: PickRules, prompt: Sequence[int], generated: Sequence[int], top_n: int = 0
+) -> tuple[int, tuple[float, tuple[tuple[int, float], ...]] | None]:
+    """The token plain decoding picks from ``row`` after ``prompt + generated``, and (when ``top_n``) its
+    logprob record. Raises ``ReferenceError`` for a row that is not finite where the pick is made."""
+    z = np.array(row, dtype=np.float32)
+    if rules.repetition_penalty != 1.0:
+        rp = np.float32(rules.repetition_penalty)
+        for t in sorted(set(prompt) | set(generated)):
+            z[t] = z[t] / rp if z[t] > 0 else z[t] * rp
+    counts: dict[int, int] = {}
+    for t in generated:
+        counts[t] = counts.get(t, 0) + 1
+    if rules.presence_penalty or rules.frequency_penalty:
+        for t, c in counts.items():
+            z[t] -= np.float32(c) * np.float32(rules.frequency_penalty) + np.float32(rules.presence_penalty)
+    for t, b in rules.logit_bias:
+        z[t] += np.float32(b)
+    if np.isnan(z).any() or not math.isfinite(float(z.max())):
+        raise ReferenceError("not finite at the pick")
+    zmax = float(z.max())
+    if rules.temperature == 0:
+        token = int(np.argmax(z))
+        if not top_n:
+            return token, None
+        x = z.astype(np.float64)
+        logz = float(x.max()) + math.log(float(np.sum(np.exp(x - x.max()))))
+        ids = np.arange(len(x))
+        order = np.lexsort((ids, -x))[:top_n]
+        return token, (float(x[token] - logz), tuple((int(i), float(x[i] - logz)) for i in order))
+    t = rules.temperature
+    ids = np.flatnonzero(z >= np.float32(zmax - 40.0 * t))  # the window
+    if rules.top_k:
+        ids = np.sort(ids[np.lexsort((ids, -z[ids]))[: rules.top_k]])
+    vals = z[ids].astype(np.float64)
+    p = np.exp((vals - zmax) / t)
+    if rules.top_p < 1.0 and len(ids) > 1:
+        by_p = np.lexsort((ids, -p))
+        sums = np.cumsum(p[by_p])
+        n = int(np.flatnonzero(sums >= rules.top_p * sums[-1])[0]) + 1
+        keep = np.sort(by_p[:n])
+        ids, vals, p = ids[keep], vals[keep], p[keep]
+    if rules.min_p > 0.0:
+        keep = vals >= zmax + t * math.log(rules.min_p)
+        ids, vals, p = ids[keep], vals[keep], p[keep]
+    cdf = np.cumsum(p)
+    assert rules.seed is not None
+    index = len(generated)
+    u = (_splitmix64((rules.seed ^ (index * 0x9E3779B97F4A7C15)) & ((1 << 64) - 1)) >> 11) * 2.0**-53
+    above = np.flatnonzero(cdf > u * cdf[-1])
+    j = int(above[0]) if len(above) else len(ids) - 1
+    token = int(ids[j])
+    if not top_n:
+        return token, None
+    log_total = math.log(float(cdf[-1]))
+    order = np.lexsort((ids, -p))[:top_n]
+    return token, (
+        math.log(float(p[j])) - log_total,
+        tuple((int(ids[o]), math.log(float(p[o])) - log_total) for o in order),
+    )
+
+
+def plain_continuation(
+    logits_after: Callable[[Sequence[int]], np.ndarray], prompt: Sequence[int], n: int, rules: PickRules,
+    generated: Sequence[int] = (),
+) -> list[int]:  # fmt: skip
+    """The next ``n`` tokens plain decoding emits after ``prompt + generated`` (no stop rules): an oracle."""
+    out = list(generated)
+    for _ in range(n):
+        token, _ = reference_pick(logits_after([*prompt, *out]), rules, prompt, out)
+        out.append(token)
+    return out[len(generated) :]
+
+
 def greedy_reference(
     logits_after: Callable[[Sequence[int]], np.ndarray],
     prompt: Sequence[int],
     *,
     max_new_tokens: int,
+    rules: PickRules = PickRules(),
     eos_token_ids: frozenset[int] = frozenset(),
     stop_token_sequences: Sequence[tuple[int, ...]] = (),
     stop_strings: Sequence[str] = (),
@@ -64,7 +167,8 @@ def greedy_reference(
     top_logprobs: int = 0,
     detokenize: Callable[[Sequence[int]], str] | None = None,
 ) -> ReferenceRun:
-    """Decode greedily after ``prompt``; ``logits_after(context)`` gives the next-token logits row."""
+    """Decode after ``prompt`` with ``rules`` (greedy by default); ``logits_after(context)`` gives the next-token
+    logits row."""
     prompt = list(prompt)
     limits = [b for b in (max_context, capacity) if b is not None]
     limit = min(limits) if limits else math.inf
@@ -78,13 +182,14 @@ def greedy_reference(
         return run
     released = 0
     while run.finish_reason is None:
-        row = np.asarray(logits_after(prompt + run.tokens), dtype=np.float64)
-        token = int(np.argmax(row))
-        if np.isnan(row).any() or not math.isfinite(row[token]):
-            raise ReferenceError(f"row after {len(run.tokens)} tokens is not finite at the pick", run)
+        row = logits_after(prompt + run.tokens)
+        try:
+            token, record = reference_pick(row, rules, prompt, run.tokens, top_logprobs)
+        except ReferenceError as exc:
+            raise ReferenceError(f"row after {len(run.tokens)} tokens: {exc}", run) from exc
         run.tokens.append(token)
-        if top_logprobs:
-            run.logprobs.append(_logprobs(row, token, top_logprobs))
+        if record is not None:
+            run.logprobs.append((token, *record))
 
         finish, matched = None, None
         if token in eos_token_ids:
@@ -132,10 +237,3 @@ def _earliest_stop(text: str, stop_strings: Sequence[str]) -> tuple[int, str] | 
 def _held_back(text: str, stop_strings: Sequence[str]) -> int:
     """Length of the longest suffix of ``text`` that is a proper prefix of some stop string."""
     return max((n for s in stop_strings for n in range(1, len(s)) if text.endswith(s[:n])), default=0)
-
-
-def _logprobs(row: np.ndarray, token: int, n: int) -> tuple[int, float, tuple[tuple[int, float], ...]]:
-    m = row.max()
-    logz = m + math.log(np.exp(row - m).sum())
-    order = sorted(range(len(row)), key=lambda i: (-row[i], i))[:n]
-    return token, float(row[token] - logz), tuple((i, float(row[i] - logz)) for i in order)

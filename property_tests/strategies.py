@@ -1,7 +1,8 @@
 """Hypothesis strategies aimed at the places where speculative decoding goes wrong.
 
 A scenario first decides how the generation should end (EOS, a stop sequence, a stop string, the token budget,
-the context limit, or nothing in particular) and at which token, reads the model's true greedy continuation and
+the context limit, or nothing in particular) and at which token, reads the model's true continuation (plain
+decoding under the scenario's pick rules: greedy, greedy with penalties and biases, or seeded sampling) and
 plants that rule at that token, so most generations end where a draft block is in flight. Proposers range from an
 oracle (every draft accepted) through a noisy oracle (a correct prefix, then garbage) and prompt lookup to
 arbitrary tokens. Vocabularies run from 2 ids to thousands, widths to 32, detokenizers are byte-level (multi-byte
@@ -19,6 +20,7 @@ from hypothesis import strategies as st
 
 from ortspec.backends.fake import FakeModel
 from ortspec.core import AdditiveWidth, CostAwareWidth, Options, PromptLookup
+from property_tests.reference import PickRules, ReferenceError, plain_continuation
 
 # Byte-level pieces: ASCII words and the bytes of 2-, 3- and 4-byte characters (é, €, 中, 𝄞), alone and glued to
 # ASCII, so text arrives in partial characters and stop strings span tokens.
@@ -86,6 +88,7 @@ class Scenario:
     capacity: int
     planned_end: str  # one of END_KINDS: the rule planted at token `planned_at`
     planned_at: int
+    rules: PickRules = PickRules()
 
     @property
     def detokenize(self):
@@ -106,15 +109,48 @@ def _token_spans(ids: Sequence[int], detokenize) -> list[tuple[int, int]]:
 
 
 @st.composite
-def scenarios(draw, end: str | None = None, nonfinite: bool = False) -> Scenario:
+def pick_rules(draw, vocab: int, mode: str) -> PickRules:
+    """Greedy (``mode="greedy"``: mostly plain, sometimes with penalties and biases) or seeded sampling with any
+    filters and penalties (``mode="sampling"``)."""
+
+    def penalties_and_bias() -> dict:
+        bias = draw(st.lists(st.tuples(st.integers(0, vocab - 1), st.sampled_from([-100.0, -2.0, 1.5, 5.0])),
+                             max_size=3))  # fmt: skip
+        return dict(
+            repetition_penalty=draw(st.sampled_from([1.0, 1.0, 1.3, 0.8, 2.0])),
+            presence_penalty=draw(st.sampled_from([0.0, 0.0, 0.5, -0.5])),
+            frequency_penalty=draw(st.sampled_from([0.0, 0.0, 0.3, 1.0])),
+            logit_bias=tuple(sorted(dict(bias).items())),
+        )
+
+    if mode == "greedy":
+        return PickRules() if draw(st.integers(0, 3)) < 3 else PickRules(**penalties_and_bias())
+    return PickRules(
+        temperature=draw(st.one_of(st.sampled_from([0.7, 1.0, 0.3, 1.5, 2.0]), st.floats(0.01, 2.0))),
+        top_k=draw(st.sampled_from([0, 0, 1, 2, 5, 20])),
+        top_p=draw(st.sampled_from([1.0, 1.0, 0.9, 0.5, 0.1])),
+        min_p=draw(st.sampled_from([0.0, 0.0, 0.05, 0.3])),
+        seed=draw(st.integers(0, 2**64 - 1)),
+        **(penalties_and_bias() if draw(st.booleans()) else {}),
+    )
+
+
+@st.composite
+def scenarios(draw, end: str | None = None, nonfinite: bool = False, mode: str | None = None) -> Scenario:
     """A model, a prompt and options with one rule planted at a drawn token: ``end`` (one of ``END_KINDS``), or
-    a kind drawn evenly when None."""
+    a kind drawn evenly when None; pick rules of ``mode`` ("greedy" or "sampling"; drawn when None)."""
     model = draw(fake_models(nonfinite))
     prompt = draw(prompts(model.vocab_size))
     # Hypothesis favours the first option and small integers; they are chosen so that its simplest examples
     # still reach deep into a generation (a medium budget, a rule planted late, a wide oracle draft).
     max_new = draw(st.sampled_from([(9, 48), (49, 80), (9, 48), (1, 8)]).flatmap(lambda r: st.integers(*r)))
-    continuation = model.greedy(prompt, max_new)
+    if mode is None:
+        mode = draw(st.sampled_from(["greedy", "sampling"]))
+    rules = draw(pick_rules(model.vocab_size, mode))
+    try:
+        continuation = plain_continuation(model.logits_for, prompt, max_new, rules)
+    except ReferenceError:  # a non-finite row: plant rules on the model's argmax chain instead
+        continuation = model.greedy(prompt, max_new)
     if end is None:  # an even spread (sampled_from would favour the first kind heavily)
         end = END_KINDS[draw(st.integers(0, 2**20)) % len(END_KINDS)]
     # The token at which the planted rule fires: mostly late, so that a draft block is in flight.
@@ -188,8 +224,18 @@ def scenarios(draw, end: str | None = None, nonfinite: bool = False) -> Scenario
         max_context=max_context,
         top_logprobs=draw(st.sampled_from([0, 0, 0, 1, 3])),
         tie_margin=draw(st.sampled_from([0.0, 0.0, 0.0, 0.0, 1e-5, 1e-2, 0.3])),
+        **rules_as_options(rules),
     )
-    return Scenario(model, prompt, options, detokenizer, capacity, end, at)
+    return Scenario(model, prompt, options, detokenizer, capacity, end, at, rules)
+
+
+def rules_as_options(rules: PickRules) -> dict:
+    """``Options`` keywords for ``rules``."""
+    return dict(
+        temperature=rules.temperature, top_k=rules.top_k, top_p=rules.top_p, min_p=rules.min_p, seed=rules.seed,
+        repetition_penalty=rules.repetition_penalty, presence_penalty=rules.presence_penalty,
+        frequency_penalty=rules.frequency_penalty, logit_bias=rules.logit_bias,
+    )  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -198,12 +244,25 @@ def scenarios(draw, end: str | None = None, nonfinite: bool = False) -> Scenario
 
 @attrs.frozen
 class OracleProposer:
-    """Drafts the model's true greedy continuation (every draft token is accepted unless a rule stops first)."""
+    """Drafts the true continuation under the pick rules (every draft token is accepted unless a rule stops
+    first, or the continuation meets a non-finite row, where it stops drafting)."""
 
     model: FakeModel
+    rules: PickRules = PickRules()
+    prompt_len: int = 0  # the generated tokens' index (the sampler's position) counts from here
+
+    def continuation(self, context, n):
+        prompt, generated = list(context[: self.prompt_len]), list(context[self.prompt_len :])
+        out: list[int] = []
+        try:
+            for _ in range(n):
+                out += plain_continuation(self.model.logits_for, prompt, 1, self.rules, generated + out)
+        except ReferenceError:
+            pass
+        return out
 
     def propose(self, context, width):
-        return tuple(self.model.greedy(context, width))
+        return tuple(self.continuation(context, width))
 
 
 @attrs.frozen
@@ -211,14 +270,14 @@ class NoisyOracleProposer:
     """Half the time the true continuation, else a correct prefix of a length that depends on the context
     followed by arbitrary tokens: full and partial acceptance."""
 
-    model: FakeModel
+    oracle: OracleProposer
     seed: int
 
     def propose(self, context, width):
         rng = np.random.default_rng([self.seed, len(context), int(context[-1])])
         good = width if rng.integers(0, 2) else int(rng.integers(0, width + 1))
-        tail = rng.integers(0, self.model.vocab_size, size=width - good).tolist()
-        return self.model.greedy(context, good) + tail
+        tail = rng.integers(0, self.oracle.model.vocab_size, size=width - good).tolist()
+        return self.oracle.continuation(context, good) + tail
 
 
 @attrs.frozen
@@ -243,15 +302,16 @@ class EmptyProposer:
 
 
 @st.composite
-def proposers_for(draw, model: FakeModel):
+def proposers_for(draw, model: FakeModel, rules: PickRules | None = None, prompt_len: int = 0):
+    rules = rules if rules is not None else PickRules()
     kind = draw(st.sampled_from(["oracle"] * 8 + ["noisy"] * 3 + ["lookup"] * 2 + ["adversarial", "empty"]))
     if kind == "lookup":
         ngram = draw(st.integers(1, 5))
         return PromptLookup(ngram=ngram, max_draft=draw(st.integers(1, 32)), min_ngram=draw(st.integers(1, ngram)))
     if kind == "oracle":
-        return OracleProposer(model)
+        return OracleProposer(model, rules, prompt_len)
     if kind == "noisy":
-        return NoisyOracleProposer(model, draw(st.integers(0, 2**31)))
+        return NoisyOracleProposer(OracleProposer(model, rules, prompt_len), draw(st.integers(0, 2**31)))
     if kind == "adversarial":
         return AdversarialProposer(model, draw(st.integers(0, 2**31)), draw(st.integers(0, 5)))
     return EmptyProposer()

@@ -23,12 +23,13 @@ from ortspec.backends.fake import FakeBackend, FakeModel
 from ortspec.core import FinishReason, FixedWidth, Options, PromptLookup
 from property_tests import edges
 from property_tests.conftest import examples
-from property_tests.reference import ReferenceError, ReferenceRun, greedy_reference
+from property_tests.reference import PickRules, ReferenceError, ReferenceRun, greedy_reference
 from property_tests.strategies import (
     FaultyProposer,
     OracleProposer,
     Scenario,
     proposers_for,
+    rules_as_options,
     scenarios,
     width_policies,
 )
@@ -97,7 +98,7 @@ def reference(sc: Scenario) -> ReferenceRun:
     return greedy_reference(
         sc.model.logits_for, sc.prompt, max_new_tokens=o.max_new_tokens, eos_token_ids=o.eos_token_ids,
         stop_token_sequences=o.stop_token_sequences, stop_strings=o.stop_strings, max_context=o.max_context,
-        capacity=sc.capacity, top_logprobs=o.top_logprobs, detokenize=sc.detokenize,
+        capacity=sc.capacity, top_logprobs=o.top_logprobs, detokenize=sc.detokenize, rules=sc.rules,
     )  # fmt: skip
 
 
@@ -154,8 +155,10 @@ def classify(sc: Scenario, spec: Run) -> list[str]:
         draft = spec.drafts[last_pass - 1]
         # Ended inside a block: the last pass verified a draft and its rules committed two or more of its
         # candidates, or stopped before all of its candidates (accepted drafts + bonus) were committed.
-        greedy_next = sc.model.greedy(sc.prompt + r.token_ids[: len(r.token_ids) - in_last], len(draft))
-        accepted = next((i for i, t in enumerate(draft) if t != greedy_next[i]), len(draft))
+        greedy_next = OracleProposer(sc.model, sc.rules, len(sc.prompt)).continuation(
+            sc.prompt + r.token_ids[: len(r.token_ids) - in_last], len(draft)
+        )
+        accepted = next((i for i, t in enumerate(draft) if i >= len(greedy_next) or t != greedy_next[i]), len(draft))
         if draft and (in_last >= 2 or in_last < accepted + 1):
             kind = {
                 FinishReason.EOS_TOKEN: "eos",
@@ -165,6 +168,10 @@ def classify(sc: Scenario, spec: Run) -> list[str]:
             if r.finish_reason is FinishReason.STOP_SEQUENCE:
                 kind = "stop string" if isinstance(r.stop_matched, str) else "stop sequence"
             labels.append(f"ended inside a block: {kind}")
+    if sc.rules.temperature > 0:
+        labels.append("sampling")
+    if sc.options.sampling.processes:
+        labels.append("penalties or logit bias")
     if sc.model.vocab_size >= 256:
         labels.append("vocabulary >= 256")
     if max(spec.widths, default=0) > 12:
@@ -180,7 +187,7 @@ def classify(sc: Scenario, spec: Run) -> list[str]:
 
 def check_equivalence(sc: Scenario, data) -> None:
     """The property for one scenario: reference == greedy == speculative, and the edge tally."""
-    proposer = data.draw(proposers_for(sc.model), label="proposer")
+    proposer = data.draw(proposers_for(sc.model, sc.rules, len(sc.prompt)), label="proposer")
     width = data.draw(width_policies(), label="width")
     picks = sc.options.top_logprobs == 0 and data.draw(st.booleans(), label="device picks")
     observations: list[tuple[int, int]] = []
@@ -211,33 +218,42 @@ def check_equivalence(sc: Scenario, data) -> None:
     edges.record(labels)
 
 
-def _equivalence_test(end: str, n: int):
-    """The property over scenarios that plant ``end`` (so every kind of ending gets its share), ``n`` examples
-    in the ci profile."""
+def _equivalence_test(mode: str, end: str, n: int):
+    """The property over scenarios of pick ``mode`` that plant ``end`` (so every kind of ending gets its share),
+    ``n`` examples in the ci profile."""
 
     @settings(max_examples=examples(n))
-    @given(scenarios(end=end), st.data())
+    @given(scenarios(end=end, mode=mode), st.data())
     def test(sc, data):
         check_equivalence(sc, data)
 
-    test.__doc__ = f"speculative == greedy == reference, generations planted to end by {end}"
+    test.__doc__ = f"speculative == plain == reference ({mode}), generations planted to end by {end}"
     return test
 
 
-# 8,500 examples in all; the limits end a block less often (the last block must be drafted whole), so they get more.
-test_equivalence_ending_by_stop_string = _equivalence_test("stop_string", 1400)
-test_equivalence_ending_by_stop_sequence = _equivalence_test("stop_sequence", 1400)
-test_equivalence_ending_by_eos = _equivalence_test("eos", 1200)
-test_equivalence_ending_by_max_new_tokens = _equivalence_test("max_new_tokens", 1700)
-test_equivalence_ending_by_context = _equivalence_test("context", 2200)
-test_equivalence_ending_freely = _equivalence_test("free", 600)
+# 8,500 examples per mode; the limits end a block less often (the last block must be drafted whole), so they get
+# more. With the tiny-budget tests below, each mode runs 10,000 examples.
+_SHARE = {"stop_string": 1400, "stop_sequence": 1400, "eos": 1200, "max_new_tokens": 1700, "context": 2200, "free": 600}
+for _mode in ("greedy", "sampling"):
+    for _end, _n in _SHARE.items():
+        globals()[f"test_{_mode}_equivalence_ending_by_{_end}"] = _equivalence_test(_mode, _end, _n)
 
 
 @settings(max_examples=examples(1500))
-@given(scenarios(), st.integers(1, 3), st.data())
-def test_speculative_equals_greedy_with_tiny_budgets(sc, budget, data):
+@given(scenarios(mode="greedy"), st.integers(1, 3), st.data())
+def test_greedy_equivalence_with_tiny_budgets(sc, budget, data):
+    check_tiny_budget(sc, budget, data)
+
+
+@settings(max_examples=examples(1500))
+@given(scenarios(mode="sampling"), st.integers(1, 3), st.data())
+def test_sampling_equivalence_with_tiny_budgets(sc, budget, data):
+    check_tiny_budget(sc, budget, data)
+
+
+def check_tiny_budget(sc, budget, data):
     sc = attrs.evolve(sc, options=attrs.evolve(sc.options, max_new_tokens=budget))
-    proposer = data.draw(proposers_for(sc.model), label="proposer")
+    proposer = data.draw(proposers_for(sc.model, sc.rules, len(sc.prompt)), label="proposer")
     width = data.draw(width_policies(), label="width")
     greedy = run(sc)
     assert_matches_reference(reference(sc), greedy)
@@ -292,7 +308,7 @@ def test_a_faulty_proposer_stops_generation_with_what_was_delivered(sc, at, faul
 @given(scenarios(), st.integers(0, 20), st.data())
 def test_a_raising_callback_stops_generation_with_what_was_delivered(sc, at, data):
     ref = reference(sc)
-    proposer = data.draw(proposers_for(sc.model), label="proposer")
+    proposer = data.draw(proposers_for(sc.model, sc.rules, len(sc.prompt)), label="proposer")
     if len(ref.tokens) <= at:
         return
 
@@ -331,15 +347,18 @@ class CorruptPicksBackend(FakeBackend):
 
 
 @settings(max_examples=examples(400))
-@given(scenarios(), st.integers(1, 5), st.sampled_from(["id", "nan"]))
+@given(scenarios(mode="greedy"), st.integers(1, 5), st.sampled_from(["id", "nan"]))
 def test_corrupt_device_picks_never_become_tokens(sc, fault_at, kind):
-    sc = attrs.evolve(sc, options=attrs.evolve(sc.options, top_logprobs=0))
+    # Device picks are argmax picks: plain greedy rules (no penalties), no logprobs.
+    plain = {**rules_as_options(PickRules()), "top_logprobs": 0}
+    sc = attrs.evolve(sc, options=attrs.evolve(sc.options, **plain), rules=PickRules())
     ref = reference(sc)
     backend = CorruptPicksBackend(sc.model, sc.capacity, fault_at, kind)
     streamed = []
     try:
-        result = generate(backend, sc.prompt, sc.options, OracleProposer(sc.model), draft_width=4,
-                          callback=streamed.append, detokenize=sc.detokenize)  # fmt: skip
+        oracle = OracleProposer(sc.model, sc.rules, len(sc.prompt))
+        result = generate(backend, sc.prompt, sc.options, oracle, draft_width=4, callback=streamed.append,
+                          detokenize=sc.detokenize)  # fmt: skip
     except GenerationError as exc:
         assert isinstance(exc.__cause__, ValueError)
         assert ("outside the vocabulary" if kind == "id" else "not finite") in str(exc.__cause__)
@@ -355,7 +374,7 @@ def test_corrupt_device_picks_never_become_tokens(sc, fault_at, kind):
 def test_non_finite_rows_are_refused_at_the_same_token(sc, data):
     """A row that is not finite where its pick is made is never turned into a token, on any path: greedy,
     speculative (logits or device picks) and the reference all stop at the same token."""
-    proposer = data.draw(proposers_for(sc.model), label="proposer")
+    proposer = data.draw(proposers_for(sc.model, sc.rules, len(sc.prompt)), label="proposer")
     picks = sc.options.top_logprobs == 0 and data.draw(st.booleans(), label="device picks")
     try:
         reference(sc)
@@ -421,7 +440,7 @@ def test_the_tie_guard_keeps_a_drifting_backend_exact(sc, drift, data):
     model = attrs.evolve(sc.model, tie_rate=0.5, near_tie_gap=gap)
     options = attrs.evolve(sc.options, tie_margin=2.2 * drift + 1e-5, top_logprobs=0)
     sc = attrs.evolve(sc, model=model, options=options)
-    proposer = data.draw(proposers_for(model), label="proposer")
+    proposer = data.draw(proposers_for(model, sc.rules, len(sc.prompt)), label="proposer")
     picks = data.draw(st.booleans(), label="device picks")
     greedy = run(sc, drift=drift)  # plain steps are 1-token passes: exact
     assert_matches_reference(reference(sc), greedy)
@@ -446,7 +465,8 @@ def test_prefix_reuse_changes_nothing(sc, data):
     backend = FakeBackend(sc.model, sc.capacity)
     how = data.draw(st.sampled_from(["finished", "abandoned", "failed"]), label="first sequence")
     proposer = FaultyProposer(sc.model, data.draw(st.integers(0, 3)), "raise") if how == "failed" else None
-    first = Generation(backend, sc.prompt, sc.options, proposer or OracleProposer(sc.model), draft_width=4,
+    oracle = OracleProposer(sc.model, sc.rules, len(sc.prompt))
+    first = Generation(backend, sc.prompt, sc.options, proposer or oracle, draft_width=4,
                        detokenize=sc.detokenize)  # fmt: skip
     try:
         for i, _ in enumerate(first):
@@ -464,7 +484,7 @@ def test_prefix_reuse_changes_nothing(sc, data):
         return
     cached = next((i for i, (a, b) in enumerate(zip(resident, prompt2, strict=False)) if a != b),
                   min(len(resident), len(prompt2)))  # fmt: skip
-    second = Generation(backend, prompt2, sc.options, OracleProposer(sc.model), draft_width=4,
+    second = Generation(backend, prompt2, sc.options, OracleProposer(sc.model, sc.rules, len(prompt2)), draft_width=4,
                         detokenize=sc.detokenize, cached_prefix=cached)  # fmt: skip
     got = second.run()
     want = generate(FakeBackend(sc.model, sc.capacity), prompt2, sc.options, detokenize=sc.detokenize)

@@ -74,9 +74,9 @@ MUTANTS: dict[str, tuple[str, str, str]] = {
         "budget = min(budget, limit - state.context_len + 1)",
     ),
     "ties-to-highest-id": (
-        "core/state.py",
-        "t = int(np.argmax(row))",
-        "t = int(len(row) - 1 - np.argmax(row[::-1]))",
+        "core/sampling.py",
+        "best = int(np.argmax(z))",
+        "best = int(len(z) - 1 - np.argmax(z[::-1]))",
     ),
     "tie-guard-off": (
         "core/state.py",
@@ -84,9 +84,9 @@ MUTANTS: dict[str, tuple[str, str, str]] = {
         "if False:",
     ),
     "logprobs-not-normalised": (
-        "core/state.py",
-        "return TokenLogprob(token_id=token, logprob=float(x[token] - lse), top=top)",
-        "return TokenLogprob(token_id=token, logprob=float(x[token] - m), top=top)",
+        "core/sampling.py",
+        "return float(x[token] - lse), tuple(",
+        "return float(x[token] - m), tuple(",
     ),
     "partial-text-includes-undelivered": (
         "core/state.py",

@@ -94,8 +94,10 @@ def test_stop_strings_and_token_sequences(engine):
 
 
 def test_bad_input_is_refused(engine, tmp_path):
-    with pytest.raises(ValueError, match="greedily"):
-        engine.generate("x", temperature=0.7)
+    with pytest.raises(ValueError, match="temperature"):
+        engine.generate("x", temperature=-0.7)
+    with pytest.raises(ValueError, match="top_p"):
+        engine.generate("x", temperature=0.7, top_p=0.0)
     with pytest.raises(ValueError, match="speculative"):
         engine.generate("x", speculative="medusa")
     with pytest.raises(ValueError, match="empty"):
@@ -295,3 +297,19 @@ def test_prefix_reuse_prefills_only_the_new_tokens_and_changes_nothing(tiny_mode
     assert again.cached_prompt_tokens == again.prompt_tokens - 1
     other = reuse.generate("completely different", max_tokens=5, ignore_eos=True)
     assert other.token_ids == fresh.generate("completely different", max_tokens=5, ignore_eos=True).token_ids
+
+
+def test_sampling_draws_and_reports_a_seed_and_replays_it(engine):
+    prompt = "the quick brown fox jumps over the lazy dog. the quick brown fox"
+    first = engine.generate(prompt, max_tokens=30, ignore_eos=True, temperature=0.9, top_p=0.95)
+    assert first.seed is not None
+    again = engine.generate(prompt, max_tokens=30, ignore_eos=True, temperature=0.9, top_p=0.95, seed=first.seed)
+    assert again.token_ids == first.token_ids
+    replay = GreedyReplay(engine.tokenize(prompt), first.token_ids, engine.backend.vocab_size)
+    for speculative in ("prompt-lookup", replay):
+        spec = engine.generate(prompt, max_tokens=30, ignore_eos=True, temperature=0.9, top_p=0.95,
+                               seed=first.seed, speculative=speculative, draft_width=6)  # fmt: skip
+        assert spec.token_ids == first.token_ids and spec.seed == first.seed
+    assert spec.stats.accepted_tokens >= 10
+    greedy = engine.generate(prompt, max_tokens=30, ignore_eos=True)
+    assert greedy.seed is None and greedy.token_ids != first.token_ids

@@ -106,3 +106,16 @@ def test_streaming_matches_result(real_engine):
 def test_prompt_longer_than_context_is_refused(real_engine):
     with pytest.raises(ValueError, match="context"):
         real_engine.generate([5] * (real_engine.backend.max_length + 1), max_tokens=4)
+
+
+@pytest.mark.parametrize("prompt", PROMPTS, ids=["code-edit", "repeat", "list", "open-ended"])
+def test_speculative_equals_plain_sampling(real_engine, prompt):
+    """Exact seeded sampling at temperature 0.7, top_p 0.9: the same seed gives the same tokens with and
+    without speculation."""
+    sampling = dict(temperature=0.7, top_p=0.9, seed=20261130)
+    plain = real_engine.generate(prompt, chat=True, max_tokens=96, **sampling)
+    spec = real_engine.generate(prompt, chat=True, max_tokens=96, speculative="prompt-lookup", draft_width=8,
+                                **sampling)  # fmt: skip
+    assert spec.token_ids == plain.token_ids
+    assert spec.text == plain.text and spec.finish_reason == plain.finish_reason
+    assert_speculated(spec)
