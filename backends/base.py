@@ -22,6 +22,13 @@ logits (float32 ``[len(tokens)]``; NaN for a row that is not finite where its pi
 ``2 * len(tokens)`` numbers to the host instead of ``len(tokens) * vocab``. The driver asks for picks, and feeds the
 core's ``step_from_picks``, only when ``uses_device_picks(backend)`` (and no logprobs are wanted).
 ``argmax_margin`` is the reduction on the host, the reference every device kernel must equal.
+
+A second optional capability, ``HiddenStates``, is for proposers that read the target itself (a shared-KV draft
+head): ``hidden_at(position)`` is the target's final hidden state (after the last norm, the LM head's input) at a
+position of the last pass. Such a proposer is given the backend when it is made; the driver guarantees that
+whenever it asks for a draft, the backend holds the KV of every context token but the last (``current_len() ==
+len(context) - 1``) and its last pass computed position ``current_len() - 1``, whose hidden state predicted the
+last context token. The core never sees any of it: it sees only draft tokens.
 """
 
 from __future__ import annotations
@@ -129,3 +136,18 @@ def argmax_margin(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 def uses_device_picks(backend: Backend) -> TypeGuard[DevicePicks]:
     """True when the driver should ask ``backend`` for picks instead of logits rows."""
     return isinstance(backend, DevicePicks) and bool(backend.picks_on_device)
+
+
+@runtime_checkable
+class HiddenStates(Protocol):
+    """Optional capability (see the module docstring): the target's final hidden states of the last pass."""
+
+    @property
+    def hidden_size(self) -> int:
+        """Width of a hidden state."""
+        ...
+
+    def hidden_at(self, position: int) -> np.ndarray:
+        """The final hidden state at ``position`` (one of the last pass's positions), ``[hidden_size]`` float32;
+        valid until the next call on the backend. ``BackendError`` for any other position."""
+        ...

@@ -95,6 +95,11 @@ class FakeModel:
             h = self.context_hash(h, int(t))
         return self.logits_after(int(context[-1]), h)
 
+    def hidden(self, context_hash: int, size: int) -> np.ndarray:
+        """A stand-in final hidden state, ``[size]`` float32: the first ``size`` logits of the context's
+        whole-context part (a deterministic function of the context, like a real hidden state)."""
+        return self._table[context_hash % self._table.shape[0], :size] * np.float32(self.noise)
+
     def greedy(self, prompt: Sequence[int], n: int) -> list[int]:
         """The first ``n`` greedy tokens after ``prompt`` (no stop rules): an oracle for tests."""
         context = list(prompt)
@@ -123,6 +128,8 @@ class FakeBackend:
         self.model = model
         self.picks_on_device = picks_on_device
         self.verify_drift = float(verify_drift)
+        self.hidden_size = min(16, model.vocab_size)  # the HiddenStates capability
+        self._last_pass = (0, 0)  # positions [start, end) computed by the last pass
         self._max_length = max_length
         self._tokens: list[int] = []
         self._hashes: list[int] = [model.seed]  # _hashes[i]: hash of the first i resident tokens
@@ -162,7 +169,15 @@ class FakeBackend:
         self.passes += 1
         self.tokens_processed += len(tokens)
         self.peak_len = max(self.peak_len, len(self._tokens))
+        self._last_pass = (position, position + len(tokens))
         return rows
+
+    def hidden_at(self, position: int) -> np.ndarray:
+        """The stand-in hidden state at ``position``, which the last pass must have computed (``HiddenStates``)."""
+        start, end = self._last_pass
+        if not start <= position < min(end, len(self._tokens)):
+            raise BackendError(f"hidden_at({position}): the last pass computed positions [{start}, {end})")
+        return self.model.hidden(self._hashes[position + 1], self.hidden_size)
 
     def decode(self, tokens: Sequence[int], past: int) -> np.ndarray:
         return self._run(tokens, past, "past")[-1]

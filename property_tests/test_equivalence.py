@@ -490,3 +490,50 @@ def test_prefix_reuse_changes_nothing(sc, data):
     want = generate(FakeBackend(sc.model, sc.capacity), prompt2, sc.options, detokenize=sc.detokenize)
     assert (got.token_ids, got.text, got.finish_reason) == (want.token_ids, want.text, want.finish_reason)
     assert got.cached_prompt_tokens == min(cached, len(prompt2) - 1)
+
+
+class FakeSharedKvDrafter:
+    """A proposer that reads the target through its backend, as a shared-KV draft head does (``HiddenStates``):
+    at every call it checks the driver's promise (the KV holds every context token but the last; the last pass
+    computed the position whose hidden state predicted the last token) and drafts from what it read: ``good``
+    drafts the true continuation, ``bad`` drafts ids made from the hidden state, ``adversarial`` drafts the
+    resident tokens backwards (plausible-looking garbage), sometimes more than the width."""
+
+    def __init__(self, backend: FakeBackend, oracle: OracleProposer, kind: str) -> None:
+        self.backend, self.oracle, self.kind, self.calls = backend, oracle, kind, 0
+
+    def propose(self, context, width):
+        self.calls += 1
+        kv = self.backend.current_len()
+        assert kv == len(context) - 1
+        hidden = self.backend.hidden_at(kv - 1)
+        model = self.backend.model
+        h = model.seed
+        for t in context[:kv]:
+            h = model.context_hash(h, int(t))
+        assert np.array_equal(hidden, model.hidden(h, self.backend.hidden_size))
+        if self.kind == "good":
+            return self.oracle.continuation(context, width)
+        if self.kind == "bad":
+            return [int(i) % model.vocab_size for i in np.argsort(hidden)[:width]]
+        return list(self.backend.resident_tokens()[::-1][: width + 2])
+
+
+@settings(max_examples=examples(1000))
+@given(scenarios(), st.sampled_from(["good", "bad", "adversarial"]), st.data())
+def test_a_drafter_that_reads_the_target_keeps_the_output_exact(sc, kind, data):
+    """The proposer seam for drafters that read the target's hidden state and KV: whatever they draft, the output
+    is plain decoding's, and the driver keeps its promise about the backend at every proposal."""
+    backend = TracingBackend(sc.model, sc.capacity, picks_on_device=data.draw(st.booleans(), label="picks"))
+    drafter = FakeSharedKvDrafter(backend, OracleProposer(sc.model, sc.rules, len(sc.prompt)), kind)
+    width = data.draw(width_policies(), label="width")
+    streamed = []
+    spec = generate(backend, sc.prompt, sc.options, drafter, draft_width=width,
+                    callback=lambda c: streamed.append(c.text), detokenize=sc.detokenize)  # fmt: skip
+    plain = run(sc)
+    assert (spec.token_ids, spec.text, spec.finish_reason, spec.stop_matched) == (
+        plain.result.token_ids, plain.result.text, plain.result.finish_reason, plain.result.stop_matched,
+    )  # fmt: skip
+    assert streamed == [c[2] for c in plain.stream]
+    if drafter.calls:
+        event(f"shared-kv drafter ({kind}) was asked")
