@@ -13,13 +13,16 @@ The rules, in order (every step is deterministic; float32 for the processors, fl
    presence_penalty``; then ``logit_bias``: ``z[id] += bias``.
 2. **Greedy** (``temperature == 0``): the pick is the argmax of ``z``, the lowest id on ties. Filters do not matter
    (they always keep the argmax).
-3. **Sampling** (``temperature = T > 0``): the distribution is ``p ∝ exp((z - z_max) / T)`` (float64) over the
-   tokens that survive, in this order: tokens with ``(z_max - z) / T > 40`` (less likely than ``e**-40`` times the
-   most likely: below the resolution of the sampler) are never sampled; ``top_k > 0`` keeps the ``k`` largest
-   ``z`` (the lowest ids among equals); ``top_p < 1`` keeps the smallest set of the most likely tokens (the lowest
-   ids first among equals) whose probability reaches ``top_p``; ``min_p > 0`` keeps tokens with
-   ``p >= min_p * p_max``. The pick is an inverse-CDF draw over the surviving tokens in id order: with ``u`` the
-   uniform of (seed, index) below, the first token whose cumulative mass exceeds ``u`` times the total.
+3. **Sampling** (``temperature = T > 0``): with ``s = (z - z_max) / T`` (float32) the distribution is
+   ``p = exp(s)`` over the tokens that survive, in this order: tokens with ``s < -40`` (less likely than
+   ``e**-40`` times the most likely) are never sampled; ``top_k > 0`` keeps the ``k`` largest ``z`` (the lowest
+   ids among equals); then ``p`` is numpy's float32 ``exp`` of the survivors' ``s`` (``p = 1`` at the top);
+   ``top_p < 1`` keeps the smallest set of survivors, taken by ``p`` descending (the lowest id first among
+   equals), whose running float64 sum reaches ``top_p`` times the total; ``min_p > 0`` keeps survivors with
+   ``p >= min_p`` (float32). Totals are float64 sums over the survivors in id order, in blocks of 256 survivors
+   (each block by numpy's pairwise ``sum``, then the blocks in order). The pick is an inverse-CDF draw: with
+   ``u`` the uniform of (seed, index) below, the first survivor (in id order) whose cumulative mass (the blocks
+   before its block plus a running sum inside it) exceeds ``u`` times the total.
 4. **The uniform** ``u(seed, index)`` in [0, 1) is the top 53 bits of SplitMix64 applied to
    ``seed XOR (index * 0x9E3779B97F4A7C15)`` (64-bit arithmetic); ``index`` is the position of the token among the
    generated tokens (0 for the first). No RNG object, no state: the same seed replays the same tokens.
@@ -159,7 +162,7 @@ class StepContext:
         scale = max(s.repetition_penalty, 1.0 / s.repetition_penalty)
         if s.temperature == 0.0:
             return _greedy_pick(z, best, scale, margin, top_n)
-        return _sampled_pick(z, best, s, uniform(_seed(s), self.first_index + i), scale, top_n)
+        return _sampled_pick(z, best, s, uniform(_seed(s), self.first_index + i), scale, margin, top_n)
 
 
 def _seed(s: Sampling) -> int:
@@ -189,51 +192,121 @@ def _log_softmax_top(x: np.ndarray, token: int, top_n: int) -> tuple[float, tupl
     return float(x[token] - lse), tuple((int(cand[j]), float(x[cand[j]] - lse)) for j in order)
 
 
-def _sampled_pick(z: np.ndarray, best: int, s: Sampling, u: float, scale: float, top_n: int) -> Pick:
+def _sampled_pick(z: np.ndarray, best: int, s: Sampling, u: float, scale: float, want_margin: bool, top_n: int) -> Pick:
+    """Steps 3 and 4 of the module docstring. After the window and ``top_k`` everything works on the surviving
+    tokens only (``ids`` ascending, their ``p``), so a ``top_k`` draw costs a few passes over the row."""
     t = float(s.temperature)
-    zmax = float(z[best])
+    zmax = z[best]
     gaps = [math.inf]  # the margins of every boundary the draw depends on
-    ids = np.flatnonzero(z >= np.float32(zmax - UNLIKELY * t))  # ascending ids
-    vals = z[ids].astype(np.float64)
-    if s.top_k and len(ids) > s.top_k:
-        k = s.top_k
-        kth = np.partition(vals, len(vals) - k)[len(vals) - k]  # the k-th largest value
-        above = vals > kth
-        tied = np.flatnonzero(vals == kth)[: k - int(above.sum())]  # the lowest ids among the tied
-        keep = above.copy()
-        keep[tied] = True
-        below = vals[~keep]
-        gaps.append(float(kth - below.max()) if below.size else math.inf)
-        ids, vals = ids[keep], vals[keep]
-    p = np.exp((vals - zmax) / t)
+    if s.top_k:
+        ids, gap = _top_k(z, zmax, t, s.top_k)
+        gaps.append(gap)
+    else:
+        ids = np.flatnonzero((z - zmax) / np.float32(t) >= -UNLIKELY)
+    p = np.exp((z[ids] - zmax) / np.float32(t))  # float32; the top is exp(0) = 1
     if s.top_p < 1.0 and len(ids) > 1:
-        order = np.lexsort((ids, -p))  # most likely first, lowest id first among equals
-        cum = np.cumsum(p[order])
-        total = float(cum[-1])
-        n = int(np.searchsorted(cum, s.top_p * total, side="left")) + 1  # the smallest prefix reaching top_p
-        n = min(n, len(order))
-        before = float(cum[n - 2]) / total if n >= 2 else 0.0
-        through = float(cum[n - 1]) / total
-        gaps.append(4.0 * t * min(s.top_p - before, through - s.top_p) if n < len(order) else math.inf)
-        if n < len(order):
-            gaps.append(float(vals[order[n - 1]] - vals[order[n]]))
-        kept = np.sort(order[:n])
-        ids, vals, p = ids[kept], vals[kept], p[kept]
+        keep, gap_mass, gap_order = _top_p(z[ids], p, s.top_p)
+        gaps += [4.0 * t * gap_mass, gap_order]
+        ids, p = ids[keep], p[keep]
     if s.min_p > 0.0:
-        threshold = zmax + t * math.log(s.min_p)
-        gaps.append(float(np.min(np.abs(vals - threshold))) if len(vals) else math.inf)
-        keep = vals >= threshold
-        ids, vals, p = ids[keep], vals[keep], p[keep]
-    cdf = np.cumsum(p)
-    total = float(cdf[-1])
+        if want_margin:
+            threshold = float(zmax) + t * math.log(s.min_p)
+            gaps.append(float(np.min(np.abs(z[ids].astype(np.float64) - threshold))))
+        keep = p >= s.min_p
+        ids, p = ids[keep], p[keep]
+    mass = p.astype(np.float64)
+    blocks = _block_cumsum(mass)
+    total = float(blocks[-1])
     target = u * total
-    j = min(int(np.searchsorted(cdf, target, side="right")), len(ids) - 1)
-    low = float(cdf[j - 1]) if j else 0.0
-    gaps.append(4.0 * t * min(target - low, float(cdf[j]) - target) / total)
-    token = int(ids[j])
+    j, low, high = _inverse_cdf(mass, blocks, target)
+    gaps.append(4.0 * t * min(target - low, high - target) / total)
     logprob = math.log(float(p[j])) - math.log(total)
     top: tuple[tuple[int, float], ...] = ()
     if top_n:
-        order = np.lexsort((ids, -p))[:top_n]
-        top = tuple((int(ids[o]), math.log(float(p[o])) - math.log(total)) for o in order)
-    return Pick(token, min(gaps) / scale, logprob, top)
+        top = tuple((int(ids[o]), math.log(float(p[o])) - math.log(total)) for o in _most_likely(ids, p, top_n))
+    return Pick(int(ids[j]), min(gaps) / scale, logprob, top)
+
+
+CDF_BLOCK = 256  # the surviving tokens' mass is summed in blocks of this many tokens (see _block_cumsum)
+
+
+def _block_cumsum(mass: np.ndarray) -> np.ndarray:
+    """Running totals at the end of each block of ``CDF_BLOCK`` surviving tokens (in id order): each block's mass
+    by numpy's pairwise ``sum``, then the blocks added in order. (A plain running sum over a whole vocabulary costs
+    ten times more.)"""
+    whole = mass.shape[0] // CDF_BLOCK * CDF_BLOCK
+    sums = mass[:whole].reshape(-1, CDF_BLOCK).sum(axis=1)
+    if whole < mass.shape[0]:  # the last, shorter block
+        sums = np.append(sums, mass[whole:].sum())
+    return np.cumsum(sums)
+
+
+def _inverse_cdf(mass: np.ndarray, blocks: np.ndarray, target: float) -> tuple[int, float, float]:
+    """The first index whose running mass exceeds ``target`` (the block by ``blocks``, then the blocks before it
+    plus a running sum inside it), with the running mass just before and at it. If rounding leaves nothing in the
+    block above ``target``, the block's last index is taken (every surviving token has mass)."""
+    j = min(int(np.searchsorted(blocks, target, side="right")), len(blocks) - 1)
+    start = j * CDF_BLOCK
+    before = float(blocks[j - 1]) if j else 0.0
+    inside = before + np.cumsum(mass[start : start + CDF_BLOCK])
+    i = min(int(np.searchsorted(inside, target, side="right")), len(inside) - 1)
+    low = float(inside[i - 1]) if i else before
+    return start + i, low, float(inside[i])
+
+
+def _top_k(z: np.ndarray, zmax: np.float32, t: float, k: int) -> tuple[np.ndarray, float]:
+    """The ids (ascending) of the ``k`` largest ``z`` within the window (the lowest ids among equals), and the gap
+    between the k-th and the next. Candidates are found by widening a threshold below the top, so only they are
+    sorted."""
+    delta = t
+    while np.count_nonzero(z >= zmax - np.float32(delta)) <= k and delta <= 2 * UNLIKELY * t:
+        delta *= 2.0  # count first (cheap); gather the candidates once
+    cand = np.flatnonzero(z >= zmax - np.float32(delta))
+    cand = cand[(z[cand] - zmax) / np.float32(t) >= -UNLIKELY]  # the window
+    order = cand[np.lexsort((cand, -z[cand]))]
+    chosen = order[:k]
+    if len(order) > k:
+        nxt = float(z[order[k]])
+    else:  # every token of the window is a candidate: the next is outside it, or there is none
+        nxt = -math.inf
+    return np.sort(chosen), float(z[chosen[-1]]) - nxt
+
+
+def _top_p(zs: np.ndarray, p: np.ndarray, top_p: float) -> tuple[np.ndarray, float, float]:
+    """The nucleus among the surviving tokens (``zs``, ``p`` in id order): the smallest prefix, taken by ``p``
+    descending (then id), whose running float64 sum reaches ``top_p`` times the total (``_block_cumsum``).
+    Returns it as a mask over the survivors, the mass gap at its boundary (fractions of the total) and the
+    ``z`` gap between its last token and the next."""
+    total = float(_block_cumsum(p.astype(np.float64))[-1])
+    goal = top_p * total
+    tau = 0.5
+    while True:  # widen the candidates (p >= tau) until their running sum, in order, reaches the goal
+        # their mass first (a cheap pairwise sum), so that only a set that can reach the goal is sorted
+        while tau > 0 and float(p[p >= np.float32(tau)].sum(dtype=np.float64)) < goal:
+            tau = tau / 4 if tau > 1e-30 else 0.0
+        cand = np.flatnonzero(p >= np.float32(tau)) if tau > 0 else np.arange(len(p))
+        order = cand[np.lexsort((cand, -p[cand]))]
+        running = np.cumsum(p[order].astype(np.float64))
+        if (len(running) and running[-1] >= goal) or tau == 0:
+            break
+        tau = tau / 4 if tau > 1e-30 else 0.0  # the sums disagreed in the last digit: one more widening
+    n = min(int(np.searchsorted(running, goal, side="left")) + 1, len(order))
+    keep = np.zeros(len(p), dtype=bool)
+    keep[order[:n]] = True
+    before = float(running[n - 2]) / total if n >= 2 else 0.0
+    through = float(running[n - 1]) / total
+    if n < len(order):
+        nxt = float(zs[order[n]])
+    else:
+        rest = ~keep
+        nxt = float(zs[rest].max()) if rest.any() else -math.inf
+    gap_mass = min(top_p - before, through - top_p) if nxt > -math.inf else math.inf
+    return keep, gap_mass, float(zs[order[n - 1]]) - nxt
+
+
+def _most_likely(ids: np.ndarray, p: np.ndarray, n: int) -> list[int]:
+    """Indexes of the ``n`` survivors with the most mass, most first, the lowest id first among equals."""
+    cand = np.arange(len(p))
+    if len(p) > 4 * n:  # partition first; argpartition may cut a tie, so take every index tied with the n-th
+        cand = np.flatnonzero(p >= p[np.argpartition(-p, n - 1)[:n]].min())
+    return [int(o) for o in cand[np.lexsort((ids[cand], -p[cand]))][:n]]

@@ -110,35 +110,55 @@ def reference_pick(
         order = np.lexsort((ids, -x))[:top_n]
         return token, (float(x[token] - logz), tuple((int(i), float(x[i] - logz)) for i in order))
     t = rules.temperature
-    ids = np.flatnonzero(z >= np.float32(zmax - 40.0 * t))  # the window
+    ids = np.flatnonzero((z - np.float32(zmax)) / np.float32(t) >= -40.0)  # the window
     if rules.top_k:
-        ids = np.sort(ids[np.lexsort((ids, -z[ids]))[: rules.top_k]])
-    vals = z[ids].astype(np.float64)
-    p = np.exp((vals - zmax) / t)
+        ids = np.sort(ids[np.lexsort((ids, -z[ids]))][: rules.top_k])
+    p = np.exp((z[ids] - np.float32(zmax)) / np.float32(t))
     if rules.top_p < 1.0 and len(ids) > 1:
         by_p = np.lexsort((ids, -p))
-        sums = np.cumsum(p[by_p])
-        n = int(np.flatnonzero(sums >= rules.top_p * sums[-1])[0]) + 1
+        running = np.cumsum(p[by_p].astype(np.float64))
+        reached = np.flatnonzero(running >= rules.top_p * _blocked_total(p))
+        n = int(reached[0]) + 1 if len(reached) else len(by_p)
         keep = np.sort(by_p[:n])
-        ids, vals, p = ids[keep], vals[keep], p[keep]
+        ids, p = ids[keep], p[keep]
     if rules.min_p > 0.0:
-        keep = vals >= zmax + t * math.log(rules.min_p)
-        ids, vals, p = ids[keep], vals[keep], p[keep]
-    cdf = np.cumsum(p)
+        keep = p >= rules.min_p
+        ids, p = ids[keep], p[keep]
     assert rules.seed is not None
     index = len(generated)
     u = (_splitmix64((rules.seed ^ (index * 0x9E3779B97F4A7C15)) & ((1 << 64) - 1)) >> 11) * 2.0**-53
-    above = np.flatnonzero(cdf > u * cdf[-1])
-    j = int(above[0]) if len(above) else len(ids) - 1
-    token = int(ids[j])
+    mass = p.astype(np.float64)
+    total = _blocked_total(p)
+    target = u * total
+    chosen, before = -1, 0.0
+    for start in range(0, len(mass), 256):  # the blocks before the token, then a running sum inside its block
+        block = mass[start : start + 256]
+        end = before + float(np.sum(block))
+        if end > target or start + 256 >= len(mass):
+            inside = before + np.cumsum(block)
+            over = np.flatnonzero(inside > target)
+            chosen = start + (int(over[0]) if len(over) else len(block) - 1)
+            break
+        before = end
+    token = int(ids[chosen])
     if not top_n:
         return token, None
-    log_total = math.log(float(cdf[-1]))
+    log_total = math.log(total)
     order = np.lexsort((ids, -p))[:top_n]
-    return token, (
-        math.log(float(p[j])) - log_total,
+    record = (
+        math.log(float(p[chosen])) - log_total,
         tuple((int(ids[o]), math.log(float(p[o])) - log_total) for o in order),
     )
+    return token, record
+
+
+def _blocked_total(p: np.ndarray) -> float:
+    """The total mass: float64 sums of blocks of 256 ids, added in order."""
+    mass = p.astype(np.float64)
+    total = 0.0
+    for start in range(0, len(mass), 256):
+        total += float(np.sum(mass[start : start + 256]))
+    return total
 
 
 def plain_continuation(
