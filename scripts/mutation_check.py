@@ -93,6 +93,16 @@ MUTANTS: dict[str, tuple[str, str, str]] = {
         "        text=state.text[:streamed],\n",
         "        text=state.text,\n",
     ),
+    "sampling-same-position-for-every-row": (
+        "core/sampling.py",
+        "uniform(_seed(s), self.first_index + i)",
+        "uniform(_seed(s), self.first_index)",
+    ),
+    "penalties-ignore-the-draft-prefix": (
+        "core/sampling.py",
+        "z = self.processed(row, drafted) if s.processes else np.asarray(row)",
+        "z = self.processed(row, ()) if s.processes else np.asarray(row)",
+    ),
     "lookup-oldest-match": (
         "core/proposers.py",
         "while (at := data.rfind(needle, 0, end)) >= 0:",
