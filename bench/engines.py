@@ -2,17 +2,22 @@
 ``describe()`` and ``close()``; and ``TimingBackend``, the proxy through which the suite times what happens
 outside the backend.
 
-``OrtspecEngine`` is one ortspec setting (a proposer and a draft width) on a shared ``Engine``; ``PeerEngine``
-wraps a ``bench.peers`` runner. Every engine reports the new tokens without a final EOS token (the peers drop
-it, ortspec keeps it) and the finish reason in OpenAI's words, ``"stop"`` or ``"length"`` (ortspec's
-``FinishReason.openai``; the peer runners turn their peers' own reports into it).
+``OrtspecEngine`` is one ortspec setting (a proposer, a draft width and, for the sampled settings, the sampling
+options) on a shared ``Engine``; ``PeerEngine`` wraps a ``bench.peers`` runner. Every engine reports the new tokens
+without a final EOS token (the peers drop it, ortspec keeps it) and the finish reason in OpenAI's words, ``"stop"``
+or ``"length"`` (ortspec's ``FinishReason.openai``; the peer runners turn their peers' own reports into it).
+
+Sampled engines (``SAMPLED_ENGINES``) sample at ``SAMPLING`` with the seed the suite gives each prompt
+(``prompt_seed``: the same for every engine on that prompt); their identity is checked against the plain sampled
+run of the same family (``identity_reference``), not against greedy.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -25,12 +30,55 @@ from ortspec.driver import Generation
 
 SPEC_ENGINES = ("ortspec-lookup-w8", "ortspec-lookup-w4", "ortspec-lookup-adaptive", "ortspec-lookup-additive")
 ORTSPEC_ENGINES = ("ortspec-greedy", *SPEC_ENGINES)
+SAMPLED_REFERENCE = "ortspec-sampled"  # plain sampling: the sampled settings' identity is checked against it
+SAMPLED_SPEC = "ortspec-lookup-adaptive-sampled"  # ortspec-lookup-adaptive, sampling
+SAMPLED_ORTSPEC_ENGINES = (SAMPLED_REFERENCE, SAMPLED_SPEC)
 PEER_ENGINES = ("ortgenai", "ortgenai-ngram", "onnx_genai")
-ALL_ENGINES = (*ORTSPEC_ENGINES, *PEER_ENGINES)
-REFERENCE = "ortspec-greedy"  # identity is checked against its tokens
+SAMPLED_PEER = "ortgenai-sampled"  # ORT GenAI plain sampling
+SAMPLED_NGRAM_PEER = "ortgenai-ngram-sampled"  # ORT GenAI n-gram speculation, sampling
+SAMPLED_PEER_ENGINES = (SAMPLED_PEER, SAMPLED_NGRAM_PEER)
+SAMPLED_ENGINES = (*SAMPLED_ORTSPEC_ENGINES, *SAMPLED_PEER_ENGINES)
+ALL_ENGINES = (*ORTSPEC_ENGINES, *SAMPLED_ORTSPEC_ENGINES, *PEER_ENGINES, *SAMPLED_PEER_ENGINES)
+REFERENCE = "ortspec-greedy"  # identity is checked against its tokens (greedy engines)
 BASELINE = "ortgenai"
 NGRAM_PEER = "ortgenai-ngram"
 KMAX = 16  # the widest draft of the adaptive settings, and the verify cost curve's last K
+
+# The sampled column: temperature 0.7, top_p 0.9 (no top_k, min_p or penalties), one seed per prompt.
+SAMPLING: Mapping[str, float] = {"temperature": 0.7, "top_p": 0.9}
+# The driver-overhead runs also time sampling with every filter and a penalty on (the sampler's worst case).
+ALL_FILTERS: Mapping[str, float] = {
+    "temperature": 0.7,
+    "top_k": 50,
+    "top_p": 0.9,
+    "min_p": 0.05,
+    "repetition_penalty": 1.1,
+}
+SEED_RULE = "first 4 bytes of sha256('ortspec-bench|' + workload name), big-endian, & 0x7fffffff"
+
+
+def prompt_seed(workload: str) -> int:
+    """The sampling seed of a workload (``SEED_RULE``): fixed by its name, the same for every engine, and below
+    2**31 so that ORT GenAI's ``random_seed`` takes it as it is."""
+    digest = hashlib.sha256(f"ortspec-bench|{workload}".encode()).digest()
+    return int.from_bytes(digest[:4], "big") & 0x7FFFFFFF
+
+
+def identity_reference(name: str) -> str:
+    """The engine whose tokens ``name``'s are compared with on the same prompt (and seed): ortspec's and ORT
+    GenAI's sampled speculation against their own plain sampling (ORT GenAI's RNG is not ortspec's, so its sampled
+    tokens are never compared with ortspec's); every greedy engine against ``ortspec-greedy``. A reference is its
+    own reference."""
+    if name in SAMPLED_ORTSPEC_ENGINES:
+        return SAMPLED_REFERENCE
+    if name in SAMPLED_PEER_ENGINES:
+        return SAMPLED_PEER
+    return REFERENCE
+
+
+def is_reference(name: str) -> bool:
+    """Whether ``name`` is the identity reference of its family."""
+    return identity_reference(name) == name
 
 
 @attrs.frozen
@@ -56,8 +104,9 @@ class EngineRun:
 
 
 class OrtspecEngine:
-    """One ortspec setting on a shared ``Engine``: a proposer factory (``None``: plain greedy; a fresh proposer
-    per generation) and a draft width (an int or a width policy)."""
+    """One ortspec setting on a shared ``Engine``: a proposer factory (``None``: plain decoding; a fresh proposer
+    per generation), a draft width (an int or a width policy) and the sampling options (``Engine`` keywords;
+    empty: greedy)."""
 
     def __init__(
         self,
@@ -66,23 +115,34 @@ class OrtspecEngine:
         make_proposer: Callable[[], Proposer] | None,
         draft_width: int | WidthPolicy,
         description: dict[str, Any],
+        sampling: Mapping[str, float] | None = None,
     ) -> None:
         self.name = name
         self.engine = engine
         self.make_proposer = make_proposer
         self.draft_width = draft_width
-        self.description = description
+        self.sampling = dict(sampling or {})
+        self.description = description | ({"sampling": dict(self.sampling)} if self.sampling else {})
 
-    def start(self, ids: Sequence[int], max_new: int) -> Generation:
-        """A generation of ``max_new`` tokens at most after ``ids`` with this setting (an iterator of commits)."""
+    @property
+    def sampled(self) -> bool:
+        """Whether this setting samples (and so takes a seed)."""
+        return bool(self.sampling)
+
+    def start(self, ids: Sequence[int], max_new: int, seed: int | None = None) -> Generation:
+        """A generation of ``max_new`` tokens at most after ``ids`` with this setting (an iterator of commits);
+        ``seed``: the sampler's seed (sampled settings; 0 when not given)."""
         proposer = self.make_proposer() if self.make_proposer else None
-        return self.engine.start(list(ids), max_tokens=max_new, speculative=proposer, draft_width=self.draft_width)
+        sampling: dict[str, Any] = {**self.sampling, "seed": 0 if seed is None else seed} if self.sampled else {}
+        return self.engine.start(
+            list(ids), max_tokens=max_new, speculative=proposer, draft_width=self.draft_width, **sampling
+        )
 
     def warmup(self, ids: Sequence[int]) -> None:
         self.start(ids, 8).run()
 
-    def run(self, ids: Sequence[int], max_new: int) -> EngineRun:
-        r = self.start(ids, max_new).run()
+    def run(self, ids: Sequence[int], max_new: int, seed: int | None = None) -> EngineRun:
+        r = self.start(ids, max_new, seed).run()
         s = r.stats
         tokens = r.token_ids[:-1] if r.token_ids and r.token_ids[-1] in self.engine.eos_token_ids else r.token_ids
         speculative = self.make_proposer is not None
@@ -99,6 +159,7 @@ class OrtspecEngine:
                 "verification_steps": s.verification_steps,
                 "multi_token_accepts": s.multi_token_accepts,
                 "prefill_s": r.timings.prefill_s,
+                **({"seed": r.seed} if self.sampled else {}),
             },
         )
 
@@ -109,9 +170,20 @@ class OrtspecEngine:
         """Nothing to release: the shared ``Engine`` outlives its settings."""
 
 
+def sampled_variant(setting: OrtspecEngine, name: str, sampling: Mapping[str, float]) -> OrtspecEngine:
+    """``setting`` (a greedy one) sampling with ``sampling``, called ``name``."""
+    description = {k: v for k, v in setting.describe().items() if k != "sampling"}
+    return OrtspecEngine(name, setting.engine, setting.make_proposer, setting.draft_width, description, sampling)
+
+
 def ortspec_engine(name: str, engine: Engine, pass_costs: Sequence[float] = ()) -> OrtspecEngine:
-    """The ortspec setting called ``name`` (one of ``ORTSPEC_ENGINES``) on ``engine``; ``pass_costs`` is the
-    verify cost curve that ``ortspec-lookup-adaptive``'s width policy uses."""
+    """The ortspec setting called ``name`` (one of ``ORTSPEC_ENGINES`` or ``SAMPLED_ORTSPEC_ENGINES``) on
+    ``engine``; ``pass_costs`` is the verify cost curve that the cost-aware width policy uses. A sampled setting is
+    its greedy twin (``ortspec-sampled``: ``ortspec-greedy``; ``ortspec-lookup-adaptive-sampled``:
+    ``ortspec-lookup-adaptive``) sampling at ``SAMPLING``."""
+    twins = {SAMPLED_REFERENCE: "ortspec-greedy", SAMPLED_SPEC: "ortspec-lookup-adaptive"}
+    if name in twins:
+        return sampled_variant(ortspec_engine(twins[name], engine, pass_costs), name, SAMPLING)
     if name == "ortspec-greedy":
         return OrtspecEngine(name, engine, None, 8, {"speculative": None})
     if name in ("ortspec-lookup-w8", "ortspec-lookup-w4"):
@@ -139,7 +211,8 @@ def ortspec_engine(name: str, engine: Engine, pass_costs: Sequence[float] = ()) 
         policy = AdditiveWidth(maximum=KMAX)
         description = {"proposer": described, "draft_width": f"AdditiveWidth(current=4, maximum={KMAX}, +2/-1)"}
         return OrtspecEngine(name, engine, lookup, policy, description)
-    raise ValueError(f"unknown ortspec engine {name!r}; known: {', '.join(ORTSPEC_ENGINES)}")
+    known = ", ".join((*ORTSPEC_ENGINES, *SAMPLED_ORTSPEC_ENGINES))
+    raise ValueError(f"unknown ortspec engine {name!r}; known: {known}")
 
 
 class PeerEngine:
@@ -149,11 +222,16 @@ class PeerEngine:
         self.name = name
         self.runner = runner
 
+    @property
+    def sampled(self) -> bool:
+        """Whether this peer samples (and so takes a seed)."""
+        return self.name in SAMPLED_PEER_ENGINES
+
     def warmup(self, ids: Sequence[int]) -> None:
         self.runner.warmup(list(ids), 8)
 
-    def run(self, ids: Sequence[int], max_new: int) -> EngineRun:
-        r = self.runner.run(list(ids), max_new)
+    def run(self, ids: Sequence[int], max_new: int, seed: int | None = None) -> EngineRun:
+        r = self.runner.run(list(ids), max_new, seed=seed) if self.sampled else self.runner.run(list(ids), max_new)
         proposed, accepted, passes = self._counts(r)
         return EngineRun(
             token_ids=tuple(r.token_ids),
@@ -175,8 +253,8 @@ class PeerEngine:
             if "target_forward_passes" in spec and "standard_fallback_steps" in spec:
                 passes = int(spec["target_forward_passes"]) + int(spec["standard_fallback_steps"])
             return spec.get("draft_tokens_evaluated"), spec.get("draft_tokens_accepted"), passes
-        if self.name in ("ortgenai", "onnx_genai"):
-            # greedy: the prefill pass yields the first token, then one pass per further token (EOS included)
+        if self.name in ("ortgenai", "onnx_genai", SAMPLED_PEER):
+            # plain: the prefill pass yields the first token, then one pass per further token (EOS included)
             return None, None, r.new_tokens + (1 if r.finish_reason == "stop" else 0)
         return None, None, None
 
@@ -190,10 +268,13 @@ class PeerEngine:
 def load_peer(
     name: str, model_dir: Path, threads: int, cache_root: Path | None = None
 ) -> tuple[PeerEngine, None] | tuple[None, str]:
-    """The peer ``name`` (one of ``PEER_ENGINES``) on ``model_dir``, or ``(None, why it is missing)``. The
-    n-gram peer drafts 3-grams, up to 8 tokens; onnx_genai gets a fresh engine per run (no prefix-cache hits),
-    its time to first token from a probe, and its patched folder under ``cache_root`` when given."""
+    """The peer ``name`` (one of ``PEER_ENGINES`` or ``SAMPLED_PEER_ENGINES``) on ``model_dir``, or ``(None, why
+    it is missing)``. The n-gram peers draft 3-grams, up to 8 tokens; the sampled peers sample at ``SAMPLING``;
+    onnx_genai gets a fresh engine per run (no prefix-cache hits), its time to first token from a probe, and its
+    patched folder under ``cache_root`` when given."""
     options: dict[str, Any] = {"ngram_size": 3, "max_draft_tokens": 8}
+    if name in SAMPLED_PEER_ENGINES:
+        options["sampling"] = dict(SAMPLING)
     if name == "onnx_genai":
         options.update(fresh_engine="always", ttft="probe")
         if cache_root is not None:

@@ -2,13 +2,14 @@
 
 Every runner has the same interface::
 
-    runner.run(prompt, max_new_tokens) -> PeerRun
+    runner.run(prompt, max_new_tokens, seed=None) -> PeerRun
 
 where ``prompt`` is the rendered prompt text or its token ids (a list of ints),
-and :class:`PeerRun` holds the new token ids, their text, time to first token,
-total time and decode-only tokens/s. :func:`make_peer` returns ``(runner,
-None)`` or ``(None, reason)`` when a peer package cannot be imported or the
-model cannot be loaded: a missing peer is reported as missing, never faked.
+``seed`` the sampler's seed (sampling runners only), and :class:`PeerRun` holds
+the new token ids, their text, time to first token, total time and decode-only
+tokens/s. :func:`make_peer` returns ``(runner, None)`` or ``(None, reason)``
+when a peer package cannot be imported or the model cannot be loaded: a missing
+peer is reported as missing, never faked.
 
 Peers (names accepted by :func:`make_peer`):
 
@@ -17,6 +18,10 @@ Peers (names accepted by :func:`make_peer`):
 ``ortgenai-ngram``
     The same with its built-in n-gram (prompt lookup) speculation
     (``GeneratorParams.set_speculative_options(ngram_size=, max_draft_tokens=)``).
+``ortgenai-sampled``, ``ortgenai-ngram-sampled``
+    The same two, sampling (``do_sample=True``, ``temperature``, ``top_p``, ``top_k``,
+    ``random_seed``: see :class:`OrtGenAIRunner`). ORT GenAI's RNG is not ortspec's:
+    at the same seed they draw different tokens from the same distribution.
 ``onnx_genai``
     ``onnx_genai.Engine`` greedy (``temperature=0``) on a patched copy of the folder
     whose symbolic KV-cache dimension is made concrete.
@@ -58,7 +63,8 @@ from ortspec.adapters.tokenizer import Tokenizer
 from ortspec.backends.onnx import ModelFolder
 from ortspec.driver import decode_rate
 
-PEER_NAMES = ("ortgenai", "ortgenai-ngram", "onnx_genai")
+PEER_NAMES = ("ortgenai", "ortgenai-ngram", "onnx_genai", "ortgenai-sampled", "ortgenai-ngram-sampled")
+DEFAULT_SAMPLING = {"temperature": 0.7, "top_p": 0.9}  # the sampled peers' options unless given (the suite's)
 
 
 @dataclass
@@ -96,8 +102,8 @@ class PeerRunner:
     version: str = ""
     tokenizer: Tokenizer  # the folder's tokenizer, set by each subclass
 
-    def run(self, prompt: str | Sequence[int], max_new_tokens: int) -> PeerRun:  # pragma: no cover
-        raise NotImplementedError
+    def run(self, prompt: str | Sequence[int], max_new_tokens: int, seed: int | None = None) -> PeerRun:
+        raise NotImplementedError  # pragma: no cover
 
     def warmup(self, prompt: str | Sequence[int] = "Hello", max_new_tokens: int = 8) -> None:
         """One short generation so that first-call costs are not measured."""
@@ -168,7 +174,17 @@ def _overlay_folder(src: Path, dst: Path, edits: dict[str, Callable[[bytes], byt
 
 
 class OrtGenAIRunner(PeerRunner):
-    """ONNX Runtime GenAI greedy search, optionally with n-gram speculation."""
+    """ONNX Runtime GenAI greedy search or sampling, optionally with n-gram speculation.
+
+    ``sampling`` (``temperature``, ``top_p``, optionally ``top_k``; empty: greedy) turns on sampling:
+    ``set_search_options(do_sample=True, temperature=, top_p=, top_k=, random_seed=seed)``, the seed given to
+    each :meth:`run`. ``top_k``: ORT GenAI would otherwise take the folder's ``search.top_k`` (50 in these
+    folders: a cut ortspec's setting does not make), and in 0.18 ``top_k=0`` does not give the ``top_p``
+    distribution (on the tiny model, 6% of 1,500 first-token draws fell outside the ``top_p`` set), so unless
+    ``sampling`` names one the runner asks for ``top_k`` = the vocabulary size: no cut, and those draws matched
+    the exact ``temperature``/``top_p`` distribution within sampling noise (total variation 0.074, the noise
+    floor of 1,500 draws; 0.156 with the folder's 50).
+    """
 
     def __init__(
         self,
@@ -176,6 +192,7 @@ class OrtGenAIRunner(PeerRunner):
         threads: int = 2,
         ngram_size: int | None = None,
         max_draft_tokens: int | None = None,
+        sampling: dict[str, float] | None = None,
     ):
         import onnxruntime_genai as og
 
@@ -184,13 +201,21 @@ class OrtGenAIRunner(PeerRunner):
         self.threads = int(threads)
         self.ngram_size = ngram_size
         self.max_draft_tokens = max_draft_tokens
-        self.name = "ortgenai-ngram" if ngram_size else "ortgenai"
+        self.name = ("ortgenai-ngram" if ngram_size else "ortgenai") + ("-sampled" if sampling else "")
         self.version = str(getattr(og, "__version__", ""))
         self._tmp: tempfile.TemporaryDirectory | None = None
         self.thread_pinning = ""
         self.model = self._load_model()
         self.tokenizer = Tokenizer.from_folder(self.model_dir)
-        self.eos_ids = set(ModelFolder.load(self.model_dir).eos_token_ids)
+        folder = ModelFolder.load(self.model_dir)
+        self.eos_ids = set(folder.eos_token_ids)
+        self.sampling: dict[str, Any] = {}
+        if sampling:
+            self.sampling = {
+                "temperature": float(sampling["temperature"]),
+                "top_p": float(sampling.get("top_p", 1.0)),
+                "top_k": int(sampling.get("top_k") or folder.vocab_size),
+            }
 
     def _session_overlay(self) -> dict:
         return {"model": {"decoder": {"session_options": {"intra_op_num_threads": self.threads}}}}
@@ -231,12 +256,21 @@ class OrtGenAIRunner(PeerRunner):
             opts["max_draft_tokens"] = int(self.max_draft_tokens)
         return opts
 
-    def run(self, prompt, max_new_tokens: int) -> PeerRun:
+    def search_options(self, seed: int | None) -> dict[str, Any]:
+        """The sampling part of ``set_search_options`` (``do_sample=False`` when greedy)."""
+        if not self.sampling:
+            if seed is not None:
+                raise ValueError(f"{self.name} decodes greedily: it takes no seed")
+            return {"do_sample": False}
+        return {"do_sample": True, **self.sampling, "random_seed": 0 if seed is None else int(seed)}
+
+    def run(self, prompt, max_new_tokens: int, seed: int | None = None) -> PeerRun:
         og = self._og
         ids = self._prompt_ids(prompt)
+        search = self.search_options(seed)
         t0 = time.perf_counter()
         params = og.GeneratorParams(self.model)
-        params.set_search_options(do_sample=False, max_length=len(ids) + int(max_new_tokens), batch_size=1)
+        params.set_search_options(**search, max_length=len(ids) + int(max_new_tokens), batch_size=1)
         spec = self.speculative_options()
         if spec:
             params.set_speculative_options(**spec)
@@ -253,6 +287,8 @@ class OrtGenAIRunner(PeerRunner):
         seq = [int(t) for t in gen.get_sequence(0)]
         new = seq[len(ids) :]
         extra: dict[str, Any] = {"generate_next_token_calls": steps}
+        if self.sampling:
+            extra["search_options"] = search
         finish = "length"
         if new and new[-1] in self.eos_ids:
             new = new[:-1]
@@ -282,6 +318,8 @@ class OrtGenAIRunner(PeerRunner):
         }
         if self.ngram_size:
             d["speculative_options"] = self.speculative_options()
+        if self.sampling:
+            d["sampling"] = {"do_sample": True, **self.sampling, "random_seed": "the prompt's seed"}
         return d
 
     def close(self) -> None:
@@ -502,7 +540,9 @@ class OnnxGenAIRunner(PeerRunner):
         self._engine_used = True
         return self._engine
 
-    def run(self, prompt, max_new_tokens: int) -> PeerRun:
+    def run(self, prompt, max_new_tokens: int, seed: int | None = None) -> PeerRun:
+        if seed is not None:
+            raise ValueError("onnx_genai runs greedily here: it takes no seed")
         text, n_prompt = self.prompt_text(prompt)
         probe_ttft = self._probe_ttft(text) if self.ttft_mode == "probe" else None
         engine = self._engine_for(text)
@@ -583,8 +623,9 @@ def make_peer(
     """Build a peer runner, or return ``(None, reason)`` when it is unavailable.
 
     ``options`` go to the runner: ``ngram_size`` / ``max_draft_tokens`` for
-    ``ortgenai-ngram`` (defaults 3 and 8), ``fresh_engine`` / ``ttft`` /
-    ``cache_root`` for ``onnx_genai``.
+    ``ortgenai-ngram`` and ``ortgenai-ngram-sampled`` (defaults 3 and 8),
+    ``sampling`` for the sampled peers (default ``DEFAULT_SAMPLING``),
+    ``fresh_engine`` / ``ttft`` / ``cache_root`` for ``onnx_genai``.
     """
     if name not in PEER_NAMES:
         return None, f"unknown peer {name!r}; known: {', '.join(PEER_NAMES)}"
@@ -594,14 +635,16 @@ def make_peer(
     except Exception as exc:  # ImportError, or a broken native library
         return None, f"{module} is not importable: {type(exc).__name__}: {exc}"
     try:
-        if name == "ortgenai":
-            return OrtGenAIRunner(model_dir, threads=threads), None
-        if name == "ortgenai-ngram":
+        sampling = (options.get("sampling") or DEFAULT_SAMPLING) if name.endswith("-sampled") else None
+        if name in ("ortgenai", "ortgenai-sampled"):
+            return OrtGenAIRunner(model_dir, threads=threads, sampling=sampling), None
+        if name in ("ortgenai-ngram", "ortgenai-ngram-sampled"):
             return OrtGenAIRunner(
                 model_dir,
                 threads=threads,
                 ngram_size=options.get("ngram_size", 3),
                 max_draft_tokens=options.get("max_draft_tokens", 8),
+                sampling=sampling,
             ), None
         return OnnxGenAIRunner(
             model_dir,
@@ -634,6 +677,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument("--ngram-size", type=int, default=3)
     ap.add_argument("--max-draft-tokens", type=int, default=8)
+    ap.add_argument("--seed", type=int, default=0, help="the sampled peers' seed (default 0)")
     ap.add_argument("--text", action="store_true", help="include generated text")
     args = ap.parse_args(argv)
 
@@ -657,7 +701,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         runner.warmup()
         runs = {}
         for wname, ids in prompts:
-            r = runner.run(ids, args.max_new_tokens)
+            seed = args.seed if name.endswith("-sampled") else None
+            r = runner.run(ids, args.max_new_tokens, seed=seed)
             d = r.to_dict()
             d.pop("token_ids")
             if not args.text:
@@ -671,7 +716,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             outputs.setdefault(wname, {})[name] = r.token_ids
         report["peers"][name] = {"describe": runner.describe(), "runs": runs}
         runner.close()
-    report["same_tokens"] = {w: len({tuple(v) for v in o.values()}) == 1 for w, o in outputs.items()}
+    # greedy peers should agree with each other; each sampled peer with its own family only
+    report["same_tokens"] = {
+        w: len({tuple(v) for k, v in o.items() if not k.endswith("-sampled")}) <= 1 for w, o in outputs.items()
+    }
+    report["same_tokens_sampled"] = {
+        w: len({tuple(v) for k, v in o.items() if k.endswith("-sampled")}) <= 1 for w, o in outputs.items()
+    }
     json.dump(report, sys.stdout, indent=2)
     sys.stdout.write("\n")
     return 0

@@ -1,5 +1,6 @@
 """What the suite reports: every run's record and metrics, the summaries over them (medians per engine and
-category, paired ratios, identity), and the three result files (JSON, markdown, plot)."""
+category, paired ratios, identity), the sampled column's targets, and the three result files (JSON, markdown,
+plot). Sections about sampled engines appear only when sampled engines ran, so older results render as before."""
 
 from __future__ import annotations
 
@@ -11,7 +12,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench.engines import BASELINE, NGRAM_PEER, REFERENCE, SPEC_ENGINES
+from bench.engines import (
+    BASELINE,
+    NGRAM_PEER,
+    REFERENCE,
+    SAMPLED_ENGINES,
+    SAMPLED_NGRAM_PEER,
+    SAMPLED_PEER,
+    SAMPLED_REFERENCE,
+    SAMPLED_SPEC,
+    SPEC_ENGINES,
+    identity_reference,
+    is_reference,
+)
 from ortspec.driver import decode_rate
 
 METRICS = ("e2e_tok_s", "decode_tok_s", "ttft_s", "acceptance", "tokens_per_step", "passes")
@@ -196,15 +209,49 @@ def _paired(pp: dict, num: str, den: str, metric: str, cat: str) -> dict[str, An
     }
 
 
+def _greedy(e: str) -> bool:
+    return e not in SAMPLED_ENGINES
+
+
 # ratio table -> (which engines, denominator, metric)
 RATIOS: dict[str, tuple[Callable[[str], bool], str, str]] = {
-    "vs_ortgenai_e2e": (lambda e: e != BASELINE, BASELINE, "e2e_tok_s"),
-    "vs_ortgenai_decode": (lambda e: e != BASELINE, BASELINE, "decode_tok_s"),
+    "vs_ortgenai_e2e": (lambda e: e != BASELINE and _greedy(e), BASELINE, "e2e_tok_s"),
+    "vs_ortgenai_decode": (lambda e: e != BASELINE and _greedy(e), BASELINE, "decode_tok_s"),
     "spec_vs_ortgenai_ngram_e2e": (lambda e: e in SPEC_ENGINES, NGRAM_PEER, "e2e_tok_s"),
     "spec_vs_ortgenai_ngram_decode": (lambda e: e in SPEC_ENGINES, NGRAM_PEER, "decode_tok_s"),
     "spec_vs_ortspec_greedy_e2e": (lambda e: e in SPEC_ENGINES, REFERENCE, "e2e_tok_s"),
     "spec_vs_ortspec_greedy_decode": (lambda e: e in SPEC_ENGINES, REFERENCE, "decode_tok_s"),
+    # the sampled column: every pair ran on the same prompt with the same seed
+    "sampled_spec_vs_sampled_plain_e2e": (lambda e: e == SAMPLED_SPEC, SAMPLED_REFERENCE, "e2e_tok_s"),
+    "sampled_spec_vs_sampled_plain_decode": (lambda e: e == SAMPLED_SPEC, SAMPLED_REFERENCE, "decode_tok_s"),
+    "sampled_spec_vs_ortgenai_ngram_sampled_e2e": (lambda e: e == SAMPLED_SPEC, SAMPLED_NGRAM_PEER, "e2e_tok_s"),
+    "sampled_spec_vs_ortgenai_ngram_sampled_decode": (
+        lambda e: e == SAMPLED_SPEC,
+        SAMPLED_NGRAM_PEER,
+        "decode_tok_s",
+    ),
+    "sampled_vs_ortgenai_sampled_e2e": (lambda e: e == SAMPLED_REFERENCE, SAMPLED_PEER, "e2e_tok_s"),
+    "sampled_vs_ortgenai_sampled_decode": (lambda e: e == SAMPLED_REFERENCE, SAMPLED_PEER, "decode_tok_s"),
+    "ortgenai_ngram_sampled_vs_ortgenai_sampled_e2e": (lambda e: e == SAMPLED_NGRAM_PEER, SAMPLED_PEER, "e2e_tok_s"),
+    "ortgenai_ngram_sampled_vs_ortgenai_sampled_decode": (
+        lambda e: e == SAMPLED_NGRAM_PEER,
+        SAMPLED_PEER,
+        "decode_tok_s",
+    ),
 }
+
+# The issue's targets for the sampled column: (ratio table, engine, category, at least, what it says).
+SAMPLED_TARGETS = (
+    ("sampled_spec_vs_sampled_plain_e2e", SAMPLED_SPEC, "code_edit", 1.3, "sampled speculation ÷ plain sampling"),
+    ("sampled_spec_vs_sampled_plain_e2e", SAMPLED_SPEC, "open_ended", 0.97, "sampled speculation ÷ plain sampling"),
+    (
+        "sampled_spec_vs_ortgenai_ngram_sampled_e2e",
+        SAMPLED_SPEC,
+        "code_edit",
+        1.3,
+        "sampled speculation ÷ ORT GenAI sampled n-gram speculation",
+    ),
+)
 
 
 def summarize(records: Sequence[RunRecord], engines: Sequence[str], categories: Sequence[str]) -> dict[str, Any]:
@@ -222,30 +269,57 @@ def summarize(records: Sequence[RunRecord], engines: Sequence[str], categories: 
     }
 
 
-def identity_counts(records: Sequence[RunRecord], engines: Sequence[str]) -> dict[str, dict[str, int]]:
-    """Per engine (the reference excepted): runs whose tokens equal the reference's, and runs compared."""
+def sampled_targets(ratios: dict[str, Any]) -> list[dict[str, Any]]:
+    """The issue's targets for the sampled column (``SAMPLED_TARGETS``) beside the measured medians of per-prompt
+    ratios: ``met`` is None when the ratio was not measured."""
+    out = []
+    for key, engine, cat, target, what in SAMPLED_TARGETS:
+        r = ((ratios.get(key) or {}).get(engine) or {}).get(cat)
+        measured = r["median"] if r else None
+        out.append(
+            {
+                "ratio": key,
+                "engine": engine,
+                "category": cat,
+                "what": what,
+                "target_at_least": target,
+                "measured": measured,
+                "prompts": r["n"] if r else 0,
+                "met": None if measured is None else measured >= target,
+            }
+        )
+    return out
+
+
+def identity_counts(records: Sequence[RunRecord], engines: Sequence[str]) -> dict[str, dict[str, Any]]:
+    """Per engine (the references excepted): runs whose tokens equal its reference's (``identity_reference``:
+    ortspec-greedy's for greedy engines, the plain sampled run of the same family for sampled ones), and runs
+    compared; sampled engines name their reference."""
     return {
         e: {
             "identical": sum(1 for r in records if r.engine == e and r.identical),
             "compared": sum(1 for r in records if r.engine == e and r.identical is not None),
+            **({"reference": identity_reference(e)} if e in SAMPLED_ENGINES else {}),
         }
         for e in engines
-        if e != REFERENCE
+        if not is_reference(e)
     }
 
 
 def mismatches(records: Sequence[RunRecord], decode: Callable[[Sequence[int]], str]) -> list[dict[str, Any]]:
-    """Every run whose tokens differ from the reference run's on the same prompt and repeat, with the text
-    around the first difference (``decode``: token ids -> text)."""
-    reference = {(r.workload, r.repeat): r.token_ids for r in records if r.engine == REFERENCE}
+    """Every run whose tokens differ from its reference run's (``identity_reference``) on the same prompt and
+    repeat, with the text around the first difference (``decode``: token ids -> text)."""
+    reference = {(r.engine, r.workload, r.repeat): r.token_ids for r in records if is_reference(r.engine)}
     out = []
     for r in records:
         if r.identical is not False:
             continue
-        ref = reference.get((r.workload, r.repeat), [])
+        ref_engine = identity_reference(r.engine)
+        ref = reference.get((ref_engine, r.workload, r.repeat), [])
         i = r.first_mismatch or 0
         out.append(
             {
+                **({"reference": ref_engine} if r.engine in SAMPLED_ENGINES else {}),
                 "engine": r.engine,
                 "workload": r.workload,
                 "repeat": r.repeat,
@@ -311,6 +385,16 @@ def _header(result: dict[str, Any]) -> Iterator[str]:
         "one per token); identical = runs whose tokens equal ortspec-greedy's (EOS removed); disturbed = "
         f"runs during which other processes used > {cfg['contention_threshold']} cores."
     )
+    if any(e in SAMPLED_ENGINES for e in result["engines_run"]):
+        options = ", ".join(f"{k} {v}" for k, v in ((result.get("sampling") or {}).get("options") or {}).items())
+        yield ""
+        yield (
+            f"Sampled engines ({options}) get one seed per prompt, the same for every engine "
+            f"({(result.get('sampling') or {}).get('seed_rule', 'see the results file')}); their identical column "
+            f"counts runs whose tokens equal the plain sampled run of the same family at that seed "
+            f"({SAMPLED_SPEC}: {SAMPLED_REFERENCE}'s; {SAMPLED_NGRAM_PEER}: {SAMPLED_PEER}'s). ORT GenAI's RNG is "
+            "not ortspec's, so its sampled tokens are not compared with ortspec's."
+        )
     yield ""
     yield (
         f"Noise control: before each prompt's engine group the suite waited up to {cfg.get('wait_quiet_s')} s "
@@ -340,7 +424,7 @@ def _category_tables(result: dict[str, Any]) -> Iterator[str]:
             v = rows.get(e)
             if v is None:
                 continue
-            ident = "ref" if e == REFERENCE else f"{v['identical']}/{v['compared']}"
+            ident = "ref" if is_reference(e) else f"{v['identical']}/{v['compared']}"
             acceptance = v["acceptance"] * 100 if v["acceptance"] is not None else None
             yield (
                 f"| {e} | {_fmt(v['e2e_tok_s'])} | {_fmt(v['decode_tok_s'])} | {_fmt(v['ttft_s'], 3)} | "
@@ -377,6 +461,73 @@ def _ratio_tables(result: dict[str, Any]) -> Iterator[str]:
         yield "| --- |" + " ---: |" * len(cats)
         for e, per in rows:
             yield f"| {e} | " + " | ".join(_ratio_cell(per.get(c)) for c in cats) + " |"
+
+
+def _ratio(result: dict[str, Any], key: str, engine: str, cat: str) -> dict | None:
+    return ((result["summary"]["ratios"].get(key) or {}).get(engine) or {}).get(cat)
+
+
+def _identity_cell(row: dict[str, Any] | None) -> str:
+    return f"{row['identical']}/{row['compared']}" if row else "—"
+
+
+def _sampled(result: dict[str, Any]) -> Iterator[str]:
+    """The sampled column: ortspec's sampled speculation priced against plain sampling and against ORT GenAI's
+    sampled n-gram speculation, identities, and the issue's targets."""
+    if not any(e in SAMPLED_ENGINES for e in result["engines_run"]):
+        return
+    sampling = result.get("sampling") or {}
+    options = ", ".join(f"{k} {v}" for k, v in (sampling.get("options") or {}).items())
+    cats = [*result["config"]["categories"], "all"]
+    table = result["summary"]["table"]
+    yield ""
+    yield "## Sampled"
+    yield ""
+    yield (
+        f"Sampling at {options}, one seed per prompt shared by every engine. Medians of per-prompt ratios "
+        f"(e2e = tok/s end to end, dec = decode tok/s). spec = `{SAMPLED_SPEC}` (prompt lookup, cost-aware width), "
+        f"plain = `{SAMPLED_REFERENCE}`; ORT n-gram = `{SAMPLED_NGRAM_PEER}`, ORT plain = `{SAMPLED_PEER}`. "
+        "identical: spec's tokens equal plain's at the same seed (ortspec's exactness); ORT identical: ORT GenAI's "
+        "n-gram tokens equal its own plain sampling's at the same seed (a fact about the peer, no target)."
+    )
+    yield ""
+    yield (
+        "| category | spec ÷ plain e2e | spec ÷ plain dec | acceptance | identical | spec ÷ ORT n-gram e2e | "
+        "spec ÷ ORT n-gram dec | plain ÷ ORT plain e2e | ORT n-gram ÷ ORT plain e2e | ORT n-gram ÷ ORT plain dec | "
+        "ORT identical |"
+    )
+    yield "| --- |" + " ---: |" * 10
+    for cat in cats:
+        rows = table.get(cat, {})
+        spec = rows.get(SAMPLED_SPEC)
+        if spec is None and SAMPLED_NGRAM_PEER not in rows:
+            continue
+        acceptance = spec["acceptance"] * 100 if spec and spec["acceptance"] is not None else None
+        cells = [
+            _ratio_cell(_ratio(result, "sampled_spec_vs_sampled_plain_e2e", SAMPLED_SPEC, cat)),
+            _ratio_cell(_ratio(result, "sampled_spec_vs_sampled_plain_decode", SAMPLED_SPEC, cat)),
+            _fmt(acceptance, 0, "%"),
+            _identity_cell(spec),
+            _ratio_cell(_ratio(result, "sampled_spec_vs_ortgenai_ngram_sampled_e2e", SAMPLED_SPEC, cat)),
+            _ratio_cell(_ratio(result, "sampled_spec_vs_ortgenai_ngram_sampled_decode", SAMPLED_SPEC, cat)),
+            _ratio_cell(_ratio(result, "sampled_vs_ortgenai_sampled_e2e", SAMPLED_REFERENCE, cat)),
+            _ratio_cell(_ratio(result, "ortgenai_ngram_sampled_vs_ortgenai_sampled_e2e", SAMPLED_NGRAM_PEER, cat)),
+            _ratio_cell(_ratio(result, "ortgenai_ngram_sampled_vs_ortgenai_sampled_decode", SAMPLED_NGRAM_PEER, cat)),
+            _identity_cell(rows.get(SAMPLED_NGRAM_PEER)),
+        ]
+        yield f"| {cat} | " + " | ".join(cells) + " |"
+    targets = sampling.get("targets") or []
+    if targets:
+        yield ""
+        yield "Targets (tok/s end to end, medians of per-prompt ratios on the same prompts and seeds):"
+        yield ""
+        for t in targets:
+            verdict = "not measured" if t["met"] is None else ("met" if t["met"] else "missed")
+            measured = "—" if t["measured"] is None else f"{t['measured']:.2f}x"
+            yield (
+                f"- {t['what']} on {t['category']}: {measured} over {t['prompts']} prompts "
+                f"(target >= {t['target_at_least']:.2f}x): **{verdict}**"
+            )
 
 
 def _cost_curve(result: dict[str, Any]) -> Iterator[str]:
@@ -484,14 +635,29 @@ def _overhead(result: dict[str, Any]) -> Iterator[str]:
         f"{ov['prompts']} prompts; % of a decode step ({_fmt(ov['decode_step_s'] * 1000, 2)} ms, cost "
         "curve K = 0) and of the same runs' backend time per step."
     )
-    yield ""
-    yield "| engine | steps | overhead µs/step (median) | % of a decode step | % of backend time/step |"
-    yield "| --- | ---: | ---: | ---: | ---: |"
-    for e, v in ov["engines"].items():
+    goals = [v["target_pct_of_decode_step"] for v in ov["engines"].values() if "target_pct_of_decode_step" in v]
+    targets = bool(goals)
+    if targets:
+        filters = ", ".join(f"{k} {v}" for k, v in (ov.get("sampling") or {}).items())
+        yield ""
         yield (
+            f"The `-sampled-all-filters` rows are the settings above them sampling with every filter on ({filters}) "
+            f"at each prompt's seed; the issue's target for them: under {max(goals):g}% of a decode step."
+        )
+    yield ""
+    head = "| engine | steps | overhead µs/step (median) | % of a decode step | % of backend time/step |"
+    yield head + (" target |" if targets else "")
+    yield "| --- | ---: | ---: | ---: | ---: |" + (" --- |" if targets else "")
+    for e, v in ov["engines"].items():
+        line = (
             f"| {e} | {v['steps']} | {v['overhead_us_per_step']:.0f} | {v['pct_of_decode_step']:.2f}% | "
             f"{_fmt(v['pct_of_backend_step'], 2, '%')} |"
         )
+        if targets:
+            goal = v.get("target_pct_of_decode_step")
+            met = goal is not None and v["pct_of_decode_step"] < goal
+            line += " — |" if goal is None else f" < {goal:g}%: **{'met' if met else 'missed'}** |"
+        yield line
 
 
 def _identity(result: dict[str, Any]) -> Iterator[str]:
@@ -504,23 +670,48 @@ def _identity(result: dict[str, Any]) -> Iterator[str]:
     yield ""
     yield "## Identity failures"
     yield ""
-    mism = result.get("mismatches") or []
+    everything = result.get("mismatches") or []
+    mism = [m for m in everything if m["engine"] != SAMPLED_NGRAM_PEER]
+    sampled = any(e in SAMPLED_ENGINES for e in result["engines_run"])
     if not mism:
-        yield "None: every run equals ortspec-greedy token for token."
-    for m in mism:
         yield (
-            f"- `{m['engine']}` on `{m['workload']}` (repeat {m['repeat']}): first difference at new token "
+            "None: every run equals its reference token for token (ortspec-greedy; for ortspec's sampled "
+            f"speculation, {SAMPLED_REFERENCE} at the same seed)."
+            if sampled
+            else "None: every run equals ortspec-greedy token for token."
+        )
+    yield from _mismatch_lines(mism)
+    peer = [m for m in everything if m["engine"] == SAMPLED_NGRAM_PEER]
+    if SAMPLED_NGRAM_PEER in result["engines_run"]:
+        yield ""
+        yield "## ORT GenAI sampled n-gram vs its plain sampling (a fact, no target)"
+        yield ""
+        ident = (result.get("identity") or {}).get(SAMPLED_NGRAM_PEER) or {}
+        yield (
+            f"`{SAMPLED_NGRAM_PEER}` equalled `{SAMPLED_PEER}` at the same seed on {ident.get('identical', 0)} of "
+            f"{ident.get('compared', 0)} runs." + (" Differences:" if peer else "")
+        )
+        if peer:
+            yield ""
+        yield from _mismatch_lines(peer)
+
+
+def _mismatch_lines(mism: Sequence[dict[str, Any]]) -> Iterator[str]:
+    for m in mism:
+        against = f" against `{m['reference']}`" if m.get("reference") else ""
+        yield (
+            f"- `{m['engine']}` on `{m['workload']}` (repeat {m['repeat']}){against}: first difference at new token "
             f"{m['first_mismatch']} ({m['reference_len']} vs {m['len']} tokens); reference "
             f"{json.dumps(m['reference_text'])} vs {json.dumps(m['text'])}"
         )
 
 
-SECTIONS = (_header, _category_tables, _ratio_tables, _physical, _overhead, _identity)
+SECTIONS = (_header, _category_tables, _ratio_tables, _sampled, _physical, _overhead, _identity)
 
 
 def markdown(result: dict[str, Any]) -> str:
-    """The results file's markdown: header, per-category tables, ratios, physical limits, driver overhead,
-    prompt identity and identity failures."""
+    """The results file's markdown: header, per-category tables, ratios, the sampled column (when sampled
+    engines ran), physical limits, driver overhead, prompt identity and identity failures."""
     return "\n".join([line for section in SECTIONS for line in section(result)] + [""])
 
 
@@ -547,7 +738,8 @@ def write_plot(path: Path, result: dict[str, Any]) -> str | None:
     table = result["summary"]["table"]
     fig, axes = plt.subplots(1, 2, figsize=(15, 5.5))
     width = 0.8 / max(len(engines), 1)
-    cmap = plt.get_cmap("tab10")
+    cmap = plt.get_cmap("tab10" if len(engines) <= 10 else "tab20")
+    colors = 10 if len(engines) <= 10 else 20
     for ax, metric, title in (
         (axes[0], "e2e_tok_s", "tokens/s end to end (prefill included)"),
         (axes[1], "decode_tok_s", "decode tokens/s (after the first token)"),
@@ -555,7 +747,7 @@ def write_plot(path: Path, result: dict[str, Any]) -> str | None:
         for i, e in enumerate(engines):
             vals = [(table.get(c, {}).get(e) or {}).get(metric) or 0.0 for c in cats]
             xs = [j + (i - (len(engines) - 1) / 2) * width for j in range(len(cats))]
-            ax.bar(xs, vals, width, label=e, color=cmap(i % 10))
+            ax.bar(xs, vals, width, label=e, color=cmap(i % colors))
         ax.set_xticks(range(len(cats)))
         ax.set_xticklabels(cats)
         ax.set_ylabel("tokens/s (median over prompts)")

@@ -1,4 +1,4 @@
-"""The side-by-side benchmark: ortspec (greedy and speculative) against ONNX Runtime GenAI and onnx_genai.
+"""The side-by-side benchmark: ortspec (greedy, speculative, sampled) against ONNX Runtime GenAI and onnx_genai.
 
 ``python -m bench.suite`` regenerates everything: it runs every engine on the same model folder, the same
 prompts (as the same token ids) and the same thread count, interleaved prompt by prompt, and writes
@@ -16,9 +16,14 @@ Engines (``--engines``, comma separated):
 ``ortspec-lookup-adaptive``   ``PromptLookup(ngram=3, max_draft=16)``, ``CostAwareWidth(pass_costs=curve)``
                               where ``curve`` is the verify cost curve measured in this run (K = 0..16)
 ``ortspec-lookup-additive``   ``PromptLookup(ngram=3, max_draft=16)``, ``AdditiveWidth()`` (+2 / -1, 1..16)
+``ortspec-sampled``           ``ortspec-greedy`` sampling: temperature 0.7, top_p 0.9, the prompt's seed
+``ortspec-lookup-adaptive-sampled``  ``ortspec-lookup-adaptive`` sampling the same way, at the same seed
 ``ortgenai``                  ONNX Runtime GenAI greedy
 ``ortgenai-ngram``            ONNX Runtime GenAI n-gram speculation (ngram_size=3, max_draft_tokens=8)
 ``onnx_genai``                onnx_genai greedy, a fresh engine per run (no prefix-cache hits)
+``ortgenai-sampled``          ONNX Runtime GenAI sampling (do_sample, temperature 0.7, top_p 0.9, top_k = the
+                              vocabulary, i.e. no cut; random_seed = the prompt's seed)
+``ortgenai-ngram-sampled``    the same with its n-gram speculation (ngram_size=3, max_draft_tokens=8)
 
 A peer that cannot be imported or loaded is listed under ``missing`` with the reason; nothing is faked.
 
@@ -31,6 +36,14 @@ by ortspec's ``Tokenizer``; ORT GenAI takes the ids; onnx_genai takes text only,
 the suite checks that its own tokenizer turns that text back into exactly the same ids). Identity is token for
 token against ``ortspec-greedy`` on the same prompt, after removing a final EOS token from both sides (the peers
 drop it, ortspec keeps it); new-token counts exclude that EOS for every engine.
+
+Sampled column: every sampled engine gets the prompt's seed (``bench.engines.prompt_seed``, from the workload's
+name; all seeds are recorded under ``sampling`` in the results). Identity of a sampled setting is checked against
+the plain sampled run of its own family on the same prompt and seed: ``ortspec-lookup-adaptive-sampled`` against
+``ortspec-sampled`` (ortspec's exactness claim), ``ortgenai-ngram-sampled`` against ``ortgenai-sampled`` (reported
+as a fact about ORT GenAI). ORT GenAI's RNG is not ortspec's, so its sampled tokens differ from ortspec's at the
+same seed: that is expected and never checked. The report's sampled section prices sampled speculation against
+plain sampling and against ORT GenAI's sampled n-gram speculation, with the issue's targets.
 
 Timing, for every engine: the clock starts with the prompt ids in hand; ``ttft`` is the time to the first new
 token (prefill included); ``tok/s e2e`` = new tokens / total time; ``decode tok/s`` = (new - 1) / (total -
@@ -64,17 +77,27 @@ from tqdm import tqdm
 
 from bench.engines import (
     ALL_ENGINES,
+    ALL_FILTERS,
     KMAX,
     ORTSPEC_ENGINES,
     PEER_ENGINES,
     REFERENCE,
+    SAMPLED_ENGINES,
+    SAMPLED_ORTSPEC_ENGINES,
+    SAMPLED_PEER_ENGINES,
+    SAMPLING,
+    SEED_RULE,
     BenchEngine,
     EngineRun,
     OrtspecEngine,
     PeerEngine,
     TimingBackend,
+    identity_reference,
+    is_reference,
     load_peer,
     ortspec_engine,
+    prompt_seed,
+    sampled_variant,
 )
 from bench.limits import physical_limits
 from bench.machine import CpuContention, background_load, machine_info, measure_memory_bandwidth
@@ -84,6 +107,7 @@ from bench.report import (
     identity_counts,
     mismatches,
     round_float,
+    sampled_targets,
     summarize,
     write_results,
 )
@@ -95,6 +119,12 @@ from ortspec.costs import measure_pass_costs, probe_ids
 
 DEFAULT_OUT = Path(__file__).resolve().parent.parent / "docs" / "bench"
 OVERHEAD_ENGINES = ("ortspec-greedy", "ortspec-lookup-w8")
+# The same two settings sampling with every filter on (bench.engines.ALL_FILTERS), timed beside them.
+SAMPLED_OVERHEAD_ENGINES = {
+    "ortspec-sampled-all-filters": "ortspec-greedy",
+    "ortspec-lookup-w8-sampled-all-filters": "ortspec-lookup-w8",
+}
+OVERHEAD_TARGET_PCT = 2.0  # the issue's target for the sampled settings: < 2% of a decode step
 
 # --quick: what it changes unless the option is given explicitly
 QUICK_DEFAULTS = {
@@ -149,6 +179,10 @@ class SuiteConfig:
             raise SystemExit(f"bench.suite: unknown engine(s) {unknown}; known: {', '.join(ALL_ENGINES)}")
         if REFERENCE not in wanted:
             wanted.insert(0, REFERENCE)  # identity needs the reference
+        for name in list(wanted):  # and a sampled setting needs its family's plain sampled run
+            ref = identity_reference(name)
+            if ref not in wanted:
+                wanted.insert(wanted.index(name), ref)
         return cls(
             model_dir=model_dir,
             out_dir=out_dir,
@@ -205,6 +239,11 @@ class Prompt:
 
     workload: Workload
     ids: tuple[int, ...]
+
+    @property
+    def seed(self) -> int:
+        """The seed every sampled engine gets on this prompt (``bench.engines.prompt_seed``)."""
+        return prompt_seed(self.workload.name)
 
 
 class Log:
@@ -308,10 +347,12 @@ def load_engines(
 ) -> tuple[dict[str, BenchEngine], dict[str, str]]:
     """The requested engines in the requested order, and the missing peers with the reason."""
     loaded: dict[str, BenchEngine] = {
-        n: ortspec_engine(n, engine, pass_costs) for n in cfg.engines if n in ORTSPEC_ENGINES
+        n: ortspec_engine(n, engine, pass_costs)
+        for n in cfg.engines
+        if n in (*ORTSPEC_ENGINES, *SAMPLED_ORTSPEC_ENGINES)
     }
     missing: dict[str, str] = {}
-    for name in [e for e in cfg.engines if e in PEER_ENGINES]:
+    for name in [e for e in cfg.engines if e in (*PEER_ENGINES, *SAMPLED_PEER_ENGINES)]:
         log(f"loading peer {name}")
         cache = cfg.workdir / "onnx_genai-cache" if cfg.quick else None
         peer, why = load_peer(name, cfg.model_dir, cfg.threads, cache_root=cache)
@@ -327,7 +368,7 @@ def check_prompts(engines: dict[str, BenchEngine], prompts: Sequence[Prompt]) ->
     """How each peer receives the prompts: ORT GenAI takes the ids; onnx_genai takes text, so its tokenizer must
     turn that text back into exactly the same ids."""
     checks: dict[str, Any] = {}
-    if "ortgenai" in engines or "ortgenai-ngram" in engines:
+    if any(name.startswith("ortgenai") for name in engines):
         checks["ortgenai"] = {
             "summary": "given the same token ids (GeneratorParams + append_tokens)",
             "same_ids": len(prompts),
@@ -386,7 +427,7 @@ def run_one(cfg: SuiteConfig, engine: BenchEngine, prompt: Prompt, repeat: int) 
     error = None
     with CpuContention() as c:
         try:
-            out = engine.run(prompt.ids, cfg.max_new_tokens)
+            out = engine.run(prompt.ids, cfg.max_new_tokens, seed=prompt.seed if engine.sampled else None)
         except Exception as exc:  # noqa: BLE001 - a failing engine is recorded, never faked
             error = f"{type(exc).__name__}: {exc}"
     w = prompt.workload
@@ -435,11 +476,13 @@ def run_group(
         attempt += 1
         log(f"{prompt.workload.name}: disturbed run(s), re-running the group (attempt {attempt + 1})")
         time.sleep(2.0)
-    reference = next(r for r in group if r.engine == REFERENCE)
+    by_engine = {r.engine: r for r in group}
     for rec in group:
         rec.extra["attempts"] = attempt + 1
         rec.extra["quiet_wait"] = quiet
-        rec.compare_with(reference)
+        reference = by_engine.get(identity_reference(rec.engine))
+        if reference is not None:
+            rec.compare_with(reference)
     return group
 
 
@@ -465,7 +508,7 @@ def run_prompts(
 
 def _overhead_row(setting: OrtspecEngine, proxy: TimingBackend, prompt: Prompt, max_new: int) -> dict[str, Any] | None:
     """One generation of ``setting`` through ``proxy``: its wall time and the time inside backend calls."""
-    run = setting.start(prompt.ids, max_new)
+    run = setting.start(prompt.ids, max_new, prompt.seed if setting.sampled else None)
     b0, t0 = proxy.seconds, time.perf_counter()
     for _ in run:
         pass
@@ -485,9 +528,10 @@ def _overhead_row(setting: OrtspecEngine, proxy: TimingBackend, prompt: Prompt, 
     }
 
 
-def _overhead_summary(rows: Sequence[dict[str, Any]], decode_step_s: float) -> dict[str, Any]:
+def _overhead_summary(rows: Sequence[dict[str, Any]], decode_step_s: float, sampled: bool) -> dict[str, Any]:
     ov = statistics.median(r["overhead_s_per_step"] for r in rows)
     bk = statistics.median(r["backend_s_per_step"] for r in rows)
+    target = {"target_pct_of_decode_step": OVERHEAD_TARGET_PCT} if sampled else {}
     return {
         "steps": sum(r["steps"] for r in rows),
         "overhead_us_per_step": ov * 1e6,
@@ -497,13 +541,15 @@ def _overhead_summary(rows: Sequence[dict[str, Any]], decode_step_s: float) -> d
         "total_overhead_pct_of_wall": 100
         * sum(r["wall_s"] - r["backend_s"] for r in rows)
         / sum(r["wall_s"] for r in rows),
+        **target,
     }
 
 
 def measure_overhead(
     cfg: SuiteConfig, engine: Engine, prompts: Sequence[Prompt], decode_step_s: float, log: Log
 ) -> dict[str, Any]:
-    """Per-step time outside the backend (driver + core + proposer + detokenizer) for ``OVERHEAD_ENGINES``, in
+    """Per-step time outside the backend (driver + core + proposer + detokenizer) for ``OVERHEAD_ENGINES`` and
+    the same settings sampling with every filter on (``SAMPLED_OVERHEAD_ENGINES``, at each prompt's seed), in
     separate runs on ``overhead_prompts`` prompts per category through a ``TimingBackend``."""
     if cfg.overhead_prompts <= 0:
         return {}
@@ -513,13 +559,19 @@ def measure_overhead(
     proxy = TimingBackend(engine.backend)
     timed = Engine(proxy, engine.tokenizer, eos_token_ids=engine.eos_token_ids, folder=engine.folder)
     settings = [ortspec_engine(name, timed) for name in OVERHEAD_ENGINES]
+    settings += [
+        sampled_variant(ortspec_engine(greedy, timed), name, ALL_FILTERS)
+        for name, greedy in SAMPLED_OVERHEAD_ENGINES.items()
+    ]
     log(f"overhead runs: {len(chosen)} prompts x {len(settings)} engines")
     rows = [row for p in chosen for s in settings if (row := _overhead_row(s, proxy, p, cfg.max_new_tokens))]
     per = {s.name: [r for r in rows if r["engine"] == s.name] for s in settings}
+    sampled = {s.name for s in settings if s.sampled}
     return {
         "prompts": len(chosen),
         "decode_step_s": decode_step_s,
-        "engines": {name: _overhead_summary(rs, decode_step_s) for name, rs in per.items() if rs},
+        "sampling": dict(ALL_FILTERS),
+        "engines": {name: _overhead_summary(rs, decode_step_s, name in sampled) for name, rs in per.items() if rs},
         "runs": [{k: round_float(v, 7) for k, v in row.items()} for row in rows],
     }
 
@@ -593,6 +645,7 @@ def run(cfg: SuiteConfig) -> dict[str, Any]:
             greedy_overhead.get("backend_ms_per_step"),
         ),
         "overhead": overhead,
+        "sampling": sampling_record(order, prompts, summary),
         "summary": {"table": summary["table"], "ratios": summary["ratios"]},
         "per_prompt": summary["per_prompt"],
         "identity": identity_counts(records, order),
@@ -600,7 +653,7 @@ def run(cfg: SuiteConfig) -> dict[str, Any]:
         "disturbed_runs": sum(1 for r in records if r.disturbed),
         # re-run groups: every group holds one reference run
         "retries_used": sum(r.extra["attempts"] - 1 for r in records if r.engine == REFERENCE),
-        "runs": [r.to_dict(keep_ids=(r.engine == REFERENCE)) for r in records],
+        "runs": [r.to_dict(keep_ids=is_reference(r.engine)) for r in records],
         "suite_seconds": log.seconds(),
     }
     for e in engines.values():
@@ -608,6 +661,23 @@ def run(cfg: SuiteConfig) -> dict[str, Any]:
             e.close()
     log("wrote " + ", ".join(str(p) for p in write_results(cfg.out_dir, cfg.label, result)))
     return result
+
+
+def sampling_record(engines: Sequence[str], prompts: Sequence[Prompt], summary: dict[str, Any]) -> dict[str, Any]:
+    """The ``sampling`` section of the results: the sampled engines' options, the seed of every prompt, which
+    engine each sampled engine's identity is checked against, and the issue's targets against the measured
+    ratios (empty when no sampled engine ran)."""
+    sampled = [e for e in engines if e in SAMPLED_ENGINES]
+    if not sampled:
+        return {}
+    return {
+        "engines": sampled,
+        "options": dict(SAMPLING),
+        "seed_rule": SEED_RULE,
+        "seeds": {p.workload.name: p.seed for p in prompts},
+        "identity_reference": {e: identity_reference(e) for e in sampled},
+        "targets": sampled_targets(summary["ratios"]),
+    }
 
 
 def _git_commit() -> str | None:
