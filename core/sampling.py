@@ -258,9 +258,23 @@ def _top_k(z: np.ndarray, zmax: np.float32, t: float, k: int) -> tuple[np.ndarra
     """The ids (ascending) of the ``k`` largest ``z`` within the window (the lowest ids among equals), and the gap
     between the k-th and the next. Candidates are found by widening a threshold below the top, so only they are
     sorted."""
-    delta = t
-    while np.count_nonzero(z >= zmax - np.float32(delta)) <= k and delta <= 2 * UNLIKELY * t:
-        delta *= 2.0  # count first (cheap); gather the candidates once
+
+    def count(d: float) -> int:
+        return int(np.count_nonzero(z >= zmax - np.float32(d)))
+
+    # A first guess from every 16th id: its (k / 16 + 4)-th largest value usually sits a little below the k-th
+    # largest of the row. Then count(low) <= k < count(delta), by doubling, narrowed by bisection.
+    sample = z[::16]
+    m = min(k // 16 + 4, sample.shape[0])
+    guess = float(zmax) - float(np.partition(sample, sample.shape[0] - m)[sample.shape[0] - m])
+    low, delta = 0.0, max(guess, t / 64)
+    while count(delta) <= k and delta <= 2 * UNLIKELY * t:
+        low, delta = delta, delta * 2.0
+    for _ in range(12):  # so that only a few times k candidates are gathered and sorted
+        if count(delta) <= 4 * k + 16:
+            break
+        mid = (low + delta) / 2
+        low, delta = (mid, delta) if count(mid) <= k else (low, mid)
     cand = np.flatnonzero(z >= zmax - np.float32(delta))
     cand = cand[(z[cand] - zmax) / np.float32(t) >= -UNLIKELY]  # the window
     order = cand[np.lexsort((cand, -z[cand]))]
