@@ -62,7 +62,8 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from ortspec.adapters.engine import Engine, GenerationOptions, common_prefix_length
+from ortspec.adapters.engine import SPECULATIVE_CHOICES, Engine, GenerationOptions, common_prefix_length
+from ortspec.core.checks import int_at_least
 from ortspec.core.state import Commit, TokenLogprob
 from ortspec.driver import GenerateResult, GenerationError
 
@@ -71,6 +72,11 @@ T = TypeVar("T")
 # ------------------------------------------------------------------------------------------------------------------
 # Settings
 # ------------------------------------------------------------------------------------------------------------------
+
+
+def _check_speculative(instance: object, attribute: object, value: object) -> None:
+    if value is not None and value not in SPECULATIVE_CHOICES:
+        raise ValueError(f"speculative={value!r}: expected None or one of {SPECULATIVE_CHOICES}")
 
 
 @attrs.frozen(kw_only=True)
@@ -87,11 +93,11 @@ class ServerSettings:
     it is done once, before any request)."""
 
     model_name: str
-    speculative: str | None = "prompt-lookup"
-    max_queue: int = 64
-    request_timeout_s: float = 600.0
-    default_max_tokens: int | None = None
-    max_body_bytes: int = 16 << 20
+    speculative: str | None = attrs.field(default="prompt-lookup", validator=_check_speculative)
+    max_queue: int = attrs.field(default=64, validator=int_at_least(0))
+    request_timeout_s: float = attrs.field(default=600.0, validator=attrs.validators.gt(0))
+    default_max_tokens: int | None = attrs.field(default=None, validator=attrs.validators.optional(int_at_least(1)))
+    max_body_bytes: int = attrs.field(default=16 << 20, validator=int_at_least(1))
     measure_at_startup: bool = True
 
 
@@ -961,28 +967,27 @@ def create_app(engines: Sequence[Engine], settings: ServerSettings) -> FastAPI:
         chat = isinstance(body, ChatCompletionRequest)
         alternatives = (body.top_logprobs if isinstance(body, ChatCompletionRequest) else body.logprobs) or 0
         formatter = _LogprobFormatter(job.worker.engine, alternatives) if prepared.options.top_logprobs else None
-        prefix = "chatcmpl-" if chat else "cmpl-"
-        shape = _Shape(chat, prefix + uuid.uuid4().hex, settings.model_name, formatter)
+        shape = _Shape(chat, ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex, settings.model_name, formatter)
+        streaming = False
         try:
             first = await _unless_disconnected(request, job.next())
-        except BaseException:
-            job.cancel()
-            return Response(status_code=499)
-        if isinstance(first, Failed):
-            raise _error_for(first.error, prepared)
-        metrics.ttft.observe(time.monotonic() - arrived)
-        if body.stream:
-            include_usage = body.stream_options is not None and body.stream_options.include_usage
-            return EventSourceResponse(_stream(job, shape, include_usage), ping=15)
-        try:
+            if isinstance(first, Failed):
+                raise _error_for(first.error, prepared)
+            metrics.ttft.observe(time.monotonic() - arrived)
+            if body.stream:
+                include_usage = body.stream_options is not None and body.stream_options.include_usage
+                streaming = True  # from here the stream owns the job (and cancels it when the client goes)
+                return EventSourceResponse(_stream(job, shape, include_usage), ping=15)
             event = await _unless_disconnected(request, job.next())
-        except BaseException:
-            job.cancel()
-            return Response(status_code=499)
-        if isinstance(event, Failed):
-            raise _error_for(event.error, prepared)
-        assert isinstance(event, Finished)
-        return JSONResponse(shape.response(event.result, _ortspec_stats(event.result, prepared, job.worker)))
+            if isinstance(event, Failed):
+                raise _error_for(event.error, prepared)
+            assert isinstance(event, Finished)
+            return JSONResponse(shape.response(event.result, _ortspec_stats(event.result, prepared, job.worker)))
+        except Cancelled:
+            return Response(status_code=499)  # the client went away; nobody reads this
+        finally:
+            if not streaming:
+                job.cancel()  # a no-op once it finished; otherwise the worker stops within one pass
 
     async def _stream(job: Job, shape: _Shape, include_usage: bool) -> AsyncIterator[dict[str, str]]:
         """The SSE events of a streamed response: a chunk per text delta (with the logprobs of the tokens since the

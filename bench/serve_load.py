@@ -31,6 +31,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -480,7 +481,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     tokenizer = Tokenizer.from_folder(model_dir)
     turns = [conversation(tokenizer, src, args.conversation_tokens) for src in CONVERSATION_SOURCES]
 
-    server = ServerProcess(model_dir, args, out / "serve_load-server.log")
+    server = ServerProcess(model_dir, args, Path(tempfile.gettempdir()) / "ortspec-serve_load-server.log")
     failures: list[str] = []
     try:
         ready_s = server.wait_ready()
