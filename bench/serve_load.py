@@ -33,19 +33,20 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 import openai
 
-from bench.machine import machine_info
+from bench.machine import CpuContention, machine_info
 from bench.workloads import build_workloads
 from ortspec.adapters.engine import Engine
 from ortspec.adapters.tokenizer import Tokenizer
 
+T = TypeVar("T")
 MODEL_NAME = "served"
 MAX_TOKENS = (64, 128, 32, 96)  # cycled over the prompts: mixed output lengths
 CONVERSATION_SOURCES = ("textwrap.py", "shlex.py", "fnmatch.py")
@@ -120,15 +121,25 @@ def conversation(tokenizer: Tokenizer, source: str, tokens: int) -> list[dict[st
     return [{"role": "user", "content": tokenizer.decode(ids) + question}]
 
 
-def compute_references(model_dir: Path, prompts: list[Prompt], threads: int) -> float:
-    """Each prompt's plain greedy text (no speculation, no prefix reuse), in process; returns the seconds taken."""
-    t0 = time.perf_counter()
+def compute_references(model_dir: Path, prompts: list[Prompt], threads: int) -> dict[str, Any]:
+    """Each prompt's plain greedy text (no speculation, no prefix reuse), in process, one prompt at a time with
+    ``threads`` threads: also a baseline measured on the machine as it is now (seconds, tokens, tokens/s)."""
     engine = Engine.from_dir(model_dir, threads=threads)
-    for p in prompts:
-        result = engine.generate(p.messages, max_tokens=p.max_tokens)
-        assert result.finish_reason is not None
-        p.reference, p.reference_finish = result.text, result.finish_reason.openai
-    return time.perf_counter() - t0
+    tokens = 0
+    with CpuContention() as contention:
+        for p in prompts:
+            result = engine.generate(p.messages, max_tokens=p.max_tokens)
+            assert result.finish_reason is not None
+            p.reference, p.reference_finish = result.text, result.finish_reason.openai
+            tokens += len(result.token_ids)
+    wall = contention.wall_s
+    return {
+        "seconds": round(wall, 2),
+        "completion_tokens": tokens,
+        "tokens_per_s": round(tokens / wall, 1),
+        "threads": threads,
+        "other_processes_cores": contention.others_cores,
+    }
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -178,6 +189,11 @@ class ServerProcess:
                 pass
             time.sleep(0.2)
         raise RuntimeError(f"the server did not answer /health within {timeout_s} s")
+
+    def cpu_seconds(self) -> float:
+        """CPU time the server process has used (user + system, its threads included)."""
+        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
     def metrics(self) -> dict[str, float]:
         """The server's counters, summed over labels (``name_total`` -> value)."""
@@ -364,13 +380,22 @@ def summarize_overload(outcomes: list[Outcome], wall: float, prompts: dict[str, 
     }
 
 
+def _cpu_line(cpu: dict[str, Any]) -> str:
+    return (
+        f"CPU during the phase (average cores): server {cpu['server_cores']}, clients {cpu['client_cores']}, "
+        f"other processes (not the benchmark) {cpu['other_cores']}."
+    )
+
+
 def markdown(result: dict[str, Any]) -> str:
     m, s, load, over = result["machine"], result["settings"], result["load"], result["overload"]
+    base = result["in_process_baseline"]
     reuse = result["prefix_reuse"]
     lines = [
         "# `ortspec serve` under load",
         "",
-        f"Measured {m['date_utc']} on {m['cpu']} ({m['cores']['usable']} usable cores, {m['memory_gib']} GiB), "
+        f"Measured {m['date_utc']} on {m['cpu']} ({m['cores']['usable']} usable cores, {m['memory_gib']} GiB; "
+        f"other processes were using {m['background_load_cores']} cores at the start), "
         f"{m['python']}, onnxruntime {m['versions'].get('onnxruntime')}. Written by `{result['command']}`.",
         "",
         f"Server: `{' '.join(result['server_command'])}` (model {s['model']}; {s['workers']} workers x "
@@ -392,15 +417,18 @@ def markdown(result: dict[str, Any]) -> str:
         )
     lines += [
         "",
-        f"Median ratio {reuse['median_ratio']:.3f} "
+        f"{_cpu_line(reuse['cpu'])} Median ratio {reuse['median_ratio']:.3f} "
         f"({'target <= ' + str(s['ttft_target']) if s['ttft_target'] else 'no target set'}).",
         "",
         f"## Load: {s['concurrency']} concurrent streaming clients x {s['requests']} requests",
         "",
         f"Prompts: {len(result['prompts'])} chats of {min(p['prompt_tokens'] for p in result['prompts'])}-"
         f"{max(p['prompt_tokens'] for p in result['prompts'])} tokens (bench.workloads), max_tokens "
-        f"{sorted({p['max_tokens'] for p in result['prompts']})}; references computed in process with plain "
-        f"greedy decoding ({result['reference_s']:.0f} s).",
+        f"{sorted({p['max_tokens'] for p in result['prompts']})}. The references, computed in process before the "
+        f"server started with plain greedy decoding, one prompt at a time on {base['threads']} threads, double as a "
+        f"baseline on the machine as it was: {base['completion_tokens']} tokens in {base['seconds']} s = "
+        f"{base['tokens_per_s']} tokens/s end to end (other processes used {base['other_processes_cores']} cores "
+        "meanwhile).",
         "",
         "| requests | errors | text == reference | wall | requests/s | tokens/s | TTFT p50 / p99 | "
         "inter-chunk p50 / p99 | time per output token p50 / p99 |",
@@ -409,6 +437,8 @@ def markdown(result: dict[str, Any]) -> str:
         f"{load['requests_per_s']} | {load['tokens_per_s']} | {load['ttft_ms_p50']} / {load['ttft_ms_p99']} ms | "
         f"{load['inter_chunk_ms_p50']} / {load['inter_chunk_ms_p99']} ms | "
         f"{load['time_per_output_token_ms_p50']} / {load['time_per_output_token_ms_p99']} ms |",
+        "",
+        _cpu_line(load["cpu"]),
         "",
         "Inter-chunk: the gap between consecutive streamed content chunks (one chunk per committed token that "
         "releases text; an accepted draft block arrives as several chunks at once). Time per output token: "
@@ -423,7 +453,7 @@ def markdown(result: dict[str, Any]) -> str:
         "",
         f"Served {over['served']}, refused {over['refused_429']} with 429 ({over['refused_429_with_retry_after']} "
         f"with a Retry-After header), other errors {over['other_errors']}; served text consistent with the "
-        f"reference {over['served_text_consistent_with_reference']}.",
+        f"reference {over['served_text_consistent_with_reference']}. {_cpu_line(over['cpu'])}",
         "",
         f"Verdict: {'PASS' if result['passed'] else 'FAIL'} "
         f"({'; '.join(result['failures']) or 'every condition met'}).",
@@ -435,6 +465,17 @@ def markdown(result: dict[str, Any]) -> str:
 # ----------------------------------------------------------------------------------------------------------------
 # Main
 # ----------------------------------------------------------------------------------------------------------------
+
+
+def contended(server: ServerProcess, phase: Callable[[], T]) -> tuple[T, dict[str, Any]]:
+    """Run ``phase`` and say how many cores the server, this process (the clients) and every other process used
+    on average meanwhile (other processes: load that does not belong to the benchmark)."""
+    cpu0 = server.cpu_seconds()
+    with CpuContention() as c:
+        value = phase()
+    server_cores = (server.cpu_seconds() - cpu0) / c.wall_s if c.wall_s else 0.0
+    others = None if c.others_cores is None else round(max(0.0, c.others_cores - server_cores), 2)
+    return value, {"server_cores": round(server_cores, 2), "client_cores": c.self_cores, "other_cores": others}
 
 
 def _model_dir(arg: str | None) -> Path:
@@ -476,7 +517,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     print(f"prompts and references on {model_dir} ...", file=sys.stderr)
     prompts = load_prompts(model_dir, args.prompts_per_category, args.max_prompt_tokens)
-    reference_s = compute_references(model_dir, prompts, threads=args.workers * args.threads)
+    baseline = compute_references(model_dir, prompts, threads=args.workers * args.threads)
     by_name = {p.name: p for p in prompts}
     tokenizer = Tokenizer.from_folder(model_dir)
     turns = [conversation(tokenizer, src, args.conversation_tokens) for src in CONVERSATION_SOURCES]
@@ -486,15 +527,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         ready_s = server.wait_ready()
         print(f"server ready in {ready_s:.1f} s at {server.url}; prefix-reuse phase ...", file=sys.stderr)
-        reuse_rows = asyncio.run(prefix_reuse_phase(server.url, turns, args.reuse_max_tokens))
+        reuse_rows, reuse_cpu = contended(
+            server, lambda: asyncio.run(prefix_reuse_phase(server.url, turns, args.reuse_max_tokens))
+        )
         for row, turn in zip(reuse_rows, turns, strict=True):
             row["prompt_tokens"] = len(tokenizer.encode(tokenizer.apply_chat_template(turn)))
         before = server.metrics()
         print(f"load phase: {args.concurrency} clients x {args.requests} requests ...", file=sys.stderr)
-        outcomes, wall = asyncio.run(load_phase(server.url, prompts, args.concurrency, args.requests))
+        (outcomes, wall), load_cpu = contended(
+            server, lambda: asyncio.run(load_phase(server.url, prompts, args.concurrency, args.requests))
+        )
         after = server.metrics()
         print(f"overload phase: {overload} clients at once ...", file=sys.stderr)
-        over_outcomes, over_wall = asyncio.run(overload_phase(server.url, prompts, overload))
+        (over_outcomes, over_wall), over_cpu = contended(
+            server, lambda: asyncio.run(overload_phase(server.url, prompts, overload))
+        )
     finally:
         server.stop()
 
@@ -513,7 +560,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     load = summarize_load(outcomes, wall, by_name)
     over = summarize_overload(over_outcomes, over_wall, by_name)
     ratios = [r["ratio"] for r in reuse_rows]
-    reuse = {"conversations": reuse_rows, "median_ratio": statistics.median(ratios)}
+    reuse = {"conversations": reuse_rows, "median_ratio": statistics.median(ratios), "cpu": reuse_cpu}
+    load["cpu"], over["cpu"] = load_cpu, over_cpu
     if args.ttft_target and reuse["median_ratio"] > args.ttft_target:
         failures.append(f"second-turn TTFT ratio {reuse['median_ratio']:.3f} > {args.ttft_target}")
     if load["errors"]:
@@ -541,7 +589,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         },
         "server_command": ["ortspec", *server.command[3:]],
         "server_ready_s": ready_s,
-        "reference_s": reference_s,
+        "in_process_baseline": baseline,
         "prompts": [{"name": p.name, "prompt_tokens": p.prompt_tokens, "max_tokens": p.max_tokens} for p in prompts],
         "conversation_sources": list(CONVERSATION_SOURCES),
         "prefix_reuse": reuse,
