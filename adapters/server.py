@@ -16,10 +16,11 @@ Layers, each knowing only the next:
   and its own thread (ONNX Runtime releases the GIL, so workers run in parallel). A request waits for an idle
   worker in a bounded FIFO queue (full: ``QueueFull``, answered 429 with ``Retry-After``); a free worker goes to the
   head of the queue, and a request finding several idle workers takes the one whose resident tokens
-  (``Engine.resident_tokens()``) share the longest prefix with its prompt, so the next turn of a conversation
-  prefills only its new tokens. The worker thread iterates the Engine's ``Generation`` one commit at a time and
-  checks the request's cancel flag and deadline between commits: a client that disconnects, or a request past its
-  timeout, stops its generation within one target pass.
+  (``Engine.resident_tokens()``) share the longest prefix with its prompt, net of the resident KV it would drop
+  (``WorkerPool._best_idle``), so the next turn of a conversation prefills only its new tokens. The worker thread
+  iterates the Engine's ``Generation`` one commit at a time and checks the request's cancel flag and deadline
+  between commits: a client that disconnects, or a request past its timeout, stops its generation within one
+  target pass.
 - **The Engine** (``ortspec.adapters.engine``) does the rest. It serializes generations on one Engine and
   supersedes a stale iterator (a generation started on an Engine ends any older one still running there); the pool
   never gives one Engine two requests at once, so neither happens here.

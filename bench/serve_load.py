@@ -575,7 +575,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if over["served_text_consistent_with_reference"].split("/")[0] != str(over["served"]):
         failures.append("overload text differs from the reference")
     result = {
-        "command": "python -m bench.serve_load " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "command": " ".join(["python -m bench.serve_load", *(argv if argv is not None else sys.argv[1:])]),
         "machine": machine,
         "settings": {
             "model": str(model_dir.name),
