@@ -1,4 +1,4 @@
-"""The ``ortspec`` command: ``demo``, ``generate``, ``bench`` and ``convert``.
+"""The ``ortspec`` command: ``demo``, ``generate``, ``bench``, ``convert`` and ``serve``.
 
 Every command works on an ONNX Runtime GenAI model folder (``--model``); without one it uses SmolLM2-135M-Instruct,
 converted on first use into the user cache (see ``ortspec convert``).
@@ -264,6 +264,12 @@ def cmd_convert(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from ortspec.adapters.server import cmd_serve as serve  # needs the 'serve' extra
+
+    return serve(args, _model_dir(args))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ortspec", description="Exact, fast speculative decoding for ONNX Runtime.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -366,6 +372,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--precision", default="fp32", choices=("fp32", "int8"), help="weights (default fp32)")
     p.add_argument("--out", metavar="DIR", help="output folder (default: the ortspec cache)")
     p.set_defaults(func=cmd_convert)
+
+    p = sub.add_parser(
+        "serve", help="OpenAI-compatible HTTP server (needs the 'serve' extra: pip install 'ortspec[serve]')"
+    )
+    model_options(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default %(default)s)")
+    p.add_argument("--port", type=int, default=8000, help="port (default %(default)s)")
+    p.add_argument(
+        "--workers", type=int, default=1, help="engines serving in parallel, each with its own KV (default 1)"
+    )
+    p.add_argument("--speculative", default="prompt-lookup", choices=("prompt-lookup", "none"), help="default proposer")
+    p.add_argument("--max-queue", type=int, default=64, help="requests that may wait for a worker; more get 429")
+    p.add_argument("--timeout", type=float, default=600.0, help="per-request timeout in seconds (default 600)")
+    p.add_argument("--default-max-tokens", type=int, default=None, help="when a request has none (default: context)")
+    p.add_argument("--model-name", help="model id served (default: the model folder's name)")
+    p.add_argument("--prefix-reuse", action=argparse.BooleanOptionalAction, default=True, help="reuse KV (default on)")
+    p.add_argument("--log-level", default="info", help="uvicorn log level (default info)")
+    p.set_defaults(func=cmd_serve)
     return parser
 
 
