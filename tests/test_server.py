@@ -142,6 +142,34 @@ def test_speculation_on_and_off_give_the_same_text(client, reference):
             assert stats["proposed"] == 0 and stats["passes"] == len(want.token_ids)
 
 
+def test_seeded_sampling_is_the_engines_and_replays(client, reference):
+    """Sampling fields pass through: the served tokens are the Engine's at the same seed, speculation on or off;
+    a request without a seed gets one drawn and reported, and replays with it."""
+    prompt = "one two three four one two three four one two three"
+    sampling = dict(temperature=0.8, top_p=0.95, top_k=20, min_p=0.01, frequency_penalty=0.2, presence_penalty=0.1)
+    want = reference.generate(prompt, max_tokens=30, seed=11, **sampling)
+    for flag in (True, False):
+        got = client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=30, seed=11,
+            extra_body={**{k: v for k, v in sampling.items() if k in ("top_k", "min_p")},
+                        "ortspec": {"speculative": flag}},
+            **{k: v for k, v in sampling.items() if k not in ("top_k", "min_p")},
+        )  # fmt: skip
+        assert got.choices[0].text == want.text
+        assert got.model_extra["ortspec"]["seed"] == 11
+    drawn = client.completions.create(model=MODEL, prompt=prompt, max_tokens=30, temperature=0.8)
+    seed = drawn.model_extra["ortspec"]["seed"]
+    assert isinstance(seed, int)
+    again = client.completions.create(model=MODEL, prompt=prompt, max_tokens=30, temperature=0.8, seed=seed)
+    assert again.choices[0].text == drawn.choices[0].text
+    biased = client.completions.create(model=MODEL, prompt=prompt, max_tokens=5, logit_bias={"7": 100})
+    assert biased.usage.completion_tokens == 5
+    assert (
+        reference.tokenize(biased.choices[0].text) == [7] * 5
+        or biased.choices[0].text == reference.generate(prompt, max_tokens=5, logit_bias={7: 100.0}).text
+    )
+
+
 def test_stop_sequences_logprobs_and_seed(client, reference):
     prompt = "the quick brown fox jumps over the lazy dog"
     free = reference.generate(prompt, max_tokens=30)
@@ -250,12 +278,14 @@ BAD = [
     ("completions", dict(GOOD, max_tokens=-5), 400, "max_tokens"),
     ("completions", dict(GOOD, max_tokens="ten"), 400, "max_tokens"),
     ("completions", dict(GOOD, max_tokens=2.5), 400, "max_tokens"),
-    ("completions", dict(GOOD, temperature=0.7), 400, "temperature"),
+    ("completions", dict(GOOD, temperature=-0.7), 400, "temperature"),
     ("completions", dict(GOOD, temperature="hot"), 400, "temperature"),
-    ("completions", dict(GOOD, top_p=0.5), 400, "top_p"),
-    ("completions", dict(GOOD, top_k=40), 400, "top_k"),
-    ("completions", dict(GOOD, frequency_penalty=0.5), 400, "frequency_penalty"),
-    ("completions", dict(GOOD, logit_bias={"5": 3}), 400, "logit_bias"),
+    ("completions", dict(GOOD, temperature=0.7, top_p=0.0), 400, "top_p"),
+    ("completions", dict(GOOD, top_k=-1), 400, "top_k"),
+    ("completions", dict(GOOD, frequency_penalty="high"), 400, "frequency_penalty"),
+    ("completions", dict(GOOD, logit_bias={"x": 3}), 400, "logit_bias"),
+    ("completions", dict(GOOD, logit_bias={"999999": 3}), 400, "logit_bias"),
+    ("completions", dict(GOOD, seed=-1), 400, "seed"),
     ("completions", dict(GOOD, n=2), 400, "n"),
     ("completions", dict(GOOD, seed="x"), 400, "seed"),
     ("completions", dict(GOOD, stop=3), 400, "stop"),
@@ -271,7 +301,7 @@ BAD = [
     ("chat/completions", dict(GOOD_CHAT, max_completion_tokens=0), 400, "max_completion_tokens"),
     ("chat/completions", dict(GOOD_CHAT, top_logprobs=2), 400, "top_logprobs"),
     ("chat/completions", dict(GOOD_CHAT, n=3, stream=True), 400, "n"),
-    ("chat/completions", dict(GOOD_CHAT, temperature=1.0, stream=True), 400, "temperature"),
+    ("chat/completions", dict(GOOD_CHAT, temperature=-1.0, stream=True), 400, "temperature"),
 ]
 
 
@@ -291,7 +321,7 @@ def test_bad_input_is_a_client_error_naming_the_field(server, endpoint, body, st
 
 def test_bad_input_through_the_openai_client(client):
     with pytest.raises(openai.BadRequestError) as info:
-        client.chat.completions.create(model=MODEL, messages=CHAT, temperature=0.8)
+        client.chat.completions.create(model=MODEL, messages=CHAT, temperature=-0.8)
     assert info.value.body["param"] == "temperature"
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="nope", prompt="hi")
