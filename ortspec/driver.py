@@ -276,12 +276,12 @@ class Generation:
         s = delivered(self.state, self._commits[self._delivered :])
         now = time.perf_counter()
         return GenerateResult(
-            token_ids=s.generated_tokens,
+            token_ids=tuple(s.generated_tokens),
             text=s.text,
             finish_reason=s.finish_reason,
             stop_matched=s.stop_matched,
             stats=s.stats,
-            logprobs=s.logprobs if s.options.top_logprobs else None,
+            logprobs=tuple(s.logprobs) if s.options.top_logprobs else None,
             timings=Timings(
                 prefill_s=self._t_prefill - self._t_start,
                 first_token_s=(self._t_first if self._t_first is not None else now) - self._t_start,
