@@ -40,16 +40,18 @@ class PromptLookup:
     back-reference does (a match 2 tokens back proposes the 2-token period repeated), so runs and short cycles
     fill the whole width.
 
-    Cost: the search runs over the context as bytes. For a ``Shared`` context (what the driver passes) the bytes
-    are kept between calls and only the new tokens are encoded, so a step costs a C-speed scan, not a Python pass
-    over the whole history; any other sequence is encoded afresh.
+    Cost. A ``Shared`` context (what the driver passes; core/tokens.py) only grows between calls, so the proposer
+    keeps an index of its n-grams (for each length, the most recent position after each n-gram) and adds only
+    the n-grams the new tokens complete: a step costs O(new tokens), whatever the length of the history. The index
+    holds one entry per distinct n-gram of the last context seen (about 100 bytes each) until another context
+    replaces it. Any other sequence is searched as bytes (``bytes.rfind``, in C), O(context) per call.
     """
 
     ngram: int = attrs.field(default=3, validator=int_at_least(1))
     max_draft: int = attrs.field(default=8, validator=int_at_least(1))
     min_ngram: int = attrs.field(default=1, validator=int_at_least(1))
-    # (head, store, bytes of head + store[:m], m) of the last Shared context seen: see _context_bytes.
-    _encoded: list[tuple[Any, ...]] = attrs.field(factory=list, init=False, eq=False, repr=False)
+    # [(head, store, indexed, tables)] for the last Shared context seen: see _indexed.
+    _index: list[tuple[Any, ...]] = attrs.field(factory=list, init=False, eq=False, repr=False)
 
     def __attrs_post_init__(self) -> None:
         if self.min_ngram > self.ngram:
@@ -60,12 +62,21 @@ class PromptLookup:
         limit = min(width, self.max_draft)
         if limit < 1 or n_ctx < 2:
             return ()
+        if isinstance(context_tokens, Shared):
+            with _CACHE_LOCK:
+                tables = self._indexed(context_tokens)
+                if tables is not None:
+                    for n in range(min(self.ngram, n_ctx - 1), self.min_ngram - 1, -1):
+                        after = tables[n].get(_ngram_key(context_tokens[n_ctx - n :]))
+                        if after is not None:
+                            return _copy_forward(context_tokens, after, limit)
+                    return ()
         # Search the context as bytes (4 per token): bytes.rfind runs in C. A hit must be token-aligned and must
-        # end before the last token, so that at least one token follows it. `data` may run past the context.
-        data = self._context_bytes(context_tokens)
+        # end before the last token, so that at least one token follows it.
+        data = array("I", context_tokens).tobytes()
         body_end = (n_ctx - 1) * 4
         for n in range(min(self.ngram, n_ctx - 1), self.min_ngram - 1, -1):
-            needle = data[4 * (n_ctx - n) : 4 * n_ctx]
+            needle = data[-4 * n :]
             end = body_end
             while (at := data.rfind(needle, 0, end)) >= 0:
                 if at % 4 == 0:
@@ -73,24 +84,40 @@ class PromptLookup:
                 end = at + 4 * n - 1
         return ()
 
-    def _context_bytes(self, context_tokens: Sequence[int]) -> bytes | bytearray:
-        """The context as 4-byte ids; possibly followed by more (ids of a longer context on the same storage).
+    def _indexed(self, context: Shared[int]) -> dict[int, dict[int, int]] | None:
+        """For each n-gram length, ``{n-gram key: the position right after its most recent occurrence}`` over the
+        n-grams of ``context`` that end before its last token; None when the index cannot serve ``context`` (a
+        shorter view of storage already indexed further: the caller searches bytes). The caller holds the lock.
 
-        A ``Shared`` context is ``head + store[:n]`` where ``store`` only grows and never changes (core/tokens.py):
-        the bytes of the last one seen are kept and extended by the ids added since."""
-        if not isinstance(context_tokens, Shared):
-            return array("I", context_tokens).tobytes()
-        head, store, n = context_tokens.parts()
-        with _CACHE_LOCK:
-            if self._encoded and self._encoded[0][0] is head and self._encoded[0][1] is store:
-                _, _, data, m = self._encoded[0]
-            else:
-                data, m = bytearray(array("I", head).tobytes()), 0
-            if m < n:
-                data += array("I", store[m:n]).tobytes()
-                m = n
-            self._encoded[:] = [(head, store, data, m)]
-        return data
+        A ``Shared`` context is ``head + store[:n]``, and ``store`` only grows and never changes, so the index of
+        the last context seen stays true and is extended by the n-grams the newer tokens complete."""
+        head, store, n = context.parts()
+        usable = len(head) + n - 1  # n-grams must end before the last token
+        cached = self._index[0] if self._index else None
+        if cached is not None and cached[0] is head and cached[1] is store:
+            if cached[2] > usable:
+                return None
+            done, tables = cached[2], cached[3]
+        else:
+            done, tables = 0, {k: {} for k in range(self.min_ngram, self.ngram + 1)}
+        if done < usable:
+            low = max(0, done - self.ngram + 1)
+            tokens = context[low:usable]  # the new n-grams and the tokens before them that they span
+            for end in range(done, usable):  # an n-gram of tokens [end - k + 1, end]
+                for k, table in tables.items():
+                    first = end - k + 1
+                    if first >= 0:
+                        table[_ngram_key(tokens[first - low : end + 1 - low])] = end + 1
+            self._index[:] = [(head, store, usable, tables)]
+        return tables
+
+
+def _ngram_key(ids: Sequence[int]) -> int:
+    """One int for a run of ids (each < 2**32), as a dict key smaller than a tuple."""
+    key = 0
+    for t in ids:
+        key = (key << 32) | int(t)
+    return key
 
 
 def _copy_forward(context: Sequence[int], first: int, count: int) -> tuple[int, ...]:
