@@ -39,7 +39,7 @@ class Tokenizer:
         try:
             tok = _HFTokenizer.from_file(str(path))
         except Exception as exc:  # the library raises a bare Exception for malformed files
-            raise ModelFolderError(f"{path} is not a tokenizers tokenizer.json: {exc}") from exc
+            raise ModelFolderError(f"{path} is not a tokenizers tokenizer.json [tokenizers: {exc}]") from exc
         template = None
         if (folder / "chat_template.jinja").is_file():
             template = (folder / "chat_template.jinja").read_text(encoding="utf-8")

@@ -89,6 +89,10 @@ class GenerateResult:
         return decode_rate(len(self.token_ids), self.timings.first_token_s, self.timings.total_s) or 0.0
 
 
+def _tokens(n: int) -> str:
+    return f"{n} token" if n == 1 else f"{n} tokens"
+
+
 class GenerationError(RuntimeError):
     """A generation failed after it started (the backend, the proposer or the core raised): ``partial`` is what
     was delivered before the failure, and the original exception is the ``__cause__``. Nothing delivered is
@@ -105,7 +109,7 @@ class GenerationAborted(GenerationError):
 
     def __init__(self, partial: GenerateResult) -> None:
         super().__init__(
-            f"the stream callback raised after {len(partial.token_ids)} tokens; generation stopped", partial
+            f"the stream callback raised after {_tokens(len(partial.token_ids))}; generation stopped", partial
         )
 
 
@@ -208,7 +212,7 @@ class Generation:
                 action()
         except Exception as exc:
             partial = self.result()
-            message = f"generation failed after {len(partial.token_ids)} tokens: {type(exc).__name__}: {exc}"
+            message = f"generation failed after {_tokens(len(partial.token_ids))}: {type(exc).__name__}: {exc}"
             raise GenerationError(message, partial) from exc
 
     def __iter__(self) -> Iterator[Commit]:

@@ -311,7 +311,8 @@ class OrtBackend:
             self.session.run_with_iobinding(binding)
             binding.synchronize_outputs()
         except Exception as exc:  # noqa: BLE001 - ORT raises its own exception types
-            raise BackendError(f"onnxruntime failed on {count} tokens at position {past}: {exc}") from exc
+            what = f"{count} token" + ("s" if count != 1 else "")
+            raise BackendError(f"onnxruntime failed on {what} at position {past} [onnxruntime: {exc}]") from exc
         if presents is not None:
             for layer, (present_key, present_value) in enumerate(presents):
                 arrays.copy_positions(self._keys[layer], present_key, past, total)

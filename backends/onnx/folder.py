@@ -331,8 +331,8 @@ def external_data_problem(model_path: Path) -> str | None:
                 found = _external_data(buf, _fields(buf, *span))
                 if found is not None and found[2] > needs.get(found[1], (-1, ""))[0]:
                     needs[found[1]] = (found[2], found[0])
-    except ValueError as exc:  # _Malformed, or an offset that is not a number
-        return f"{model_path} is not an ONNX model (it does not parse as one: {exc}); is it truncated?"
+    except ValueError:  # _Malformed, or an offset that is not a number
+        return f"{model_path} is not an ONNX model (it does not parse as one: is it truncated, or another file?)"
     for location, (end, tensor) in sorted(needs.items()):
         data = model_path.parent / location
         if not data.is_file():

@@ -138,9 +138,10 @@ def inspect_graph(session, folder: ModelFolder) -> DecoderGraph:
             if table is inputs:
                 fed.add(arg.name)
         kv_names.append(names)
-    if folder.past_key_pattern % folder.num_layers in inputs:
+    if (extra_layer := folder.past_key_pattern % folder.num_layers) in inputs:
         raise ModelFileError(
-            f"{where}: the graph has more layers than genai_config.json's num_hidden_layers = {folder.num_layers}"
+            f"{where}: the graph has more layers than genai_config.json's num_hidden_layers = {folder.num_layers} "
+            f"(it declares input {extra_layer!r})"
         )
 
     logits = need(outputs, folder.logits_name, "output")
