@@ -14,7 +14,7 @@ What is measured:
 * **Raw greedy**: the backend alone (``decode`` one token, numpy argmax), no ortspec driver or core: how a pass's
   cost grows with the context (attention reads every earlier position).
 * **Warm-up**: one generation of the full length. The KV buffers are allocated at load but the OS makes their
-  pages resident as positions are first written, and onnxruntime's arena grows to its high-water mark; both
+  pages resident as positions are first written, and onnxruntime's own allocations grow the same way; both
   happen once per Engine and are reported, not counted as growth.
 * **ortspec greedy** and **ortspec speculative** (prompt lookup, cost-aware width), ``ignore_eos``: per-token CPU
   time of the first thousand tokens (after the first) and of the last thousand, split into the time inside the
