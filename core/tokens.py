@@ -124,8 +124,3 @@ class Shared(Sequence[T], Generic[T]):
 
     def __repr__(self) -> str:
         return repr(tuple(self))
-
-
-def as_tuple(items: Sequence[T]) -> tuple[T, ...]:
-    """``items`` as a plain tuple."""
-    return items if isinstance(items, tuple) else tuple(items)
