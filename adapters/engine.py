@@ -18,7 +18,7 @@ import os
 import secrets
 import threading
 import warnings
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
@@ -27,9 +27,9 @@ import attrs
 from ortspec.adapters.cache import cache_root
 from ortspec.adapters.tokenizer import Tokenizer
 from ortspec.backends.base import Backend
-from ortspec.backends.onnx import ModelFolder
+from ortspec.backends.onnx import ModelFolder, ModelFolderError
 from ortspec.core import CostAwareWidth, Options, PromptLookup, Proposer, WidthPolicy
-from ortspec.core.checks import int_at_least
+from ortspec.core.checks import check_int, ids_in_vocab, int_at_least
 from ortspec.driver import GenerateResult, Generation
 
 Prompt = str | Sequence[int] | Sequence[Mapping[str, str]]
@@ -39,6 +39,10 @@ Stop = str | Sequence[str] | Sequence[Sequence[int]] | None
 SPECULATIVE_CHOICES = ("prompt-lookup",)
 # Verify-vs-decode logit drift (in logits) above which speculative output is no longer guaranteed to equal greedy.
 DRIFT_WARNING_THRESHOLD = 1e-3
+# Stop strings are searched in the text after every token (cost ~ the number and length of the strings), and a
+# stop token sequence is compared with the newest tokens: these bounds keep that a small part of a step.
+MAX_STOPS = 64
+MAX_STOP_LENGTH = 1000
 
 
 def make_proposer(speculative: str | Proposer | None) -> Proposer | None:
@@ -54,19 +58,51 @@ def make_proposer(speculative: str | Proposer | None) -> Proposer | None:
     return speculative
 
 
-def _split_stop(stop: Stop) -> tuple[tuple[str, ...], tuple[tuple[int, ...], ...]]:
-    """``stop`` as (stop strings, stop token sequences)."""
+def _split_stop(stop: object, vocab_size: int) -> tuple[tuple[str, ...], tuple[tuple[int, ...], ...]]:
+    """``stop`` as (stop strings, stop token sequences); ``ValueError`` naming ``stop`` for anything that could
+    never match or is not a stop: an empty string or sequence, bytes, a lone surrogate (no decoded text holds one:
+    e.g. half of a character cut from UTF-16, or bytes decoded with ``surrogateescape``), a token id outside the
+    vocabulary, more than ``MAX_STOPS`` entries, or one longer than ``MAX_STOP_LENGTH``. ``None`` and ``[]``: no
+    stops."""
     if stop is None:
         return (), ()
     if isinstance(stop, str):
-        return (stop,), ()
+        stop = (stop,)
+    if isinstance(stop, (bytes, bytearray)):
+        raise ValueError("stop: bytes are not a stop string; decode them to str (stop strings match decoded text)")
+    if isinstance(stop, Mapping) or not isinstance(stop, Iterable):
+        raise ValueError(
+            f"stop must be a string, a list of strings or a list of token-id lists, got {type(stop).__name__}"
+        )
+    items = list(stop)
+    if len(items) > MAX_STOPS:
+        raise ValueError(f"stop holds {len(items)} entries; at most {MAX_STOPS} are allowed")
     strings: list[str] = []
     sequences: list[tuple[int, ...]] = []
-    for item in stop:
+    for item in items:
         if isinstance(item, str):
+            if not item:
+                raise ValueError("stop: an empty string would match before any text; remove it")
+            if len(item) > MAX_STOP_LENGTH:
+                raise ValueError(
+                    f"stop: a stop string of {len(item)} characters; at most {MAX_STOP_LENGTH} are allowed"
+                )
+            for i, ch in enumerate(item):
+                if "\ud800" <= ch <= "\udfff":
+                    raise ValueError(
+                        f"stop: {item!r} holds a lone surrogate (U+{ord(ch):04X} at index {i}), which no decoded text "
+                        "contains: it could never match (was it cut from UTF-16, or decoded with surrogateescape?)"
+                    )
             strings.append(item)
-        elif isinstance(item, Sequence) and all(isinstance(t, int) for t in item):
-            sequences.append(tuple(int(t) for t in item))
+        elif isinstance(item, (bytes, bytearray)):
+            raise ValueError(f"stop: {item!r} is bytes; decode it to str (stop strings match decoded text)")
+        elif isinstance(item, Iterable) and not isinstance(item, Mapping):
+            ids = list(item)
+            if not ids:
+                raise ValueError("stop: an empty token-id sequence would match before any token; remove it")
+            if len(ids) > MAX_STOP_LENGTH:
+                raise ValueError(f"stop: a token-id sequence of {len(ids)} ids; at most {MAX_STOP_LENGTH} are allowed")
+            sequences.append(ids_in_vocab("stop", ids, vocab_size))
         else:
             raise ValueError(f"stop: {item!r} is neither a string nor a sequence of token ids")
     return tuple(strings), tuple(sequences)
@@ -259,11 +295,22 @@ class Engine:
 
         ``provider``: ``"cpu"`` or ``"cuda"``; ``threads``: intra-op threads (default: physical cores);
         ``max_length``: KV capacity in tokens (default: the config's context length); ``prefix_reuse``: see the
-        class docstring."""
+        class docstring.
+
+        Raises ``ValueError`` for a bad argument, ``ModelFolderError`` (a ``ValueError``) naming the file and the
+        field or tensor when the folder cannot be used (missing or invalid files, a graph that does not match its
+        config, a tokenizer for another vocabulary), and ``BackendError`` when onnxruntime fails otherwise."""
         from ortspec.backends.onnx import OrtBackend
 
+        if threads is not None:
+            check_int("threads", threads, 1)
+        if max_length is not None:
+            check_int("max_length", max_length, 1)
+        if provider not in ("cpu", "cuda"):
+            raise ValueError(f"provider must be 'cpu' or 'cuda', got {provider!r}")
         folder = ModelFolder.load(Path(path))
         tokenizer = Tokenizer.from_folder(folder.path)
+        check_tokenizer_fits(folder, tokenizer)
         backend = OrtBackend.from_folder(folder, provider=provider, threads=threads, max_length=max_length)
         return cls(backend, tokenizer, eos_token_ids=folder.eos_token_ids, folder=folder, prefix_reuse=prefix_reuse)
 
@@ -273,20 +320,30 @@ class Engine:
 
     def prompt_ids(self, prompt: Prompt, *, chat: bool = False, system: str | None = None) -> list[int]:
         """Token ids for a prompt: text (chat-formatted as one user turn when ``chat``), a list of chat
-        messages (always chat-formatted), or token ids (used as they are)."""
+        messages (always chat-formatted), or token ids (used as they are). ``ValueError`` names ``prompt`` for an
+        empty prompt (an empty text is refused with ``chat`` too: it is not a question), ids that are not ints in
+        the vocabulary, or anything else."""
         if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("the prompt is empty: give some text (or token ids)")
             if chat:
                 messages = ([{"role": "system", "content": system}] if system else []) + [
                     {"role": "user", "content": prompt}
                 ]
                 prompt = self.tokenizer.apply_chat_template(messages)
             ids = self.tokenizer.encode(prompt)
+        elif isinstance(prompt, (bytes, bytearray)):
+            raise ValueError("the prompt is bytes: decode it to str (or give token ids)")
+        elif isinstance(prompt, Mapping) or not isinstance(prompt, Sequence) and not hasattr(prompt, "__array__"):
+            raise ValueError(
+                f"the prompt must be text, a list of chat messages or a list of token ids, got {type(prompt).__name__}"
+            )
         elif len(prompt) and all(isinstance(m, Mapping) for m in prompt):
             ids = self.tokenizer.encode(self.tokenizer.apply_chat_template(list(prompt)))  # type: ignore[arg-type]
         else:
-            ids = list(prompt)  # type: ignore[arg-type]
             if chat:
                 raise ValueError("chat=True needs a text prompt or chat messages, not token ids")
+            ids = list(ids_in_vocab("prompt", list(prompt), self.backend.vocab_size))
         if not ids:
             raise ValueError("the prompt is empty: it must encode to at least one token")
         return ids
@@ -294,11 +351,12 @@ class Engine:
     # -- generation -------------------------------------------------------------------------------------------
     def start_with(self, prompt: Prompt, options: GenerationOptions) -> Generation:
         """A ``Generation`` (an iterator of commits) for ``prompt`` with ``options``: the one place the Engine
-        turns its options into the core's ``Options``, a proposer and a width policy."""
-        stop_strings, stop_sequences = _split_stop(options.stop)
+        turns its options into the core's ``Options``, a proposer and a width policy.
+
+        Everything the caller gave is checked first (``ValueError`` naming it); only then, for a speculative
+        generation, are this model's verify drift and cost curve measured (once; ``BackendError`` if that fails)."""
+        stop_strings, stop_sequences = _split_stop(options.stop, self.backend.vocab_size)
         proposer = make_proposer(options.speculative)
-        if proposer is not None:
-            self._warn_if_inexact()
         core_options = Options(
             max_new_tokens=options.max_tokens,
             eos_token_ids=() if options.ignore_eos else self.eos_token_ids,
@@ -309,10 +367,15 @@ class Engine:
             **options.sampling_options(),
         )
         ids = self.prompt_ids(prompt, chat=options.chat, system=options.system)
+        self._check_prompt_fits(ids)
         draft_width = options.draft_width
         with self._lock:
-            if draft_width == "auto":
-                draft_width = CostAwareWidth(self.pass_costs()) if proposer is not None else 1
+            if proposer is not None:
+                self._warn_if_inexact()
+                if draft_width == "auto":
+                    draft_width = CostAwareWidth(self.pass_costs())
+            elif draft_width == "auto":
+                draft_width = 1
             assert not isinstance(draft_width, str)
             cached = 0
             if self.prefix_reuse and self._last is not None:
@@ -330,6 +393,18 @@ class Engine:
             )
             self._last = generation
             return generation
+
+    def _check_prompt_fits(self, ids: Sequence[int]) -> None:
+        """``ValueError`` when the prompt is longer than the context (one that fills it exactly ends at once with
+        ``context_full``, as the core decides)."""
+        capacity = self.backend.max_length
+        if len(ids) > capacity:
+            model = f"; the model's context_length is {self.folder.context_length}" if self.folder else ""
+            raise ValueError(
+                f"the prompt has {len(ids)} tokens but the context holds {capacity} (max_length{model}): "
+                "shorten the prompt"
+                + (" or raise max_length" if self.folder and capacity < self.folder.context_length else "")
+            )
 
     @takes_options(GenerationOptions)
     def start(self, prompt: Prompt, options: GenerationOptions) -> Generation:
@@ -368,19 +443,64 @@ class Engine:
 
     # -- measurements -----------------------------------------------------------------------------------------
     def verify_drift(self) -> float:
-        """Largest logit difference between this backend's verify passes and one-token decodes (measured once,
-        ~30 passes; see ``ortspec.costs.measure_verify_drift``): 0 or ~1e-5 on float32 kernels, tenths of a logit
-        on int8 kernels with batch-dependent activation quantization. Above ``DRIFT_WARNING_THRESHOLD`` the first
-        speculative generation warns that its output can differ from greedy output."""
+        """Largest logit difference between this backend's verify passes and one-token decodes (~30 passes; see
+        ``ortspec.costs.measure_verify_drift``): 0 or ~1e-5 on float32 kernels, tenths of a logit on int8 kernels
+        with batch-dependent activation quantization. Measured once per model file, provider, thread count and
+        onnxruntime version and kept in the user cache (``measurement_file``), with a probe that fits any
+        ``max_length``. Above ``DRIFT_WARNING_THRESHOLD`` the first speculative generation warns that its output can
+        differ from greedy output. ``BackendError`` if the measurement fails."""
         if self._drift is None:
-            from ortspec.costs import measure_verify_drift, probe_ids
+            from ortspec.costs import cached_verify_drift
 
-            context = max(1, min(256, self.backend.max_length - 40))
-            ids = probe_ids(self.backend.vocab_size, context + 27)
-            with self._lock:
-                self._take_backend()
-                self._drift = measure_verify_drift(self.backend, ids[:context], ids[context:], windows=3)
+            self._drift = self._measured(
+                "verify drift", lambda before: cached_verify_drift(self.backend, self.measurement_file(), before=before)
+            )
         return self._drift
+
+    def pass_costs(self, kmax: int = 16) -> tuple[float, ...]:
+        """This backend's verify cost curve (pass over 1 + K tokens ÷ a decode step, K = 0..kmax), measured once
+        (a few seconds) and kept like ``verify_drift``. ``BackendError`` if the measurement fails."""
+        if self._pass_costs is None or len(self._pass_costs) != kmax + 1:
+            from ortspec.costs import cached_pass_costs
+
+            self._pass_costs = self._measured(
+                "verify cost curve",
+                lambda before: cached_pass_costs(self.backend, self.measurement_file(), kmax, before=before),
+            )
+        return self._pass_costs
+
+    def measurement_file(self) -> Path | None:
+        """Where this engine's measurements are kept (``ortspec.costs.cached_measurement``): one file per model
+        file (its path, and the size and modification time of it and of its external data), provider, thread
+        count and onnxruntime version, under the user cache. None without a model folder: nothing to key it on,
+        so the measurements are made once per Engine."""
+        if self.folder is None:
+            return None
+        import onnxruntime
+
+        model = self.folder.model_path.resolve()
+        files = sorted(p for p in model.parent.iterdir() if p.name.startswith(model.name))
+        key = "|".join(
+            [str(model)]
+            + [f"{p.name}:{p.stat().st_size}:{p.stat().st_mtime_ns}" for p in files]
+            + [str(getattr(self.backend, "provider", "?")), str(getattr(self.backend, "threads", "?"))]
+            + [onnxruntime.__version__]
+        )
+        return cache_root() / "measurements" / (hashlib.sha256(key.encode()).hexdigest()[:16] + ".json")
+
+    def _measured(self, what: str, measure: Callable[[Callable[[], None]], R]) -> R:
+        """Run ``measure(before)`` under the lock; ``before()`` is called just before the backend is used (a cache
+        hit never calls it), and takes the backend. A failure becomes a ``BackendError`` saying what was measured."""
+        from ortspec.backends.base import BackendError
+
+        with self._lock:
+            try:
+                return measure(self._take_backend)
+            except Exception as exc:
+                raise BackendError(
+                    f"measuring this model's {what} failed (a speculative generation measures it once, then reads it "
+                    f"from the cache): {type(exc).__name__}: {exc}"
+                ) from exc
 
     def _take_backend(self) -> None:
         """A measurement is about to use (and reset) the backend (the caller holds the lock): it supersedes any
@@ -400,24 +520,20 @@ class Engine:
             stacklevel=4,
         )
 
-    def pass_costs(self, kmax: int = 16) -> tuple[float, ...]:
-        """This backend's verify cost curve (pass over 1 + K tokens ÷ a decode step, K = 0..kmax), measured
-        once per model folder, provider and thread count (a few seconds) and cached in the user cache."""
-        if self._pass_costs is None or len(self._pass_costs) != kmax + 1:
-            from ortspec.costs import cached_pass_costs
 
-            key = "|".join(
-                str(x)
-                for x in (
-                    self.folder.model_path.resolve() if self.folder else id(self.backend),
-                    self.folder.model_path.stat().st_mtime_ns if self.folder else "",
-                    getattr(self.backend, "provider", "?"),
-                    getattr(self.backend, "threads", "?"),
-                    kmax,
-                )
+def check_tokenizer_fits(folder: ModelFolder, tokenizer: Tokenizer) -> None:
+    """``ModelFolderError`` when ``tokenizer.json`` cannot be this model's: it makes ids past the model's vocabulary,
+    or lacks its EOS ids. (A tokenizer with fewer entries than the vocabulary is normal: vocabularies are padded.)"""
+    size = tokenizer.vocab_size
+    config = folder.path / "genai_config.json"
+    if size > folder.vocab_size:
+        raise ModelFolderError(
+            f"{tokenizer.path} has {size} tokens but {config} says model.vocab_size = {folder.vocab_size}: "
+            "the tokenizer is for another model"
+        )
+    for eos in folder.eos_token_ids:
+        if tokenizer.id_to_token(eos) is None:
+            raise ModelFolderError(
+                f"{tokenizer.path} has no token {eos}, the model.eos_token_id of {config}: "
+                "the tokenizer is for another model"
             )
-            cache_file = cache_root() / "pass_costs" / (hashlib.sha256(key.encode()).hexdigest()[:16] + ".json")
-            with self._lock:
-                self._take_backend()
-                self._pass_costs = cached_pass_costs(self.backend, cache_file, kmax)
-        return self._pass_costs

@@ -10,6 +10,8 @@ from typing import Any
 
 from tokenizers import Tokenizer as _HFTokenizer
 
+from ortspec.backends.onnx.folder import ModelFolderError
+
 _CHATML = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
@@ -20,21 +22,24 @@ class Tokenizer:
     """A folder's ``tokenizer.json`` (required) and chat template (``chat_template.jinja`` or the
     ``chat_template`` of ``tokenizer_config.json``, when present)."""
 
-    def __init__(self, tokenizer: _HFTokenizer, chat_template: str | None = None) -> None:
+    def __init__(self, tokenizer: _HFTokenizer, chat_template: str | None = None, *, path: Path | None = None) -> None:
         self._tok = tokenizer
         self.chat_template = chat_template
+        self.path = path  # the tokenizer.json it was read from, if any
         self._template: Any = None  # the compiled jinja2 template, made on first use
 
     @classmethod
     def from_folder(cls, folder: str | os.PathLike[str]) -> Tokenizer:
+        """Read ``folder/tokenizer.json`` and the chat template; ``ModelFolderError`` names the file when it is
+        missing or is not a tokenizer."""
         folder = Path(folder)
         path = folder / "tokenizer.json"
         if not path.is_file():
-            raise FileNotFoundError(f"model folder {folder} has no tokenizer.json")
+            raise ModelFolderError(f"model folder {folder} has no tokenizer.json")
         try:
             tok = _HFTokenizer.from_file(str(path))
         except Exception as exc:  # the library raises a bare Exception for malformed files
-            raise ValueError(f"{path} is not a tokenizers tokenizer.json: {exc}") from exc
+            raise ModelFolderError(f"{path} is not a tokenizers tokenizer.json [tokenizers: {exc}]") from exc
         template = None
         if (folder / "chat_template.jinja").is_file():
             template = (folder / "chat_template.jinja").read_text(encoding="utf-8")
@@ -45,7 +50,16 @@ class Tokenizer:
                 cfg = {}
             if isinstance(cfg.get("chat_template"), str):
                 template = cfg["chat_template"]
-        return cls(tok, template)
+        return cls(tok, template, path=path)
+
+    @property
+    def vocab_size(self) -> int:
+        """Entries of the tokenizer, added (special) tokens included."""
+        return int(self._tok.get_vocab_size(with_added_tokens=True))
+
+    def id_to_token(self, token_id: int) -> str | None:
+        """The token string of ``token_id``, or None when the tokenizer has no such id."""
+        return self._tok.id_to_token(int(token_id))
 
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text``, special-token markup (``<|im_start|>``...) recognised, nothing added."""

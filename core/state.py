@@ -72,6 +72,7 @@ import numpy as np
 
 from .checks import check_int, check_number, ids_in_vocab, is_int, token_ids
 from .sampling import NonFiniteRow, Pick, Sampling, StepContext
+from .tokens import Shared
 
 Detokenize = Callable[[Sequence[int]], str]
 
@@ -256,6 +257,14 @@ class Commit:
     logprob: TokenLogprob | None = None
 
 
+def _shared_ids(value: Iterable[int]) -> Shared[int]:
+    return Shared.of(value)
+
+
+def _shared_logprobs(value: Iterable[TokenLogprob]) -> Shared[TokenLogprob]:
+    return Shared.of(value)
+
+
 @attrs.frozen
 class DecodeState:
     """One generation's decisions so far. Build it with ``DecodeState.start``; advance it with ``step``.
@@ -270,12 +279,13 @@ class DecodeState:
     options: Options
     detokenize: Detokenize | None = attrs.field(default=None, eq=False, repr=False)
     capacity: int | None = None
-    generated_tokens: tuple[int, ...] = ()
+    # Shared sequences (core/tokens.py): a step extends them in O(1) instead of copying the whole history.
+    generated_tokens: Shared[int] = attrs.field(factory=Shared, converter=_shared_ids)
     text: str = ""
     finish_reason: FinishReason | None = None
     stop_matched: str | tuple[int, ...] | None = None
     stats: Stats = Stats()
-    logprobs: tuple[TokenLogprob, ...] = ()
+    logprobs: Shared[TokenLogprob] = attrs.field(factory=Shared, converter=_shared_logprobs)
     streamed_chars: int = 0
     # Incremental detokenization: the text of generated[_detok_start:_detok_end] is already in `text`.
     _detok_start: int = 0
@@ -357,9 +367,9 @@ class DecodeState:
         return self._plain_step_next
 
     @property
-    def context_tokens(self) -> tuple[int, ...]:
-        """Prompt + generated tokens: what a proposer sees."""
-        return self.prompt_tokens + self.generated_tokens
+    def context_tokens(self) -> Shared[int]:
+        """Prompt + generated tokens: what a proposer sees (a ``Shared`` sequence, made in O(1))."""
+        return self.generated_tokens.with_head(self.prompt_tokens)
 
     @property
     def streamed_text(self) -> str:
@@ -535,13 +545,13 @@ def _advance(
     # Commit: each candidate passes the rules in order; the first rule that fires ends the generation.
     limit = state.context_limit
     text = _TextTracker(state)
-    generated = list(state.generated_tokens)
-    logprobs = list(state.logprobs)
+    generated = state.generated_tokens
+    logprobs = state.logprobs
     commits: list[Commit] = []
     finish: FinishReason | None = None
     matched: str | tuple[int, ...] | None = None
     for i, token in enumerate(candidates):
-        generated.append(token)
+        generated = generated.extended((token,))
         eos = token in opts.eos_token_ids
         seq = None if eos else _matched_stop_sequence(generated, opts.stop_token_sequences)
         bound = None
@@ -561,7 +571,7 @@ def _advance(
             finish = bound
         lp = logprob(i, token) if logprob is not None else None
         if lp is not None:
-            logprobs.append(lp)
+            logprobs = logprobs.extended((lp,))
         commits.append(Commit(token, text.release(final=finish is not None), lp))
         if finish is not None:
             break
@@ -579,12 +589,12 @@ def _advance(
     )
     new_state = attrs.evolve(
         state,
-        generated_tokens=tuple(generated),
+        generated_tokens=generated,
         text=text.text,
         finish_reason=finish,
         stop_matched=matched,
         stats=stats,
-        logprobs=tuple(logprobs),
+        logprobs=logprobs,
         streamed_chars=text.streamed,
         detok_start=text.detok_start,
         detok_end=text.detok_end,
@@ -593,7 +603,7 @@ def _advance(
     return new_state, tuple(commits), new_state.kv_len
 
 
-def _matched_stop_sequence(generated: list[int], sequences: tuple[tuple[int, ...], ...]) -> tuple[int, ...] | None:
+def _matched_stop_sequence(generated: Sequence[int], sequences: tuple[tuple[int, ...], ...]) -> tuple[int, ...] | None:
     for seq in sequences:
         n = len(seq)
         if len(generated) >= n and tuple(generated[-n:]) == seq:
@@ -614,7 +624,7 @@ class _TextTracker:
         self.stop_strings = state.options.stop_strings
         self.longest_stop = max((len(s) for s in self.stop_strings), default=0)
 
-    def add(self, generated: list[int], flush: bool) -> None:
+    def add(self, generated: Sequence[int], flush: bool) -> None:
         """Decode what the newest token completes. A trailing partial character waits for the next token,
         unless ``flush`` (the generation ends here), when it is kept as U+FFFD."""
         if self.detokenize is None:

@@ -2,16 +2,20 @@
 multi-token verify pass drifts from one-token decodes (what the near-tie guard must cover).
 
 ``pass_costs[k]`` is the wall time of one pass over the pending token plus ``k`` draft tokens, divided by the
-time of a plain 1-token decode step (``pass_costs[0]`` = 1.0). It is a property of the model, the backend and the
-machine, so ``Engine`` measures it once per model folder, provider and thread count and caches it on disk.
+time of a plain 1-token decode step (``pass_costs[0]`` = 1.0). Both are properties of the model, the backend and
+the machine, so ``Engine`` measures them once per model file, provider, thread count and onnxruntime version and
+keeps them on disk, in one file per such key, through one mechanism (``cached_measurement``). The probes are cut
+to fit any KV capacity, so a measurement never fails for a small ``max_length``.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import statistics
+import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -72,36 +76,113 @@ def probe_ids(vocab_size: int, count: int) -> list[int]:
     return [(i * 7919) % n for i in range(count)]
 
 
-def cached_pass_costs(backend: Backend, cache_file: Path, kmax: int = 16, repeats: int = 5) -> tuple[float, ...]:
-    """``measure_pass_costs(...)["curve"]``, read from ``cache_file`` when it holds a curve for ``kmax``, else
-    measured (after a context of up to 256 ``probe_ids``) and written there."""
-    try:
-        cached = json.loads(cache_file.read_text())
-        if len(cached["curve"]) == kmax + 1:
-            return tuple(float(c) for c in cached["curve"])
-    except (OSError, ValueError, KeyError, TypeError):
-        pass
-    context = max(1, min(256, backend.max_length - kmax - 2))
-    ids = probe_ids(backend.vocab_size, context + kmax + 1)
-    result = measure_pass_costs(backend, ids[:context], ids[context:], kmax, repeats)
-    # Noise can make a longer pass look cheaper than a shorter one; costs never fall as K grows.
-    curve = [result["curve"][0]]
-    for c in result["curve"][1:]:
-        curve.append(max(c, curve[-1]))
-    try:
-        cache_file.parent.mkdir(parents=True, exist_ok=True)
-        cache_file.write_text(
-            json.dumps(
-                {
-                    "curve": curve,
-                    "decode_step_s": result["decode_step_s"],
-                    "measured": time.strftime("%Y-%m-%dT%H:%M:%S"),
-                }
-            )
-        )
-    except OSError:
-        pass
-    return tuple(curve)
+def cached_measurement(
+    cache_file: Path | None, name: str, params: Mapping[str, Any], measure: Callable[[], Mapping[str, Any]]
+) -> dict[str, Any]:
+    """The measurement ``name`` of a backend, made once and kept on disk: the one cache for all of them.
+
+    ``cache_file`` is a JSON object with one record per measurement name (``{"params": ..., "result": ...,
+    "measured": ...}``); a record is reused when its ``params`` equal ``params`` (which must be JSON values), else
+    ``measure()`` runs and its result (a JSON object) replaces it. The file is replaced atomically, so readers never
+    see half of one; an unreadable file is measured again, an unwritable one is not an error. ``cache_file`` None:
+    always measure (a backend with no identity to key a cache on)."""
+    wanted = json.loads(json.dumps(dict(params)))  # as it reads back
+    records: dict[str, Any] = {}
+    if cache_file is not None:
+        try:
+            loaded = json.loads(cache_file.read_text(encoding="utf-8"))
+            if isinstance(loaded, dict):
+                records = loaded
+            record = records.get(name)
+            if isinstance(record, dict) and record.get("params") == wanted and isinstance(record.get("result"), dict):
+                return dict(record["result"])
+        except (OSError, ValueError):
+            pass
+    result = dict(measure())
+    if cache_file is not None:
+        records[name] = {"params": wanted, "result": result, "measured": time.strftime("%Y-%m-%dT%H:%M:%S")}
+        tmp = None
+        try:
+            cache_file.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(prefix=cache_file.name, suffix=".tmp", dir=cache_file.parent)
+            with os.fdopen(fd, "w", encoding="utf-8") as out:
+                json.dump(records, out, indent=1)
+            os.replace(tmp, cache_file)
+        except OSError:
+            if tmp is not None:
+                Path(tmp).unlink(missing_ok=True)
+    return result
+
+
+def pass_cost_probe(capacity: int, kmax: int) -> tuple[int, int]:
+    """``(context tokens, largest K measured)`` for a verify cost curve up to ``kmax`` on a KV cache of
+    ``capacity`` positions: a context of up to 256 tokens and K up to ``kmax``, both cut so that the context and
+    a pass of 1 + K tokens fit. K is 0 when no pass with a draft fits (capacity < 3)."""
+    k = max(0, min(kmax, capacity - 2))
+    return max(1, min(256, capacity - k - 1)), k
+
+
+def cached_pass_costs(
+    backend: Backend,
+    cache_file: Path | None,
+    kmax: int = 16,
+    repeats: int = 5,
+    *,
+    before: Callable[[], None] | None = None,
+) -> tuple[float, ...]:
+    """The verify cost curve ``(1.0, cost(1), ..., cost(kmax))`` (``measure_pass_costs(...)["curve"]``, made
+    non-decreasing: noise can make a longer pass look cheaper), measured after a context of ``probe_ids`` and
+    kept by ``cached_measurement``. The probe fits any capacity (``pass_cost_probe``): widths the capacity cannot
+    hold are never verified, and repeat the largest measured cost. ``before()`` runs just before the backend is
+    used (not on a cache hit); the measurement resets the backend."""
+    context, k = pass_cost_probe(backend.max_length, kmax)
+
+    def measure() -> dict[str, Any]:
+        if before is not None:
+            before()
+        if k == 0:
+            return {"curve": [1.0], "decode_step_s": None}
+        ids = probe_ids(backend.vocab_size, context + k + 1)
+        result = measure_pass_costs(backend, ids[:context], ids[context:], k, repeats)
+        curve = [result["curve"][0]]
+        for c in result["curve"][1:]:
+            curve.append(max(c, curve[-1]))
+        return {"curve": curve, "decode_step_s": result["decode_step_s"]}
+
+    params = {"kmax": k, "context_tokens": context, "repeats": repeats, "probe": "probe_ids"}
+    curve = [float(c) for c in cached_measurement(cache_file, "pass_costs", params, measure)["curve"]]
+    return tuple(curve + [curve[-1]] * (kmax + 1 - len(curve)))
+
+
+def drift_probe(capacity: int, windows: int = 3, window: int = 9) -> tuple[int, int] | None:
+    """``(context tokens, tokens per window)`` for ``measure_verify_drift`` on a KV cache of ``capacity``
+    positions: a context of up to 256 tokens, then windows of up to ``window`` tokens, cut to fit. None when no
+    pass of two or more tokens fits after a one-token context (capacity < 3): such a backend never verifies a
+    draft, so it cannot drift."""
+    if capacity < 3:
+        return None
+    size = min(window, capacity - 1)
+    return max(1, min(256, capacity - size)), size
+
+
+def cached_verify_drift(
+    backend: Backend, cache_file: Path | None, windows: int = 3, *, before: Callable[[], None] | None = None
+) -> float:
+    """``measure_verify_drift`` with a probe that fits the backend (``drift_probe``; 0.0 when none does), kept
+    by ``cached_measurement``; ``before`` as for ``cached_pass_costs``."""
+    probe = drift_probe(backend.max_length, windows)
+    if probe is None:
+        return 0.0
+    context, size = probe
+
+    def measure() -> dict[str, Any]:
+        if before is not None:
+            before()
+        ids = probe_ids(backend.vocab_size, context + windows * size)
+        return {"drift": measure_verify_drift(backend, ids[:context], ids[context:], windows=windows)}
+
+    params = {"context_tokens": context, "window": size, "windows": windows, "probe": "probe_ids"}
+    return float(cached_measurement(cache_file, "verify_drift", params, measure)["drift"])
 
 
 def measure_verify_drift(

@@ -91,6 +91,10 @@ class GenerateResult:
         return decode_rate(len(self.token_ids), self.timings.first_token_s, self.timings.total_s) or 0.0
 
 
+def _tokens(n: int) -> str:
+    return f"{n} token" if n == 1 else f"{n} tokens"
+
+
 class GenerationError(RuntimeError):
     """A generation failed after it started (the backend, the proposer or the core raised): ``partial`` is what
     was delivered before the failure, and the original exception is the ``__cause__``. Nothing delivered is
@@ -107,7 +111,7 @@ class GenerationAborted(GenerationError):
 
     def __init__(self, partial: GenerateResult) -> None:
         super().__init__(
-            f"the stream callback raised after {len(partial.token_ids)} tokens; generation stopped", partial
+            f"the stream callback raised after {_tokens(len(partial.token_ids))}; generation stopped", partial
         )
 
 
@@ -210,7 +214,7 @@ class Generation:
                 action()
         except Exception as exc:
             partial = self.result()
-            message = f"generation failed after {len(partial.token_ids)} tokens: {type(exc).__name__}: {exc}"
+            message = f"generation failed after {_tokens(len(partial.token_ids))}: {type(exc).__name__}: {exc}"
             raise GenerationError(message, partial) from exc
 
     def __iter__(self) -> Iterator[Commit]:
@@ -278,12 +282,12 @@ class Generation:
         s = delivered(self.state, self._commits[self._delivered :])
         now = time.perf_counter()
         return GenerateResult(
-            token_ids=s.generated_tokens,
+            token_ids=tuple(s.generated_tokens),
             text=s.text,
             finish_reason=s.finish_reason,
             stop_matched=s.stop_matched,
             stats=s.stats,
-            logprobs=s.logprobs if s.options.top_logprobs else None,
+            logprobs=tuple(s.logprobs) if s.options.top_logprobs else None,
             timings=Timings(
                 prefill_s=self._t_prefill - self._t_start,
                 first_token_s=(self._t_first if self._t_first is not None else now) - self._t_start,

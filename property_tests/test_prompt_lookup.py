@@ -48,3 +48,27 @@ def test_prompt_lookup_equals_its_reference(context, width, ngram, max_draft, da
     min_ngram = data.draw(st.integers(1, ngram), label="min_ngram")
     proposer = PromptLookup(ngram=ngram, max_draft=max_draft, min_ngram=min_ngram)
     assert proposer.propose(context, width) == lookup_reference(context, width, ngram, max_draft, min_ngram)
+
+
+@settings(max_examples=examples(600))
+@given(contexts(), st.lists(st.tuples(st.integers(0, 12), st.lists(st.sampled_from(BYTEY_IDS + [2, 3]), max_size=6))),
+       st.integers(1, 6), st.integers(1, 16))  # fmt: skip
+def test_prompt_lookup_on_growing_shared_contexts_equals_its_reference(prompt, moves, ngram, width):
+    """The driver passes ``Shared`` contexts that grow step by step (and the same proposer sees other generations
+    and older values extended again): the bytes it keeps between calls never change what it proposes."""
+    from ortspec.core.tokens import Shared
+
+    proposer = PromptLookup(ngram=ngram, max_draft=16)
+    head = tuple(prompt)
+    values = [Shared[int]()]
+    for back, tokens in moves:
+        # extend the newest value, or an older one (a branch: its storage is copied), then look up from it
+        base = values[max(0, len(values) - 1 - back)]
+        grown = base.extended(tokens)
+        values.append(grown)
+        for value in (grown, base):
+            context = value.with_head(head)
+            assert context == head + tuple(value)
+            assert proposer.propose(context, width) == lookup_reference(list(context), width, ngram, 16, 1)
+    other = Shared([5, 5, 5]).with_head((5, 5))  # another generation: new storage and head
+    assert proposer.propose(other, width) == lookup_reference([5] * 5, width, ngram, 16, 1)

@@ -113,6 +113,16 @@ MUTANTS: dict[str, tuple[str, str, str]] = {
         "if at % 4 == 0:",
         "if True:",
     ),
+    "lookup-index-keeps-oldest": (
+        "core/proposers.py",
+        "table[_ngram_key(tokens[first - low : end + 1 - low])] = end + 1",
+        "table.setdefault(_ngram_key(tokens[first - low : end + 1 - low]), end + 1)",
+    ),
+    "lookup-index-includes-last-token": (
+        "core/proposers.py",
+        "usable = len(head) + n - 1  # n-grams must end before the last token",
+        "usable = len(head) + n",
+    ),
     "driver-wrong-width-feedback": (
         "ortspec/driver.py",
         "self._policy = self._policy.observe(len(draft), new_state.stats.accepted_tokens - state.stats.accepted_tokens)",  # noqa: E501

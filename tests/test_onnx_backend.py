@@ -148,7 +148,7 @@ def test_model_folder_errors_name_the_problem(tiny_dir, tmp_path):
     (no_model / "model.onnx").unlink()
     with pytest.raises(ModelFolderError, match="model.onnx"):
         ModelFolder.load(no_model)
-    with pytest.raises(BackendError, match="model.onnx"):
+    with pytest.raises(ModelFolderError, match="model.onnx"):
         OrtBackend.from_folder(no_model)
 
 

@@ -7,11 +7,12 @@ buffers and the argmax/margin reductions) and ``backend`` (``OrtBackend``, the p
 
 from .arrays import argmax_margin
 from .backend import DEFAULT_PREFILL_CHUNK, OrtBackend
-from .folder import ModelFolder, ModelFolderError
+from .folder import ModelFileError, ModelFolder, ModelFolderError
 from .session import make_session_options, physical_cores
 
 __all__ = [
     "DEFAULT_PREFILL_CHUNK",
+    "ModelFileError",
     "ModelFolder",
     "ModelFolderError",
     "OrtBackend",

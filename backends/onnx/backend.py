@@ -35,7 +35,7 @@ import numpy as np
 
 from ..base import BackendError, check_position, check_tokens
 from .arrays import ArrayModule, HostArrays, cuda_arrays
-from .folder import ModelFolder, ModelFolderError
+from .folder import ModelFolder
 from .graph import inspect_graph
 from .session import execution_providers, make_session_options, open_session
 
@@ -158,14 +158,13 @@ class OrtBackend:
         force the grow/copy KV path with ``False`` (default: the folder's ``past_present_share_buffer``).
         ``session_options``: a ready ``onnxruntime.SessionOptions`` that replaces all the option arguments.
         ``array_module`` (CUDA only): ``"cupy"``, ``"torch"`` or ``"auto"`` (CuPy, else torch).
-        A folder or session problem raises ``BackendError``; a bad argument ``ValueError``.
+        A folder problem raises ``ModelFolderError`` naming the file and the key or tensor (``ModelFileError``, also a
+        ``BackendError``, for the model file); another session problem ``BackendError``; a bad argument
+        ``ValueError``.
         """
         import onnxruntime  # noqa: F401 - fail here, before any work, when it is missing
 
-        try:
-            folder = folder_or_path if isinstance(folder_or_path, ModelFolder) else ModelFolder.load(folder_or_path)
-        except ModelFolderError as exc:
-            raise BackendError(str(exc)) from exc
+        folder = folder_or_path if isinstance(folder_or_path, ModelFolder) else ModelFolder.load(folder_or_path)
         provider = provider.lower()
         if provider not in ("cpu", "cuda"):
             raise ValueError(f"provider must be 'cpu' or 'cuda', got {provider!r}")
@@ -312,7 +311,8 @@ class OrtBackend:
             self.session.run_with_iobinding(binding)
             binding.synchronize_outputs()
         except Exception as exc:  # noqa: BLE001 - ORT raises its own exception types
-            raise BackendError(f"onnxruntime failed on {count} tokens at position {past}: {exc}") from exc
+            what = f"{count} token" + ("s" if count != 1 else "")
+            raise BackendError(f"onnxruntime failed on {what} at position {past} [onnxruntime: {exc}]") from exc
         if presents is not None:
             for layer, (present_key, present_value) in enumerate(presents):
                 arrays.copy_positions(self._keys[layer], present_key, past, total)

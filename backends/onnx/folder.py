@@ -15,12 +15,21 @@ from typing import Any
 
 import attrs
 
+from ..base import BackendError
+
 CONFIG_NAME = "genai_config.json"
 TOKENIZER_NAME = "tokenizer.json"
 
 
 class ModelFolderError(ValueError):
-    """A model folder is missing, incomplete, or its ``genai_config.json`` is malformed."""
+    """A model folder cannot be used: it is missing or incomplete, a file in it is malformed, or its parts do not
+    belong together. The message names the folder or file and the key or tensor at fault."""
+
+
+class ModelFileError(ModelFolderError, BackendError):
+    """The folder's model file cannot be used: it is not a loadable ONNX model, its external data is missing or
+    truncated, or its graph does not match ``genai_config.json``. A ``ModelFolderError`` (the fix is in the
+    folder), and a ``BackendError`` (what the ONNX Runtime backend raised for these before)."""
 
 
 def _as_tuple_of_ints(value: Any) -> tuple[int, ...]:
@@ -229,3 +238,112 @@ class ModelFolder:
             past_present_share_buffer=share_buffer,
             session_options={key: value for key, value in session_options.items() if key != "provider_options"},
         )
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Why onnxruntime could not load a model file: a minimal reading of the ONNX protobuf (ModelProto.graph ->
+# GraphProto.initializer -> TensorProto.external_data), enough to name a missing or truncated external data file.
+
+_MODEL_GRAPH, _GRAPH_INITIALIZER = 7, 5
+_TENSOR_NAME, _TENSOR_EXTERNAL_DATA, _TENSOR_DATA_LOCATION = 8, 13, 14
+_EXTERNAL = 1  # TensorProto.DataLocation.EXTERNAL
+
+
+class _Malformed(ValueError):
+    pass
+
+
+def _varint(buf: bytes, at: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        if at >= len(buf) or shift > 63:
+            raise _Malformed(f"a varint runs past byte {at}")
+        byte = buf[at]
+        at += 1
+        value |= (byte & 0x7F) << shift
+        shift += 7
+        if byte < 0x80:
+            return value, at
+
+
+def _fields(buf: bytes, start: int, end: int) -> list[tuple[int, int, Any]]:
+    """``(field number, wire type, value)`` of one message; a length-delimited value is its ``(start, end)``."""
+    out: list[tuple[int, int, Any]] = []
+    at = start
+    while at < end:
+        key, at = _varint(buf, at)
+        number, wire = key >> 3, key & 7
+        value: Any = None
+        if wire == 0:
+            value, at = _varint(buf, at)
+        elif wire == 1:
+            at += 8
+        elif wire == 5:
+            at += 4
+        elif wire == 2:
+            length, at = _varint(buf, at)
+            value, at = (at, at + length), at + length
+        else:
+            raise _Malformed(f"wire type {wire} at byte {at}")
+        if at > end or number == 0:
+            raise _Malformed(f"a field runs past its message at byte {at}")
+        out.append((number, wire, value))
+    return out
+
+
+def _text(buf: bytes, span: tuple[int, int]) -> str:
+    return buf[span[0] : span[1]].decode("utf-8", "replace")
+
+
+def _external_data(buf: bytes, tensor: list[tuple[int, int, Any]]) -> tuple[str, str, int] | None:
+    """``(tensor name, file, end offset)`` of an initializer stored in an external file, else None."""
+    if not any(n == _TENSOR_DATA_LOCATION and v == _EXTERNAL for n, _, v in tensor):
+        return None
+    name = next((_text(buf, v) for n, w, v in tensor if n == _TENSOR_NAME and w == 2), "?")
+    entry: dict[str, str] = {}
+    for number, wire, span in tensor:
+        if number == _TENSOR_EXTERNAL_DATA and wire == 2:
+            pair = {n: _text(buf, v) for n, w, v in _fields(buf, *span) if w == 2}
+            entry[pair.get(1, "")] = pair.get(2, "")
+    location = entry.get("location")
+    if not location:
+        return None
+    return name, location, int(entry.get("offset") or 0) + int(entry.get("length") or 0)
+
+
+def external_data_problem(model_path: Path) -> str | None:
+    """Why ``model_path`` cannot be loaded, when the reason is in the folder: the file does not parse as an ONNX
+    model, or an external data file its initializers name is missing, or shorter than the bytes they need. None
+    when none of these (the problem is elsewhere)."""
+    try:
+        buf = model_path.read_bytes()
+    except OSError as exc:
+        return f"{model_path} cannot be read: {exc}"
+    needs: dict[str, tuple[int, str]] = {}  # file -> (bytes needed, a tensor stored there)
+    try:
+        graphs = [v for n, w, v in _fields(buf, 0, len(buf)) if n == _MODEL_GRAPH and w == 2]
+        if not graphs:
+            return f"{model_path} is not an ONNX model (it has no graph)"
+        for graph in graphs:
+            for number, wire, span in _fields(buf, *graph):
+                if number != _GRAPH_INITIALIZER or wire != 2:
+                    continue
+                found = _external_data(buf, _fields(buf, *span))
+                if found is not None and found[2] > needs.get(found[1], (-1, ""))[0]:
+                    needs[found[1]] = (found[2], found[0])
+    except ValueError:  # _Malformed, or an offset that is not a number
+        return f"{model_path} is not an ONNX model (it does not parse as one: is it truncated, or another file?)"
+    for location, (end, tensor) in sorted(needs.items()):
+        data = model_path.parent / location
+        if not data.is_file():
+            return (
+                f"{model_path.parent} lacks {location}, the external data file of {model_path.name} "
+                f"(it holds the weights, e.g. {tensor})"
+            )
+        size = data.stat().st_size
+        if size < end:
+            return (
+                f"{data} is truncated: {size} bytes, but {model_path.name} needs {end} "
+                f"(the weights of {tensor} end there); copy or download it again"
+            )
+    return None

@@ -1,6 +1,7 @@
 """The decoder graph's interface, checked against its folder: :func:`inspect_graph` reads an ``InferenceSession``
 and a :class:`ModelFolder` and returns a :class:`DecoderGraph`, the names and dtypes of everything a pass binds,
-or raises ``BackendError`` naming the model file and what does not match ``genai_config.json``.
+or raises ``ModelFileError`` (a ``ModelFolderError`` and a ``BackendError``) naming the model file, the tensor and
+what does not match ``genai_config.json``.
 """
 
 from __future__ import annotations
@@ -10,8 +11,7 @@ from pathlib import Path
 import attrs
 import numpy as np
 
-from ..base import BackendError
-from .folder import ModelFolder
+from .folder import ModelFileError, ModelFolder
 
 # ONNX Runtime's type strings -> numpy dtypes, for the types this backend feeds or reads
 ORT_TYPES = {
@@ -68,14 +68,14 @@ def inspect_graph(session, folder: ModelFolder) -> DecoderGraph:
     def dtype_of(arg, allowed, what):
         dtype = ORT_TYPES.get(arg.type)
         if dtype is None or dtype not in allowed:
-            raise BackendError(
+            raise ModelFileError(
                 f"{where}: {what} {arg.name!r} has type {arg.type}; supported: " + ", ".join(str(a) for a in allowed)
             )
         return dtype
 
     def need(table, name, what):
         if name not in table:
-            raise BackendError(
+            raise ModelFileError(
                 f"{where}: the graph has no {what} named {name!r} (genai_config.json names it); "
                 f"it declares {sorted(table)[:8]}{' ...' if len(table) > 8 else ''}"
             )
@@ -94,7 +94,7 @@ def inspect_graph(session, folder: ModelFolder) -> DecoderGraph:
     position_dtype = dtype_of(inputs[position_name], INDEX_DTYPES, "input") if position_name else None
     fed.update(name for name in (mask_name, position_name) if name)
     if mask_name is None and position_name is None:
-        raise BackendError(
+        raise ModelFileError(
             f"{where}: the graph declares neither {wanted_mask!r} nor {wanted_position!r}, so this backend cannot "
             "tell it the sequence length"
         )
@@ -119,10 +119,10 @@ def inspect_graph(session, folder: ModelFolder) -> DecoderGraph:
             if kv_dtype is None:
                 kv_dtype = dtype
             elif dtype != kv_dtype:
-                raise BackendError(f"{where}: {what} {arg.name!r} is {arg.type} but other KV tensors are {kv_dtype}")
+                raise ModelFileError(f"{where}: {what} {arg.name!r} is {arg.type} but other KV tensors are {kv_dtype}")
             shape = list(arg.shape)
             if len(shape) != 4:
-                raise BackendError(
+                raise ModelFileError(
                     f"{where}: {what} {arg.name!r} has rank {len(shape)}, expected 4 "
                     "([batch, kv_heads, length, head_size])"
                 )
@@ -131,37 +131,38 @@ def inspect_graph(session, folder: ModelFolder) -> DecoderGraph:
                 (3, folder.head_size, "head_size"),
             ):
                 if isinstance(shape[axis], int) and shape[axis] != expected:
-                    raise BackendError(
+                    raise ModelFileError(
                         f"{where}: {what} {arg.name!r} has dim {axis} = {shape[axis]} but genai_config.json "
                         f"says {label} = {expected}"
                     )
             if table is inputs:
                 fed.add(arg.name)
         kv_names.append(names)
-    if folder.past_key_pattern % folder.num_layers in inputs:
-        raise BackendError(
-            f"{where}: the graph has more layers than genai_config.json's num_hidden_layers = {folder.num_layers}"
+    if (extra_layer := folder.past_key_pattern % folder.num_layers) in inputs:
+        raise ModelFileError(
+            f"{where}: the graph has more layers than genai_config.json's num_hidden_layers = {folder.num_layers} "
+            f"(it declares input {extra_layer!r})"
         )
 
     logits = need(outputs, folder.logits_name, "output")
     logits_dtype = dtype_of(logits, FLOAT_DTYPES, "output")
     logits_shape = list(logits.shape)
     if len(logits_shape) != 3:
-        raise BackendError(
+        raise ModelFileError(
             f"{where}: output {logits.name!r} has rank {len(logits_shape)}, expected 3 ([batch, sequence, vocab])"
         )
     if isinstance(logits_shape[2], int) and logits_shape[2] != folder.vocab_size:
-        raise BackendError(
+        raise ModelFileError(
             f"{where}: output {logits.name!r} has vocab dim {logits_shape[2]} but genai_config.json "
             f"says vocab_size = {folder.vocab_size}"
         )
 
     extra = sorted(set(inputs) - fed)
     if extra:
-        raise BackendError(f"{where}: the graph declares inputs this backend does not know how to feed: {extra}")
+        raise ModelFileError(f"{where}: the graph declares inputs this backend does not know how to feed: {extra}")
 
     if kv_dtype is None:
-        raise BackendError(f"{where}: the graph has no KV inputs (genai_config.json names no layers)")
+        raise ModelFileError(f"{where}: the graph has no KV inputs (genai_config.json names no layers)")
     return DecoderGraph(
         ids_name=ids.name,
         ids_dtype=ids_dtype,

@@ -1,7 +1,14 @@
 """ONNX Runtime sessions: thread counts, ``SessionOptions`` from a folder's settings, the execution providers
-(with the CUDA library preload), and opening one decoder's ``InferenceSession``.
+(with the CUDA library preload), onnxruntime's log messages, and opening one decoder's ``InferenceSession``.
 
 ``onnxruntime`` is imported inside the functions, so importing this module stays cheap.
+
+Logging: left alone, onnxruntime writes its own ANSI-coloured lines to stderr (e.g. a kernel's error when a run
+fails, beside the exception that already says it). :func:`route_onnxruntime_logging` (called before the first
+session opens) sends them to the Python logger ``ortspec.onnxruntime`` instead, at the matching level, where the
+application decides what to show; that logger has a ``NullHandler``, so nothing reaches stderr unless logging
+is configured. Messages from onnxruntime's own worker threads still go to its stderr sink (its callback only runs
+on Python threads); ortspec runs sessions with one inter-op thread and logs at error level, which they do not use.
 """
 
 from __future__ import annotations
@@ -10,13 +17,22 @@ import contextlib
 import io
 import logging
 import os
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from ..base import BackendError
+from .folder import ModelFileError, external_data_problem
 
 logger = logging.getLogger(__name__)
+
+ORT_LOGGER = logging.getLogger("ortspec.onnxruntime")
+ORT_LOGGER.addHandler(logging.NullHandler())  # a library's log: shown only where the application configures it
+# onnxruntime severities (0 verbose .. 4 fatal) -> Python logging levels
+ORT_LOG_LEVELS = {0: logging.DEBUG, 1: logging.INFO, 2: logging.WARNING, 3: logging.ERROR, 4: logging.CRITICAL}
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+_logging_routed = False
 
 # ``graph_optimization_level`` argument -> ``onnxruntime.GraphOptimizationLevel`` member name
 GRAPH_OPTIMIZATION_LEVELS = {
@@ -129,6 +145,34 @@ def make_session_options(
     return options
 
 
+def _log_from_onnxruntime(severity: int, category: str, logid: str, code_location: str, message: str) -> None:
+    """onnxruntime's logging callback: one record on ``ortspec.onnxruntime`` (its session's log id, the code
+    location and the category go into the record's ``ort_*`` attributes)."""
+    ORT_LOGGER.log(
+        ORT_LOG_LEVELS.get(int(severity), logging.ERROR),
+        "%s",
+        _ANSI.sub("", str(message)),
+        extra={"ort_logid": logid, "ort_category": category, "ort_code_location": code_location},
+    )
+
+
+def route_onnxruntime_logging() -> bool:
+    """Send onnxruntime's log messages to the Python logger ``ortspec.onnxruntime`` (see the module docstring),
+    at warning severity and above. Once per process: an application that installs its own callback afterwards
+    (``onnxruntime.set_default_logger_callback``) keeps it. Returns False when this onnxruntime has no logging
+    callback (older versions); its messages then go to stderr as before."""
+    global _logging_routed
+    import onnxruntime as ort
+
+    if _logging_routed:
+        return True
+    if not hasattr(ort, "set_default_logger_callback"):
+        return False
+    ort.set_default_logger_callback(_log_from_onnxruntime, 2)
+    _logging_routed = True
+    return True
+
+
 _cuda_libraries_preloaded = False
 
 
@@ -168,13 +212,19 @@ def execution_providers(provider: str, device_id: int) -> list:
 
 
 def open_session(model_path: Path, *, providers: list, session_options):
-    """Open ``model_path`` as an ``InferenceSession``. Raises ``BackendError`` when onnxruntime cannot load it, or
-    when ``providers`` asks for CUDA and the session did not get it (its CUDA libraries failed to load)."""
+    """Open ``model_path`` as an ``InferenceSession``. Raises ``ModelFileError`` (a ``ModelFolderError``) naming the
+    file when it cannot be loaded because of the folder (not an ONNX model; external data missing or truncated),
+    ``BackendError`` when onnxruntime cannot load it otherwise, or when ``providers`` asks for CUDA and the session
+    did not get it (its CUDA libraries failed to load)."""
     import onnxruntime as ort
 
+    route_onnxruntime_logging()
     try:
         session = ort.InferenceSession(str(model_path), sess_options=session_options, providers=providers)
     except Exception as exc:  # noqa: BLE001 - ORT raises its own exception types
+        problem = external_data_problem(model_path)
+        if problem is not None:
+            raise ModelFileError(f"{problem} [onnxruntime: {exc}]") from exc
         raise BackendError(f"onnxruntime could not load {model_path}: {exc}") from exc
     wants_cuda = any(
         (entry[0] if isinstance(entry, tuple) else entry) == "CUDAExecutionProvider" for entry in providers

@@ -1,0 +1,126 @@
+"""``Shared``: an immutable sequence that grows in O(1) by sharing storage with the sequence it grew from.
+
+A generation's state is a frozen value, and each step makes a new one with a few more tokens. Copying the whole
+token history into a new tuple every step costs O(n) per step, O(n^2) per generation: at 20,000 tokens that is
+a few hundred microseconds a step, more than a small model's pass. A ``Shared`` sequence is a view of the first
+``n`` entries of an append-only list (after an optional tuple ``head``, e.g. the prompt): ``extended`` appends to
+that list in place when this view ends where the list ends, and copies it otherwise (when an older value is
+extended a second time), so every value keeps its contents forever and a run of steps costs O(1) each.
+
+It behaves as a tuple for reading: ``len``, indexing, iteration, ``in``; a slice is a tuple; it equals a tuple or
+list with the same items (and another ``Shared`` with them); ``+`` with a tuple gives a tuple. Entries of the
+list are never changed once written, so a consumer may cache what it derived from a prefix (``parts`` names the
+storage; ``PromptLookup`` keeps the bytes of the context it searched).
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any, Generic, TypeVar, overload
+
+T = TypeVar("T")
+
+_EXTEND_LOCK = threading.Lock()  # two values extended at once from one list: only one may append in place
+
+
+class Shared(Sequence[T], Generic[T]):
+    """``head`` followed by the first ``n`` items of the append-only list ``store`` (see the module docstring)."""
+
+    __slots__ = ("_head", "_store", "_n")
+
+    def __init__(self, items: Iterable[T] = ()) -> None:
+        self._head: tuple[T, ...] = ()
+        self._store: list[T] = list(items)
+        self._n = len(self._store)
+
+    @classmethod
+    def _view(cls, head: tuple[T, ...], store: list[T], n: int) -> Shared[T]:
+        view: Shared[T] = cls.__new__(cls)
+        view._head, view._store, view._n = head, store, n
+        return view
+
+    @classmethod
+    def of(cls, items: Iterable[T]) -> Shared[T]:
+        """``items`` as a ``Shared`` (itself when it already is one)."""
+        return items if isinstance(items, Shared) else cls(items)
+
+    def extended(self, items: Iterable[T]) -> Shared[T]:
+        """This sequence followed by ``items``: O(len(items)) when this is the newest value of its storage, one
+        copy of the stored items otherwise. ``self`` is unchanged."""
+        new = list(items)
+        with _EXTEND_LOCK:
+            store = self._store
+            if len(store) != self._n:
+                store = store[: self._n]
+            store.extend(new)
+            n = len(store)
+        return Shared._view(self._head, store, n)
+
+    def with_head(self, head: tuple[T, ...]) -> Shared[T]:
+        """``head`` followed by this sequence's stored items (O(1); this sequence must have no head itself)."""
+        if self._head:
+            raise ValueError("with_head: this sequence already has a head")
+        return Shared._view(tuple(head), self._store, self._n)
+
+    def parts(self) -> tuple[tuple[T, ...], list[T], int]:
+        """``(head, store, n)``: the sequence is ``head + store[:n]``. ``store`` only ever grows, and its items never
+        change, so whatever a caller derives from ``store[:m]`` stays true for as long as it holds ``store``."""
+        return self._head, self._store, self._n
+
+    def __len__(self) -> int:
+        return len(self._head) + self._n
+
+    @overload
+    def __getitem__(self, index: int) -> T: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> tuple[T, ...]: ...
+
+    def __getitem__(self, index: int | slice) -> T | tuple[T, ...]:
+        h = len(self._head)
+        if isinstance(index, slice):
+            start, stop, step = index.indices(h + self._n)
+            if step != 1:
+                return tuple(self)[index]
+            if stop <= start:
+                return ()
+            head = self._head[start:stop] if start < h else ()
+            return head + tuple(self._store[max(start - h, 0) : max(stop - h, 0)])
+        i = index.__index__()
+        if i < 0:
+            i += h + self._n
+        if not 0 <= i < h + self._n:
+            raise IndexError("Shared index out of range")
+        return self._head[i] if i < h else self._store[i - h]
+
+    def __iter__(self) -> Iterator[T]:
+        return itertools.chain(self._head, itertools.islice(self._store, self._n))
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, Shared):
+            if len(self) != len(other):
+                return False
+            if other._store is self._store and other._head == self._head and other._n == self._n:
+                return True
+            return tuple(self) == tuple(other)
+        if isinstance(other, (tuple, list)):
+            return len(self) == len(other) and tuple(self) == tuple(other)
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(tuple(self))
+
+    def __add__(self, other: Any) -> tuple[T, ...]:
+        if isinstance(other, (tuple, Shared)):
+            return tuple(self) + tuple(other)
+        return NotImplemented
+
+    def __radd__(self, other: Any) -> tuple[T, ...]:
+        if isinstance(other, tuple):
+            return other + tuple(self)
+        return NotImplemented
+
+    def __repr__(self) -> str:
+        return repr(tuple(self))

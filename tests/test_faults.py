@@ -1,0 +1,218 @@
+"""Faults and interrupts on the ONNX Runtime backend (the tiny model): a session run that fails at any pass, a
+KeyboardInterrupt in the middle of a draft block (from the stream callback, from inside a pass, or a real SIGINT
+at an arbitrary moment), and onnxruntime's own log lines. After each, the same Engine's next generation equals a
+fresh greedy one, with and without prefix reuse.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import signal
+import threading
+import time
+
+import onnxruntime as ort
+import pytest
+from conftest import GreedyReplay
+
+from ortspec import GenerationError
+from ortspec.adapters.engine import Engine
+from ortspec.backends.base import BackendError
+
+PROMPT = "the quick brown fox jumps over the lazy dog. the quick brown fox"
+TOKENS = 48
+
+
+class FailingSession:
+    """An ``InferenceSession`` whose ``fail_at``-th run is a real onnxruntime failure (the run is started with
+    ``RunOptions.terminate`` set), or raises ``raise_after`` once the real run has finished (an interrupt that
+    arrives as the run returns). Everything else is the wrapped session's."""
+
+    def __init__(self, inner, fail_at=0, raise_after=None):
+        self.inner, self.fail_at, self.raise_after, self.runs = inner, fail_at, raise_after, 0
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def run_with_iobinding(self, binding, run_options=None):
+        self.runs += 1
+        if self.runs == self.fail_at and self.raise_after is None:
+            terminate = ort.RunOptions()
+            terminate.terminate = True
+            return self.inner.run_with_iobinding(binding, terminate)
+        result = self.inner.run_with_iobinding(binding, run_options)
+        if self.runs == self.fail_at:
+            raise self.raise_after
+        return result
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_model_dir):
+    plain = Engine.from_dir(tiny_model_dir, threads=1)
+    reuse = Engine.from_dir(tiny_model_dir, threads=1, prefix_reuse=True)
+    for engine in (plain, reuse):
+        engine.verify_drift()  # measured before the first speculative run, so that run counts only its own passes
+    return plain, reuse
+
+
+@pytest.fixture(scope="module")
+def greedy(engines):
+    return engines[0].generate(PROMPT, max_tokens=TOKENS, ignore_eos=True)
+
+
+def _replay(engine, greedy):
+    return GreedyReplay(engine.tokenize(PROMPT), greedy.token_ids, engine.backend.vocab_size, wrong_every=5)
+
+
+def _stream(engine, session, greedy, speculative, **kwargs):
+    """Generate with ``session`` in place of the backend's; return (streamed token ids, the error or None)."""
+    real = engine.backend.session
+    engine.backend.session = session
+    streamed: list[int] = []
+    try:
+        engine.generate_stream(
+            PROMPT,
+            lambda text, token_id, finish: streamed.append(token_id),
+            max_tokens=TOKENS,
+            ignore_eos=True,
+            speculative=_replay(engine, greedy) if speculative else None,
+            draft_width=6,
+            **kwargs,
+        )
+        return streamed, None
+    except GenerationError as exc:
+        return streamed, exc
+    finally:
+        engine.backend.session = real
+
+
+@pytest.mark.parametrize("speculative", [False, True], ids=["greedy", "speculative"])
+def test_an_onnxruntime_run_failing_at_any_pass_keeps_what_was_committed(engines, greedy, speculative):
+    """Every pass of the generation fails in turn (the prompt pass is run 1): the error carries exactly the tokens
+    streamed before it, a prefix of the greedy output, and the same Engine then generates the greedy output."""
+    for engine in engines:
+        counter = FailingSession(engine.backend.session)
+        _stream(engine, counter, greedy, speculative)
+        runs = counter.runs
+        assert runs >= 3
+        for fail_at in range(1, runs + 1):
+            streamed, error = _stream(engine, FailingSession(engine.backend.session, fail_at), greedy, speculative)
+            assert error is not None, f"run {fail_at} failed but the generation did not"
+            assert isinstance(error.__cause__, BackendError) and "onnxruntime failed" in str(error.__cause__)
+            assert list(error.partial.token_ids) == streamed == list(greedy.token_ids[: len(streamed)])
+            assert error.partial.finish_reason is None
+            again = engine.generate(PROMPT, max_tokens=TOKENS, ignore_eos=True)
+            assert again.token_ids == greedy.token_ids
+        if speculative:
+            ok = engine.generate(PROMPT, max_tokens=TOKENS, ignore_eos=True, speculative=_replay(engine, greedy))
+            assert ok.token_ids == greedy.token_ids and ok.stats.multi_token_accepts > 0
+
+
+def test_a_keyboard_interrupt_from_the_callback_mid_block_leaves_the_engine_usable(engines, greedy):
+    """The callback is interrupted on a token in the middle of an accepted draft block (its block committed more
+    tokens after it): KeyboardInterrupt propagates as it is, and the next generation is the greedy one."""
+    for engine in engines:
+        passes: list[int] = []  # the target pass that committed each token
+        counter = FailingSession(engine.backend.session)
+        engine.backend.session = counter
+        try:
+            engine.generate_stream(PROMPT, lambda *_, p=passes, c=counter: p.append(c.runs), max_tokens=TOKENS,
+                                   ignore_eos=True, speculative=_replay(engine, greedy), draft_width=6)  # fmt: skip
+        finally:
+            engine.backend.session = counter.inner
+        mid_block = [i for i in range(1, len(passes) - 1) if passes[i - 1] == passes[i] == passes[i + 1]]
+        assert mid_block, passes
+        for at in mid_block[:3]:
+            seen: list[int] = []
+
+            def callback(text, token_id, finish, seen=seen, at=at):
+                seen.append(token_id)
+                if len(seen) == at + 1:
+                    raise KeyboardInterrupt
+
+            with pytest.raises(KeyboardInterrupt):
+                engine.generate_stream(PROMPT, callback, max_tokens=TOKENS, ignore_eos=True,
+                                       speculative=_replay(engine, greedy), draft_width=6)  # fmt: skip
+            assert seen == list(greedy.token_ids[: at + 1])
+            assert engine.generate(PROMPT, max_tokens=TOKENS, ignore_eos=True).token_ids == greedy.token_ids
+
+
+@pytest.mark.parametrize("speculative", [False, True], ids=["greedy", "speculative"])
+def test_a_keyboard_interrupt_inside_a_pass_leaves_the_engine_usable(engines, greedy, speculative):
+    """KeyboardInterrupt raised as a run returns (before the backend or the driver records it) at every pass."""
+    for engine in engines:
+        counter = FailingSession(engine.backend.session)
+        _stream(engine, counter, greedy, speculative)
+        for fail_at in range(1, counter.runs + 1):
+            session = FailingSession(engine.backend.session, fail_at, raise_after=KeyboardInterrupt())
+            with pytest.raises(KeyboardInterrupt):
+                _stream(engine, session, greedy, speculative)
+            assert engine.generate(PROMPT, max_tokens=TOKENS, ignore_eos=True).token_ids == greedy.token_ids
+            assert engine.backend.current_len() <= engine.backend.max_length
+
+
+def _free_for_other_threads(lock) -> bool:
+    got: list[bool] = []
+
+    def take() -> None:
+        if lock.acquire(timeout=5):
+            lock.release()
+            got.append(True)
+
+    thread = threading.Thread(target=take)
+    thread.start()
+    thread.join()
+    return got == [True]
+
+
+def test_a_real_sigint_at_any_moment_leaves_the_engine_usable(engines, greedy):
+    """SIGINT from a timer lands wherever the generation is (in a pass, in the core, in the callback, between
+    them): after each, the next generation is the greedy one."""
+    plain, reuse = engines
+    previous = signal.getsignal(signal.SIGINT)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    interrupted = 0
+    try:
+        for i in range(24):
+            engine = (plain, reuse)[i % 2]
+            speculative = _replay(engine, greedy) if i % 4 >= 2 else None
+            signal.setitimer(signal.ITIMER_REAL, 0.0005 + 0.0007 * i)
+            signal.signal(signal.SIGALRM, lambda *_: signal.raise_signal(signal.SIGINT))
+            try:
+                engine.generate(PROMPT, max_tokens=TOKENS, ignore_eos=True, speculative=speculative, draft_width=6)
+                time.sleep(0.05)  # the timer may still fire after a short generation: not inside the next one
+            except KeyboardInterrupt:
+                interrupted += 1
+            finally:
+                signal.setitimer(signal.ITIMER_REAL, 0)
+            assert engine.generate(PROMPT, max_tokens=TOKENS, ignore_eos=True).token_ids == greedy.token_ids
+            assert _free_for_other_threads(engine._lock), "an interrupt left the Engine's lock held"
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        signal.signal(signal.SIGALRM, signal.SIG_DFL)
+    assert interrupted >= 6  # most timers fired inside a generation
+
+
+def test_onnxruntime_log_lines_go_to_python_logging_not_stderr(tiny_model_dir, tmp_path, capfd, caplog):
+    """A kernel failure makes onnxruntime log an error: it arrives as a record on ``ortspec.onnxruntime`` (no
+    ANSI colour codes) and nothing reaches the process's stderr; the exception says what failed."""
+    folder = tmp_path / "longer-config"
+    shutil.copytree(tiny_model_dir, folder)
+    config = json.loads((folder / "genai_config.json").read_text())
+    config["model"]["context_length"] = 1024  # the graph's rotary tables hold 256 positions
+    (folder / "genai_config.json").write_text(json.dumps(config))
+    engine = Engine.from_dir(folder, threads=1)
+    capfd.readouterr()
+    with caplog.at_level(logging.WARNING, logger="ortspec.onnxruntime"):
+        with pytest.raises(GenerationError) as info:
+            engine.generate(list(range(3, 303)), max_tokens=4)
+    assert "cos_cache" in str(info.value.__cause__)
+    err = capfd.readouterr().err
+    assert "\x1b[" not in err and "onnxruntime" not in err, err
+    records = [r for r in caplog.records if r.name == "ortspec.onnxruntime"]
+    assert records and records[0].levelno == logging.ERROR and "cos_cache" in records[0].getMessage()
+    assert "\x1b[" not in records[0].getMessage() and records[0].ort_logid == "onnxruntime-genai"
+    # and the engine still serves prompts that fit the graph
+    assert len(engine.generate("hello", max_tokens=3, ignore_eos=True).token_ids) == 3
