@@ -86,6 +86,16 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a port number 0-65535 (0: any free port), got {text!r}") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"expected a port number 0-65535 (0: any free port), got {text!r}")
+    return value
+
+
 def _margin(text: str) -> float:
     try:
         value = float(text)
@@ -575,7 +585,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     model_options(p)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default %(default)s)")
-    p.add_argument("--port", type=_positive_int, default=8000, help="port (default %(default)s)")
+    p.add_argument("--port", type=_port, default=8000, help="port; 0 picks a free one (default %(default)s)")
     p.add_argument(
         "--workers", type=_positive_int, default=1, help="engines serving in parallel, each with its own KV (default 1)"
     )

@@ -216,26 +216,6 @@ class GenerationSuperseded(RuntimeError):
     """Another generation started on the same Engine before this one finished; this one cannot continue."""
 
 
-class _Lease:
-    """Held around every pass of one generation: the Engine's lock, and a check that no newer generation has
-    taken the backend since this one started."""
-
-    def __init__(self, engine: Engine, epoch: int) -> None:
-        self.engine, self.epoch = engine, epoch
-
-    def __enter__(self) -> None:
-        self.engine._lock.acquire()
-        if self.engine._epoch != self.epoch:
-            self.engine._lock.release()
-            raise GenerationSuperseded(
-                "another generation started on this Engine before this one finished (one sequence at a time per "
-                "Engine: use one Engine per thread or worker)"
-            )
-
-    def __exit__(self, *exc: object) -> None:
-        self.engine._lock.release()
-
-
 def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
     """How many leading tokens ``a`` and ``b`` share."""
     n = min(len(a), len(b))
@@ -389,7 +369,8 @@ class Engine:
                 draft_width=draft_width,
                 detokenize=self.tokenizer.decode,
                 cached_prefix=cached,
-                lease=_Lease(self, self._epoch),
+                lease=self._lock,
+                before_pass=functools.partial(self._check_still_current, self._epoch),
             )
             self._last = generation
             return generation
@@ -501,6 +482,15 @@ class Engine:
                     f"measuring this model's {what} failed (a speculative generation measures it once, then reads it "
                     f"from the cache): {type(exc).__name__}: {exc}"
                 ) from exc
+
+    def _check_still_current(self, epoch: int) -> None:
+        """Before each pass of the generation started at ``epoch`` (the caller holds the lock): raise
+        ``GenerationSuperseded`` when a newer generation (or a measurement) has taken the backend since."""
+        if self._epoch != epoch:
+            raise GenerationSuperseded(
+                "another generation started on this Engine before this one finished (one sequence at a time per "
+                "Engine: use one Engine per thread or worker)"
+            )
 
     def _take_backend(self) -> None:
         """A measurement is about to use (and reset) the backend (the caller holds the lock): it supersedes any

@@ -152,8 +152,11 @@ class Generation:
     ``cached_prefix``: how many leading prompt tokens the backend already holds the KV of (the caller vouches, e.g.
     from ``resident_tokens()`` of the previous generation on the same backend); the prompt pass then rewinds to
     them and prefills only the rest (at least the last prompt token, whose row picks the first token). 0 resets
-    the backend. ``lease``: a context manager entered around every pass (the prompt pass and each step), e.g. to
-    hold a lock and check that the backend is still this generation's; what it raises ends the generation.
+    the backend. ``lease``: a context manager entered around every pass (the prompt pass and each step), e.g. a
+    lock; ``before_pass``: called inside it before each pass, e.g. to check that the backend is still this
+    generation's. What either raises ends the generation. Pass a lock itself as ``lease`` (not a Python class
+    whose ``__enter__`` acquires it): a KeyboardInterrupt can land just after a Python-level ``acquire()`` returns,
+    before ``__exit__`` is armed, and leave the lock held; a lock's own ``with`` cannot be split that way.
     """
 
     def __init__(
@@ -167,6 +170,7 @@ class Generation:
         detokenize: Detokenize | None = None,
         cached_prefix: int = 0,
         lease: AbstractContextManager[object] | None = None,
+        before_pass: Callable[[], None] | None = None,
     ) -> None:
         self._t_start = time.perf_counter()
         options = options if options is not None else Options()
@@ -183,6 +187,7 @@ class Generation:
         self._delivered = 0  # of self._commits
         self._t_first: float | None = None
         self._lease = lease if lease is not None else contextlib.nullcontext()
+        self._before_pass = before_pass
         prompt_len = len(self.state.prompt_tokens)
         if isinstance(cached_prefix, bool) or not isinstance(cached_prefix, int) or cached_prefix < 0:
             raise ValueError(f"cached_prefix must be an int >= 0, got {cached_prefix!r}")
@@ -211,6 +216,8 @@ class Generation:
         before it."""
         try:
             with self._lease:
+                if self._before_pass is not None:
+                    self._before_pass()
                 action()
         except Exception as exc:
             partial = self.result()
