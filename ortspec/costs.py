@@ -15,19 +15,29 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ortspec.backends.base import Backend
+from ortspec.backends.base import Backend, DevicePicks, uses_device_picks
 
 
 def measure_pass_costs(
-    backend: Backend, context_ids: Sequence[int], feed_ids: Sequence[int], kmax: int = 16, repeats: int = 15
+    backend: Backend,
+    context_ids: Sequence[int],
+    feed_ids: Sequence[int],
+    kmax: int = 16,
+    repeats: int = 15,
+    picks: bool = False,
 ) -> dict[str, Any]:
     """Median wall time of one pass over ``1 + K`` tokens after ``context_ids``, for K = 0..``kmax``.
 
-    K = 0 is a 1-token ``decode``; K >= 1 is ``decode_verify`` over K + 1 tokens (``feed_ids[:K + 1]``). Each
-    sample is rewound to the same base; the K values are interleaved within every round (rotated per round) so
-    machine noise spreads over the whole curve. Returns ``curve`` (time(K) / time(0)), ``pass_s``,
-    ``decode_step_s``, ``context_tokens``, ``repeats`` and the raw ``samples_s``. Resets the backend.
+    K = 0 is a 1-token ``decode``; K >= 1 is ``decode_verify`` over K + 1 tokens (``feed_ids[:K + 1]``). With
+    ``picks`` (a ``DevicePicks`` backend) every K is a ``verify_picks`` pass instead, the pass the driver makes
+    where the logits live on a device (so no logits rows are copied to the host). Each sample is rewound to the
+    same base; the K values are interleaved within every round (rotated per round) so machine noise spreads over
+    the whole curve. Returns ``curve`` (time(K) / time(0)), ``pass_s``, ``decode_step_s``, ``context_tokens``,
+    ``repeats``, ``picks`` and the raw ``samples_s``. Resets the backend.
     """
+    picker = backend if picks else None
+    if picker is not None and not isinstance(picker, DevicePicks):
+        raise ValueError("picks=True needs a backend with verify_picks (DevicePicks)")
     feed = list(feed_ids)[: kmax + 1]
     if len(feed) < kmax + 1:
         raise ValueError(f"measuring up to K = {kmax} needs {kmax + 1} tokens to feed, got {len(feed)}")
@@ -37,7 +47,9 @@ def measure_pass_costs(
 
     def one(k: int) -> float:
         t0 = time.perf_counter()
-        if k == 0:
+        if picker is not None:
+            picker.verify_picks(feed[: k + 1], base)
+        elif k == 0:
             backend.decode(feed[:1], base)
         else:
             backend.decode_verify(feed[: k + 1], base)
@@ -58,6 +70,7 @@ def measure_pass_costs(
     return {
         "context_tokens": base,
         "repeats": repeats,
+        "picks": picker is not None,
         "decode_step_s": med[0],
         "pass_s": [med[k] for k in range(kmax + 1)],
         "curve": [med[k] / med[0] for k in range(kmax + 1)],
@@ -74,7 +87,8 @@ def probe_ids(vocab_size: int, count: int) -> list[int]:
 
 def cached_pass_costs(backend: Backend, cache_file: Path, kmax: int = 16, repeats: int = 5) -> tuple[float, ...]:
     """``measure_pass_costs(...)["curve"]``, read from ``cache_file`` when it holds a curve for ``kmax``, else
-    measured (after a context of up to 256 ``probe_ids``) and written there."""
+    measured (after a context of up to 256 ``probe_ids``; with device picks when the driver will use them, as on
+    CUDA) and written there."""
     try:
         cached = json.loads(cache_file.read_text())
         if len(cached["curve"]) == kmax + 1:
@@ -83,7 +97,7 @@ def cached_pass_costs(backend: Backend, cache_file: Path, kmax: int = 16, repeat
         pass
     context = max(1, min(256, backend.max_length - kmax - 2))
     ids = probe_ids(backend.vocab_size, context + kmax + 1)
-    result = measure_pass_costs(backend, ids[:context], ids[context:], kmax, repeats)
+    result = measure_pass_costs(backend, ids[:context], ids[context:], kmax, repeats, picks=uses_device_picks(backend))
     # Noise can make a longer pass look cheaper than a shorter one; costs never fall as K grows.
     curve = [result["curve"][0]]
     for c in result["curve"][1:]:
