@@ -370,6 +370,12 @@ def measure_genai(folder: str, provider: str, cfg: argparse.Namespace, graphs: b
     """ONNX Runtime GenAI's own greedy on ``folder`` (its CUDA graphs on or off on CUDA): decode tokens per second
     after the first token, median of ``--repeats`` runs of exactly ``--new-tokens`` (min_length = max_length)."""
     try:
+        if provider == "cuda":
+            import onnxruntime
+
+            from ortspec.backends.onnx.session import preload_cuda_libraries
+
+            preload_cuda_libraries(onnxruntime)  # the CUDA libraries of the nvidia-* packages, for GenAI too
         import onnxruntime_genai as og
     except Exception as exc:  # noqa: BLE001 - ImportError, or its native library failing to load
         return {"skipped": f"onnxruntime_genai is not importable: {type(exc).__name__}: {exc}"}
