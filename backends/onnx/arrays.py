@@ -398,9 +398,12 @@ class CupyArrays:
         runtime = self.cp.cuda.runtime
         handle = self._stream.ptr if self._stream is not None else 0
         with self._device:
-            if not runtime.streamIsCapturing(handle):
+            if not runtime.streamIsCapturing(handle):  # cudaStreamCaptureStatusNone
                 return False
-            graph = runtime.streamEndCapture(handle)
+            try:
+                graph = runtime.streamEndCapture(handle)
+            except runtime.CUDARuntimeError:  # an invalidated capture: ending it reports the error, but it ends
+                graph = 0
             if graph:
                 runtime.graphDestroy(graph)
         return True
