@@ -54,8 +54,9 @@ def test_pricing_in_seconds_adds_the_host_time():
         for name in PRICED_SETTINGS:
             item = entry[name]
             assert item["expected_tok_s"] > 0 and item["host_us_per_pass"] > 0
-            # host time is paid per pass, so it can only pull the ratio toward 1 (within noise)
-            assert abs(item["speedup_with_host"] - 1) <= abs(item["decode_speedup"] - 1) + 0.05
+            # host time is paid per pass: it moves the ratio toward (greedy passes x greedy host time) / (speculative
+            # passes x speculative host time), up or down, but not far from the pass costs' ratio at 1 ms passes
+            assert 0.5 * item["decode_speedup"] < item["speedup_with_host"] < 2 * item["decode_speedup"]
 
 
 def test_targets_are_judged_only_where_measured():
