@@ -30,6 +30,9 @@ SMOLLM2_NAME = "SmolLM2-135M-Instruct"
 PRECISIONS = ("fp32", "int8")
 # What make_tiny_model accepts: (precision, execution provider) pairs the builder supports.
 TINY_TARGETS = {("fp32", "cpu"), ("int8", "cpu"), ("fp32", "cuda"), ("fp16", "cuda")}
+# What make_random_model accepts: the same, and int4 (MatMulNBits with 4-bit weights) for either provider.
+RANDOM_TARGETS = TINY_TARGETS | {("int4", "cpu"), ("int4", "cuda")}
+RANDOM_ARCHITECTURES = ("llama", "qwen2")
 
 # Files whose presence marks a finished folder.
 REQUIRED_FILES = ("model.onnx", "genai_config.json", "tokenizer.json")
@@ -92,10 +95,14 @@ def _run_builder(
     if in_process:
         import contextlib
         import io
+        import logging
 
-        from onnxruntime_genai.models import builder
-
+        builder = _builder_module()
         log = io.StringIO()
+        # onnxruntime's int4/int8 quantizer logs every node at INFO through its own handler
+        quantizer_log = logging.getLogger("onnxruntime.quantization")
+        level = quantizer_log.level
+        quantizer_log.setLevel(logging.WARNING)
         try:
             with contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
                 options = builder.parse_extra_options(
@@ -104,6 +111,8 @@ def _run_builder(
                 builder.create_model(None, str(hf_dir), str(out_dir), precision, provider, str(cache_dir), **options)
         except Exception as exc:
             raise ConversionError(f"the onnxruntime-genai builder failed: {exc}\n{log.getvalue()[-2000:]}") from exc
+        finally:
+            quantizer_log.setLevel(level)
         _check_outputs(out_dir)
         return
     cmd = [
@@ -128,6 +137,37 @@ def _run_builder(
         tail = (proc.stdout[-2000:] + "\n" + proc.stderr[-4000:]).strip()
         raise ConversionError(f"the onnxruntime-genai builder failed (exit {proc.returncode}):\n{tail}")
     _check_outputs(out_dir)
+
+
+BUILDER_PATH_ENV = "ORTSPEC_GENAI_BUILDER"
+
+
+def _builder_module():
+    """The onnxruntime-genai model builder module: ``onnxruntime_genai.models.builder``, or, when the package
+    cannot be imported (not installed, or its native library does not load, as on a GPU machine without the
+    matching onnxruntime-genai build), ``builder`` from the folder named by ``$ORTSPEC_GENAI_BUILDER``: a copy of
+    the package's pure-Python ``models/`` folder (``scripts/gpu_check.sh --prepare`` carries one)."""
+    try:
+        from onnxruntime_genai.models import builder
+
+        return builder
+    except Exception as exc:  # noqa: BLE001 - ImportError, or the native library failing to load
+        where = os.environ.get(BUILDER_PATH_ENV)
+        if not where:
+            raise ConversionError(
+                f"onnxruntime_genai.models.builder is not importable ({type(exc).__name__}: {exc}) and "
+                f"${BUILDER_PATH_ENV} names no copy of its models/ folder"
+            ) from exc
+        if where not in sys.path:
+            sys.path.insert(0, where)
+        import builder  # the standalone models/builder.py
+
+        return builder
+
+
+def _builder_available() -> bool:
+    """Whether a builder can be had (see :func:`_builder_module`)."""
+    return importlib.util.find_spec("onnxruntime_genai") is not None or bool(os.environ.get(BUILDER_PATH_ENV))
 
 
 def _check_outputs(out_dir: Path) -> None:
@@ -393,13 +433,20 @@ def make_tiny_model(
         # Default init is N(0, 0.02): the logits of such a small random model are nearly flat. Widen them a bit
         # so that argmaxes are well separated and tests exercise realistic-looking distributions.
         model.lm_head.weight.mul_(10.0)
+    return _build_folder(model, fast, dest, precision, execution_provider, in_process_builder)
+
+
+def _build_folder(model, tokenizer, dest: Path, precision: str, provider: str, in_process_builder: bool) -> Path:
+    """Save ``model`` and ``tokenizer`` as a Hugging Face folder in a temporary directory, run the builder on it
+    into a staging folder beside ``dest``, and publish that as ``dest``."""
     dest.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix="ortspec-tiny-") as tmp_str:
+    with tempfile.TemporaryDirectory(prefix="ortspec-tiny-", dir=dest.parent) as tmp_str:
         tmp = Path(tmp_str)
         hf_dir = tmp / "hf"
         with _quiet():
             model.save_pretrained(str(hf_dir))
-            fast.save_pretrained(str(hf_dir))
+            tokenizer.save_pretrained(str(hf_dir))
+        del model
         staged = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=dest.parent))
         try:
             _run_builder(
@@ -408,12 +455,97 @@ def make_tiny_model(
                 precision,
                 tmp / "builder-cache",
                 in_process=in_process_builder,
-                provider=execution_provider,
+                provider=provider,
             )
             return _publish(staged, dest)
         except BaseException:
             shutil.rmtree(staged, ignore_errors=True)
             raise
+
+
+def make_random_model(
+    out_dir: str | os.PathLike[str],
+    *,
+    architecture: str,
+    hidden: int,
+    layers: int,
+    heads: int,
+    kv_heads: int,
+    intermediate: int,
+    vocab: int,
+    rope_theta: float,
+    tie_embeddings: bool,
+    context: int,
+    rms_norm_eps: float = 1e-6,
+    precision: str = "fp32",
+    execution_provider: str = "cpu",
+    seed: int = 0,
+    logit_scale: float = 10.0,
+    in_process_builder: bool = True,
+) -> Path:
+    """Build a random-weight model folder of a given shape with the builder, the way :func:`make_tiny_model` does
+    (same tokenizer: a small BPE, with the model's vocabulary widened to ``vocab``), for speed measurements of a
+    real model's shape without its weights.
+
+    ``architecture``: ``"llama"`` (``LlamaForCausalLM``: SmolLM2's) or ``"qwen2"`` (``Qwen2ForCausalLM``, with its
+    q/k/v biases: Qwen2.5's). The dimensions are the Hugging Face config's (``hidden_size``, ``num_hidden_layers``,
+    ``num_attention_heads``, ``num_key_value_heads``, ``intermediate_size``, ``vocab_size``, ``rope_theta``,
+    ``tie_word_embeddings``, ``max_position_embeddings`` = ``context``, ``rms_norm_eps``). Weights are the model
+    class's default initialisation from ``torch.manual_seed(seed)``, with the final norm scaled by
+    ``logit_scale`` so that the logits are spread out and argmaxes well separated. Saved in float16 unless the
+    target is fp32. ``precision``/``execution_provider``: one of :data:`RANDOM_TARGETS`. Idempotent. Returns the
+    folder.
+    """
+    if (precision, execution_provider) not in RANDOM_TARGETS:
+        raise ValueError(
+            f"(precision, execution_provider) must be one of {sorted(RANDOM_TARGETS)}, "
+            f"got {(precision, execution_provider)}"
+        )
+    if architecture not in RANDOM_ARCHITECTURES:
+        raise ValueError(f"architecture must be one of {RANDOM_ARCHITECTURES}, got {architecture!r}")
+    if hidden % heads or heads % kv_heads:
+        raise ValueError(f"hidden={hidden} must divide by heads={heads}, and heads by kv_heads={kv_heads}")
+    dest = Path(out_dir)
+    if is_complete(dest):
+        return dest
+    require_convert_packages(
+        ("torch", "transformers", "onnx", *(() if _builder_available() else ("onnxruntime_genai",)))
+    )
+
+    import torch
+    import transformers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = _train_tiny_tokenizer(min(vocab, 512))
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<|im_start|>", eos_token="<|endoftext|>", pad_token="<|endoftext|>"
+    )
+    config_class, model_class = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+    }[architecture]
+    config = config_class(
+        vocab_size=max(tok.get_vocab_size(), vocab),
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=context,
+        rms_norm_eps=rms_norm_eps,
+        rope_theta=float(rope_theta),
+        tie_word_embeddings=bool(tie_embeddings),
+        bos_token_id=1,
+        eos_token_id=0,
+        pad_token_id=0,
+    )
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        model = model_class(config)
+        model.model.norm.weight.mul_(float(logit_scale))
+        if precision != "fp32":
+            model = model.to(torch.float16)
+    return _build_folder(model, fast, dest, precision, execution_provider, in_process_builder)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -19,19 +19,29 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from ortspec.backends.base import Backend
+from ortspec.backends.base import Backend, DevicePicks, uses_device_picks
 
 
 def measure_pass_costs(
-    backend: Backend, context_ids: Sequence[int], feed_ids: Sequence[int], kmax: int = 16, repeats: int = 15
+    backend: Backend,
+    context_ids: Sequence[int],
+    feed_ids: Sequence[int],
+    kmax: int = 16,
+    repeats: int = 15,
+    picks: bool = False,
 ) -> dict[str, Any]:
     """Median wall time of one pass over ``1 + K`` tokens after ``context_ids``, for K = 0..``kmax``.
 
-    K = 0 is a 1-token ``decode``; K >= 1 is ``decode_verify`` over K + 1 tokens (``feed_ids[:K + 1]``). Each
-    sample is rewound to the same base; the K values are interleaved within every round (rotated per round) so
-    machine noise spreads over the whole curve. Returns ``curve`` (time(K) / time(0)), ``pass_s``,
-    ``decode_step_s``, ``context_tokens``, ``repeats`` and the raw ``samples_s``. Resets the backend.
+    K = 0 is a 1-token ``decode``; K >= 1 is ``decode_verify`` over K + 1 tokens (``feed_ids[:K + 1]``). With
+    ``picks`` (a ``DevicePicks`` backend) every K is a ``verify_picks`` pass instead, the pass the driver makes
+    where the logits live on a device (so no logits rows are copied to the host). Each sample is rewound to the
+    same base; the K values are interleaved within every round (rotated per round) so machine noise spreads over
+    the whole curve. Returns ``curve`` (time(K) / time(0)), ``pass_s``, ``decode_step_s``, ``context_tokens``,
+    ``repeats``, ``picks`` and the raw ``samples_s``. Resets the backend.
     """
+    picker = backend if picks else None
+    if picker is not None and not isinstance(picker, DevicePicks):
+        raise ValueError("picks=True needs a backend with verify_picks (DevicePicks)")
     feed = list(feed_ids)[: kmax + 1]
     if len(feed) < kmax + 1:
         raise ValueError(f"measuring up to K = {kmax} needs {kmax + 1} tokens to feed, got {len(feed)}")
@@ -41,7 +51,9 @@ def measure_pass_costs(
 
     def one(k: int) -> float:
         t0 = time.perf_counter()
-        if k == 0:
+        if picker is not None:
+            picker.verify_picks(feed[: k + 1], base)
+        elif k == 0:
             backend.decode(feed[:1], base)
         else:
             backend.decode_verify(feed[: k + 1], base)
@@ -62,6 +74,7 @@ def measure_pass_costs(
     return {
         "context_tokens": base,
         "repeats": repeats,
+        "picks": picker is not None,
         "decode_step_s": med[0],
         "pass_s": [med[k] for k in range(kmax + 1)],
         "curve": [med[k] / med[0] for k in range(kmax + 1)],
@@ -133,8 +146,10 @@ def cached_pass_costs(
     """The verify cost curve ``(1.0, cost(1), ..., cost(kmax))`` (``measure_pass_costs(...)["curve"]``, made
     non-decreasing: noise can make a longer pass look cheaper), measured after a context of ``probe_ids`` and
     kept by ``cached_measurement``. The probe fits any capacity (``pass_cost_probe``): widths the capacity cannot
-    hold are never verified, and repeat the largest measured cost. ``before()`` runs just before the backend is
-    used (not on a cache hit); the measurement resets the backend."""
+    hold are never verified, and repeat the largest measured cost. Measured with device picks when the driver
+    will use them (as on CUDA). ``before()`` runs just before the backend is used (not on a cache hit); the
+    measurement resets the backend."""
+    picks = uses_device_picks(backend)
     context, k = pass_cost_probe(backend.max_length, kmax)
 
     def measure() -> dict[str, Any]:
@@ -143,13 +158,13 @@ def cached_pass_costs(
         if k == 0:
             return {"curve": [1.0], "decode_step_s": None}
         ids = probe_ids(backend.vocab_size, context + k + 1)
-        result = measure_pass_costs(backend, ids[:context], ids[context:], k, repeats)
+        result = measure_pass_costs(backend, ids[:context], ids[context:], k, repeats, picks=picks)
         curve = [result["curve"][0]]
         for c in result["curve"][1:]:
             curve.append(max(c, curve[-1]))
         return {"curve": curve, "decode_step_s": result["decode_step_s"]}
 
-    params = {"kmax": k, "context_tokens": context, "repeats": repeats, "probe": "probe_ids"}
+    params = {"kmax": k, "context_tokens": context, "repeats": repeats, "probe": "probe_ids", "picks": picks}
     curve = [float(c) for c in cached_measurement(cache_file, "pass_costs", params, measure)["curve"]]
     return tuple(curve + [curve[-1]] * (kmax + 1 - len(curve)))
 

@@ -75,6 +75,32 @@ class ArrayModule(Protocol):
         """The picks contract (module docstring) on ``rows`` ``[count, vocab]``, returned as host arrays."""
         ...
 
+    # The stream-ordered path (``OrtBackend(static_shapes=True)`` on CUDA): ONNX Runtime runs on this module's
+    # stream, so the copies below need no host synchronisation to be ordered with its runs.
+    def own_stream(self) -> int | None:
+        """Make a new stream this module enqueues its work on from now on; return its handle (None on the host,
+        which has no streams)."""
+        ...
+
+    def stream_ptr(self) -> int | None:
+        """The handle of the stream this module enqueues its work on, or None (the default stream; the host)."""
+        ...
+
+    def pinned_empty(self, shape, dtype) -> np.ndarray:
+        """An uninitialised host array in page-locked memory (a plain numpy array on the host), so that copies
+        from it are asynchronous."""
+        ...
+
+    def copy_from_host(self, destination, host: np.ndarray) -> None:
+        """Enqueue a copy of ``host`` (same shape and dtype) into ``destination`` on this module's stream. The copy
+        is asynchronous when ``host`` is pinned: ``host`` must then not change until the stream has passed it."""
+        ...
+
+    def end_capture(self) -> bool:
+        """End and discard a CUDA graph capture left open on this module's stream (after a failed capture); True
+        if one was open. The host has none: False."""
+        ...
+
 
 # ----------------------------------------------------------------------------------------------------------------
 # Reductions
@@ -231,10 +257,52 @@ class HostArrays:
     def argmax_margin(self, rows) -> tuple[np.ndarray, np.ndarray]:
         return argmax_margin(np.asarray(rows, dtype=np.float32))
 
+    def own_stream(self) -> int | None:
+        return None
+
+    def stream_ptr(self) -> int | None:
+        return None
+
+    def pinned_empty(self, shape, dtype) -> np.ndarray:
+        return np.empty(shape, dtype)
+
+    def copy_from_host(self, destination, host: np.ndarray) -> None:
+        destination[...] = host
+
+    def end_capture(self) -> bool:
+        return False
+
+
+class ConversionBuffer:
+    """A float32 scratch buffer on a device, reused across calls and grown only when more rows are asked for than
+    ever before (so a decode loop converts its float16 rows without allocating). ``make(elements)`` allocates."""
+
+    def __init__(self, make) -> None:
+        self._make = make
+        self._flat: Any = None
+        self.grown = 0  # how many times it was (re)allocated
+
+    def rows(self, count: int, width: int):
+        """A ``[count, width]`` float32 view of the buffer (contents unspecified)."""
+        need = count * width
+        if self._flat is None or self._flat.shape[0] < need:
+            self._flat = self._make(need)
+            self.grown += 1
+        return self._flat[:need].reshape(count, width)
+
 
 class CupyArrays:
     """CuPy buffers on CUDA device ``device_id``; picks by the fused kernel, or by CuPy reductions if it fails to
-    compile (logged once)."""
+    compile (logged once).
+
+    Work is enqueued on the default stream until :meth:`own_stream` gives the module a stream of its own (the
+    stream-ordered path: ONNX Runtime is then told to run on it). float16 rows are converted to float32 in a
+    preallocated device buffer (:class:`ConversionBuffer`) and the picks come back through a page-locked host
+    buffer, so a decode step allocates nothing.
+
+    Not yet run on a GPU: :meth:`own_stream`, :meth:`copy_from_host`, :meth:`pinned_empty`, :meth:`end_capture`,
+    the stream arguments and the conversion buffer (written for CuPy 13-14; the rest ran on an H200 on 2026-11-29).
+    """
 
     device_type = "cuda"
     name = "cupy"
@@ -245,20 +313,36 @@ class CupyArrays:
         self.cp = cupy
         self.device_id = device_id
         self._device = cupy.cuda.Device(device_id)
+        self._stream: Any = None  # None: CuPy's current stream (the default stream unless a caller set one)
         self._picks_out: Any = None  # device float64 [2 * rows]: the kernel's output, grown as needed
-        self._picks_host: Any = None  # its host copy
+        self._picks_host: Any = None  # its page-locked host copy
         self._kernel_failed = False
+        self._convert = ConversionBuffer(self._float32_flat)
+
+    def _float32_flat(self, elements: int):
+        with self._device:
+            return self.cp.empty(elements, self.cp.float32)
+
+    def _on_stream(self):
+        """A context: this module's device, and its stream when it has one."""
+        import contextlib
+
+        stack = contextlib.ExitStack()
+        stack.enter_context(self._device)
+        if self._stream is not None:
+            stack.enter_context(self._stream)
+        return stack
 
     def empty(self, shape, dtype):
         with self._device:
             return self.cp.empty(shape, dtype)
 
     def zeros(self, shape, dtype):
-        with self._device:
+        with self._on_stream():
             return self.cp.zeros(shape, dtype)
 
     def from_host(self, host):
-        with self._device:
+        with self._on_stream():
             return self.cp.asarray(host)
 
     @staticmethod
@@ -269,9 +353,18 @@ class CupyArrays:
         destination.set(np.ascontiguousarray(host, dtype=destination.dtype))
 
     def download(self, source, out):
-        if source.dtype != out.dtype:
-            source = source.astype(out.dtype)
-        source.get(out=out)
+        """Copy ``source`` to the host array ``out``; a dtype change (float16 logits to float32) goes through the
+        preallocated conversion buffer on the device, then one device-to-host copy (which waits for the stream)."""
+        with self._on_stream():
+            if source.dtype != out.dtype:
+                if out.dtype != np.float32 or source.ndim not in (1, 2):
+                    source = source.astype(out.dtype)
+                else:
+                    rows = source if source.ndim == 2 else source.reshape(1, -1)
+                    converted = self._convert.rows(rows.shape[0], rows.shape[1])
+                    self.cp.copyto(converted, rows)
+                    source = converted.reshape(source.shape)
+            source.get(out=out, stream=self._stream)
 
     def sync(self):
         self._device.synchronize()
@@ -282,11 +375,45 @@ class CupyArrays:
     def copy_positions(self, destination, source, start, stop):
         destination[:, :, start:stop] = source[:, :, start:stop]
 
+    def own_stream(self) -> int | None:
+        with self._device:
+            self._stream = self.cp.cuda.Stream(non_blocking=True)
+        return int(self._stream.ptr)
+
+    def stream_ptr(self) -> int | None:
+        return int(self._stream.ptr) if self._stream is not None else None
+
+    def pinned_empty(self, shape, dtype) -> np.ndarray:
+        import cupyx
+
+        return cupyx.empty_pinned(shape, dtype)
+
+    def copy_from_host(self, destination, host: np.ndarray) -> None:
+        if host.dtype != destination.dtype or not host.flags.c_contiguous:
+            host = np.ascontiguousarray(host, dtype=destination.dtype)  # then a synchronous copy from pageable memory
+        with self._device:
+            destination.set(host, stream=self._stream)
+
+    def end_capture(self) -> bool:
+        runtime = self.cp.cuda.runtime
+        handle = self._stream.ptr if self._stream is not None else 0
+        with self._device:
+            if not runtime.streamIsCapturing(handle):  # cudaStreamCaptureStatusNone
+                return False
+            try:
+                graph = runtime.streamEndCapture(handle)
+            except runtime.CUDARuntimeError:  # an invalidated capture: ending it reports the error, but it ends
+                graph = 0
+            if graph:
+                runtime.graphDestroy(graph)
+        return True
+
     def argmax_margin(self, rows):
-        """One fused kernel (a block per row), then one device-to-host copy of ``2 * rows`` float64 numbers."""
+        """One fused kernel (a block per row), then one device-to-host copy of ``2 * rows`` float64 numbers (into a
+        page-locked buffer; the copy waits for the stream: the step's one synchronisation)."""
         cp = self.cp
         count, vocab = rows.shape
-        with self._device:
+        with self._on_stream():
             if not rows.flags.c_contiguous:
                 rows = cp.ascontiguousarray(rows)
             try:
@@ -299,14 +426,19 @@ class CupyArrays:
                 self._kernel_failed = True
                 kernel = None
             if kernel is None:
-                ids, margins = xp_argmax_margin(cp, rows.astype(cp.float32, copy=False))
+                if rows.dtype != cp.float32:
+                    converted = self._convert.rows(count, vocab)
+                    cp.copyto(converted, rows)
+                    rows = converted
+                ids, margins = xp_argmax_margin(cp, rows)
                 return cp.asnumpy(ids).astype(np.int64), cp.asnumpy(margins).astype(np.float32)
             if self._picks_out is None or self._picks_out.shape[0] < 2 * count:
-                self._picks_out = cp.empty(2 * max(count, 16), cp.float64)
-                self._picks_host = np.empty(2 * max(count, 16), np.float64)
+                size = 2 * max(count, 32)
+                self._picks_out = cp.empty(size, cp.float64)
+                self._picks_host = self.pinned_empty(size, np.float64)
             kernel((count,), (ARGMAX_THREADS,), (rows, np.int32(vocab), self._picks_out))
             host = self._picks_host[: 2 * count]
-            self._picks_out[: 2 * count].get(out=host)
+            self._picks_out[: 2 * count].get(out=host, stream=self._stream)
         return host[0::2].astype(np.int64), host[1::2].astype(np.float32)
 
 
@@ -315,7 +447,12 @@ def _shape_tuple(shape) -> tuple[int, ...]:
 
 
 class TorchArrays:
-    """torch CUDA tensors on device ``device_id`` (where CuPy is missing); picks by :func:`torch_argmax_margin`."""
+    """torch CUDA tensors on device ``device_id`` (where CuPy is missing); picks by :func:`torch_argmax_margin`.
+
+    As :class:`CupyArrays`: the default stream until :meth:`own_stream`; float16 rows converted in a preallocated
+    float32 buffer (the reductions' own temporaries come from torch's caching allocator, which stops calling
+    ``cudaMalloc`` once warm). Not yet run on a GPU: :meth:`own_stream`, :meth:`copy_from_host`,
+    :meth:`pinned_empty`, :meth:`end_capture`, the stream contexts and the conversion buffer."""
 
     device_type = "cuda"
     name = "torch"
@@ -329,18 +466,29 @@ class TorchArrays:
         self._torch_dtypes = {
             np.dtype(np.float32): torch.float32,
             np.dtype(np.float16): torch.float16,
+            np.dtype(np.float64): torch.float64,
             np.dtype(np.int64): torch.int64,
             np.dtype(np.int32): torch.int32,
         }
+        self._stream: Any = None
+        self._convert = ConversionBuffer(lambda n: torch.empty(n, dtype=torch.float32, device=self.device))
+        self._pinned: list[Any] = []  # keeps the tensors behind pinned_empty's arrays alive
+
+    def _on_stream(self):
+        import contextlib
+
+        return self.torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext()
 
     def empty(self, shape, dtype):
         return self.torch.empty(_shape_tuple(shape), dtype=self._torch_dtypes[np.dtype(dtype)], device=self.device)
 
     def zeros(self, shape, dtype):
-        return self.torch.zeros(_shape_tuple(shape), dtype=self._torch_dtypes[np.dtype(dtype)], device=self.device)
+        with self._on_stream():
+            return self.torch.zeros(_shape_tuple(shape), dtype=self._torch_dtypes[np.dtype(dtype)], device=self.device)
 
     def from_host(self, host):
-        return self.torch.from_numpy(np.ascontiguousarray(host)).to(self.device)
+        with self._on_stream():
+            return self.torch.from_numpy(np.ascontiguousarray(host)).to(self.device)
 
     @staticmethod
     def ptr(array) -> int:
@@ -350,7 +498,15 @@ class TorchArrays:
         destination.copy_(self.torch.from_numpy(np.ascontiguousarray(host)))
 
     def download(self, source, out):
-        self.torch.from_numpy(out).copy_(source)
+        """As :meth:`CupyArrays.download`: a float16 source is converted in the preallocated float32 buffer first."""
+        with self._on_stream():
+            if source.dtype != self._torch_dtypes[np.dtype(out.dtype)]:
+                if out.dtype == np.float32 and source.dim() in (1, 2):
+                    rows = source if source.dim() == 2 else source.reshape(1, -1)
+                    converted = self._convert.rows(rows.shape[0], rows.shape[1])
+                    converted.copy_(rows)
+                    source = converted.reshape(source.shape)
+            self.torch.from_numpy(out).copy_(source)
 
     def sync(self):
         self.torch.cuda.synchronize(self.device)
@@ -361,8 +517,39 @@ class TorchArrays:
     def copy_positions(self, destination, source, start, stop):
         destination[:, :, start:stop].copy_(source[:, :, start:stop])
 
+    def own_stream(self) -> int | None:
+        self._stream = self.torch.cuda.Stream(device=self.device)
+        return int(self._stream.cuda_stream)
+
+    def stream_ptr(self) -> int | None:
+        return int(self._stream.cuda_stream) if self._stream is not None else None
+
+    def pinned_empty(self, shape, dtype) -> np.ndarray:
+        tensor = self.torch.empty(_shape_tuple(shape), dtype=self._torch_dtypes[np.dtype(dtype)], pin_memory=True)
+        self._pinned.append(tensor)
+        return tensor.numpy()
+
+    def copy_from_host(self, destination, host: np.ndarray) -> None:
+        source = self.torch.from_numpy(np.ascontiguousarray(host, dtype=np.dtype(host.dtype)))
+        with self._on_stream():
+            destination.copy_(source, non_blocking=True)  # asynchronous only from pinned memory
+
+    def end_capture(self) -> bool:
+        with self._on_stream():
+            if not self.torch.cuda.is_current_stream_capturing():
+                return False
+        raise BackendError(
+            "a CUDA graph capture failed and left the stream capturing; torch offers no call to end it here "
+            "(use array_module='cupy', or cuda_graphs=False)"
+        )
+
     def argmax_margin(self, rows):
-        return torch_argmax_margin(rows)
+        with self._on_stream():
+            if rows.dtype != self.torch.float32:
+                converted = self._convert.rows(rows.shape[0], rows.shape[1])
+                converted.copy_(rows)
+                rows = converted
+            return torch_argmax_margin(rows)
 
 
 def cuda_arrays(device_id: int, array_module: str) -> CupyArrays | TorchArrays:

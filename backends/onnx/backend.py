@@ -16,7 +16,29 @@ as is. One ``InferenceSession`` runs with IO binding:
   longer than a chunk are prefilled chunk by chunk.
 * **CUDA.** ``provider="cuda"`` keeps the KV, the inputs and the logits in device memory (CuPy arrays, or torch
   CUDA tensors where CuPy is missing), binds them by pointer, and copies to the host only the rows asked for;
-  ``verify_picks`` reduces each row to its argmax and top-1/top-2 margin on the device.
+  ``verify_picks`` reduces each row to its argmax and top-1/top-2 margin on the device. float16 rows asked for on
+  the host are converted in a preallocated float32 device buffer (no allocation per step).
+* **Static shapes** (``static_shapes=True``, off by default; needs the shared-buffer GroupQueryAttention path):
+  ``attention_mask`` is bound as ``[1, max_length]`` and the length is carried by its values (ones, then zeros):
+  the builder's graph feeds GroupQueryAttention ``seqlens_k = ReduceSum(mask) - 1`` and ``total_sequence_length =
+  Shape(mask)[1]``, and with the KV buffer bound as both past and present the op reads the real length from
+  ``seqlens_k`` (it takes the rotary positions from it too). Ids (and position ids, for graphs that take them) go
+  to fixed buffers, and each pass width keeps its own IO binding, so every pass of a width has identical shapes
+  and addresses. On the CPU the logits are bit for bit those of the default binding (tested). On CUDA this path
+  also runs ONNX Runtime on the array module's own stream (``user_compute_stream``) with the run-config entry
+  ``disable_synchronize_execution_providers=1``: the host never waits for the device except when it reads the
+  picks or rows back (and, with graphs, inside ONNX Runtime's graph replay, which synchronises its stream).
+  Inputs are staged in page-locked memory, indexed by position, so chunked prefill never overwrites a staged
+  chunk before the device has copied it.
+* **CUDA graphs** (``cuda_graphs=True``, CUDA only, off by default; implies static shapes): the session is opened
+  with ``enable_cuda_graph=1`` and each pass width of up to ``graph_max_tokens`` tokens (the pending token plus up
+  to 16 draft tokens by default) gets its own graph id (``graphs.GraphBook``); greedy steps are width 1. Wider
+  passes (prefill chunks) run eagerly. :meth:`OrtBackend.capture_graphs` warms up and captures every width up
+  front. When ONNX Runtime refuses graph capture for the session, or a run with a graph id fails, the backend logs
+  why, reopens its session without graphs (same buffers, same stream) and carries on eagerly.
+  **The static-shape and graph paths on CUDA are written but not yet run on a GPU** (see ``scripts/gpu_check.sh``).
+* **Timing.** ``timer`` (None by default) takes a ``graphs.PhaseTimer`` that adds up each pass's host work,
+  session run, explicit syncs and read-back.
 
 Errors: every contract violation raises ``BackendError`` before any state changes; a failure inside ONNX Runtime
 also raises ``BackendError`` and leaves ``current_len()`` where it was (positions past it are never read).
@@ -29,7 +51,9 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -37,11 +61,13 @@ from ..base import BackendError, check_position, check_tokens
 from .arrays import ArrayModule, HostArrays, cuda_arrays
 from .folder import ModelFolder
 from .graph import inspect_graph
-from .session import execution_providers, make_session_options, open_session
+from .graphs import EAGER, GraphBook, PhaseTimer
+from .session import cuda_provider_options, execution_providers, make_session_options, open_session
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_PREFILL_CHUNK = 256
+DEFAULT_GRAPH_MAX_TOKENS = 17  # the pending token + up to 16 draft tokens (the cost-aware width policy's widest)
 
 
 class OrtBackend:
@@ -49,8 +75,11 @@ class OrtBackend:
 
     Public attributes: ``session`` (the ``InferenceSession``), ``folder`` (its :class:`ModelFolder`), ``graph``
     (the checked :class:`~ortspec.backends.onnx.graph.DecoderGraph`), ``provider`` (``"cpu"`` or ``"cuda"``),
-    ``prefill_chunk``, ``threads`` (intra-op), ``share_buffer`` (True: the in-place KV path) and
-    ``picks_on_device`` (the ``DevicePicks`` capability: True on CUDA). The backend owns its buffers: the logits
+    ``prefill_chunk``, ``threads`` (intra-op), ``share_buffer`` (True: the in-place KV path),
+    ``picks_on_device`` (the ``DevicePicks`` capability: True on CUDA), ``static_shapes``, ``stream_ordered``
+    (CUDA: ONNX Runtime runs on the array module's stream and nothing waits for the device but the read-back),
+    ``graphs`` (a :class:`~ortspec.backends.onnx.graphs.GraphBook`, or None without CUDA graphs) and ``timer``
+    (None, or a :class:`~ortspec.backends.onnx.graphs.PhaseTimer`). The backend owns its buffers: the logits
     that ``decode`` and ``decode_verify`` return are views of them, valid until its next call."""
 
     def __init__(
@@ -63,9 +92,22 @@ class OrtBackend:
         max_length: int | None = None,
         prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
         share_buffer: bool | None = None,
-        array_module: str = "auto",
+        array_module: str | ArrayModule = "auto",
+        static_shapes: bool = False,
+        cuda_graphs: bool = False,
+        graph_max_tokens: int = DEFAULT_GRAPH_MAX_TOKENS,
+        stream_ordered: bool = False,
+        reopen_session: Callable[[], Any] | None = None,
     ) -> None:
-        """Wrap an open ``session`` of ``folder``'s decoder (see :meth:`from_folder`, which opens one)."""
+        """Wrap an open ``session`` of ``folder``'s decoder (see :meth:`from_folder`, which opens one).
+
+        ``array_module``: a name (``"cupy"``, ``"torch"``, ``"auto"``; CUDA only) or a ready array module.
+        ``static_shapes`` / ``cuda_graphs``: see the module docstring (``cuda_graphs`` implies ``static_shapes``;
+        the session must have been opened with ``enable_cuda_graph=1`` for graphs to be captured: it is then given
+        a ``gpu_graph_id`` per pass width). ``stream_ordered``: the session runs on the array module's stream
+        (opened with ``user_compute_stream`` = its ``stream_ptr()``), so no host synchronisation is needed around
+        runs; only meaningful with ``static_shapes`` on CUDA. ``reopen_session``: opens the same model without
+        CUDA graphs (the fallback when graphs fail); without it a graph failure raises ``BackendError``."""
         import onnxruntime as ort
 
         self._ort = ort
@@ -82,12 +124,15 @@ class OrtBackend:
             raise ValueError(
                 f"max_length must be in [1, {context_length}] (the model's context_length), got {max_length}"
             )
+        if graph_max_tokens < 1:
+            raise ValueError(f"graph_max_tokens must be >= 1, got {graph_max_tokens}")
         self._max_length = int(max_length)
         self._vocab = folder.vocab_size
         self._len = 0
         # DevicePicks: the driver asks for picks (verify_picks) when the logits live on a device.
         self.picks_on_device = provider == "cuda"
         self.threads = session.get_session_options().intra_op_num_threads
+        self.timer: PhaseTimer | None = None
 
         self.graph = inspect_graph(session, folder)
         wants_sharing = folder.past_present_share_buffer if share_buffer is None else bool(share_buffer)
@@ -101,10 +146,23 @@ class OrtBackend:
             logger.warning(
                 "OrtBackend(%s): %s; using the grow/copy KV path (slower, copies the KV each step)", folder.path, why
             )
+        self.static_shapes = bool(static_shapes or cuda_graphs)
+        if self.static_shapes:
+            why_not = static_shapes_unsupported(self.graph, self.share_buffer)
+            if why_not:
+                raise BackendError(f"{folder.model_path}: static shapes are not possible: {why_not}")
 
-        self._arrays: ArrayModule = HostArrays(device_id) if provider == "cpu" else cuda_arrays(device_id, array_module)
+        if isinstance(array_module, str):
+            self._arrays: ArrayModule = (
+                HostArrays(device_id) if provider == "cpu" else cuda_arrays(device_id, array_module)
+            )
+        else:
+            self._arrays = array_module
         self._device_type = self._arrays.device_type
         self._device_id = device_id
+        self.stream_ordered = bool(stream_ordered and self.static_shapes and self._device_type != "cpu")
+        self.graphs: GraphBook | None = GraphBook(graph_max_tokens) if cuda_graphs else None
+        self._reopen = reopen_session
         arrays, graph = self._arrays, self.graph
         # per layer, [1, kv_heads, max_length, head_size] of graph.kv_dtype; positions >= current_len() are stale
         self._kv_shape = (1, folder.num_kv_heads, self._max_length, folder.head_size)
@@ -116,22 +174,34 @@ class OrtBackend:
         self._positions = (
             arrays.from_host(np.arange(self._max_length, dtype=graph.position_dtype)) if graph.position_name else None
         )
+        self._positions_fixed: Any = None  # the static path's position ids, for graphs that take them
+        if self.static_shapes:
+            self._init_static()
         self._rows = 0
-        self._alloc_rows(max(self.prefill_chunk, 1))
+        first_rows = max(self.prefill_chunk, graph_max_tokens if cuda_graphs else 1)
+        self._alloc_rows(first_rows)
+        self._bind_session()
 
-        self._binding = session.io_binding()
+    def _bind_session(self) -> None:
+        """A fresh IO binding of the session with the shared KV buffers bound (the default path), and an empty
+        cache of per-width static bindings."""
+        self._binding = self.session.io_binding()
+        self._passes: dict[int, _StaticPass] = {}
         if self.share_buffer:
-            for layer, names in enumerate(graph.kv_names):
-                for past_name, present_name, buffer in (
-                    (names.past_key, names.present_key, self._keys[layer]),
-                    (names.past_value, names.present_value, self._values[layer]),
-                ):
-                    address = arrays.ptr(buffer)
-                    shape = list(self._kv_shape)
-                    self._binding.bind_input(past_name, self._device_type, device_id, graph.kv_dtype, shape, address)
-                    self._binding.bind_output(
-                        present_name, self._device_type, device_id, graph.kv_dtype, shape, address
-                    )
+            self._bind_kv(self._binding)
+
+    def _bind_kv(self, binding) -> None:
+        """Bind each layer's KV buffers to ``binding`` as both the past input and the present output."""
+        arrays, graph, device_id = self._arrays, self.graph, self._device_id
+        shape = list(self._kv_shape)
+        for layer, names in enumerate(graph.kv_names):
+            for past_name, present_name, buffer in (
+                (names.past_key, names.present_key, self._keys[layer]),
+                (names.past_value, names.present_value, self._values[layer]),
+            ):
+                address = arrays.ptr(buffer)
+                binding.bind_input(past_name, self._device_type, device_id, graph.kv_dtype, shape, address)
+                binding.bind_output(present_name, self._device_type, device_id, graph.kv_dtype, shape, address)
 
     # ------------------------------------------------------------------------------------------------------------
     @classmethod
@@ -150,6 +220,9 @@ class OrtBackend:
         allow_spinning: bool | None = None,
         config_entries: Mapping[str, str] | None = None,
         array_module: str = "auto",
+        static_shapes: bool = False,
+        cuda_graphs: bool = False,
+        graph_max_tokens: int = DEFAULT_GRAPH_MAX_TOKENS,
     ) -> OrtBackend:
         """Open the decoder in a builder-written folder.
 
@@ -158,8 +231,12 @@ class OrtBackend:
         force the grow/copy KV path with ``False`` (default: the folder's ``past_present_share_buffer``).
         ``session_options``: a ready ``onnxruntime.SessionOptions`` that replaces all the option arguments.
         ``array_module`` (CUDA only): ``"cupy"``, ``"torch"`` or ``"auto"`` (CuPy, else torch).
-        A folder problem raises ``ModelFolderError`` naming the file and the key or tensor (``ModelFileError``, also a
-        ``BackendError``, for the model file); another session problem ``BackendError``; a bad argument
+        ``static_shapes`` (off by default): fixed-shape binding (module docstring); on CUDA it also runs the session
+        on the array module's own stream without host synchronisation around runs. ``cuda_graphs`` (CUDA only, off
+        by default; implies ``static_shapes``): one captured CUDA graph per pass width up to ``graph_max_tokens``
+        tokens, with an eager fallback when ONNX Runtime cannot capture. The CUDA parts of both are not yet run on a
+        GPU. A folder problem raises ``ModelFolderError`` naming the file and the key or tensor (``ModelFileError``,
+        also a ``BackendError``, for the model file); another session problem ``BackendError``; a bad argument
         ``ValueError``.
         """
         import onnxruntime  # noqa: F401 - fail here, before any work, when it is missing
@@ -168,7 +245,8 @@ class OrtBackend:
         provider = provider.lower()
         if provider not in ("cpu", "cuda"):
             raise ValueError(f"provider must be 'cpu' or 'cuda', got {provider!r}")
-        providers = execution_providers(provider, device_id)
+        if cuda_graphs and provider != "cuda":
+            raise ValueError("cuda_graphs=True needs provider='cuda'")
         options = session_options
         if options is None:
             options = make_session_options(
@@ -178,8 +256,43 @@ class OrtBackend:
                 config_entries=config_entries,
                 genai_session_options=folder.session_options,
             )
-        session = open_session(folder.model_path, providers=providers, session_options=options)
-        return cls(
+        static = bool(static_shapes or cuda_graphs)
+        if provider == "cpu" or not static:
+            session = open_session(
+                folder.model_path, providers=execution_providers(provider, device_id), session_options=options
+            )
+            return cls(
+                session,
+                folder,
+                provider=provider,
+                device_id=device_id,
+                max_length=max_length,
+                prefill_chunk=prefill_chunk,
+                share_buffer=share_buffer,
+                array_module=array_module,
+                static_shapes=static,
+            )
+        # CUDA, stream-ordered: the array module's own stream becomes ONNX Runtime's compute stream.
+        arrays = cuda_arrays(device_id, array_module)
+        stream = arrays.own_stream()
+
+        def open_cuda(graphs: bool):
+            providers = execution_providers(
+                provider, device_id, cuda_provider_options(stream=stream, cuda_graphs=graphs)
+            )
+            return open_session(folder.model_path, providers=providers, session_options=options)
+
+        refused = None
+        if cuda_graphs:
+            try:
+                session = open_cuda(True)
+            except BackendError as exc:  # e.g. "cannot use the graph capture feature": nodes off the CUDA EP
+                refused = str(exc)
+                logger.warning("OrtBackend: CUDA graphs refused (%s); running eagerly", refused.splitlines()[0])
+                session = open_cuda(False)
+        else:
+            session = open_cuda(False)
+        backend = cls(
             session,
             folder,
             provider=provider,
@@ -187,17 +300,29 @@ class OrtBackend:
             max_length=max_length,
             prefill_chunk=prefill_chunk,
             share_buffer=share_buffer,
-            array_module=array_module,
+            array_module=arrays,
+            static_shapes=True,
+            cuda_graphs=cuda_graphs,
+            graph_max_tokens=graph_max_tokens,
+            stream_ordered=True,
+            reopen_session=(lambda: open_cuda(False)) if cuda_graphs else None,
         )
+        if backend.graphs is not None and refused is not None:
+            backend.graphs.disable(f"session refused graph capture: {refused}")
+        return backend
 
     def _alloc_rows(self, rows: int) -> None:
         """(Re)allocate the per-pass buffers for up to ``rows`` tokens: ids (host, and device on CUDA), logits
         ``[rows, vocab]`` in the graph's dtype, and the host float32 logits handed out (the logits buffer itself
-        when it is already a float32 host array)."""
+        when it is already a float32 host array). Growing moves the buffers, so static bindings are dropped and
+        captured CUDA graphs (which write to the old addresses) are given up first."""
         if rows <= self._rows:
             return
         if self._rows:
             logger.info("OrtBackend: growing the logits buffer from %d to %d rows", self._rows, rows)
+            if self.graphs is not None and self.graphs.enabled:
+                self._give_up_graphs(f"the logits buffer grew from {self._rows} to {rows} rows")
+            self._passes = {}
         arrays, graph = self._arrays, self.graph
         self._rows = rows
         self._ids_host = np.zeros(rows, graph.ids_dtype)
@@ -205,6 +330,8 @@ class OrtBackend:
         self._logits = arrays.empty((rows, self._vocab), graph.logits_dtype)
         float32_on_host = self._device_type == "cpu" and graph.logits_dtype == np.float32
         self._host_logits = self._logits if float32_on_host else np.empty((rows, self._vocab), np.float32)
+        if self.static_shapes and self._positions_fixed is not None:
+            self._positions_fixed = arrays.zeros(rows, graph.position_dtype)
 
     # ------------------------------------------------------------------------------------------------------------
     # protocol
@@ -229,6 +356,8 @@ class OrtBackend:
         self._len = length
 
     def decode(self, tokens: Sequence[int], past: int) -> np.ndarray:
+        timer = self.timer
+        t0 = time.perf_counter() if timer is not None else 0.0
         ids = self._validate(tokens, past, "past")
         count = len(ids)
         start_len = self._len
@@ -236,28 +365,65 @@ class OrtBackend:
             start = 0
             while start < count:
                 chunk = min(self.prefill_chunk, count - start)
-                self._run(ids[start : start + chunk])
+                self._run(ids[start : start + chunk], t0)
+                t0 = time.perf_counter() if timer is not None else 0.0
                 start += chunk
         except BaseException:
             self._len = start_len  # chunks already folded in are forgotten: the call had no effect
             raise
-        return self._host_row(chunk - 1)
+        row = self._host_row(chunk - 1)
+        if timer is not None:
+            timer.add("readback", time.perf_counter() - t0)
+        return row
 
     def decode_verify(self, tokens: Sequence[int], base: int) -> np.ndarray:
+        timer = self.timer
+        t0 = time.perf_counter() if timer is not None else 0.0
         ids = self._validate(tokens, base, "base")
         self._alloc_rows(len(ids))
-        self._run(ids)
-        return self._host_rows(len(ids))
+        self._run(ids, t0)
+        t0 = time.perf_counter() if timer is not None else 0.0
+        rows = self._host_rows(len(ids))
+        if timer is not None:
+            timer.add("readback", time.perf_counter() - t0)
+        return rows
 
     def verify_picks(self, tokens: Sequence[int], base: int) -> tuple[np.ndarray, np.ndarray]:
         """The ``decode_verify`` pass, reduced where the logits live to each row's argmax id (lowest on ties;
         int64 ``[len(tokens)]``, always in ``[0, vocab)``) and top-1/top-2 gap (float32 ``[len(tokens)]``; NaN for
         a row that is not finite where its pick is made); fresh host arrays."""
+        timer = self.timer
+        t0 = time.perf_counter() if timer is not None else 0.0
         ids = self._validate(tokens, base, "base")
         count = len(ids)
         self._alloc_rows(count)
-        self._run(ids)
-        return self._arrays.argmax_margin(self._logits[:count])
+        self._run(ids, t0)
+        t0 = time.perf_counter() if timer is not None else 0.0
+        picks = self._arrays.argmax_margin(self._logits[:count])
+        if timer is not None:
+            timer.add("readback", time.perf_counter() - t0)
+        return picks
+
+    def capture_graphs(self, counts: Iterable[int] | None = None) -> dict[str, Any]:
+        """Warm up and capture the CUDA graph of each pass width in ``counts`` (default: 1 to ``graph_max_tokens``)
+        now, so that no capture happens during a generation: each width runs at position 0 until ONNX Runtime has
+        captured it. Resets the backend; returns ``graphs.summary()`` (``{"enabled": False, ...}`` without graphs).
+        Not yet run on a GPU."""
+        book = self.graphs
+        if book is None:
+            return {"enabled": False, "disabled_reason": "cuda_graphs is off"}
+        widths = list(counts) if counts is not None else list(range(1, book.max_tokens + 1))
+        for count in widths:
+            if count > self._max_length:
+                continue
+            zeros = np.zeros(count, np.int64)
+            while book.enabled and book.runs_to_capture(count) > 0:
+                self._len = 0
+                self._alloc_rows(count)
+                self._run(zeros, 0.0)
+        self._len = 0
+        self._arrays.sync()
+        return book.summary()
 
     # ------------------------------------------------------------------------------------------------------------
     def _validate(self, tokens: Sequence[int], position: int, what: str) -> np.ndarray:
@@ -276,9 +442,20 @@ class OrtBackend:
         check_position(int(position), self._len, int(array.size), self._max_length, what)
         return array.astype(np.int64, copy=False)
 
-    def _run(self, tokens: np.ndarray) -> None:
-        """One session run over ``tokens`` at position ``current_len()``; on success the length grows."""
-        binding, graph, arrays = self._binding, self.graph, self._arrays
+    def _run(self, tokens: np.ndarray, t0: float) -> None:
+        """One session run over ``tokens`` at position ``current_len()``; on success the length grows. ``t0``: when
+        the caller's host work for this pass began (read only when a timer is set)."""
+        timer = self.timer
+        if timer is not None:
+            timer.begin(len(tokens))
+        if self.static_shapes:
+            self._run_static(tokens, t0)
+        else:
+            self._run_dynamic(tokens, t0)
+
+    def _run_dynamic(self, tokens: np.ndarray, t0: float) -> None:
+        """The default binding: mask ``[1, total]`` (a prefix of ones), ids and positions bound per pass."""
+        binding, graph, arrays, timer = self._binding, self.graph, self._arrays, self.timer
         device, device_id = self._device_type, self._device_id
         count = len(tokens)
         past = self._len
@@ -306,10 +483,21 @@ class OrtBackend:
         presents = None
         if not self.share_buffer:
             presents = self._bind_grow_copy(past, total)
+        if timer is not None:
+            t1 = time.perf_counter()
+            timer.add("host", t1 - t0)
         arrays.sync()
+        if timer is not None:
+            t2 = time.perf_counter()
+            timer.add("sync", t2 - t1)
         try:
             self.session.run_with_iobinding(binding)
+            if timer is not None:
+                t3 = time.perf_counter()
+                timer.add("run", t3 - t2)
             binding.synchronize_outputs()
+            if timer is not None:
+                timer.add("sync", time.perf_counter() - t3)
         except Exception as exc:  # noqa: BLE001 - ORT raises its own exception types
             what = f"{count} token" + ("s" if count != 1 else "")
             raise BackendError(f"onnxruntime failed on {what} at position {past} [onnxruntime: {exc}]") from exc
@@ -319,6 +507,130 @@ class OrtBackend:
                 arrays.copy_positions(self._values[layer], present_value, past, total)
         self._len = total
 
+    # ------------------------------------------------------------------------------------------------------------
+    # static shapes
+    def _init_static(self) -> None:
+        """Buffers of the static path: the ``[max_length]`` mask (its leading ``_mask_ones`` values are ones, the
+        rest zeros), page-locked sources of ones and zeros to copy from, the page-locked ids staging indexed by
+        position, the constant positions ``0..max_length-1`` and the fixed position-ids buffer."""
+        arrays, graph, n = self._arrays, self.graph, self._max_length
+        self._static_mask = arrays.zeros(n, graph.mask_dtype)
+        self._mask_ones = 0
+        self._mask_one_src = arrays.pinned_empty(n, graph.mask_dtype)
+        self._mask_one_src[...] = 1
+        self._mask_zero_src = arrays.pinned_empty(n, graph.mask_dtype)
+        self._mask_zero_src[...] = 0
+        self._stage_ids = arrays.pinned_empty(n, graph.ids_dtype)
+        if graph.position_name:
+            self._positions_src = arrays.pinned_empty(n, graph.position_dtype)
+            self._positions_src[...] = np.arange(n)
+            self._positions_fixed = arrays.zeros(1, graph.position_dtype)  # sized by _alloc_rows
+
+    def _static_pass(self, count: int) -> _StaticPass:
+        """The IO binding and run options of passes of ``count`` tokens (made once per width)."""
+        found = self._passes.get(count)
+        if found is not None:
+            return found
+        arrays, graph, device, device_id = self._arrays, self.graph, self._device_type, self._device_id
+        binding = self.session.io_binding()
+        self._bind_kv(binding)
+        binding.bind_input(graph.ids_name, device, device_id, graph.ids_dtype, [1, count], arrays.ptr(self._ids))
+        binding.bind_input(
+            graph.mask_name, device, device_id, graph.mask_dtype, [1, self._max_length], arrays.ptr(self._static_mask)
+        )
+        if graph.position_name:
+            binding.bind_input(
+                graph.position_name,
+                device,
+                device_id,
+                graph.position_dtype,
+                [1, count],
+                arrays.ptr(self._positions_fixed),
+            )
+        binding.bind_output(
+            graph.logits_name, device, device_id, graph.logits_dtype, [1, count, self._vocab], arrays.ptr(self._logits)
+        )
+        graph_id = self.graphs.graph_id(count) if self.graphs is not None else EAGER
+        options = self._ort.RunOptions()
+        if self.graphs is not None:
+            options.add_run_config_entry("gpu_graph_id", str(graph_id))
+        if self.stream_ordered:
+            options.add_run_config_entry("disable_synchronize_execution_providers", "1")
+        found = _StaticPass(count=count, binding=binding, run_options=options, graph_id=graph_id)
+        self._passes[count] = found
+        return found
+
+    def _stage_static(self, tokens: np.ndarray, past: int, total: int) -> None:
+        """Enqueue this pass's inputs: ids (staged at their positions, so a later chunk never overwrites an
+        earlier one before its copy), position ids, and the mask's ones/zeros boundary moved to ``total``."""
+        arrays, count = self._arrays, total - past
+        stage = self._stage_ids[past:total]
+        stage[...] = tokens
+        arrays.copy_from_host(self._ids[:count], stage)
+        if self._positions_fixed is not None:
+            arrays.copy_from_host(self._positions_fixed[:count], self._positions_src[past:total])
+        ones = self._mask_ones
+        if total > ones:
+            arrays.copy_from_host(self._static_mask[ones:total], self._mask_one_src[ones:total])
+        elif total < ones:
+            arrays.copy_from_host(self._static_mask[total:ones], self._mask_zero_src[total:ones])
+        self._mask_ones = total
+
+    def _run_static(self, tokens: np.ndarray, t0: float) -> None:
+        """Static binding: every input at a fixed address and shape per width; on the stream-ordered CUDA path no
+        host synchronisation; with CUDA graphs the width's graph id (and the eager fallback on failure)."""
+        timer, arrays = self.timer, self._arrays
+        count = len(tokens)
+        past = self._len
+        total = past + count
+        self._alloc_rows(count)
+        step = self._static_pass(count)
+        self._stage_static(tokens, past, total)
+        if timer is not None:
+            t1 = time.perf_counter()
+            timer.add("host", t1 - t0)
+        if not self.stream_ordered:
+            arrays.sync()
+            if timer is not None:
+                t2 = time.perf_counter()
+                timer.add("sync", t2 - t1)
+                t1 = t2
+        try:
+            self.session.run_with_iobinding(step.binding, step.run_options)
+            if timer is not None:
+                t2 = time.perf_counter()
+                timer.add("run", t2 - t1)
+            if not self.stream_ordered:
+                step.binding.synchronize_outputs()
+                if timer is not None:
+                    timer.add("sync", time.perf_counter() - t2)
+        except Exception as exc:  # noqa: BLE001 - ORT raises its own exception types
+            if step.graph_id == EAGER or self.graphs is None or not self.graphs.enabled:
+                raise BackendError(f"onnxruntime failed on {count} tokens at position {past}: {exc}") from exc
+            self._give_up_graphs(f"a run with gpu_graph_id={step.graph_id} ({count} tokens) failed: {exc}")
+            self._run_static(tokens, time.perf_counter() if timer is not None else 0.0)  # eager now
+            return
+        if self.graphs is not None:
+            self.graphs.record(count)
+        self._len = total
+
+    def _give_up_graphs(self, reason: str) -> None:
+        """The eager fallback: end a capture left open on the stream, reopen the session without CUDA graphs and
+        rebind everything (the KV and every other buffer are kept). ``BackendError`` without ``reopen_session``."""
+        book = self.graphs
+        assert book is not None
+        logger.warning("OrtBackend: giving up CUDA graphs (%s); running eagerly", reason.splitlines()[0][:500])
+        book.disable(reason)
+        try:
+            self._arrays.end_capture()
+        except Exception as exc:  # noqa: BLE001 - reported with the reason
+            raise BackendError(f"CUDA graphs failed ({reason}) and the capture could not be ended: {exc}") from exc
+        if self._reopen is None:
+            raise BackendError(f"CUDA graphs failed and no eager session can be opened: {reason}")
+        self.session = self._reopen()
+        self._bind_session()
+
+    # ------------------------------------------------------------------------------------------------------------
     def _bind_grow_copy(self, past: int, total: int) -> list[tuple]:
         """Grow/copy KV path: bind copies of the first ``past`` positions as the past inputs and fresh
         ``total``-position buffers as the present outputs; return the (key, value) outputs per layer."""
@@ -369,7 +681,36 @@ class OrtBackend:
         return out
 
     def __repr__(self) -> str:
+        extra = ""
+        if self.static_shapes:
+            extra = ", static_shapes=True"
+        if self.graphs is not None:
+            extra += f", cuda_graphs={'on' if self.graphs.enabled else 'off (fell back)'}"
         return (
             f"OrtBackend({str(self.folder.path)!r}, provider={self.provider!r}, max_length={self._max_length}, "
-            f"len={self._len}, share_buffer={self.share_buffer}, kv={self.graph.kv_dtype})"
+            f"len={self._len}, share_buffer={self.share_buffer}, kv={self.graph.kv_dtype}{extra})"
         )
+
+
+class _StaticPass:
+    """One pass width's fixed IO binding and run options, and the graph id they carry."""
+
+    __slots__ = ("binding", "count", "graph_id", "run_options")
+
+    def __init__(self, *, count: int, binding, run_options, graph_id: int) -> None:
+        self.count, self.binding, self.run_options, self.graph_id = count, binding, run_options, graph_id
+
+
+def static_shapes_unsupported(graph, share_buffer: bool) -> str | None:
+    """Why a graph cannot take the static-shape binding (None when it can): it needs the shared KV buffer (a
+    GroupQueryAttention graph; otherwise the KV inputs change shape every pass) and an ``attention_mask`` input
+    whose values carry the length (a graph with only position ids has no input that says how much of a
+    fixed-size KV buffer is valid)."""
+    if not share_buffer:
+        return (
+            "the KV cache is not one shared past/present buffer (it needs GroupQueryAttention and "
+            "past_present_share_buffer), so the KV inputs change shape with every pass"
+        )
+    if graph.mask_name is None:
+        return "the graph has no attention_mask input, so nothing would carry the sequence length"
+    return None

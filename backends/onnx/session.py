@@ -192,10 +192,11 @@ def preload_cuda_libraries(ort) -> None:
         logger.debug("onnxruntime.preload_dlls() failed: %s", exc)
 
 
-def execution_providers(provider: str, device_id: int) -> list:
+def execution_providers(provider: str, device_id: int, cuda_options: Mapping[str, str] | None = None) -> list:
     """The ``providers`` list for ``InferenceSession``: ``"cpu"`` -> the CPU provider; ``"cuda"`` -> CUDA on
-    ``device_id`` with the CPU for nodes CUDA lacks, after preloading the CUDA libraries. Raises ``BackendError``
-    when this onnxruntime has no CUDA execution provider."""
+    ``device_id`` with the CPU for nodes CUDA lacks, after preloading the CUDA libraries. ``cuda_options`` are
+    further CUDA provider options (strings), e.g. ``enable_cuda_graph`` and ``user_compute_stream`` (see
+    :func:`cuda_provider_options`). Raises ``BackendError`` when this onnxruntime has no CUDA execution provider."""
     import onnxruntime as ort
 
     if provider != "cuda":
@@ -208,7 +209,21 @@ def execution_providers(provider: str, device_id: int) -> list:
             + "); install onnxruntime-gpu (pip install 'ortspec[cuda]')"
         )
     preload_cuda_libraries(ort)
-    return [("CUDAExecutionProvider", {"device_id": str(device_id)}), "CPUExecutionProvider"]
+    options = {"device_id": str(device_id), **{str(k): str(v) for k, v in dict(cuda_options or {}).items()}}
+    return [("CUDAExecutionProvider", options), "CPUExecutionProvider"]
+
+
+def cuda_provider_options(*, stream: int | None = None, cuda_graphs: bool = False) -> dict[str, str]:
+    """CUDA provider options of the stream-ordered path: ``user_compute_stream`` (ONNX Runtime runs its kernels on
+    that stream, the one the backend's array module enqueues its copies on, so neither side waits for the other
+    on the host) and ``enable_cuda_graph`` (captured graphs per ``gpu_graph_id``; see ``graphs.py``). Not yet run
+    on a GPU."""
+    options: dict[str, str] = {}
+    if stream is not None:
+        options["user_compute_stream"] = str(int(stream))
+    if cuda_graphs:
+        options["enable_cuda_graph"] = "1"
+    return options
 
 
 def open_session(model_path: Path, *, providers: list, session_options):
