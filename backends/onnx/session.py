@@ -167,13 +167,23 @@ def execution_providers(provider: str, device_id: int) -> list:
     return [("CUDAExecutionProvider", {"device_id": str(device_id)}), "CPUExecutionProvider"]
 
 
-def open_session(model_path: Path, *, providers: list, session_options):
-    """Open ``model_path`` as an ``InferenceSession``. Raises ``BackendError`` when onnxruntime cannot load it, or
-    when ``providers`` asks for CUDA and the session did not get it (its CUDA libraries failed to load)."""
+# session config key: where a model given as bytes finds its external data files
+EXTERNAL_DATA_FOLDER_KEY = "session.model_external_initializers_file_folder_path"
+
+
+def open_session(model_path: Path, *, providers: list, session_options, model_bytes: bytes | None = None):
+    """Open ``model_path`` as an ``InferenceSession`` (or, when ``model_bytes`` is given, that serialized model,
+    a load-time rewrite of ``model_path`` whose external data lies beside it). Raises ``BackendError`` when
+    onnxruntime cannot load it, or when ``providers`` asks for CUDA and the session did not get it (its CUDA
+    libraries failed to load)."""
     import onnxruntime as ort
 
     try:
-        session = ort.InferenceSession(str(model_path), sess_options=session_options, providers=providers)
+        if model_bytes is None:
+            session = ort.InferenceSession(str(model_path), sess_options=session_options, providers=providers)
+        else:
+            session_options.add_session_config_entry(EXTERNAL_DATA_FOLDER_KEY, str(Path(model_path).parent))
+            session = ort.InferenceSession(model_bytes, sess_options=session_options, providers=providers)
     except Exception as exc:  # noqa: BLE001 - ORT raises its own exception types
         raise BackendError(f"onnxruntime could not load {model_path}: {exc}") from exc
     wants_cuda = any(
