@@ -234,17 +234,28 @@ class Engine:
         threads: int | None = None,
         max_length: int | None = None,
         prefix_reuse: bool = False,
+        sliding_window: str = "config",
+        matmul_accuracy_level: int | None = None,
     ) -> Engine:
         """Load an ONNX Runtime GenAI folder (``genai_config.json``, the model, ``tokenizer.json``).
 
         ``provider``: ``"cpu"`` or ``"cuda"``; ``threads``: intra-op threads (default: physical cores);
         ``max_length``: KV capacity in tokens (default: the config's context length); ``prefix_reuse``: see the
-        class docstring."""
+        class docstring. ``sliding_window`` and ``matmul_accuracy_level``: the load-time rewrites of
+        ``OrtBackend.from_folder`` (``matmul_accuracy_level=1`` makes speculation exact on a quantized folder
+        built at the builder's default level 4; see docs/quantization.md)."""
         from ortspec.backends.onnx import OrtBackend
 
         folder = ModelFolder.load(Path(path))
         tokenizer = Tokenizer.from_folder(folder.path)
-        backend = OrtBackend.from_folder(folder, provider=provider, threads=threads, max_length=max_length)
+        backend = OrtBackend.from_folder(
+            folder,
+            provider=provider,
+            threads=threads,
+            max_length=max_length,
+            sliding_window=sliding_window,
+            matmul_accuracy_level=matmul_accuracy_level,
+        )
         return cls(backend, tokenizer, eos_token_ids=folder.eos_token_ids, folder=folder, prefix_reuse=prefix_reuse)
 
     # -- text -------------------------------------------------------------------------------------------------
@@ -368,13 +379,32 @@ class Engine:
         self._last = None
 
     def _warn_if_inexact(self) -> None:
-        if self._drift_warned or self.verify_drift() <= DRIFT_WARNING_THRESHOLD:
+        """Warn once when speculative output may differ from greedy output here: the measured verify drift
+        exceeds ``DRIFT_WARNING_THRESHOLD``, or (CPU) the graph has ``MatMulNBits`` nodes at accuracy level 4,
+        whose int8-activation kernels give results that depend on how many tokens a pass holds (a one-off
+        measurement can miss that on some contexts; see docs/quantization.md)."""
+        if self._drift_warned:
+            return
+        drift = self.verify_drift()
+        levels = dict(getattr(getattr(self.backend, "graph_facts", None), "matmul_nbits", {}) or {})
+        level4 = sum(count for (_bits, level), count in levels.items() if level == 4)
+        batch_dependent = bool(level4) and getattr(self.backend, "provider", "cpu") == "cpu"
+        if drift <= DRIFT_WARNING_THRESHOLD and not batch_dependent:
             return
         self._drift_warned = True
+        why = f"a verify pass differed from one-token decodes by up to {drift:.3g} logits"
+        if batch_dependent:
+            why += (
+                f", and its {level4} MatMulNBits nodes run at accuracy level 4 (int8 activations), whose results "
+                "depend on how many tokens a pass holds"
+            )
+        remedy = (
+            "load it with matmul_accuracy_level=1 (float32 compute; see docs/quantization.md) or use a float32 model"
+            if any(level != 1 for (_bits, level) in levels)
+            else "use a float32 model where exactness matters"
+        )
         warnings.warn(
-            f"on this model a verify pass differs from one-token decodes by up to {self._drift:.3g} logits "
-            "(batch-dependent kernels, e.g. int8 MatMulNBits): speculative output can differ from greedy "
-            "output here; use a float32 model where exactness matters",
+            f"on this model {why}: speculative output can differ from greedy output here; {remedy}",
             RuntimeWarning,
             stacklevel=4,
         )
