@@ -147,6 +147,7 @@ class FolderReport:
     run_error: str | None = None
     rewrites: tuple[str, ...] = ()
     stateful: bool = False
+    matmul_levels: tuple[int, ...] = ()  # the MatMulNBits accuracy levels the session runs
     greedy: tuple[int, ...] = ()
     genai_agree: tuple[int, int] | None = None
     genai_error: str | None = None
@@ -191,6 +192,7 @@ def check_folder(
         return FolderReport(path, load_error=f"{type(exc).__name__}: {exc}", seconds=time.perf_counter() - started)
     eos = frozenset(backend.folder.eos_token_ids)
     options = Options(max_new_tokens=max_new_tokens, eos_token_ids=eos)
+    levels = tuple(sorted({level for (_bits, level) in backend.graph_facts.matmul_nbits}))
     try:
         greedy = generate(backend, list(prompt), options).token_ids
     except Exception as exc:  # noqa: BLE001 - e.g. an operator this execution provider does not implement
@@ -200,6 +202,7 @@ def check_folder(
             run_error=f"{type(cause).__name__}: {cause}",
             rewrites=backend.rewrites,
             stateful=backend.stateful,
+            matmul_levels=levels,
             seconds=time.perf_counter() - started,
         )
     found: dict[str, Any] = {}
@@ -238,6 +241,7 @@ def check_folder(
         path,
         rewrites=backend.rewrites,
         stateful=backend.stateful,
+        matmul_levels=levels,
         greedy=tuple(greedy),
         speculative=tuple(runs),
         drift=drift,

@@ -64,9 +64,9 @@ def default_model_dir(precision: str = "fp32", accuracy_level: int | None = None
     from .cache import cache_root
 
     _check_precision(precision)
-    if precision not in QUANTIZED_PRECISIONS:
+    level = _accuracy_level(precision, accuracy_level)  # refuses a level for a float precision
+    if level is None:
         return cache_root() / "models" / f"{SMOLLM2_NAME}-{precision}"
-    level = _accuracy_level(precision, accuracy_level)
     return cache_root() / "models" / f"{SMOLLM2_NAME}-{precision}-acc{level}"
 
 

@@ -415,16 +415,18 @@ class Engine:
         if self._pass_costs is None or len(self._pass_costs) != kmax + 1:
             from ortspec.costs import cached_pass_costs
 
-            key = "|".join(
-                str(x)
-                for x in (
-                    self.folder.model_path.resolve() if self.folder else id(self.backend),
-                    self.folder.model_path.stat().st_mtime_ns if self.folder else "",
-                    getattr(self.backend, "provider", "?"),
-                    getattr(self.backend, "threads", "?"),
-                    kmax,
-                )
-            )
+            parts: list[object] = [
+                self.folder.model_path.resolve() if self.folder else id(self.backend),
+                self.folder.model_path.stat().st_mtime_ns if self.folder else "",
+                getattr(self.backend, "provider", "?"),
+                getattr(self.backend, "threads", "?"),
+                kmax,
+            ]
+            # a load-time rewrite or session setting makes another model: its own curve (none: the key as before)
+            variant = getattr(self.backend, "variant", "")
+            if variant:
+                parts.append(variant)
+            key = "|".join(str(x) for x in parts)
             cache_file = cache_root() / "pass_costs" / (hashlib.sha256(key.encode()).hexdigest()[:16] + ".json")
             with self._lock:
                 self._take_backend()

@@ -245,3 +245,51 @@ def test_engine_warning_names_the_exact_setting(arch_root):
         engine.generate("abc abc abc", max_tokens=4, speculative="prompt-lookup", draft_width=2)
     exact = Engine.from_dir(_build(arch_root, "llama", "int4", hidden=256), threads=1, matmul_accuracy_level=1)
     assert exact.verify_drift() <= ROW_TOL
+
+
+def test_a_state_without_its_present_name_is_refused(arch_root, tmp_path):
+    from ortspec.backends.onnx import ModelFolderError
+
+    broken = tmp_path / "lfm2-half-state"
+    shutil.copytree(_build(arch_root, "lfm2"), broken)
+    path = broken / "genai_config.json"
+    cfg = json.loads(path.read_text())
+    del cfg["model"]["decoder"]["outputs"]["present_conv_names"]
+    path.write_text(json.dumps(cfg))
+    with pytest.raises(ModelFolderError, match="past_conv_names names a state with no .*present_conv_names"):
+        ModelFolder.load(broken)
+
+
+def test_conversion_settings_name_their_folders(monkeypatch, tmp_path):
+    from ortspec.adapters.cli import build_parser
+    from ortspec.adapters.convert import default_model_dir
+
+    monkeypatch.setenv("ORTSPEC_CACHE", str(tmp_path))
+    assert default_model_dir("fp32").name == "SmolLM2-135M-Instruct-fp32"
+    assert default_model_dir("int4").name == "SmolLM2-135M-Instruct-int4-acc1"  # exact by default
+    assert default_model_dir("int8", 4).name == "SmolLM2-135M-Instruct-int8-acc4"
+    with pytest.raises(ValueError, match="accuracy_level applies"):
+        default_model_dir("fp32", 1)
+    with pytest.raises(ValueError, match="accuracy_level must be"):
+        default_model_dir("int4", 5)
+    args = build_parser().parse_args(["convert", "--precision", "int4", "--accuracy-level", "4"])
+    assert (args.precision, args.accuracy_level) == ("int4", 4)
+    args = build_parser().parse_args(["generate", "hi", "--matmul-accuracy-level", "1", "--sliding-window", "graph"])
+    assert (args.matmul_accuracy_level, args.sliding_window) == (1, "graph")
+
+
+def test_readme_table_is_the_matrix_runs():
+    """The README's architecture table is the summary table of docs/architectures.md (both written by one run of
+    scripts/arch_matrix.py), with a row for every architecture and a column for every setting."""
+    from ortspec.adapters.architectures import ARCHITECTURES
+
+    root = Path(__file__).resolve().parent.parent
+    readme = (root / "README.md").read_text(encoding="utf-8")
+    begin, end = "<!-- scripts/arch_matrix.py writes this table -->", "<!-- end of the table -->"
+    readme_table = [ln for ln in readme.split(begin, 1)[1].split(end, 1)[0].splitlines() if ln.startswith("|")]
+    doc = (root / "docs" / "architectures.md").read_text(encoding="utf-8")
+    summary = doc.split("## Summary: greedy / speculative", 1)[1].split("## Details", 1)[0]
+    doc_table = [ln for ln in summary.splitlines() if ln.startswith("|")]
+    assert readme_table == doc_table
+    assert [ln.split("|")[1].strip() for ln in doc_table[2:]] == [spec.label for spec in ARCHITECTURES.values()]
+    assert len(doc_table[0].split("|")) - 3 == 6  # fp32, fp16, int8 at levels 4 and 1, int4 at levels 4 and 1

@@ -106,7 +106,8 @@ class OrtBackend:
     ``prefill_chunk``, ``threads`` (intra-op), ``share_buffer`` (True: the in-place KV path) and
     ``picks_on_device`` (the ``DevicePicks`` capability: True on CUDA), ``stateful`` (the graph carries a
     recurrent state: a rewind replays tokens), ``graph_facts`` (what the graph file says beyond its interface:
-    attention windows, MatMulNBits accuracy levels) and ``rewrites`` (the load-time rewrites applied, in words). The
+    attention windows, MatMulNBits accuracy levels), ``rewrites`` (the load-time rewrites applied, in words) and
+    ``variant`` (those and the session config entries given, in one string: "" for the folder as written). The
     backend owns its buffers: the logits that ``decode`` and ``decode_verify`` return are views of them, valid
     until its next call."""
 
@@ -123,6 +124,7 @@ class OrtBackend:
         array_module: str = "auto",
         facts: GraphFacts | None = None,
         rewrites: tuple[str, ...] = (),
+        config_entries: Mapping[str, str] | None = None,
     ) -> None:
         """Wrap an open ``session`` of ``folder``'s decoder (see :meth:`from_folder`, which opens one). ``facts``:
         the session's graph as ``read_graph_facts`` reads it (default: read from ``folder.model_path``)."""
@@ -152,6 +154,10 @@ class OrtBackend:
         self.graph_facts = facts if facts is not None else read_graph_facts(folder.model_path)
         self.graph = inspect_graph(session, folder, self.graph_facts)
         self.rewrites = tuple(rewrites)
+        # what makes this session compute differently from the folder as written ("" when nothing does)
+        self.variant = "; ".join(
+            [*self.rewrites, *(f"{key}={value}" for key, value in sorted(dict(config_entries or {}).items()))]
+        )
         self.stateful = bool(self.graph.states)
         wants_sharing = folder.past_present_share_buffer if share_buffer is None else bool(share_buffer)
         self.share_buffer = wants_sharing and self.graph.group_query_attention
@@ -285,6 +291,7 @@ class OrtBackend:
             array_module=array_module,
             facts=facts,
             rewrites=tuple(rewrites),
+            config_entries=config_entries,
         )
 
     def _alloc_rows(self, rows: int) -> None:
