@@ -1,6 +1,6 @@
 """Which quantized settings make speculative decoding exact, and what they cost: SmolLM2-135M and tiny models.
 
-    python scripts/quant_settings.py                 # about 15 minutes on 2 cores (conversions cached after)
+    python scripts/quant_settings.py                 # about 45 minutes on 2 shared cores (2726 s on 2026-11-30)
     python scripts/quant_settings.py --skip-real     # tiny models only (a minute)
 
 Settings: the builder's fp32, int8 and int4 folders, int8/int4 at each MatMulNBits ``accuracy_level`` (the level a
