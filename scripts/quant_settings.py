@@ -207,7 +207,7 @@ def measure(settings: list[Setting], args, *, real: bool, say) -> list[dict]:
     return [results[label] for label, _, _ in engines]
 
 
-def table(rows: list[dict], real: bool) -> list[str]:
+def table(rows: list[dict], real: bool, max_tokens: int = 0) -> list[str]:
     lines = [
         "| setting | drift (logits) | exact | decode step | decode speed vs fp32 | verify(4)/decode | "
         "verify(8)/decode | prefill speed vs fp32 |",
@@ -222,7 +222,8 @@ def table(rows: list[dict], real: bool) -> list[str]:
     if real:
         lines += [
             "",
-            "End to end (chat prompts, 96 new tokens, EOS ignored, tokens/s including prefill; medians over prompts; "
+            f"End to end (chat prompts, {max_tokens} new tokens, EOS ignored, tokens/s including prefill; "
+            "medians over prompts; "
             "speculative = prompt lookup with the cost-aware width):",
             "",
             "| setting | speculative == greedy | greedy tok/s | speculative tok/s | greedy vs fp32 greedy | "
@@ -265,7 +266,8 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.threads} intra-op threads; onnxruntime {onnxruntime.__version__}. *drift*: the largest |logit| "
         "difference between verify passes and one-token decodes (3 windows of 9 tokens after each of several "
         f"contexts: {DRIFT_CONTEXTS[True]} tokens on SmolLM2, {DRIFT_CONTEXTS[False]} on the tiny model); *exact*: "
-        f"drift <= {DRIFT_WARNING_THRESHOLD:g}. Speeds: each round measures every setting in turn; "
+        f"drift <= {DRIFT_WARNING_THRESHOLD:g}. Speeds ({args.rounds} rounds; {args.prompts} prompts end to end): "
+        "each round measures every setting in turn; "
         "speed vs fp32 is fp32's time over the setting's in the same round (higher is faster), median over rounds; "
         "verify(K)/decode is a pass over 1 + K tokens divided by a decode step of the same setting "
         "(`ortspec.costs.measure_pass_costs`), median over rounds. `ortspec convert --precision int4|int8` "
@@ -278,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.skip_real:
         real = measure(setting_list(real_folders(say), all_levels=False), args, real=True, say=say)
         lines += ["## SmolLM2-135M-Instruct (256-token context)", ""]
-        lines += table(real, real=True) + [""]
+        lines += table(real, real=True, max_tokens=args.max_tokens) + [""]
     lines.append(f"Run time: {time.perf_counter() - started:.0f} s.")
     args.out.write_text("\n".join(lines) + "\n", encoding="utf-8")
     print("\n".join(lines))
