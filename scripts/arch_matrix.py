@@ -106,7 +106,7 @@ def verdict(arch: str, setting: str, label: str, report: FolderReport) -> Row:
     else:
         wrong = [run.proposer for run in report.speculative if not run.identical]
         spec, state = "differs from greedy", "drift"
-        notes.append("speculative != greedy with " + ", ".join(wrong))
+        notes.append("speculative != greedy with drafts from: " + " / ".join(wrong))
     if level4:
         notes.append("MatMulNBits level 4 (int8 activations): verify passes round differently from decodes")
     elif drift > DRIFT_WARNING_THRESHOLD and setting == "fp16":
