@@ -1,6 +1,6 @@
 """Every architecture the onnxruntime-genai 0.18 builder writes, at every precision, through ortspec.
 
-    python scripts/arch_matrix.py                      # the whole matrix (1 minute with the builds cached, 10 without)
+    python scripts/arch_matrix.py                      # the whole matrix (31 s on 2 cores, builds included)
     python scripts/arch_matrix.py --archs llama,lfm2 --settings fp32,int4 --out /tmp/m.md
 
 For each architecture of ``ortspec.adapters.architectures.ARCHITECTURES`` it builds a tiny random-weight model
