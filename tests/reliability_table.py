@@ -457,7 +457,7 @@ def normalize(message: str, lab: Lab, varies: str | None = None) -> str:
     for folder in sorted(lab.folders, key=lambda p: len(str(p)), reverse=True):
         message = message.replace(str(folder), "<folder>")
     message = message.replace(str(lab.scratch), "<tmp>").replace(str(lab.model), "<model>")
-    message = re.sub(r"\[(onnxruntime|tokenizers): .*\]$", r"[\1: …]", message, flags=re.S)
+    message = re.sub(r"\[(onnxruntime|onnx|tokenizers): .*\]$", r"[\1: …]", message, flags=re.S)
     message = re.sub(r"0x[0-9a-f]{6,}", "0x…", message)
     if varies is not None:
         message = re.sub(varies, "N", message)

@@ -1,4 +1,5 @@
-"""End to end on the real default model, SmolLM2-135M-Instruct fp32 (converted on first use, then cached).
+"""End to end on the real default model, SmolLM2-135M-Instruct fp32 (converted on first use, then cached), and
+on its int4 conversion at MatMulNBits accuracy level 1 when that is in the cache.
 
 Speculative output must equal greedy output token for token, at the default settings (tie guard off): on fp32 a
 verify pass agrees with one-token decodes to ~5e-5 logits. Every speculative test also asserts that drafts were
@@ -119,3 +120,30 @@ def test_speculative_equals_plain_sampling(real_engine, prompt):
     assert spec.token_ids == plain.token_ids
     assert spec.text == plain.text and spec.finish_reason == plain.finish_reason
     assert_speculated(spec)
+
+
+@pytest.fixture(scope="module")
+def int4_engine():
+    """SmolLM2-135M-Instruct int4 at MatMulNBits accuracy level 1 (what ``ortspec convert --precision int4``
+    builds), when it is in the cache (``scripts/quant_settings.py`` or that command builds it)."""
+    from ortspec.adapters.convert import default_model_dir, is_complete
+    from ortspec.adapters.engine import Engine
+
+    folder = default_model_dir("int4")
+    if not is_complete(folder):
+        pytest.skip(f"no int4 model at {folder} (ortspec convert --precision int4)")
+    return Engine.from_dir(folder, threads=2)
+
+
+def test_int4_at_level_one_is_exact(int4_engine):
+    """The quantized folder ortspec builds: no drift warning, and speculative output equals greedy output."""
+    import warnings
+
+    assert int4_engine.verify_drift() < 1e-3
+    for prompt in PROMPTS[:2]:
+        greedy = int4_engine.generate(prompt, chat=True, max_tokens=64)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)
+            spec = int4_engine.generate(prompt, chat=True, max_tokens=64, speculative="prompt-lookup", draft_width=8)
+        assert spec.token_ids == greedy.token_ids
+        assert_speculated(spec)

@@ -11,6 +11,14 @@ as is. One ``InferenceSession`` runs with IO binding:
   KV-sized. Otherwise (another attention op, or sharing turned off) a grow/copy path feeds the first
   ``current_len()`` positions as their own tensors and copies the new ones back after each run; it is correct but
   slower, and logged once.
+* **Recurrent state** (hybrid models such as LFM2, whose ``conv`` layers carry a state instead of a KV cache):
+  two buffers per state, bound as past and present in turn, so the state before the last pass survives it.
+  ``rewind`` into the last pass restores that state and replays the kept tokens (one pass over them); a rewind
+  further back replays from the start. Speculation stays exact; a partly accepted draft costs one extra pass.
+* **Load-time rewrites** (:meth:`from_folder`): a folder whose ``genai_config.json`` names a sliding window
+  that its graph's attention nodes ignore gets the window applied (``sliding_window="config"``, the default) or
+  runs as written (``"graph"``); ``matmul_accuracy_level`` sets every ``MatMulNBits`` node's accuracy level
+  (1: float32 compute, which makes a quantized model's verify passes agree with its one-token decodes).
 * **Logits.** Bound to a preallocated ``[rows, vocab]`` buffer (``rows`` = the prefill chunk, 256 by default,
   grown once if ``decode_verify`` is asked for more rows), so nothing vocab-sized is allocated per step. Prompts
   longer than a chunk are prefilled chunk by chunk.
@@ -59,8 +67,8 @@ import numpy as np
 
 from ..base import BackendError, check_position, check_tokens
 from .arrays import ArrayModule, HostArrays, cuda_arrays
-from .folder import ModelFolder
-from .graph import inspect_graph
+from .folder import CONFIG_NAME, ModelFolder
+from .graph import GraphFacts, inspect_graph, read_graph_facts, rewritten_model
 from .graphs import EAGER, GraphBook, PhaseTimer
 from .session import cuda_provider_options, execution_providers, make_session_options, open_session
 
@@ -68,6 +76,54 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_PREFILL_CHUNK = 256
 DEFAULT_GRAPH_MAX_TOKENS = 17  # the pending token + up to 16 draft tokens (the cost-aware width policy's widest)
+
+
+SLIDING_WINDOW_POLICIES = ("config", "graph")
+
+
+def window_rewrites(folder: ModelFolder, facts: GraphFacts, max_length: int, policy: str) -> dict[str, int]:
+    """The ``local_window_size`` to set per attention node (by its past-key input) so that the graph applies the
+    sliding window ``genai_config.json`` names: for every layer the config's ``sliding_window.layers`` lists
+    (every KV layer when it lists none) whose ``GroupQueryAttention`` node attends to everything. Empty when the
+    window cannot matter (``max_length`` <= the window) or ``policy`` is ``"graph"``. Raises ``BackendError``
+    when the graph sets a different window, or has no such node to set it on."""
+    if policy not in SLIDING_WINDOW_POLICIES:
+        raise ValueError(f"sliding_window must be one of {SLIDING_WINDOW_POLICIES}, got {policy!r}")
+    window = folder.sliding_window
+    if window is None or policy == "graph" or max_length <= window:
+        return {}
+    config = folder.path / CONFIG_NAME
+    layers = folder.sliding_window_layers or folder.kv_layers
+    rewrites: dict[str, int] = {}
+    for layer in layers:
+        past_key = folder.past_key_pattern % layer
+        graph_window = facts.window_of(past_key)
+        if graph_window is None:
+            raise BackendError(
+                f"{config}: model.decoder.sliding_window.window_size = {window} (layer {layer}), but "
+                f"{folder.model_path} has no GroupQueryAttention node reading {past_key!r} to apply it to; pass "
+                f"sliding_window='graph' to run the graph as written, or max_length <= {window}"
+            )
+        if graph_window > 0 and graph_window != window:
+            raise BackendError(
+                f"{config}: model.decoder.sliding_window.window_size = {window}, but {folder.model_path}'s "
+                f"GroupQueryAttention on layer {layer} has local_window_size = {graph_window}; pass "
+                f"sliding_window='graph' to run the graph as written, or max_length <= {min(window, graph_window)}"
+            )
+        if graph_window <= 0:
+            rewrites[past_key] = window
+    if rewrites:
+        logger.warning(
+            "%s: model.decoder.sliding_window.window_size = %d, but %s's GroupQueryAttention nodes have "
+            "local_window_size = -1 (full attention) on %d layer(s); applying the window of %d at load "
+            "(sliding_window='graph' runs the graph as written)",
+            config,
+            window,
+            folder.model_path,
+            len(rewrites),
+            window,
+        )
+    return rewrites
 
 
 class OrtBackend:
@@ -78,9 +134,13 @@ class OrtBackend:
     ``prefill_chunk``, ``threads`` (intra-op), ``share_buffer`` (True: the in-place KV path),
     ``picks_on_device`` (the ``DevicePicks`` capability: True on CUDA), ``static_shapes``, ``stream_ordered``
     (CUDA: ONNX Runtime runs on the array module's stream and nothing waits for the device but the read-back),
-    ``graphs`` (a :class:`~ortspec.backends.onnx.graphs.GraphBook`, or None without CUDA graphs) and ``timer``
-    (None, or a :class:`~ortspec.backends.onnx.graphs.PhaseTimer`). The backend owns its buffers: the logits
-    that ``decode`` and ``decode_verify`` return are views of them, valid until its next call."""
+    ``graphs`` (a :class:`~ortspec.backends.onnx.graphs.GraphBook`, or None without CUDA graphs), ``timer``
+    (None, or a :class:`~ortspec.backends.onnx.graphs.PhaseTimer`), ``stateful`` (the graph carries a recurrent
+    state: a rewind replays tokens), ``graph_facts`` (what the graph file says beyond its interface: attention
+    windows, MatMulNBits accuracy levels), ``rewrites`` (the load-time rewrites applied, in words) and ``variant``
+    (those and the session config entries given, in one string: "" for the folder as written). The backend owns
+    its buffers: the logits that ``decode`` and ``decode_verify`` return are views of them, valid until its next
+    call."""
 
     def __init__(
         self,
@@ -98,6 +158,9 @@ class OrtBackend:
         graph_max_tokens: int = DEFAULT_GRAPH_MAX_TOKENS,
         stream_ordered: bool = False,
         reopen_session: Callable[[], Any] | None = None,
+        facts: GraphFacts | None = None,
+        rewrites: tuple[str, ...] = (),
+        config_entries: Mapping[str, str] | None = None,
     ) -> None:
         """Wrap an open ``session`` of ``folder``'s decoder (see :meth:`from_folder`, which opens one).
 
@@ -107,7 +170,10 @@ class OrtBackend:
         a ``gpu_graph_id`` per pass width). ``stream_ordered``: the session runs on the array module's stream
         (opened with ``user_compute_stream`` = its ``stream_ptr()``), so no host synchronisation is needed around
         runs; only meaningful with ``static_shapes`` on CUDA. ``reopen_session``: opens the same model without
-        CUDA graphs (the fallback when graphs fail); without it a graph failure raises ``BackendError``."""
+        CUDA graphs (the fallback when graphs fail); without it a graph failure raises ``BackendError``.
+        ``facts``: the session's graph as ``read_graph_facts`` reads it (default: read from
+        ``folder.model_path``); ``rewrites`` and ``config_entries``: what ``from_folder`` changed (for
+        ``variant``)."""
         import onnxruntime as ort
 
         self._ort = ort
@@ -134,7 +200,14 @@ class OrtBackend:
         self.threads = session.get_session_options().intra_op_num_threads
         self.timer: PhaseTimer | None = None
 
-        self.graph = inspect_graph(session, folder)
+        self.graph_facts = facts if facts is not None else read_graph_facts(folder.model_path)
+        self.graph = inspect_graph(session, folder, self.graph_facts)
+        self.rewrites = tuple(rewrites)
+        # what makes this session compute differently from the folder as written ("" when nothing does)
+        self.variant = "; ".join(
+            [*self.rewrites, *(f"{key}={value}" for key, value in sorted(dict(config_entries or {}).items()))]
+        )
+        self.stateful = bool(self.graph.states)
         wants_sharing = folder.past_present_share_buffer if share_buffer is None else bool(share_buffer)
         self.share_buffer = wants_sharing and self.graph.group_query_attention
         if not self.share_buffer:
@@ -166,8 +239,14 @@ class OrtBackend:
         arrays, graph = self._arrays, self.graph
         # per layer, [1, kv_heads, max_length, head_size] of graph.kv_dtype; positions >= current_len() are stale
         self._kv_shape = (1, folder.num_kv_heads, self._max_length, folder.head_size)
-        self._keys = [arrays.zeros(self._kv_shape, graph.kv_dtype) for _ in range(folder.num_layers)]
-        self._values = [arrays.zeros(self._kv_shape, graph.kv_dtype) for _ in range(folder.num_layers)]
+        self._keys = [arrays.zeros(self._kv_shape, graph.kv_dtype) for _ in graph.kv_names]
+        self._values = [arrays.zeros(self._kv_shape, graph.kv_dtype) for _ in graph.kv_names]
+        # recurrent states: a pair of buffers each; _state_cur says which holds the state after current_len()
+        # positions; the other holds the state after _snapshot_len positions (None: nothing usable)
+        self._states = [[arrays.zeros((1, *st.shape), st.dtype) for _ in range(2)] for st in graph.states]
+        self._state_cur = 0
+        self._snapshot_len: int | None = None
+        self._history = np.zeros(self._max_length if self.stateful else 0, np.int64)  # the tokens at each position
         self._ids_host = np.empty(0, graph.ids_dtype)
         # [max_length] ones and 0..max_length-1: a pass binds the prefix (mask) or the slice at its position
         self._mask = arrays.from_host(np.ones(self._max_length, graph.mask_dtype)) if graph.mask_name else None
@@ -223,6 +302,8 @@ class OrtBackend:
         static_shapes: bool = False,
         cuda_graphs: bool = False,
         graph_max_tokens: int = DEFAULT_GRAPH_MAX_TOKENS,
+        sliding_window: str = "config",
+        matmul_accuracy_level: int | None = None,
     ) -> OrtBackend:
         """Open the decoder in a builder-written folder.
 
@@ -235,7 +316,12 @@ class OrtBackend:
         on the array module's own stream without host synchronisation around runs. ``cuda_graphs`` (CUDA only, off
         by default; implies ``static_shapes``): one captured CUDA graph per pass width up to ``graph_max_tokens``
         tokens, with an eager fallback when ONNX Runtime cannot capture. The CUDA parts of both are not yet run on a
-        GPU. A folder problem raises ``ModelFolderError`` naming the file and the key or tensor (``ModelFileError``,
+        GPU. ``sliding_window``: ``"config"`` applies the sliding window that ``genai_config.json`` names where the
+        graph's attention ignores it (see :func:`window_rewrites`; logged), ``"graph"`` runs the graph as written.
+        ``matmul_accuracy_level``: set every ``MatMulNBits`` node's ``accuracy_level`` (1 = float32 compute: a
+        verify pass then agrees with one-token decodes; 4 = int8 activations, faster on CPU but batch-dependent);
+        None keeps the graph's.
+        A folder problem raises ``ModelFolderError`` naming the file and the key or tensor (``ModelFileError``,
         also a ``BackendError``, for the model file); another session problem ``BackendError``; a bad argument
         ``ValueError``.
         """
@@ -247,6 +333,24 @@ class OrtBackend:
             raise ValueError(f"provider must be 'cpu' or 'cuda', got {provider!r}")
         if cuda_graphs and provider != "cuda":
             raise ValueError("cuda_graphs=True needs provider='cuda'")
+        if matmul_accuracy_level is not None and matmul_accuracy_level not in (0, 1, 2, 3, 4):
+            raise ValueError(f"matmul_accuracy_level must be 0..4 or None, got {matmul_accuracy_level!r}")
+        if max_length is not None and not 1 <= max_length <= folder.context_length:
+            raise ValueError(
+                f"max_length must be in [1, {folder.context_length}] (the model's context_length), got {max_length}"
+            )
+        facts = read_graph_facts(folder.model_path)
+        windows = window_rewrites(folder, facts, max_length or folder.context_length, sliding_window)
+        rewrites = [f"local_window_size={w} on the attention reading {name}" for name, w in windows.items()]
+        levels = {level for (_, level) in facts.matmul_nbits}
+        set_level = matmul_accuracy_level is not None and levels and levels != {matmul_accuracy_level}
+        if set_level:
+            rewrites.append(f"MatMulNBits accuracy_level {sorted(levels)} -> {matmul_accuracy_level}")
+        model_bytes = None
+        if windows or set_level:
+            model_bytes, facts = rewritten_model(
+                folder.model_path, windows=windows, accuracy_level=matmul_accuracy_level if set_level else None
+            )
         options = session_options
         if options is None:
             options = make_session_options(
@@ -259,7 +363,10 @@ class OrtBackend:
         static = bool(static_shapes or cuda_graphs)
         if provider == "cpu" or not static:
             session = open_session(
-                folder.model_path, providers=execution_providers(provider, device_id), session_options=options
+                folder.model_path,
+                providers=execution_providers(provider, device_id),
+                session_options=options,
+                model_bytes=model_bytes,
             )
             return cls(
                 session,
@@ -271,6 +378,9 @@ class OrtBackend:
                 share_buffer=share_buffer,
                 array_module=array_module,
                 static_shapes=static,
+                facts=facts,
+                rewrites=tuple(rewrites),
+                config_entries=config_entries,
             )
         # CUDA, stream-ordered: the array module's own stream becomes ONNX Runtime's compute stream.
         arrays = cuda_arrays(device_id, array_module)
@@ -280,7 +390,9 @@ class OrtBackend:
             providers = execution_providers(
                 provider, device_id, cuda_provider_options(stream=stream, cuda_graphs=graphs)
             )
-            return open_session(folder.model_path, providers=providers, session_options=options)
+            return open_session(
+                folder.model_path, providers=providers, session_options=options, model_bytes=model_bytes
+            )
 
         refused = None
         if cuda_graphs:
@@ -306,6 +418,9 @@ class OrtBackend:
             graph_max_tokens=graph_max_tokens,
             stream_ordered=True,
             reopen_session=(lambda: open_cuda(False)) if cuda_graphs else None,
+            facts=facts,
+            rewrites=tuple(rewrites),
+            config_entries=config_entries,
         )
         if backend.graphs is not None and refused is not None:
             backend.graphs.disable(f"session refused graph capture: {refused}")
@@ -348,12 +463,45 @@ class OrtBackend:
 
     def reset(self) -> None:
         self._len = 0
+        self._zero_states()
 
     def rewind(self, length: int) -> None:
+        """Keep the first ``length`` positions. With a recurrent state (``stateful``) this is not free: the state
+        before the last pass is restored and the kept tokens after it are replayed in one pass (from the start
+        when ``length`` lies before the last pass)."""
         length = int(length)
         if not 0 <= length <= self._len:
             raise BackendError(f"rewind({length}) but the KV cache holds {self._len} positions")
-        self._len = length
+        if not self.stateful or length == self._len:
+            self._len = length
+            return
+        if self._snapshot_len is not None and self._snapshot_len <= length:
+            self._state_cur = 1 - self._state_cur  # the state before the last pass
+            self._len, self._snapshot_len = self._snapshot_len, None
+        else:
+            self._len = 0
+            self._zero_states()
+        start = self._len
+        while start < length:  # replay the kept tokens, prefill-chunk by chunk
+            chunk = min(self.prefill_chunk, length - start)
+            self._run(self._history[start : start + chunk].copy(), 0.0)
+            start += chunk
+
+    def _restore_after_failure(self, length: int) -> None:
+        """After a chunked prefill failed part way: bring the recurrent state back to ``length`` positions (by
+        replay); if that fails too, to an empty sequence, which the caller then sees as ``current_len()`` 0."""
+        try:
+            self.rewind(length)
+        except BackendError:
+            logger.exception("OrtBackend: could not restore the recurrent state to %d positions; emptied it", length)
+            self.reset()
+            raise
+
+    def _zero_states(self) -> None:
+        """The recurrent states of an empty sequence (zeros), in the current buffers."""
+        for pair in self._states:
+            pair[self._state_cur][...] = 0
+        self._snapshot_len = None
 
     def decode(self, tokens: Sequence[int], past: int) -> np.ndarray:
         timer = self.timer
@@ -369,6 +517,8 @@ class OrtBackend:
                 t0 = time.perf_counter() if timer is not None else 0.0
                 start += chunk
         except BaseException:
+            if self.stateful and self._len != start_len:
+                self._restore_after_failure(start_len)
             self._len = start_len  # chunks already folded in are forgotten: the call had no effect
             raise
         row = self._host_row(chunk - 1)
@@ -483,6 +633,12 @@ class OrtBackend:
         presents = None
         if not self.share_buffer:
             presents = self._bind_grow_copy(past, total)
+        cur = self._state_cur
+        for names, pair in zip(graph.states, self._states, strict=True):
+            shape = [1, *names.shape]
+            binding.bind_input(names.past, device, device_id, names.dtype, shape, arrays.ptr(pair[cur]))
+            binding.bind_output(names.present, device, device_id, names.dtype, shape, arrays.ptr(pair[1 - cur]))
+        self._snapshot_len = None  # the run overwrites the other state buffers
         if timer is not None:
             t1 = time.perf_counter()
             timer.add("host", t1 - t0)
@@ -505,6 +661,9 @@ class OrtBackend:
             for layer, (present_key, present_value) in enumerate(presents):
                 arrays.copy_positions(self._keys[layer], present_key, past, total)
                 arrays.copy_positions(self._values[layer], present_value, past, total)
+        if self.stateful:
+            self._state_cur, self._snapshot_len = 1 - cur, past
+            self._history[past:total] = tokens
         self._len = total
 
     # ------------------------------------------------------------------------------------------------------------
@@ -688,7 +847,8 @@ class OrtBackend:
             extra += f", cuda_graphs={'on' if self.graphs.enabled else 'off (fell back)'}"
         return (
             f"OrtBackend({str(self.folder.path)!r}, provider={self.provider!r}, max_length={self._max_length}, "
-            f"len={self._len}, share_buffer={self.share_buffer}, kv={self.graph.kv_dtype}{extra})"
+            f"len={self._len}, share_buffer={self.share_buffer}, kv={self.graph.kv_dtype}, stateful={self.stateful}"
+            f"{extra})"
         )
 
 
@@ -713,4 +873,6 @@ def static_shapes_unsupported(graph, share_buffer: bool) -> str | None:
         )
     if graph.mask_name is None:
         return "the graph has no attention_mask input, so nothing would carry the sequence length"
+    if graph.states:
+        return "the graph carries a recurrent state (its per-layer state buffers alternate between passes)"
     return None

@@ -18,6 +18,8 @@ import attrs
 from ..base import BackendError
 
 CONFIG_NAME = "genai_config.json"
+# ``model.decoder.layer_types`` entries whose layers hold a KV cache (other layers hold a recurrent state or none)
+ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "attention"})
 TOKENIZER_NAME = "tokenizer.json"
 
 
@@ -45,6 +47,13 @@ class ModelFolder:
     multiple of ``num_kv_heads``. The graph names come from ``model.decoder.inputs`` / ``outputs``; the KV names
     are ``%d`` patterns filled with the layer index. ``session_options`` is ``model.decoder.session_options``
     without its ``provider_options``.
+
+    Hybrid models: ``layer_types`` (``model.decoder.layer_types``, None when absent) says which layers hold a
+    KV cache (:attr:`kv_layers`: the attention types, every layer when absent); ``state_patterns`` holds one
+    ``(kind, past pattern, present pattern)`` per recurrent state the config names (``past_<kind>_names`` /
+    ``present_<kind>_names``, e.g. LFM2's ``conv``). ``sliding_window`` is
+    ``model.decoder.sliding_window.window_size`` (None when absent) and ``sliding_window_layers`` its ``layers``
+    (empty: the config does not say which layers).
     """
 
     path: Path
@@ -67,6 +76,18 @@ class ModelFolder:
     present_value_pattern: str
     past_present_share_buffer: bool
     session_options: Mapping[str, Any] = attrs.field(converter=dict)
+    layer_types: tuple[str, ...] | None = None
+    state_patterns: tuple[tuple[str, str, str], ...] = ()
+    sliding_window: int | None = None
+    sliding_window_layers: tuple[int, ...] = ()
+
+    @property
+    def kv_layers(self) -> tuple[int, ...]:
+        """The layers with a KV cache: those whose ``layer_types`` entry is an attention type (every layer when
+        the config has no ``layer_types``)."""
+        if self.layer_types is None:
+            return tuple(range(self.num_layers))
+        return tuple(i for i, kind in enumerate(self.layer_types) if kind in ATTENTION_LAYER_TYPES)
 
     # ----------------------------------------------------------------------------------------------------------
     @classmethod
@@ -216,6 +237,42 @@ class ModelFolder:
         present_value_pattern = name(outputs, "present_value_names", in_outputs, "present.%d.value", pattern=True)
         optional_int(search, "max_length", "search.")  # checked, not read (see above)
 
+        layer_types = decoder.get("layer_types")
+        if layer_types is not None:
+            if not isinstance(layer_types, list) or not all(isinstance(t, str) and t for t in layer_types):
+                raise fail(f"{decoder_key}layer_types must be a list of strings, got {layer_types!r}")
+            if len(layer_types) != num_layers:
+                raise fail(
+                    f"{decoder_key}layer_types has {len(layer_types)} entries but num_hidden_layers = {num_layers}"
+                )
+        # recurrent states: every past_<kind>_names input besides key/value, paired with present_<kind>_names
+        state_patterns = []
+        for key in inputs:
+            if not (key.startswith("past_") and key.endswith("_names")) or key in (
+                "past_key_names",
+                "past_value_names",
+            ):
+                continue
+            kind = key[len("past_") : -len("_names")]
+            past = name(inputs, key, in_inputs, "", pattern=True)
+            if f"present_{kind}_names" not in outputs:
+                raise fail(f"{in_inputs}{key} names a state with no {in_outputs}present_{kind}_names")
+            present = name(outputs, f"present_{kind}_names", in_outputs, "", pattern=True)
+            state_patterns.append((kind, past, present))
+
+        sliding_window: int | None = None
+        sliding_layers: tuple[int, ...] = ()
+        if decoder.get("sliding_window") is not None:
+            window_section = section(decoder, "sliding_window", decoder_key)
+            window_key = decoder_key + "sliding_window."
+            sliding_window = optional_int(window_section, "window_size", window_key)
+            listed = window_section.get("layers", [])
+            if not isinstance(listed, list) or not all(
+                isinstance(i, int) and not isinstance(i, bool) and 0 <= i < num_layers for i in listed
+            ):
+                raise fail(f"{window_key}layers must be a list of layer indices below {num_layers}, got {listed!r}")
+            sliding_layers = tuple(listed)
+
         return cls(
             path=folder,
             model_path=model_path,
@@ -237,6 +294,10 @@ class ModelFolder:
             present_value_pattern=present_value_pattern,
             past_present_share_buffer=share_buffer,
             session_options={key: value for key, value in session_options.items() if key != "provider_options"},
+            layer_types=tuple(layer_types) if layer_types is not None else None,
+            state_patterns=tuple(state_patterns),
+            sliding_window=sliding_window,
+            sliding_window_layers=sliding_layers,
         )
 
 

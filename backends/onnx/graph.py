@@ -2,16 +2,24 @@
 and a :class:`ModelFolder` and returns a :class:`DecoderGraph`, the names and dtypes of everything a pass binds,
 or raises ``ModelFileError`` (a ``ModelFolderError`` and a ``BackendError``) naming the model file, the tensor and
 what does not match ``genai_config.json``.
+
+:func:`read_graph_facts` reads what the session's interface does not show (the attention nodes' windows, the
+``MatMulNBits`` accuracy levels) from the ONNX file itself (the graph only, not the weights), and
+:func:`rewritten_model` returns the graph with some of those attributes changed, for ``OrtBackend.from_folder``'s
+load-time rewrites (the weights stay in their external data files).
 """
 
 from __future__ import annotations
 
+import os
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import attrs
 import numpy as np
 
-from .folder import ModelFileError, ModelFolder
+from .folder import ModelFileError, ModelFolder, external_data_problem
 
 # ONNX Runtime's type strings -> numpy dtypes, for the types this backend feeds or reads
 ORT_TYPES = {
@@ -33,6 +41,53 @@ class LayerKVNames:
     past_value: str
     present_key: str
     present_value: str
+    layer: int = 0
+
+
+@attrs.frozen
+class StateNames:
+    """One layer's recurrent state (e.g. LFM2's ``conv``): graph input ``past`` and output ``present``, both
+    ``[batch, *shape]`` of ``dtype``. A pass reads the state after the positions before it and writes the state
+    after its last token, so, unlike the KV cache, it cannot be rewound by changing a length."""
+
+    layer: int
+    kind: str
+    past: str
+    present: str
+    shape: tuple[int, ...]
+    dtype: np.dtype
+
+
+@attrs.frozen
+class AttentionNode:
+    """A ``GroupQueryAttention`` node: the layer whose KV it reads (by its past-key input), its
+    ``local_window_size`` (-1 or 0: full attention) and whether it indexes a window-sized cache
+    (``sliding_window_cache``)."""
+
+    name: str
+    past_key: str
+    local_window_size: int
+    sliding_window_cache: bool
+
+
+@attrs.frozen
+class GraphFacts:
+    """What :func:`read_graph_facts` reads from an ONNX file: its ``GroupQueryAttention`` nodes and the
+    ``accuracy_level`` of each ``MatMulNBits`` node (counted per ``(bits, accuracy_level)``)."""
+
+    attention: tuple[AttentionNode, ...]
+    matmul_nbits: Mapping[tuple[int, int], int] = attrs.field(factory=dict)
+
+    @property
+    def group_query_attention(self) -> bool:
+        return bool(self.attention)
+
+    def window_of(self, past_key: str) -> int | None:
+        """The ``local_window_size`` of the attention node reading ``past_key`` (None: no such node)."""
+        for node in self.attention:
+            if node.past_key == past_key:
+                return node.local_window_size
+        return None
 
 
 @attrs.frozen
@@ -41,7 +96,8 @@ class DecoderGraph:
 
     Inputs: ``ids_name`` (``[1, tokens]``), ``mask_name`` (``[1, total positions]``, all ones) and
     ``position_name`` (``[1, tokens]``); the graph takes at least one of the last two (None: it takes none by
-    that name). ``kv_names`` holds one :class:`LayerKVNames` per layer, all of ``kv_dtype``. Output
+    that name). ``kv_names`` holds one :class:`LayerKVNames` per layer with a KV cache (every layer, except in
+    hybrid models), all of ``kv_dtype``; ``states`` one :class:`StateNames` per recurrent state. Output
     ``logits_name`` is ``[1, tokens, vocab]`` of ``logits_dtype``. ``group_query_attention``: the graph uses
     the ``GroupQueryAttention`` op, which can append to a KV buffer bound as both past and present."""
 
@@ -56,11 +112,13 @@ class DecoderGraph:
     logits_name: str
     logits_dtype: np.dtype
     group_query_attention: bool
+    states: tuple[StateNames, ...] = ()
 
 
-def inspect_graph(session, folder: ModelFolder) -> DecoderGraph:
+def inspect_graph(session, folder: ModelFolder, facts: GraphFacts | None = None) -> DecoderGraph:
     """Check that ``session`` declares what ``folder``'s config names, with shapes it states and dtypes this
-    backend can feed, and no input it does not know how to feed; return the names and dtypes."""
+    backend can feed, and no input it does not know how to feed; return the names and dtypes. ``facts``: the
+    session's graph as :func:`read_graph_facts` reads it (default: read from ``folder.model_path``)."""
     where = f"{folder.model_path}"
     inputs = {arg.name: arg for arg in session.get_inputs()}
     outputs = {arg.name: arg for arg in session.get_outputs()}
@@ -101,12 +159,14 @@ def inspect_graph(session, folder: ModelFolder) -> DecoderGraph:
 
     kv_dtype: np.dtype | None = None
     kv_names = []
-    for layer in range(folder.num_layers):
+    kv_layers = folder.kv_layers
+    for layer in kv_layers:
         names = LayerKVNames(
             past_key=folder.past_key_pattern % layer,
             past_value=folder.past_value_pattern % layer,
             present_key=folder.present_key_pattern % layer,
             present_value=folder.present_value_pattern % layer,
+            layer=layer,
         )
         for name, table, what in (
             (names.past_key, inputs, "input"),
@@ -144,6 +204,28 @@ def inspect_graph(session, folder: ModelFolder) -> DecoderGraph:
             f"(it declares input {extra_layer!r})"
         )
 
+    states = []
+    for kind, past_pattern, present_pattern in folder.state_patterns:
+        for layer in range(folder.num_layers):
+            past_name, present_name = past_pattern % layer, present_pattern % layer
+            if past_name not in inputs:
+                continue
+            past = inputs[past_name]
+            present = need(outputs, present_name, "output")
+            dtype = dtype_of(past, FLOAT_DTYPES, "input")
+            if dtype_of(present, FLOAT_DTYPES, "output") != dtype:
+                raise ModelFileError(
+                    f"{where}: state {past_name!r} is {past.type} but {present_name!r} is {present.type}"
+                )
+            shape = list(past.shape)[1:]
+            if not shape or not all(isinstance(d, int) and d > 0 for d in shape) or list(present.shape)[1:] != shape:
+                raise ModelFileError(
+                    f"{where}: state {past_name!r} has shape {list(past.shape)} and {present_name!r} "
+                    f"{list(present.shape)}; this backend needs [batch, fixed sizes...] for both"
+                )
+            fed.add(past_name)
+            states.append(StateNames(layer, kind, past_name, present_name, tuple(int(d) for d in shape), dtype))
+
     logits = need(outputs, folder.logits_name, "output")
     logits_dtype = dtype_of(logits, FLOAT_DTYPES, "output")
     logits_shape = list(logits.shape)
@@ -159,7 +241,15 @@ def inspect_graph(session, folder: ModelFolder) -> DecoderGraph:
 
     extra = sorted(set(inputs) - fed)
     if extra:
-        raise ModelFileError(f"{where}: the graph declares inputs this backend does not know how to feed: {extra}")
+        hint = ""
+        if any(name.startswith("past") for name in extra) and not folder.state_patterns:
+            hint = (
+                " (per-layer state inputs that genai_config.json does not name as past_<kind>_names, or layers "
+                "its layer_types does not mark as attention)"
+            )
+        raise ModelFileError(
+            f"{where}: the graph declares inputs this backend does not know how to feed: {extra}{hint}"
+        )
 
     if kv_dtype is None:
         raise ModelFileError(f"{where}: the graph has no KV inputs (genai_config.json names no layers)")
@@ -174,21 +264,80 @@ def inspect_graph(session, folder: ModelFolder) -> DecoderGraph:
         kv_dtype=kv_dtype,
         logits_name=logits.name,
         logits_dtype=logits_dtype,
-        group_query_attention=uses_group_query_attention(folder.model_path),
+        group_query_attention=(
+            facts if facts is not None else read_graph_facts(folder.model_path)
+        ).group_query_attention,
+        states=tuple(states),
     )
 
 
-def uses_group_query_attention(model_path: Path) -> bool:
-    """True if the ONNX file mentions the ``GroupQueryAttention`` op (a scan of the file's bytes; False if it
-    cannot be read)."""
-    needle = b"GroupQueryAttention"
-    tail = b""
+def _load_proto(model_path: Path):
+    """The ONNX model at ``model_path`` without its external weights (the graph and small initializers)."""
+    import onnx
+
     try:
-        with open(model_path, "rb") as model_file:
-            while chunk := model_file.read(1 << 22):
-                if needle in tail + chunk:
-                    return True
-                tail = chunk[-len(needle) :]
-    except OSError:
-        return False
-    return False
+        return onnx.load(os.fspath(model_path), load_external_data=False)
+    except Exception as exc:  # noqa: BLE001 - onnx raises several types for an unreadable file
+        problem = external_data_problem(model_path) or f"{model_path}: could not read the ONNX graph"
+        raise ModelFileError(f"{problem} [onnx: {exc}]") from exc
+
+
+def _attribute(node, name: str, default: Any) -> Any:
+    import onnx
+
+    for attribute in node.attribute:
+        if attribute.name == name:
+            return onnx.helper.get_attribute_value(attribute)
+    return default
+
+
+def _facts_of(model) -> GraphFacts:
+    attention = []
+    levels: dict[tuple[int, int], int] = {}
+    for node in model.graph.node:
+        if node.op_type == "GroupQueryAttention":
+            past_key = node.input[3] if len(node.input) > 3 else ""
+            attention.append(
+                AttentionNode(
+                    name=node.name,
+                    past_key=past_key,
+                    local_window_size=int(_attribute(node, "local_window_size", -1)),
+                    sliding_window_cache=bool(_attribute(node, "sliding_window_cache", 0)),
+                )
+            )
+        elif node.op_type == "MatMulNBits":
+            key = (int(_attribute(node, "bits", 4)), int(_attribute(node, "accuracy_level", 0)))
+            levels[key] = levels.get(key, 0) + 1
+    return GraphFacts(attention=tuple(attention), matmul_nbits=levels)
+
+
+def read_graph_facts(model_path: Path) -> GraphFacts:
+    """The attention nodes and ``MatMulNBits`` accuracy levels of the ONNX file at ``model_path``."""
+    return _facts_of(_load_proto(model_path))
+
+
+def rewritten_model(
+    model_path: Path, *, windows: Mapping[str, int] | None = None, accuracy_level: int | None = None
+) -> tuple[bytes, GraphFacts]:
+    """The ONNX model at ``model_path`` serialized with ``local_window_size`` set to ``windows[past_key]`` on the
+    ``GroupQueryAttention`` node reading ``past_key``, and (when ``accuracy_level`` is given) every
+    ``MatMulNBits`` node's ``accuracy_level`` set to it; and the facts of the result. External weights stay where
+    they are (open the bytes with the model's folder as the external-data folder)."""
+    import onnx
+
+    model = _load_proto(model_path)
+    windows = dict(windows or {})
+    for node in model.graph.node:
+        if node.op_type == "GroupQueryAttention" and len(node.input) > 3 and node.input[3] in windows:
+            _set_int_attribute(onnx, node, "local_window_size", windows[node.input[3]])
+        elif node.op_type == "MatMulNBits" and accuracy_level is not None:
+            _set_int_attribute(onnx, node, "accuracy_level", accuracy_level)
+    return model.SerializeToString(), _facts_of(model)
+
+
+def _set_int_attribute(onnx, node, name: str, value: int) -> None:
+    for attribute in node.attribute:
+        if attribute.name == name:
+            attribute.i = int(value)
+            return
+    node.attribute.append(onnx.helper.make_attribute(name, int(value)))

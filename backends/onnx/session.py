@@ -226,16 +226,25 @@ def cuda_provider_options(*, stream: int | None = None, cuda_graphs: bool = Fals
     return options
 
 
-def open_session(model_path: Path, *, providers: list, session_options):
-    """Open ``model_path`` as an ``InferenceSession``. Raises ``ModelFileError`` (a ``ModelFolderError``) naming the
-    file when it cannot be loaded because of the folder (not an ONNX model; external data missing or truncated),
-    ``BackendError`` when onnxruntime cannot load it otherwise, or when ``providers`` asks for CUDA and the session
-    did not get it (its CUDA libraries failed to load)."""
+# session config key: where a model given as bytes finds its external data files
+EXTERNAL_DATA_FOLDER_KEY = "session.model_external_initializers_file_folder_path"
+
+
+def open_session(model_path: Path, *, providers: list, session_options, model_bytes: bytes | None = None):
+    """Open ``model_path`` as an ``InferenceSession`` (or, when ``model_bytes`` is given, that serialized model,
+    a load-time rewrite of ``model_path`` whose external data lies beside it). Raises ``ModelFileError`` (a
+    ``ModelFolderError``) naming the file when it cannot be loaded because of the folder (not an ONNX model;
+    external data missing or truncated), ``BackendError`` when onnxruntime cannot load it otherwise, or when
+    ``providers`` asks for CUDA and the session did not get it (its CUDA libraries failed to load)."""
     import onnxruntime as ort
 
     route_onnxruntime_logging()
     try:
-        session = ort.InferenceSession(str(model_path), sess_options=session_options, providers=providers)
+        if model_bytes is None:
+            session = ort.InferenceSession(str(model_path), sess_options=session_options, providers=providers)
+        else:
+            session_options.add_session_config_entry(EXTERNAL_DATA_FOLDER_KEY, str(Path(model_path).parent))
+            session = ort.InferenceSession(model_bytes, sess_options=session_options, providers=providers)
     except Exception as exc:  # noqa: BLE001 - ORT raises its own exception types
         problem = external_data_problem(model_path)
         if problem is not None:
