@@ -600,7 +600,7 @@ def build_parser() -> argparse.ArgumentParser:
         choices=("fp32", "int8", "int4"),
         help="weights (default fp32). int4 and int8 are built at MatMulNBits accuracy level 1, the level at "
         "which speculative output equals greedy output; int4 is then the fastest exact setting (see "
-        "docs/quantization.md)",
+        "docs/quantization-data.md)",
     )
     p.add_argument(
         "--accuracy-level",

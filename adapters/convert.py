@@ -31,7 +31,7 @@ SMOLLM2_NAME = "SmolLM2-135M-Instruct"
 PRECISIONS = ("fp32", "int8", "int4")
 QUANTIZED_PRECISIONS = ("int8", "int4")
 # MatMulNBits accuracy level the quantized conversions use unless told otherwise: 1 (float32 compute) is the level
-# at which a verify pass agrees with one-token decodes (see docs/quantization.md); the builder's own CPU default
+# at which a verify pass agrees with one-token decodes (see docs/quantization-data.md); the builder's own CPU default
 # is 4 (int8 activations: faster, but batch-dependent, so speculative output can differ from greedy output).
 EXACT_ACCURACY_LEVEL = 1
 BUILDER_ACCURACY_LEVEL = 4

@@ -279,7 +279,7 @@ class Engine:
         ``max_length``: KV capacity in tokens (default: the config's context length); ``prefix_reuse``: see the
         class docstring. ``sliding_window`` and ``matmul_accuracy_level``: the load-time rewrites of
         ``OrtBackend.from_folder`` (``matmul_accuracy_level=1`` makes speculation exact on a quantized folder
-        built at the builder's default level 4; see docs/quantization.md).
+        built at the builder's default level 4; see docs/quantization-data.md).
 
         Raises ``ValueError`` for a bad argument, ``ModelFolderError`` (a ``ValueError``) naming the file and the
         field or tensor when the folder cannot be used (missing or invalid files, a graph that does not match its
@@ -515,7 +515,7 @@ class Engine:
         """Warn once when speculative output may differ from greedy output here: the measured verify drift
         exceeds ``DRIFT_WARNING_THRESHOLD``, or (CPU) the graph has ``MatMulNBits`` nodes at accuracy level 4,
         whose int8-activation kernels give results that depend on how many tokens a pass holds (a one-off
-        measurement can miss that on some contexts; see docs/quantization.md)."""
+        measurement can miss that on some contexts; see docs/quantization-data.md)."""
         if self._drift_warned:
             return
         drift = self.verify_drift()
@@ -532,7 +532,8 @@ class Engine:
                 "depend on how many tokens a pass holds"
             )
         remedy = (
-            "load it with matmul_accuracy_level=1 (float32 compute; see docs/quantization.md) or use a float32 model"
+            "load it with matmul_accuracy_level=1 (float32 compute; see docs/quantization-data.md) or use a float32 "
+            "model"
             if any(level != 1 for (_bits, level) in levels)
             else "use a float32 model where exactness matters"
         )
