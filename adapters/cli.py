@@ -1,4 +1,4 @@
-"""The ``ortspec`` command: ``demo``, ``generate``, ``bench`` and ``convert``.
+"""The ``ortspec`` command: ``demo``, ``generate``, ``bench``, ``convert`` and ``batch`` (``adapters/batch.py``).
 
 Every command works on an ONNX Runtime GenAI model folder (``--model``); without one it uses SmolLM2-135M-Instruct,
 converted on first use into the user cache (see ``ortspec convert``).
@@ -11,6 +11,7 @@ import statistics
 import sys
 from pathlib import Path
 
+from ortspec.adapters.batch import add_parser as add_batch_parser
 from ortspec.core import PromptLookup
 from ortspec.driver import GenerateResult
 
@@ -366,6 +367,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--precision", default="fp32", choices=("fp32", "int8"), help="weights (default fp32)")
     p.add_argument("--out", metavar="DIR", help="output folder (default: the ortspec cache)")
     p.set_defaults(func=cmd_convert)
+    add_batch_parser(sub)  # ortspec batch: its options live in adapters/batch.py
     return parser
 
 
