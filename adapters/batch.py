@@ -36,6 +36,7 @@ import json
 import multiprocessing as mp
 import os
 import queue
+import signal
 import sys
 import time
 import traceback
@@ -461,8 +462,9 @@ class BatchSummary:
     this run (``errors`` of them error lines), ``lost`` (sent to a worker, no line written: a rerun retries
     them). ``tokens`` generated and ``prompt_tokens`` read by the successful records; ``wall_s`` from the start
     of the run (reading INPUT) to the last line; ``first_line_s`` to the first generated line (startup: worker
-    start and model load); ``load_s`` per worker; ``prefill_s``/``decode_s``: sums over records of the Engine's
-    timings; ``steps``/``proposed``/``accepted``: summed ``stats``."""
+    start and model load); ``load_s`` per worker (Engine load and warm-up); ``ray_init_s``: starting or joining
+    Ray; ``prefill_s``/``decode_s``/``generate_s``: sums over records of the Engine's timings (prompt pass, the
+    steps after it, whole call); ``steps``/``proposed``/``accepted``: summed ``stats``."""
 
     mode: str
     workers: int
@@ -477,8 +479,10 @@ class BatchSummary:
     wall_s: float = 0.0
     first_line_s: float | None = None
     load_s: list[float] = attrs.field(factory=list)
+    ray_init_s: float | None = None
     prefill_s: float = 0.0
     decode_s: float = 0.0
+    generate_s: float = 0.0
     steps: int = 0
     proposed: int = 0
     accepted: int = 0
@@ -531,6 +535,7 @@ class Job:
             s.prompt_tokens += metrics["prompt_tokens"]
             s.prefill_s += metrics["prefill_s"]
             s.decode_s += metrics["decode_s"]
+            s.generate_s += metrics["total_s"]
             s.steps += metrics["steps"]
             s.proposed += metrics["proposed"]
             s.accepted += metrics["accepted"]
@@ -592,7 +597,9 @@ def _worker_main(
     tasks: Any,
     results: Any,
 ) -> None:
-    """A worker process: pin, load, then run tasks from its queue until ``None`` or its parent is gone."""
+    """A worker process: pin, load, then run tasks from its queue until ``None`` or its parent is gone. Ctrl-C
+    is the parent's to handle (it stops the workers)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     parent = os.getppid()
     if cpus is not None and hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, cpus)
@@ -987,6 +994,9 @@ def cmd_batch(args: argparse.Namespace) -> int:
     except BatchError as exc:
         print(f"ortspec batch: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(f"\nortspec batch: interrupted; rerun the same command to resume ({args.output})", file=sys.stderr)
+        return 130
     print(f"ortspec batch: {summary.line()}", file=sys.stderr)
     return 0 if not summary.lost else 1
 

@@ -22,6 +22,7 @@ import logging
 import os
 import shutil
 import socket
+import time
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -222,7 +223,9 @@ def run_ray(
     say: Callable[[str], object],
 ) -> None:
     """Run ``tasks`` (in this order) on a Ray Data actor pool, writing each record as it completes."""
+    t0 = time.perf_counter()
     with ray_session(address, say) as ray:
+        job.summary.ray_init_s = time.perf_counter() - t0
         workers, threads = plan_actors(ray, address, workers, threads, say)
         job.summary.workers, job.summary.threads = workers, threads
         ctx = ray.data.DataContext.get_current()
