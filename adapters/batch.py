@@ -34,6 +34,7 @@ import argparse
 import contextlib
 import json
 import multiprocessing as mp
+import multiprocessing.connection as mp_connection
 import os
 import queue
 import signal
@@ -613,9 +614,9 @@ def _worker_main(
             name=f"worker-{index}",
         )
     except Exception as exc:
-        results.put(("failed", index, f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=3)}"))
+        results.send(("failed", index, f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=3)}"))
         return
-    results.put(("ready", index, worker.load_s))
+    results.send(("ready", index, worker.load_s))
     while True:
         try:
             task = tasks.get(timeout=1.0)
@@ -626,7 +627,7 @@ def _worker_main(
         if task is None:
             return
         record, metrics = worker.run(task)
-        results.put(("done", index, task.key, encode_line(record), metrics))
+        results.send(("done", index, task.key, encode_line(record), metrics))
 
 
 def run_embedded(
@@ -643,10 +644,14 @@ def run_embedded(
 ) -> None:
     """Run ``tasks`` (in this order) on ``workers`` processes, writing each record as it completes."""
     ctx = mp.get_context("spawn")
-    results = ctx.Queue()
     cores = available_cores()
     procs: dict[int, Any] = {}
     inboxes: dict[int, Any] = {}
+    # Each worker answers on its own pipe (one writer, no lock): a worker killed in the middle of a write (a
+    # crash, the OOM killer) can then only break its own channel, never block the others' answers, as it could
+    # while holding the write lock of a queue shared by all workers.
+    outboxes: dict[int, Any] = {}
+    closed: set[int] = set()  # outboxes at end of file (their worker is gone)
     holding: dict[int, Task | None] = {}
     ready: set[int] = set()
     outstanding = 0  # tasks handed to a worker, not yet written
@@ -654,10 +659,32 @@ def run_embedded(
     def start(index: int) -> None:
         cpus = cores[index * threads : (index + 1) * threads] if pin else None
         inboxes[index] = ctx.Queue()
-        args = (index, cpus, str(model_dir), threads, dict(defaults), provider, max_length, inboxes[index], results)
+        outboxes[index], writer = ctx.Pipe(duplex=False)
+        closed.discard(index)
+        args = (index, cpus, str(model_dir), threads, dict(defaults), provider, max_length, inboxes[index], writer)
         procs[index] = ctx.Process(target=_worker_main, args=args, name=f"ortspec-batch-{index}", daemon=True)
         procs[index].start()
+        writer.close()  # the worker's copy stays open; when it exits, the parent's reader sees end of file
         holding[index] = None
+
+    def receive(index: int) -> None:
+        """Handle one message from worker ``index`` (or note that its pipe is at end of file)."""
+        nonlocal outstanding
+        try:
+            message = outboxes[index].recv()
+        except (EOFError, OSError):
+            closed.add(index)
+            return
+        kind = message[0]
+        if kind == "failed":
+            raise BatchError(f"worker {index} could not load the model: {message[2]}")
+        if kind == "ready":
+            ready.add(index)
+            job.summary.load_s.append(float(message[2]))
+        elif (held := holding[index]) is not None and held.key == message[2]:
+            holding[index] = None
+            outstanding -= 1
+            job.write(message[3], message[4])
 
     def check_workers() -> None:
         """A worker that exited: before it was ready, the run cannot go on; after, the record it held (the
@@ -666,6 +693,8 @@ def run_embedded(
         for i, proc in list(procs.items()):
             if proc.exitcode is None:
                 continue
+            while i not in closed and outboxes[i].poll():  # what it sent before it died
+                receive(i)
             if i not in ready:
                 raise BatchError(f"worker {i} exited (code {proc.exitcode}) before it was ready (its error is above)")
             task = holding[i]
@@ -686,21 +715,11 @@ def run_embedded(
                     holding[i] = pending.pop()
                     inboxes[i].put(holding[i])
                     outstanding += 1
-            try:
-                message = results.get(timeout=_POLL_S)
-            except queue.Empty:
-                message = None
-            if message is not None:
-                kind, index = message[0], message[1]
-                if kind == "failed":
-                    raise BatchError(f"worker {index} could not load the model: {message[2]}")
-                if kind == "ready":
-                    ready.add(index)
-                    job.summary.load_s.append(float(message[2]))
-                elif (held := holding[index]) is not None and held.key == message[2]:  # not a dead worker's
-                    holding[index] = None
-                    outstanding -= 1
-                    job.write(message[3], message[4])
+            open_ = {outboxes[i]: i for i in procs if i not in closed}
+            for conn in mp_connection.wait(list(open_), timeout=_POLL_S):
+                receive(open_[conn])
+            if not open_:
+                time.sleep(_POLL_S)
             check_workers()
     finally:
         for i, proc in procs.items():
