@@ -1,4 +1,5 @@
-"""The ``ortspec`` command: ``demo``, ``generate``, ``bench``, ``convert`` and ``serve``.
+"""The ``ortspec`` command: ``demo``, ``generate``, ``bench``, ``convert``, ``serve`` and ``batch``
+(``adapters/batch.py``).
 
 Every command works on an ONNX Runtime GenAI model folder (``--model``); without one it uses SmolLM2-135M-Instruct,
 converted on first use into the user cache (see ``ortspec convert``).
@@ -13,6 +14,7 @@ import statistics
 import sys
 from pathlib import Path
 
+from ortspec.adapters.batch import add_parser as add_batch_parser
 from ortspec.core import PromptLookup
 from ortspec.driver import GenerateResult
 
@@ -636,6 +638,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefix-reuse", action=argparse.BooleanOptionalAction, default=True, help="reuse KV (default on)")
     p.add_argument("--log-level", default="info", help="uvicorn log level (default info)")
     p.set_defaults(func=cmd_serve)
+
+    add_batch_parser(sub)  # ortspec batch: its options live in adapters/batch.py
     return parser
 
 

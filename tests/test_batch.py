@@ -1,0 +1,292 @@
+"""``ortspec batch`` embedded (worker processes): records, errors, resumption after a kill, replay of sampled
+records, and every output equal to what the Engine gives for the same record in this process (tiny model)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from ortspec.adapters.batch import (
+    BatchError,
+    BatchWorker,
+    available_cores,
+    option_fields,
+    parse_record,
+    plan_threads,
+    prepare_output,
+    read_input,
+    run_batch,
+)
+from ortspec.adapters.cli import main as cli_main
+from ortspec.core import PromptLookup
+
+LOOKUP_TEXT = "the quick brown fox jumps over the lazy dog. the quick brown fox jumps over the lazy dog. the quick"
+
+RECORDS = [
+    {"id": "greedy", "prompt": LOOKUP_TEXT, "max_tokens": 24, "ignore_eos": True},
+    {"id": "chat", "messages": [{"role": "user", "content": "hello there, how are you?"}], "max_tokens": 16},
+    {"id": 7, "prompt": [5, 17, 33, 5, 17, 33, 5, 17], "max_tokens": 12, "ignore_eos": True},
+    {"id": "seeded", "prompt": "abc abc abc abc", "temperature": 0.9, "top_p": 0.9, "seed": 1234, "max_tokens": 20},
+    {"id": "penalties", "prompt": "one two three", "temperature": 0.7, "top_k": 20, "seed": 5, "max_tokens": 16,
+     "repetition_penalty": 1.2, "presence_penalty": 0.3, "frequency_penalty": 0.2, "logit_bias": {"12": 3.0}},
+    {"id": "stop", "prompt": LOOKUP_TEXT, "stop": ["o"], "max_tokens": 30, "ignore_eos": True},
+    {"id": "logprobs", "prompt": "lazy dog", "max_tokens": 6, "top_logprobs": 2, "speculative": None},
+    {"id": "wide", "prompt": LOOKUP_TEXT, "max_tokens": 20, "draft_width": 3, "ignore_eos": True},
+]  # fmt: skip
+# The job's defaults: what the CLI's defaults give (prompt lookup, cost-aware width), chat off.
+DEFAULTS = {"speculative": PromptLookup(ngram=3, max_draft=16, min_ngram=1), "chat": False}
+BAD_LINES = [
+    ('{"id": "typo", "prompt": "x", "max_token": 5}', "unknown field 'max_token'"),
+    ('{"id": "zero", "prompt": "x", "max_tokens": 0}', "max_tokens must be an int >= 1"),
+    ('{"id": "both", "prompt": "x", "messages": [{"role": "user", "content": "y"}]}', "exactly one of"),
+    ('{"id": "neither"}', "exactly one of"),
+    ('{"id": "hot", "prompt": "x", "temperature": -1}', "temperature"),
+    ('{"id": "bias", "prompt": "x", "logit_bias": {"abc": 1}}', "logit_bias: key 'abc'"),
+    ('{"id": "spec", "prompt": "x", "speculative": "magic"}', "speculative='magic'"),
+    ('{"id": "chat-ids", "prompt": [1, 2, 3], "max_tokens": 4, "chat": true}', "chat=True needs a text prompt"),
+    ("{not json", "not valid JSON"),
+    ('["a list"]', "not a JSON object"),
+    ('{"prompt": "no id"}', "has no 'id'"),
+    ('{"id": 1.5, "prompt": "x"}', "'id' must be"),
+]
+
+
+def write_jsonl(path: Path, records, extra_lines=()) -> Path:
+    with open(path, "w", encoding="utf-8") as f:
+        for r in records:
+            f.write(json.dumps(r) + "\n")
+        for line in extra_lines:
+            f.write(line + "\n")
+    return path
+
+
+def read_output(path: Path) -> dict:
+    """Output lines by id (or by line number for id-less errors); every key once."""
+    out: dict = {}
+    for line in path.read_text(encoding="utf-8").splitlines():
+        r = json.loads(line)
+        key = json.dumps(r["id"]) if r["id"] is not None else f"#line {r['line']}"
+        assert key not in out, f"{key} written twice"
+        out[key] = r
+    return out
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory):
+    return write_jsonl(tmp_path_factory.mktemp("batch") / "in.jsonl", RECORDS, [line for line, _ in BAD_LINES])
+
+
+@pytest.fixture(scope="module")
+def embedded_run(tiny_model_dir, dataset, tmp_path_factory):
+    out = tmp_path_factory.mktemp("batch-out") / "out.jsonl"
+    summary = run_batch(dataset, out, model=tiny_model_dir, workers=2, threads=1, options=DEFAULTS, progress=False)
+    return out, summary
+
+
+# -- records, without a model ----------------------------------------------------------------------------------
+
+
+def test_parse_record_converts_and_names_problems():
+    fields = option_fields()
+    task = parse_record('{"id": "a", "prompt": "hi", "logit_bias": {"7": -2.5}, "stop": [[1, 2]]}', 3, {}, fields)
+    assert task.id == "a" and task.line == 3 and task.options == {"logit_bias": {7: -2.5}, "stop": [[1, 2]]}
+    assert parse_record('{"id": 2, "prompt": "x", "speculative": "none"}', 1, {}, fields).options["speculative"] is None
+    for line, expected in BAD_LINES:
+        record = parse_record(line, 9, {}, fields)
+        if expected.startswith("chat=True") or expected == "temperature":  # the Engine finds these (in the worker)
+            continue
+        assert isinstance(record, dict) and expected in record["error"], (line, record)
+        assert record["line"] == 9
+
+
+def test_duplicate_ids_are_refused_before_anything_runs(tmp_path):
+    src = write_jsonl(
+        tmp_path / "in.jsonl", [{"id": "a", "prompt": "x"}, {"id": 1, "prompt": "y"}, {"id": "a", "prompt": "z"}]
+    )
+    with pytest.raises(BatchError, match=r'duplicate id: "a" \(lines 1 and 3\)'):
+        read_input(src, {}, option_fields())
+    out = tmp_path / "out.jsonl"
+    with pytest.raises(BatchError, match="duplicate"):
+        run_batch(src, out, model=tmp_path / "no-model", progress=False)
+    assert not out.exists()
+    # 1 and "1" are different ids
+    ok = write_jsonl(tmp_path / "ok.jsonl", [{"id": 1, "prompt": "x"}, {"id": "1", "prompt": "y"}])
+    assert len(read_input(ok, {}, option_fields())[0]) == 2
+
+
+def test_prepare_output_cuts_a_partial_last_line_and_can_drop_errors(tmp_path):
+    out = tmp_path / "out.jsonl"
+    good = [{"id": "a", "text": "x"}, {"id": None, "line": 4, "error": "bad"}, {"id": 2, "line": 5, "error": "e"}]
+    out.write_bytes(b"".join(json.dumps(r).encode() + b"\n" for r in good) + b'{"id": "b", "te')
+    state = prepare_output(out)
+    assert state.repaired_bytes == len(b'{"id": "b", "te')
+    assert state.done == {'"a"', "#line 4", "2"} and state.errors == {"#line 4", "2"}
+    assert out.read_bytes().endswith(b"\n") and len(out.read_text().splitlines()) == 3
+    state = prepare_output(out, retry_errors=True)
+    assert state.done == {'"a"'} and [json.loads(x)["id"] for x in out.read_text().splitlines()] == ["a"]
+    out.write_text('{"id": "a"}\nnot json\n{"id": "b"}\n')
+    with pytest.raises(BatchError, match="line 2 is not JSON"):
+        prepare_output(out)
+
+
+def test_workers_times_threads_may_not_exceed_the_cores(tmp_path, capsys):
+    assert plan_threads(2, None, 8) == 4 and plan_threads(3, None, 2 * 3 + 1) == 2 and plan_threads(1, 2, 2) == 2
+    with pytest.raises(BatchError, match=r"2 workers x 2 threads = 4 intra-op threads, more than the 2 cores"):
+        plan_threads(2, 2, 2)
+    with pytest.raises(BatchError, match="3 workers need at least 3 cores"):
+        plan_threads(3, 1, 2)
+    cores = len(available_cores())
+    src = write_jsonl(tmp_path / "in.jsonl", [{"id": 1, "prompt": "x"}])
+    assert cli_main(["batch", str(src), str(tmp_path / "o.jsonl"), "--workers", "1", "--threads", str(cores + 1)]) == 2
+    assert f"more than the {cores} cores" in capsys.readouterr().err
+    assert cli_main(["batch", "--ray", str(src), str(tmp_path / "o.jsonl")]) == 2  # --ray swallowed INPUT
+    assert "put --ray after INPUT OUTPUT" in capsys.readouterr().err
+
+
+def test_missing_ray_extra_is_a_clear_message(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "ray", None)
+    src = write_jsonl(tmp_path / "in.jsonl", [{"id": 1, "prompt": "x"}])
+    with pytest.raises(BatchError, match=r"pip install 'ortspec\[ray\]'"):
+        run_batch(src, tmp_path / "out.jsonl", model=tmp_path, ray="local", progress=False)
+
+
+# -- end to end on the tiny model --------------------------------------------------------------------------------
+
+
+def test_every_record_equals_the_engine_in_this_process(tiny_model_dir, embedded_run):
+    out, summary = embedded_run
+    got = read_output(out)
+    assert summary.written == len(RECORDS) + len(BAD_LINES) and summary.lost == 0
+    assert summary.errors == len(BAD_LINES) and summary.tokens == sum(
+        len(r["token_ids"]) for r in got.values() if "text" in r
+    )
+    # what the same records give through one Engine here, with the same defaults and threads
+    worker = BatchWorker(tiny_model_dir, threads=1, defaults=DEFAULTS)
+    fields = option_fields()
+    for number, record in enumerate(RECORDS, start=1):
+        expected, _ = worker.run(parse_record(json.dumps(record), number, DEFAULTS, fields))
+        assert got[json.dumps(record["id"])] == expected, record["id"]
+    for r in got.values():
+        if "error" not in r:
+            assert r["finish_reason_openai"] in ("stop", "length") and set(r["stats"]) == {
+                "steps",
+                "proposed",
+                "accepted",
+            }
+    assert got['"stop"']["finish_reason"] == "stop_sequence" and got['"stop"']["stop_matched"] == "o"
+    assert got['"seeded"']["seed"] == 1234 and got['"greedy"']["seed"] is None
+    assert len(got['"logprobs"']["logprobs"]) == len(got['"logprobs"']["token_ids"])
+
+
+def test_speculation_happened_and_bad_records_name_their_problem(embedded_run):
+    got = read_output(embedded_run[0])
+    assert got['"greedy"']["stats"]["proposed"] > 0, got['"greedy"']["stats"]
+    errors = [r for r in got.values() if "error" in r]
+    assert len(errors) == len(BAD_LINES)
+    messages = " | ".join(r["error"] for r in errors)
+    for _, expected in BAD_LINES:
+        assert expected in messages, expected
+    assert all(isinstance(r["line"], int) for r in errors)
+
+
+def test_default_speculation_equals_plain_decoding(tiny_model_dir, dataset, embedded_run, tmp_path):
+    plain = tmp_path / "plain.jsonl"
+    options = {**DEFAULTS, "speculative": "none"}
+    run_batch(dataset, plain, model=tiny_model_dir, workers=1, threads=1, options=options, progress=False)
+    spec, base = read_output(embedded_run[0]), read_output(plain)
+    assert spec.keys() == base.keys()
+    for key in spec:
+        a, b = spec[key], base[key]
+        if "error" in a:
+            assert a == b
+        else:
+            assert (a["token_ids"], a["text"], a["finish_reason"], a["seed"]) == (
+                b["token_ids"], b["text"], b["finish_reason"], b["seed"]
+            ), key  # fmt: skip
+
+
+def test_sampled_record_without_seed_reports_one_that_replays(tiny_model_dir, tmp_path):
+    record = {"id": "s", "prompt": "abc abc abc abc", "temperature": 1.0, "max_tokens": 24, "ignore_eos": True}
+    src = write_jsonl(tmp_path / "in.jsonl", [record, {**record, "id": "s2"}])
+    first = read_output(run_and_path(src, tmp_path / "a.jsonl", tiny_model_dir))
+    seed = first['"s"']["seed"]
+    assert isinstance(seed, int) and 0 <= seed < 2**64 and seed != first['"s2"']["seed"]
+    replay = write_jsonl(tmp_path / "replay.jsonl", [{**record, "seed": seed}])
+    again = read_output(run_and_path(replay, tmp_path / "b.jsonl", tiny_model_dir))['"s"']
+    assert again["token_ids"] == first['"s"']["token_ids"] and again["seed"] == seed
+
+
+def run_and_path(src: Path, out: Path, model: Path, **kwargs) -> Path:
+    run_batch(src, out, model=model, workers=1, threads=1, progress=False, **kwargs)
+    return out
+
+
+class CrashOn:
+    """A proposer that kills its process when the context starts with ``ids`` (a record that kills its worker)."""
+
+    def __init__(self, ids):
+        self.ids = list(ids)
+
+    def propose(self, context, width):
+        if list(context[: len(self.ids)]) == self.ids:
+            os._exit(3)
+        return ()
+
+
+def test_a_record_that_kills_its_worker_is_an_error_line(tiny_model_dir, tmp_path):
+    from ortspec.adapters.tokenizer import Tokenizer
+
+    ids = Tokenizer.from_folder(tiny_model_dir).encode("crash here please")
+    records = [
+        {"id": i, "prompt": "crash here please" if i == 2 else f"fine {i} fine", "max_tokens": 6} for i in range(5)
+    ]
+    src = write_jsonl(tmp_path / "in.jsonl", records)
+    out = tmp_path / "out.jsonl"
+    summary = run_batch(src, out, model=tiny_model_dir, workers=2, threads=1, progress=False,
+                        options={"speculative": CrashOn(ids), "draft_width": 4})  # fmt: skip
+    got = read_output(out)
+    assert len(got) == 5 and summary.errors == 1
+    assert "worker process died (exit code 3)" in got["2"]["error"]
+    assert all("text" in got[str(i)] for i in (0, 1, 3, 4))
+
+
+def test_resume_after_a_kill(tiny_model_dir, tmp_path):
+    """SIGKILL the command (and its workers) mid-run, leave a half-written line as a kill mid-write would, rerun:
+    every record once, each equal to an uninterrupted run's."""
+    records = [
+        {"id": f"r{i}", "prompt": f"{i} " + LOOKUP_TEXT[: 20 + 3 * i], "max_tokens": 150, "ignore_eos": True}
+        for i in range(24)
+    ]
+    src = write_jsonl(tmp_path / "in.jsonl", records)
+    out = tmp_path / "out.jsonl"
+    cmd = [sys.executable, "-m", "ortspec.adapters.cli", "batch", str(src), str(out), "--model", str(tiny_model_dir),
+           "--workers", "1", "--threads", "1", "--no-progress", "--no-chat"]  # fmt: skip
+    proc = subprocess.Popen(cmd, start_new_session=True, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and proc.poll() is None:
+        if out.exists() and len(out.read_bytes().splitlines()) >= 3:
+            break
+        time.sleep(0.02)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    done_before = len(out.read_bytes().splitlines())
+    assert 3 <= done_before < len(records), "the run was not interrupted midway"
+    with open(out, "ab") as f:
+        f.write(b'{"id": "r23", "text": "half a li')
+    notes: list[str] = []
+    summary = run_batch(src, out, model=tiny_model_dir, workers=1, threads=1, progress=False, options=DEFAULTS,
+                        log=notes.append)  # fmt: skip
+    assert any("partial line" in n for n in notes) and any(f"{done_before} of 24" in n for n in notes), notes
+    assert summary.skipped == done_before and summary.written == len(records) - done_before
+    resumed = read_output(out)
+    clean = read_output(run_and_path(src, tmp_path / "clean.jsonl", tiny_model_dir, options=DEFAULTS))
+    assert resumed.keys() == clean.keys() and len(resumed) == len(records)
+    for key in clean:
+        assert resumed[key] == clean[key], key
