@@ -413,7 +413,7 @@ class BatchWorker:
         self.defaults = dict(defaults)
         self.engine = Engine.from_dir(model_dir, provider=provider, threads=threads, max_length=max_length)
         if self.defaults.get("speculative") is not None:
-            with _file_lock(cache_root() / "pass_costs" / ".measure.lock"):
+            with _file_lock(cache_root() / "measurements" / ".measure.lock"):
                 if self.defaults.get("draft_width", "auto") == "auto":
                     self.engine.pass_costs()
                 self.engine.verify_drift()
