@@ -875,16 +875,8 @@ def run_batch(
 # -- the command ------------------------------------------------------------------------------------------------
 
 
-def _width(text: str) -> int | str:
-    if text == "auto":
-        return text
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected 'auto' or an int, got {text!r}") from None
-
-
-def _defaults_json(text: str) -> dict[str, Any]:
+def defaults_json(text: str) -> dict[str, Any]:
+    """``--defaults``: a JSON object of generation fields (argparse type)."""
     try:
         value = json.loads(text)
     except json.JSONDecodeError as exc:
@@ -894,80 +886,8 @@ def _defaults_json(text: str) -> dict[str, Any]:
     return value
 
 
-def add_parser(sub: Any) -> argparse.ArgumentParser:
-    """Register ``ortspec batch`` on the ``ortspec`` command's subparsers."""
-    p = sub.add_parser(
-        "batch",
-        help="generate for every record of a JSONL file (worker processes here, or Ray), resumable",
-        description="Generate for every record of INPUT (one JSON object per line: id, prompt or messages, and "
-        "optional generation fields) into OUTPUT (one JSON line per record, in completion order). A rerun with "
-        "the same OUTPUT skips the records already there. See docs/batch.md.",
-    )
-    p.add_argument("input", metavar="INPUT", help="JSONL records: id, prompt or messages, generation fields")
-    p.add_argument("output", metavar="OUTPUT", nargs="?", help="JSONL results, appended (a rerun resumes)")
-    p.add_argument(
-        "--model",
-        metavar="DIR",
-        help="ONNX Runtime GenAI model folder (default: SmolLM2-135M-Instruct in the ortspec cache, converted "
-        "on first use)",
-    )
-    p.add_argument("--provider", default="cpu", choices=("cpu", "cuda"), help="execution provider (default cpu)")
-    p.add_argument("--max-length", type=int, default=None, help="KV capacity in tokens (default: the model's)")
-    p.add_argument("--workers", type=int, default=1, help="Engines running at once (default 1)")
-    p.add_argument(
-        "--threads",
-        type=int,
-        default=None,
-        help="intra-op threads per worker (default: the cores shared out); workers x threads <= cores",
-    )
-    p.add_argument(
-        "--ray",
-        nargs="?",
-        const="local",
-        default=None,
-        metavar="ADDRESS",
-        help="run on Ray Data: no ADDRESS starts a local Ray instance (put --ray after INPUT OUTPUT then); "
-        "'auto' or ray://HOST:PORT joins a cluster (needs the ray extra: pip install 'ortspec[ray]')",
-    )
-    p.add_argument(
-        "--ship-model",
-        action="store_true",
-        help="with --ray: send the model folder through Ray's object store to nodes that lack it",
-    )
-    p.add_argument(
-        "--no-pin", dest="pin", action="store_false", help="do not pin each embedded worker to its own cores"
-    )
-    p.add_argument(
-        "--speculative",
-        default="prompt-lookup",
-        choices=("prompt-lookup", "none"),
-        help="default proposer (default prompt-lookup); none = plain decoding; a record's 'speculative' wins",
-    )
-    p.add_argument("--ngram", type=int, default=3, help="prompt lookup: longest suffix matched (default 3)")
-    p.add_argument("--min-ngram", type=int, default=1, help="prompt lookup: shortest suffix tried (default 1)")
-    p.add_argument("--max-draft", type=int, default=16, help="prompt lookup: most tokens proposed (default 16)")
-    p.add_argument("--draft-width", type=_width, default="auto", help="draft tokens per pass: an int or auto")
-    p.add_argument("--max-tokens", type=int, default=128, help="default most new tokens (default 128)")
-    p.add_argument(
-        "--chat",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="format text prompts with the chat template (default on; a record's 'chat' wins)",
-    )
-    p.add_argument(
-        "--defaults",
-        type=_defaults_json,
-        default={},
-        metavar="JSON",
-        help='more default generation fields, as in a record, e.g. \'{"temperature": 0.7, "top_p": 0.9}\'',
-    )
-    p.add_argument("--retry-errors", action="store_true", help="drop OUTPUT's error lines and run those records again")
-    p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
-    p.set_defaults(func=cmd_batch)
-    return p
-
-
 def cmd_batch(args: argparse.Namespace) -> int:
+    """``ortspec batch`` (its options are declared with the other commands' in ``adapters/cli.py``)."""
     from ortspec.core import PromptLookup
 
     if args.output is None:
@@ -1025,8 +945,8 @@ __all__ = [
     "BatchSummary",
     "BatchWorker",
     "Task",
-    "add_parser",
     "cmd_batch",
+    "defaults_json",
     "parse_record",
     "prepare_output",
     "read_input",

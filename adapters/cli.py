@@ -14,7 +14,6 @@ import statistics
 import sys
 from pathlib import Path
 
-from ortspec.adapters.batch import add_parser as add_batch_parser
 from ortspec.core import PromptLookup
 from ortspec.driver import GenerateResult
 
@@ -73,36 +72,29 @@ def _speculative(args: argparse.Namespace):
     return PromptLookup(ngram=args.ngram, max_draft=args.max_draft, min_ngram=args.min_ngram)
 
 
-def _width(text: str) -> int | str:
-    if text == "auto":
-        return text
+def _int_in(text: str, low: int, high: int | None = None, expected: str | None = None) -> int:
+    """``text`` as an int in ``[low, high]`` (no upper bound when ``high`` is None), else an argparse error that
+    says what was ``expected``."""
+    expected = expected or f"an int >= {low}"
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected 'auto' or an int >= 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected 'auto' or an int >= 1, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
+    if value < low or (high is not None and value > high):
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
     return value
+
+
+def _width(text: str) -> int | str:
+    return text if text == "auto" else _int_in(text, 1, expected="'auto' or an int >= 1")
 
 
 def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an int >= 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an int >= 1, got {text!r}")
-    return value
+    return _int_in(text, 1)
 
 
 def _port(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a port number 0-65535 (0: any free port), got {text!r}") from None
-    if not 0 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"expected a port number 0-65535 (0: any free port), got {text!r}")
-    return value
+    return _int_in(text, 0, 65535, expected="a port number 0-65535 (0: any free port)")
 
 
 def _margin(text: str) -> float:
@@ -363,6 +355,18 @@ def cmd_convert(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_batch(args: argparse.Namespace) -> int:
+    from ortspec.adapters.batch import cmd_batch as batch
+
+    return batch(args)
+
+
+def _batch_defaults(text: str) -> dict:
+    from ortspec.adapters.batch import defaults_json
+
+    return defaults_json(text)
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from ortspec.adapters.server import cmd_serve as serve  # needs the 'serve' extra
 
@@ -397,6 +401,15 @@ examples:
 Each prompt runs greedily and then speculatively with each tie margin, back to back; medians are reported, with
 whether every speculative output was identical to the greedy one."""
 
+BATCH_EXAMPLES = """\
+examples:
+  ortspec batch prompts.jsonl results.jsonl --workers 2 --threads 1
+  ortspec batch prompts.jsonl results.jsonl --defaults '{"temperature": 0.7, "top_p": 0.9}'
+  ortspec batch prompts.jsonl results.jsonl --ray              # a local Ray instance; --ray auto joins a cluster
+
+A rerun with the same OUTPUT resumes. Exit status: 0; 1 if records were lost (a worker died); 2 for bad input;
+130 if interrupted (rerun to resume)."""
+
 CONVERT_EXAMPLES = """\
 examples:
   ortspec convert
@@ -428,7 +441,11 @@ def build_parser() -> argparse.ArgumentParser:
         p.set_defaults(command_parser=p)
         return p
 
-    def model_options(p: argparse.ArgumentParser) -> None:
+    def model_options(
+        p: argparse.ArgumentParser,
+        threads_help: str = "intra-op threads (default: physical cores)",
+        load_rewrites: bool = True,
+    ) -> None:
         g = p.add_argument_group("model")
         g.add_argument(
             "--model",
@@ -442,7 +459,7 @@ def build_parser() -> argparse.ArgumentParser:
             type=_positive_int,
             default=None,
             metavar="N",
-            help="intra-op threads (default: physical cores)",
+            help=threads_help,
         )
         g.add_argument(
             "--max-length",
@@ -451,6 +468,8 @@ def build_parser() -> argparse.ArgumentParser:
             metavar="TOKENS",
             help="KV capacity in tokens: prompt + output (default: the model's context length)",
         )
+        if not load_rewrites:
+            return
         g.add_argument(
             "--matmul-accuracy-level",
             type=int,
@@ -466,6 +485,30 @@ def build_parser() -> argparse.ArgumentParser:
             help="a sliding window named by genai_config.json but ignored by the graph: apply it (config, "
             "default) or run the graph as written (graph)",
         )
+
+    def lookup_options(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
+        d = p.add_argument_group("speculation")
+        d.add_argument(
+            "--ngram", type=_positive_int, default=3, metavar="N",
+            help="prompt lookup: longest suffix matched (default 3)",
+        )  # fmt: skip
+        d.add_argument(
+            "--min-ngram", type=_positive_int, default=1, metavar="N",
+            help="prompt lookup: shortest suffix tried (default 1)",
+        )  # fmt: skip
+        d.add_argument(
+            "--max-draft", type=_positive_int, default=16, metavar="N",
+            help="prompt lookup: most tokens proposed (default 16)",
+        )  # fmt: skip
+        d.add_argument(
+            "--draft-width",
+            type=_width,
+            default="auto",
+            metavar="auto|N",
+            help="draft tokens verified per pass: N >= 1, or auto (default): the cost-aware policy on this machine's "
+            "measured verify cost curve",
+        )
+        return d
 
     def generation_options(p: argparse.ArgumentParser, default_tokens: int = 128, margins: bool = False) -> None:
         g = p.add_argument_group("generation")
@@ -490,27 +533,7 @@ def build_parser() -> argparse.ArgumentParser:
             help="draft proposer (default prompt-lookup); none = plain greedy. The output is the same either way",
         )
         g.add_argument("--ignore-eos", action="store_true", help="do not stop at the model's end-of-sequence token")
-        d = p.add_argument_group("speculation")
-        d.add_argument(
-            "--ngram", type=_positive_int, default=3, metavar="N",
-            help="prompt lookup: longest suffix matched (default 3)",
-        )  # fmt: skip
-        d.add_argument(
-            "--min-ngram", type=_positive_int, default=1, metavar="N",
-            help="prompt lookup: shortest suffix tried (default 1)",
-        )  # fmt: skip
-        d.add_argument(
-            "--max-draft", type=_positive_int, default=16, metavar="N",
-            help="prompt lookup: most tokens proposed (default 16)",
-        )  # fmt: skip
-        d.add_argument(
-            "--draft-width",
-            type=_width,
-            default="auto",
-            metavar="auto|N",
-            help="draft tokens verified per pass: N >= 1, or auto (default): the cost-aware policy on this machine's "
-            "measured verify cost curve",
-        )
+        d = lookup_options(p)
         if margins:
             d.add_argument(
                 "--tie-margin",
@@ -639,7 +662,67 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-level", default="info", help="uvicorn log level (default info)")
     p.set_defaults(func=cmd_serve)
 
-    add_batch_parser(sub)  # ortspec batch: its options live in adapters/batch.py
+    p = command(
+        "batch",
+        "generate for every record of a JSONL file (worker processes here, or Ray), resumable",
+        "Generate for every record of INPUT (one JSON object per line: id, prompt or messages, and optional "
+        "generation fields) into OUTPUT (one JSON line per record, in completion order). A rerun with the same "
+        "OUTPUT skips the records already there. See docs/batch.md.",
+        BATCH_EXAMPLES,
+    )
+    p.add_argument("input", metavar="INPUT", help="JSONL records: id, prompt or messages, generation fields")
+    p.add_argument("output", metavar="OUTPUT", nargs="?", help="JSONL results, appended (a rerun resumes)")
+    model_options(
+        p,
+        threads_help="intra-op threads per worker (default: the cores shared out); workers x threads <= cores",
+        load_rewrites=False,
+    )
+    r = p.add_argument_group("workers")
+    r.add_argument("--workers", type=_positive_int, default=1, metavar="N", help="Engines running at once (default 1)")
+    r.add_argument(
+        "--ray",
+        nargs="?",
+        const="local",
+        default=None,
+        metavar="ADDRESS",
+        help="run on Ray Data: no ADDRESS starts a local Ray instance (put --ray after INPUT OUTPUT then); "
+        "'auto' or ray://HOST:PORT joins a cluster (needs the ray extra: pip install 'ortspec[ray]')",
+    )
+    r.add_argument(
+        "--ship-model",
+        action="store_true",
+        help="with --ray: send the model folder through Ray's object store to nodes that lack it",
+    )
+    r.add_argument(
+        "--no-pin", dest="pin", action="store_false", help="do not pin each embedded worker to its own cores"
+    )
+    g = p.add_argument_group("generation defaults (a record's own fields win)")
+    g.add_argument(
+        "--speculative",
+        default="prompt-lookup",
+        choices=("prompt-lookup", "none"),
+        help="default proposer (default prompt-lookup); none = plain decoding",
+    )
+    g.add_argument(
+        "--max-tokens", type=_positive_int, default=128, metavar="N", help="most new tokens (default %(default)s)"
+    )
+    g.add_argument(
+        "--chat",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="format text prompts with the chat template (default on)",
+    )
+    g.add_argument(
+        "--defaults",
+        type=_batch_defaults,
+        default={},
+        metavar="JSON",
+        help='more default generation fields, as in a record, e.g. \'{"temperature": 0.7, "top_p": 0.9}\'',
+    )
+    lookup_options(p)
+    p.add_argument("--retry-errors", action="store_true", help="drop OUTPUT's error lines and run those records again")
+    p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+    p.set_defaults(func=cmd_batch)
     return parser
 
 

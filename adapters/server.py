@@ -1053,13 +1053,24 @@ def load_engines(
     provider: str = "cpu",
     max_length: int | None = None,
     prefix_reuse: bool = True,
+    sliding_window: str = "config",
+    matmul_accuracy_level: int | None = None,
 ) -> list[Engine]:
-    """One Engine per worker on ``model_dir`` (each its own session and KV)."""
+    """One Engine per worker on ``model_dir`` (each its own session and KV); the load options are
+    ``Engine.from_dir``'s."""
     if workers < 1:
         raise ValueError(f"--workers must be >= 1, got {workers}")
     threads = threads if threads is not None else default_threads(workers)
     return [
-        Engine.from_dir(model_dir, provider=provider, threads=threads, max_length=max_length, prefix_reuse=prefix_reuse)
+        Engine.from_dir(
+            model_dir,
+            provider=provider,
+            threads=threads,
+            max_length=max_length,
+            prefix_reuse=prefix_reuse,
+            sliding_window=sliding_window,
+            matmul_accuracy_level=matmul_accuracy_level,
+        )
         for _ in range(workers)
     ]
 
@@ -1096,6 +1107,8 @@ def cmd_serve(args: argparse.Namespace, model_dir: Path) -> int:
         provider=args.provider,
         max_length=args.max_length,
         prefix_reuse=args.prefix_reuse,
+        sliding_window=args.sliding_window,
+        matmul_accuracy_level=args.matmul_accuracy_level,
     )
     settings = ServerSettings(
         model_name=args.model_name or Path(model_dir).name,

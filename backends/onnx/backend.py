@@ -57,11 +57,12 @@ the folder, ``arrays`` holds the buffers of each device and the argmax/margin re
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -73,6 +74,7 @@ from .graphs import EAGER, GraphBook, PhaseTimer
 from .session import cuda_provider_options, execution_providers, make_session_options, open_session
 
 logger = logging.getLogger(__name__)
+R = TypeVar("R")
 
 DEFAULT_PREFILL_CHUNK = 256
 DEFAULT_GRAPH_MAX_TOKENS = 17  # the pending token + up to 16 draft tokens (the cost-aware width policy's widest)
@@ -361,6 +363,18 @@ class OrtBackend:
                 genai_session_options=folder.session_options,
             )
         static = bool(static_shapes or cuda_graphs)
+        backend_for = functools.partial(
+            cls,
+            folder=folder,
+            provider=provider,
+            device_id=device_id,
+            max_length=max_length,
+            prefill_chunk=prefill_chunk,
+            share_buffer=share_buffer,
+            facts=facts,
+            rewrites=tuple(rewrites),
+            config_entries=config_entries,
+        )
         if provider == "cpu" or not static:
             session = open_session(
                 folder.model_path,
@@ -368,20 +382,7 @@ class OrtBackend:
                 session_options=options,
                 model_bytes=model_bytes,
             )
-            return cls(
-                session,
-                folder,
-                provider=provider,
-                device_id=device_id,
-                max_length=max_length,
-                prefill_chunk=prefill_chunk,
-                share_buffer=share_buffer,
-                array_module=array_module,
-                static_shapes=static,
-                facts=facts,
-                rewrites=tuple(rewrites),
-                config_entries=config_entries,
-            )
+            return backend_for(session, array_module=array_module, static_shapes=static)
         # CUDA, stream-ordered: the array module's own stream becomes ONNX Runtime's compute stream.
         arrays = cuda_arrays(device_id, array_module)
         stream = arrays.own_stream()
@@ -404,23 +405,14 @@ class OrtBackend:
                 session = open_cuda(False)
         else:
             session = open_cuda(False)
-        backend = cls(
+        backend = backend_for(
             session,
-            folder,
-            provider=provider,
-            device_id=device_id,
-            max_length=max_length,
-            prefill_chunk=prefill_chunk,
-            share_buffer=share_buffer,
             array_module=arrays,
             static_shapes=True,
             cuda_graphs=cuda_graphs,
             graph_max_tokens=graph_max_tokens,
             stream_ordered=True,
             reopen_session=(lambda: open_cuda(False)) if cuda_graphs else None,
-            facts=facts,
-            rewrites=tuple(rewrites),
-            config_entries=config_entries,
         )
         if backend.graphs is not None and refused is not None:
             backend.graphs.disable(f"session refused graph capture: {refused}")
@@ -527,32 +519,27 @@ class OrtBackend:
         return row
 
     def decode_verify(self, tokens: Sequence[int], base: int) -> np.ndarray:
+        return self._verify_pass(tokens, base, self._host_rows)
+
+    def verify_picks(self, tokens: Sequence[int], base: int) -> tuple[np.ndarray, np.ndarray]:
+        """The ``decode_verify`` pass, reduced where the logits live to each row's argmax id (lowest on ties;
+        int64 ``[len(tokens)]``, always in ``[0, vocab)``) and top-1/top-2 gap (float32 ``[len(tokens)]``; NaN for
+        a row that is not finite where its pick is made); fresh host arrays."""
+        return self._verify_pass(tokens, base, lambda count: self._arrays.argmax_margin(self._logits[:count]))
+
+    def _verify_pass(self, tokens: Sequence[int], base: int, read: Callable[[int], R]) -> R:
+        """One pass over ``tokens`` at ``base`` (the contract's checks first), then ``read(len(tokens))`` of its
+        logits, timed as the pass's read-back when a timer is set."""
         timer = self.timer
         t0 = time.perf_counter() if timer is not None else 0.0
         ids = self._validate(tokens, base, "base")
         self._alloc_rows(len(ids))
         self._run(ids, t0)
         t0 = time.perf_counter() if timer is not None else 0.0
-        rows = self._host_rows(len(ids))
+        out = read(len(ids))
         if timer is not None:
             timer.add("readback", time.perf_counter() - t0)
-        return rows
-
-    def verify_picks(self, tokens: Sequence[int], base: int) -> tuple[np.ndarray, np.ndarray]:
-        """The ``decode_verify`` pass, reduced where the logits live to each row's argmax id (lowest on ties;
-        int64 ``[len(tokens)]``, always in ``[0, vocab)``) and top-1/top-2 gap (float32 ``[len(tokens)]``; NaN for
-        a row that is not finite where its pick is made); fresh host arrays."""
-        timer = self.timer
-        t0 = time.perf_counter() if timer is not None else 0.0
-        ids = self._validate(tokens, base, "base")
-        count = len(ids)
-        self._alloc_rows(count)
-        self._run(ids, t0)
-        t0 = time.perf_counter() if timer is not None else 0.0
-        picks = self._arrays.argmax_margin(self._logits[:count])
-        if timer is not None:
-            timer.add("readback", time.perf_counter() - t0)
-        return picks
+        return out
 
     def capture_graphs(self, counts: Iterable[int] | None = None) -> dict[str, Any]:
         """Warm up and capture the CUDA graph of each pass width in ``counts`` (default: 1 to ``graph_max_tokens``)
