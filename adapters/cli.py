@@ -1,4 +1,4 @@
-"""The ``ortspec`` command: ``demo``, ``generate``, ``bench`` and ``convert``.
+"""The ``ortspec`` command: ``demo``, ``generate``, ``bench``, ``convert`` and ``train-drafter``.
 
 Every command works on an ONNX Runtime GenAI model folder (``--model``); without one it uses SmolLM2-135M-Instruct,
 converted on first use into the user cache (see ``ortspec convert``).
@@ -53,12 +53,21 @@ def _model_dir(args: argparse.Namespace) -> Path:
 def _engine(args: argparse.Namespace):
     from ortspec.adapters.engine import Engine
 
-    return Engine.from_dir(_model_dir(args), provider=args.provider, threads=args.threads, max_length=args.max_length)
+    return Engine.from_dir(
+        _model_dir(args),
+        provider=args.provider,
+        threads=args.threads,
+        max_length=args.max_length,
+        drafter=False if args.drafter == "none" else args.drafter,
+    )
 
 
 def _speculative(args: argparse.Namespace):
+    """``None``, a ``PromptLookup`` with the command line's settings, or the name ``shared-kv`` / ``auto``."""
     if args.speculative == "none":
         return None
+    if args.speculative in ("shared-kv", "auto"):
+        return args.speculative
     return PromptLookup(ngram=args.ngram, max_draft=args.max_draft, min_ngram=args.min_ngram)
 
 
@@ -253,6 +262,22 @@ def _print_verify_cost(engine, ids: list[int], args: argparse.Namespace) -> None
         print(f"verify K={k:<2d} {costs['pass_s'][k] * 1000:.2f} ms = {costs['curve'][k]:.2f}x a decode step")
 
 
+def cmd_train_drafter(args: argparse.Namespace) -> int:
+    from ortspec.adapters.train_drafter import TrainConfig, train_drafter
+
+    config = TrainConfig(
+        minutes=args.minutes,
+        draft_vocab=args.draft_vocab,
+        layer=args.layer,
+        threads=args.threads,
+        seed=args.seed,
+        num_speculative_tokens=args.num_speculative_tokens,
+    )
+    folder = train_drafter(_model_dir(args), args.out, config, progress=lambda m: print(m, file=sys.stderr))
+    print(folder)
+    return 0
+
+
 def cmd_convert(args: argparse.Namespace) -> int:
     from ortspec.adapters.convert import ConversionError, convert_smollm2
 
@@ -278,6 +303,13 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--provider", default="cpu", choices=("cpu", "cuda"), help="execution provider (default cpu)")
         p.add_argument("--threads", type=int, default=None, help="intra-op threads (default: physical cores)")
         p.add_argument("--max-length", type=int, default=None, help="KV capacity in tokens (default: the model's)")
+        p.add_argument(
+            "--drafter",
+            metavar="DIR",
+            default=None,
+            help="shared-KV drafter folder (default: the one `ortspec train-drafter` made for the model, if any; "
+            "none = no drafter)",
+        )
 
     def generation_options(p: argparse.ArgumentParser, default_tokens: int = 128) -> None:
         p.add_argument("--max-tokens", type=int, default=default_tokens, help="most new tokens (default %(default)s)")
@@ -290,9 +322,10 @@ def build_parser() -> argparse.ArgumentParser:
         )
         p.add_argument(
             "--speculative",
-            default="prompt-lookup",
-            choices=("prompt-lookup", "none"),
-            help="draft proposer (default prompt-lookup); none = plain greedy",
+            default="auto",
+            choices=("auto", "prompt-lookup", "shared-kv", "none"),
+            help="draft proposer: auto (default) = prompt lookup where it matches strongly, the shared-KV drafter "
+            "otherwise (prompt lookup alone without a drafter); shared-kv = the drafter alone; none = plain decoding",
         )
         p.add_argument("--ngram", type=int, default=3, help="prompt lookup: longest suffix matched (default 3)")
         p.add_argument("--min-ngram", type=int, default=1, help="prompt lookup: shortest suffix tried (default 1)")
@@ -366,6 +399,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--precision", default="fp32", choices=("fp32", "int8"), help="weights (default fp32)")
     p.add_argument("--out", metavar="DIR", help="output folder (default: the ortspec cache)")
     p.set_defaults(func=cmd_convert)
+
+    p = sub.add_parser(
+        "train-drafter",
+        help="train the shared-KV draft head for a model on this machine (needs the 'convert' extra for torch)",
+    )
+    p.add_argument(
+        "--model",
+        metavar="DIR",
+        help="model folder with a hidden_states output (default: SmolLM2-135M-Instruct, converted on first use)",
+    )
+    p.add_argument("--out", metavar="DIR", help="drafter folder (default: in the ortspec cache, where Engine finds it)")
+    p.add_argument("--minutes", type=float, default=30.0, help="the whole budget: data, training, export (default 30)")
+    p.add_argument("--draft-vocab", type=int, default=8192, help="ids the head predicts (default 8192)")
+    p.add_argument("--layer", type=int, default=None, help="target layer whose KV the head reads (default: the last)")
+    p.add_argument("--num-speculative-tokens", type=int, default=4, help="most tokens per draft (default 4)")
+    p.add_argument("--threads", type=int, default=None, help="threads for onnxruntime and torch (default: all)")
+    p.add_argument("--seed", type=int, default=0, help="prompts, split and initialisation (default 0)")
+    p.set_defaults(func=cmd_train_drafter)
     return parser
 
 

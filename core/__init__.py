@@ -1,6 +1,6 @@
 """The pure core: decoding rules, proposers and width policies. No I/O, no devices."""
 
-from .proposers import PromptLookup, Proposer
+from .proposers import LookupOrDraft, PromptLookup, Proposer
 from .state import (
     Commit,
     DecodeState,
@@ -23,6 +23,7 @@ __all__ = [
     "DecodeState",
     "FinishReason",
     "FixedWidth",
+    "LookupOrDraft",
     "Options",
     "PromptLookup",
     "Proposer",

@@ -71,6 +71,10 @@ class ArrayModule(Protocol):
         """Copy KV positions ``[start, stop)`` from ``source`` into ``destination``."""
         ...
 
+    def copy(self, destination, source) -> None:
+        """Copy ``source`` into ``destination`` (arrays of this module, same shape; converted to its dtype)."""
+        ...
+
     def argmax_margin(self, rows) -> tuple[np.ndarray, np.ndarray]:
         """The picks contract (module docstring) on ``rows`` ``[count, vocab]``, returned as host arrays."""
         ...
@@ -228,6 +232,9 @@ class HostArrays:
     def copy_positions(self, destination, source, start: int, stop: int) -> None:
         destination[:, :, start:stop] = source[:, :, start:stop]
 
+    def copy(self, destination, source) -> None:
+        destination[...] = source
+
     def argmax_margin(self, rows) -> tuple[np.ndarray, np.ndarray]:
         return argmax_margin(np.asarray(rows, dtype=np.float32))
 
@@ -281,6 +288,10 @@ class CupyArrays:
 
     def copy_positions(self, destination, source, start, stop):
         destination[:, :, start:stop] = source[:, :, start:stop]
+
+    def copy(self, destination, source):
+        with self._device:
+            destination[...] = source
 
     def argmax_margin(self, rows):
         """One fused kernel (a block per row), then one device-to-host copy of ``2 * rows`` float64 numbers."""
@@ -360,6 +371,9 @@ class TorchArrays:
 
     def copy_positions(self, destination, source, start, stop):
         destination[:, :, start:stop].copy_(source[:, :, start:stop])
+
+    def copy(self, destination, source):
+        destination.copy_(source)
 
     def argmax_margin(self, rows):
         return torch_argmax_margin(rows)

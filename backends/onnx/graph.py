@@ -43,7 +43,9 @@ class DecoderGraph:
     ``position_name`` (``[1, tokens]``); the graph takes at least one of the last two (None: it takes none by
     that name). ``kv_names`` holds one :class:`LayerKVNames` per layer, all of ``kv_dtype``. Output
     ``logits_name`` is ``[1, tokens, vocab]`` of ``logits_dtype``. ``group_query_attention``: the graph uses
-    the ``GroupQueryAttention`` op, which can append to a KV buffer bound as both past and present."""
+    the ``GroupQueryAttention`` op, which can append to a KV buffer bound as both past and present. Optional output
+    ``hidden_name`` (None when the graph has none): the final norm's output, ``[1, tokens, hidden_size]`` of
+    ``hidden_dtype`` (``hidden_size`` is 0 without it)."""
 
     ids_name: str
     ids_dtype: np.dtype
@@ -56,6 +58,9 @@ class DecoderGraph:
     logits_name: str
     logits_dtype: np.dtype
     group_query_attention: bool
+    hidden_name: str | None = None
+    hidden_dtype: np.dtype | None = None
+    hidden_size: int = 0
 
 
 def inspect_graph(session, folder: ModelFolder) -> DecoderGraph:
@@ -156,6 +161,18 @@ def inspect_graph(session, folder: ModelFolder) -> DecoderGraph:
             f"says vocab_size = {folder.vocab_size}"
         )
 
+    hidden_name, hidden_dtype, hidden_size = None, None, 0
+    hidden = outputs.get(folder.hidden_states_name)
+    if hidden is not None:
+        hidden_dtype = dtype_of(hidden, FLOAT_DTYPES, "output")
+        hidden_shape = list(hidden.shape)
+        if len(hidden_shape) != 3 or not isinstance(hidden_shape[2], int) or hidden_shape[2] < 1:
+            raise BackendError(
+                f"{where}: output {hidden.name!r} has shape {hidden_shape}; expected [batch, sequence, hidden] with "
+                "a fixed hidden size"
+            )
+        hidden_name, hidden_size = hidden.name, int(hidden_shape[2])
+
     extra = sorted(set(inputs) - fed)
     if extra:
         raise BackendError(f"{where}: the graph declares inputs this backend does not know how to feed: {extra}")
@@ -174,6 +191,9 @@ def inspect_graph(session, folder: ModelFolder) -> DecoderGraph:
         logits_name=logits.name,
         logits_dtype=logits_dtype,
         group_query_attention=uses_group_query_attention(folder.model_path),
+        hidden_name=hidden_name,
+        hidden_dtype=hidden_dtype,
+        hidden_size=hidden_size,
     )
 
 
