@@ -272,7 +272,8 @@ def edit_metadata(folder: Path, change) -> None:
     [
         (lambda m: m["speculative"].update(proposal_type="eagle3"), "proposal_type must be 'shared_kv'"),
         (lambda m: m["speculative"].update(model="missing.onnx"), "speculative.model names missing.onnx"),
-        (lambda m: m["speculative"].update(backbone_hidden_size=48), "not a whole number of float32 rows"),
+        # 65 divides no table of the tiny model's 384 x 64 float32 (2**15 * 3 bytes); 48 does (test below)
+        (lambda m: m["speculative"].update(backbone_hidden_size=65), "not a whole number of float32 rows"),
         (lambda m: m["speculative"].update(vocab_size=299), "draft_to_target.i64 holds 2400 bytes; expected 299"),
         (lambda m: m["speculative"]["io"].update(kv_layout="per_group"), "needs one input per KV head"),
         (lambda m: m["speculative"].update(shared_kv=[]), "shared_kv must be a non-empty list"),
@@ -325,6 +326,12 @@ def test_graph_errors_name_the_graph_and_tensor(tiny_model_dir, drafter_dir, tmp
     edit_metadata(renamed, lambda m: m["speculative"]["shared_kv"][0].update(key_input="shared_kv.other.key"))
     with pytest.raises(DrafterError, match=r"drafter.onnx: the graph has no input named 'shared_kv.other.key.0'"):
         SharedKvProposer.open(backend, renamed)
+
+    narrower = copy_drafter(drafter_dir, tmp_path / "narrower")  # 48 divides the table: only the target tells
+    edit_metadata(narrower, lambda m: m["speculative"].update(backbone_hidden_size=48))
+    assert DrafterFolder.load(narrower).target_vocab == 512
+    with pytest.raises(DrafterError, match="backbone_hidden_size 48 differs from the target's 64"):
+        SharedKvProposer.open(backend, narrower)
 
     foreign = copy_drafter(drafter_dir, tmp_path / "foreign")
     edit_metadata(foreign, lambda m: m["ortspec"]["target"].update(config_sha256="0" * 64))
