@@ -316,7 +316,9 @@ class TargetRunner:
             self.session.run_with_iobinding(binding)
             flat = logits.reshape(-1)[: batch * count * vocab].reshape(batch, count, vocab)
             labels[:, start : start + count] = flat.argmax(-1)
-            hidden_all[:, start : start + count] = hid.reshape(-1)[: batch * count * hidden].reshape(batch, count, hidden)
+            hidden_all[:, start : start + count] = hid.reshape(-1)[: batch * count * hidden].reshape(
+                batch, count, hidden
+            )
             residual_all[:, start : start + count] = res.reshape(-1)[: batch * count * hidden].reshape(
                 batch, count, hidden
             )

@@ -107,7 +107,9 @@ class HeadWeights:
             raise ValueError(f"HeadWeights.lm_head has shape {self.lm_head.shape}, expected [{hidden}, V']")
         half = self.head_size // 2
         if self.head_size % 2 or self.cos.ndim != 2 or self.cos.shape[1] != half or self.sin.shape != self.cos.shape:
-            raise ValueError(f"HeadWeights.cos/sin must be [positions, {half}] each, got {self.cos.shape}, {self.sin.shape}")
+            raise ValueError(
+                f"HeadWeights.cos/sin must be [positions, {half}] each, got {self.cos.shape}, {self.sin.shape}"
+            )
 
     @property
     def hidden_size(self) -> int:

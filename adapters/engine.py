@@ -90,8 +90,9 @@ class GenerationOptions:
     (stop strings are cut from the text). ``speculative``: ``None`` (plain greedy), ``"prompt-lookup"``,
     ``"shared-kv"`` (the Engine's drafter: a draft head reading the target's hidden state and KV), ``"auto"``
     (prompt lookup where it matches strongly, the drafter otherwise, each priced by its own cost-aware width
-    policy; prompt lookup alone without a drafter), or a proposer object. ``draft_width``: ``"auto"`` (the cost-aware policy on this backend's measured verify cost
-    curve), the most draft tokens per pass, or a width policy. ``chat``: format a text prompt as one user turn
+    policy; prompt lookup alone without a drafter), or a proposer object. ``draft_width``: ``"auto"`` (the
+    cost-aware policy on this backend's measured verify cost curve), the most draft tokens per pass, or a width
+    policy. ``chat``: format a text prompt as one user turn
     with the folder's chat template (``system``: an optional system turn). ``ignore_eos``: do not stop at the
     model's EOS tokens. ``top_logprobs``: report each token's log-probability and the N most likely
     alternatives. ``tie_margin``: the near-tie guard, in logits (0 = off).

@@ -49,7 +49,9 @@ class TargetTables:
         self._inits = {t.name: t for t in self._model.graph.initializer}
         graph_nodes = list(self._model.graph.node)
         self._producers = {out: n for n in graph_nodes for out in n.output}
-        eps = [a.f for n in graph_nodes if "LayerNormalization" in n.op_type for a in n.attribute if a.name == "epsilon"]
+        eps = [
+            a.f for n in graph_nodes if "LayerNormalization" in n.op_type for a in n.attribute if a.name == "epsilon"
+        ]
         if not eps:
             raise TargetTablesError(f"{self.path}: no (Skip)SimplifiedLayerNormalization node to read epsilon from")
         self.eps = float(eps[0])
@@ -83,7 +85,9 @@ class TargetTables:
         producer = self._producers.get(source)
         if producer is not None and producer.op_type == "Transpose" and producer.input[0] in self._inits:
             return np.ascontiguousarray(self.tensor(producer.input[0]).T, np.float32)
-        raise TargetTablesError(f"{self.path}: the input embedding {source!r} is neither an initializer nor a transpose")
+        raise TargetTablesError(
+            f"{self.path}: the input embedding {source!r} is neither an initializer nor a transpose"
+        )
 
     def rope(self) -> tuple[np.ndarray, np.ndarray]:
         return self.tensor("cos_cache").astype(np.float32), self.tensor("sin_cache").astype(np.float32)

@@ -372,7 +372,9 @@ def train_head(
             scale = min(1.0, (done + 1) / 20) * 0.5 * (1 + math.cos(math.pi * fraction))
             for group, lr in zip(optimiser.param_groups, base, strict=True):
                 group["lr"] = lr * scale
-            loss, accuracies = step_losses(head, embedding, Batch.of([train[i] for i in indices], to_draft, cfg.prompt_weight), cfg)
+            loss, accuracies = step_losses(
+                head, embedding, Batch.of([train[i] for i in indices], to_draft, cfg.prompt_weight), cfg
+            )
             optimiser.zero_grad()
             loss.backward()
             torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
@@ -445,8 +447,8 @@ def train_drafter(
     progress: Callable[[str], None] | None = print,
 ) -> Path:
     """Train a drafter for the target folder ``model_dir`` (which must have the ``hidden_states`` output) and write
-    it to ``out_dir`` (default ``ortspec.adapters.cache.drafter_dir``), replacing what is there only once the new folder is
-    complete. Returns the folder. The record of the run is ``ortspec.training`` in its ``drafter.json``."""
+    it to ``out_dir`` (default ``ortspec.adapters.cache.drafter_dir``), replacing what is there only once the new
+    folder is complete. Returns the folder. The record of the run is ``ortspec.training`` in its ``drafter.json``."""
     import shutil
     import tempfile
 

@@ -106,8 +106,10 @@ class LookupOrDraft:
     def propose(self, context_tokens: Sequence[int], width: int) -> tuple[int, ...]:
         self._observe(context_tokens)
         draft, matched = self.lookup.match(context_tokens, width)
-        use_lookup = bool(draft) and matched >= self.strong_ngram and self._rate(self.lookup_policy) >= self._rate(
-            self.drafter_policy
+        use_lookup = (
+            bool(draft)
+            and matched >= self.strong_ngram
+            and self._rate(self.lookup_policy) >= self._rate(self.drafter_policy)
         )
         if use_lookup:
             draft = draft[: min(width, self.lookup_policy.width())]
@@ -132,7 +134,9 @@ class LookupOrDraft:
         if len(context_tokens) <= length:
             return  # not a continuation of the previous call's context
         new = context_tokens[length : length + len(draft)]
-        accepted = next((i for i, (a, b) in enumerate(zip(draft, new, strict=False)) if a != b), min(len(draft), len(new)))
+        accepted = next(
+            (i for i, (a, b) in enumerate(zip(draft, new, strict=False)) if a != b), min(len(draft), len(new))
+        )
         if from_lookup:
             self.lookup_policy = self.lookup_policy.observe(len(draft), accepted)
         else:

@@ -80,7 +80,9 @@ class ReferenceHead:
         u = np.concatenate([self.rms(embed, "norm_embed"), self.rms(state, "norm_hidden")]) @ w["fc"] + w["fc_bias"]
         q = (self.rms(u, "norm_attn") @ w["wq"]).reshape(self.heads, d)
         cos, sin = w["cos"][position], w["sin"][position]
-        q = np.concatenate([q[:, : d // 2] * cos - q[:, d // 2 :] * sin, q[:, d // 2 :] * cos + q[:, : d // 2] * sin], 1)
+        q = np.concatenate(
+            [q[:, : d // 2] * cos - q[:, d // 2 :] * sin, q[:, d // 2 :] * cos + q[:, : d // 2] * sin], 1
+        )
         out = np.zeros((self.heads, d))
         group = self.heads // self.kv_heads
         for h in range(self.heads):

@@ -320,7 +320,9 @@ class OrtBackend:
         )
         if graph.hidden_name:
             shape = [1, count, graph.hidden_size]
-            binding.bind_output(graph.hidden_name, device, device_id, graph.hidden_dtype, shape, arrays.ptr(self._hidden))
+            binding.bind_output(
+                graph.hidden_name, device, device_id, graph.hidden_dtype, shape, arrays.ptr(self._hidden)
+            )
             self._hidden_rows = (0, 0)  # overwritten by this run
 
         presents = None
