@@ -327,8 +327,8 @@ class TargetRunner:
         for position in range(plen, cap):
             picks = labels[:, position - 1]
             tokens[:, position] = picks
-            for b in np.flatnonzero((ended == cap) & np.isin(picks, list(eos_set))):
-                ended[b] = position  # keep positions < position: the EOS is the label of position - 1
+            for row in np.flatnonzero((ended == cap) & np.isin(picks, list(eos_set))):
+                ended[row] = position  # keep positions < position: the EOS is the label of position - 1
             if (ended < cap).all() or position == cap - 1:
                 break
             step(position, 1)

@@ -178,6 +178,14 @@ def torch_head(weights: HeadWeights, kv_heads: int):
     from torch import nn
 
     class Head(nn.Module):
+        # set in __init__ from weights.arrays() (parameters and buffers); declared for the type checker
+        norm_embed: torch.Tensor
+        norm_hidden: torch.Tensor
+        fc: torch.Tensor
+        fc_bias: torch.Tensor
+        cos: torch.Tensor
+        sin: torch.Tensor
+
         def __init__(self) -> None:
             super().__init__()
             for name, array in weights.arrays().items():
@@ -546,8 +554,10 @@ def train_drafter(
             verifier={"name_or_path": target.path.name, "architectures": ["llama"]},
             extra={"target": target_fingerprint(target.path), "training": record},
         )
-        record["export_check"] = check_export(staged, head, embedding, hold, to_draft, target)
-        record["total_seconds"] = round(time.perf_counter() - t_start, 1)
+        export_check = check_export(staged, head, embedding, hold, to_draft, target)
+        total_seconds = round(time.perf_counter() - t_start, 1)
+        record["export_check"] = export_check
+        record["total_seconds"] = total_seconds
         meta_path = staged / "drafter.json"
         meta = json.loads(meta_path.read_text(encoding="utf-8"))
         meta["ortspec"]["training"] = record
@@ -561,8 +571,8 @@ def train_drafter(
         shutil.rmtree(staged, ignore_errors=True)
         raise
     say(
-        f"train-drafter: wrote {dest} in {record['total_seconds']:.0f} s (export check: "
-        f"{record['export_check']['picks_agree']}/{record['export_check']['checked']} picks agree, max logit "
-        f"difference {record['export_check']['max_logit_diff']:.2g})"
+        f"train-drafter: wrote {dest} in {total_seconds:.0f} s (export check: "
+        f"{export_check['picks_agree']}/{export_check['checked']} picks agree, max logit "
+        f"difference {export_check['max_logit_diff']:.2g})"
     )
     return dest

@@ -42,7 +42,7 @@ import attrs
 import numpy as np
 
 from ..base import BackendError
-from .graph import ORT_TYPES
+from .graph import FLOAT_DTYPES, ORT_TYPES
 from .session import execution_providers, make_session_options, open_session
 
 METADATA_NAME = "drafter.json"
@@ -269,9 +269,9 @@ def inspect_drafter_graph(session, folder: DrafterFolder, *, kv_heads: int, head
         return table[name]
 
     def check(arg: Any, rank: int, fixed: Mapping[int, int], what: str) -> np.dtype:
-        dtype = ORT_TYPES.get(arg.type)
-        if dtype is None or dtype not in (np.dtype(np.float32), np.dtype(np.float16)):
+        if ORT_TYPES.get(arg.type) not in FLOAT_DTYPES:
             raise DrafterError(f"{where}: {what} {arg.name!r} has type {arg.type}; expected float or float16")
+        dtype = ORT_TYPES[arg.type]
         shape = list(arg.shape)
         if len(shape) != rank:
             raise DrafterError(f"{where}: {what} {arg.name!r} has rank {len(shape)}, expected {rank}")

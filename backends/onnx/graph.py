@@ -14,7 +14,7 @@ from ..base import BackendError
 from .folder import ModelFolder
 
 # ONNX Runtime's type strings -> numpy dtypes, for the types this backend feeds or reads
-ORT_TYPES = {
+ORT_TYPES: dict[str, np.dtype] = {
     "tensor(float)": np.dtype(np.float32),
     "tensor(float16)": np.dtype(np.float16),
     "tensor(int64)": np.dtype(np.int64),
