@@ -15,3 +15,22 @@ def cache_root() -> Path:
 
         root = platformdirs.user_cache_dir("ortspec")
     return Path(root).expanduser()
+
+
+def drafter_dir(model_dir: str | os.PathLike[str]) -> Path:
+    """Where ``ortspec train-drafter`` puts the drafter of the model folder ``model_dir``, and where ``Engine``
+    looks for it: ``drafters/<folder name>-<hash of its resolved path>`` in the cache (one per model folder)."""
+    import hashlib
+
+    resolved = Path(model_dir).expanduser().resolve()
+    digest = hashlib.sha256(str(resolved).encode()).hexdigest()[:12]
+    return cache_root() / "drafters" / f"{resolved.name}-{digest}"
+
+
+def find_drafter(model_dir: str | os.PathLike[str]) -> Path | None:
+    """The drafter folder that goes with ``model_dir``: ``model_dir/drafter`` if it holds a ``drafter.json``, else
+    :func:`drafter_dir` if it does; None otherwise."""
+    for candidate in (Path(model_dir).expanduser() / "drafter", drafter_dir(model_dir)):
+        if (candidate / "drafter.json").is_file():
+            return candidate
+    return None

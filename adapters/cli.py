@@ -1,5 +1,5 @@
-"""The ``ortspec`` command: ``demo``, ``generate``, ``bench``, ``convert``, ``serve`` and ``batch``
-(``adapters/batch.py``).
+"""The ``ortspec`` command: ``demo``, ``generate``, ``bench``, ``convert``, ``train-drafter``, ``serve`` and
+``batch`` (``adapters/batch.py``).
 
 Every command works on an ONNX Runtime GenAI model folder (``--model``); without one it uses SmolLM2-135M-Instruct,
 converted on first use into the user cache (see ``ortspec convert``).
@@ -63,12 +63,17 @@ def _engine(args: argparse.Namespace):
         max_length=args.max_length,
         sliding_window=args.sliding_window,
         matmul_accuracy_level=args.matmul_accuracy_level,
+        drafter=False if args.drafter == "none" else args.drafter,
     )
 
 
 def _speculative(args: argparse.Namespace):
+    """``None``, the name ``shared-kv`` or ``auto`` (the Engine resolves it with its drafter), or a
+    ``PromptLookup`` with the command line's settings."""
     if args.speculative == "none":
         return None
+    if args.speculative in ("shared-kv", "auto"):
+        return args.speculative
     return PromptLookup(ngram=args.ngram, max_draft=args.max_draft, min_ngram=args.min_ngram)
 
 
@@ -91,6 +96,20 @@ def _width(text: str) -> int | str:
 
 def _positive_int(text: str) -> int:
     return _int_in(text, 1)
+
+
+def _nonnegative_int(text: str) -> int:
+    return _int_in(text, 0)
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}")
+    return value
 
 
 def _port(text: str) -> int:
@@ -260,7 +279,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def _demo_compare(engine, kwargs: dict, proposer, label: str) -> bool:
     """Plain, then speculative (streamed) on the demo prompt with ``kwargs``; print both and whether they agree."""
     plain = engine.generate(DEMO_PROMPT, **kwargs)
-    print(f"--- {label}: speculative (prompt lookup) output, streamed ---", flush=True)
+    how = proposer if isinstance(proposer, str) else "prompt lookup"
+    print(f"--- {label}: speculative ({how}) output, streamed ---", flush=True)
     spec = engine.generate_stream(
         DEMO_PROMPT,
         lambda text, *_: (sys.stdout.write(text), sys.stdout.flush()),
@@ -344,6 +364,22 @@ def _print_verify_cost(engine, ids: list[int], args: argparse.Namespace) -> None
         print(f"verify K={k:<2d} {costs['pass_s'][k] * 1000:.2f} ms = {costs['curve'][k]:.2f}x a decode step")
 
 
+def cmd_train_drafter(args: argparse.Namespace) -> int:
+    from ortspec.adapters.train_drafter import TrainConfig, train_drafter
+
+    config = TrainConfig(
+        minutes=args.minutes,
+        draft_vocab=args.draft_vocab,
+        layer=args.layer,
+        threads=args.threads,
+        seed=args.seed,
+        num_speculative_tokens=args.num_speculative_tokens,
+    )
+    folder = train_drafter(_model_dir(args), args.out, config, progress=lambda m: print(m, file=sys.stderr))
+    print(folder)
+    return 0
+
+
 def cmd_convert(args: argparse.Namespace) -> int:
     from ortspec.adapters.convert import ConversionError, convert_smollm2
 
@@ -379,6 +415,7 @@ examples:
   ortspec generate --file prompt.txt --max-tokens 256 --stop "###"
   git diff | ortspec generate --file - --no-chat --speculative none
   ortspec generate "Summarize: ..." --model ./my-model-folder --threads 4 --max-length 2048
+  ortspec generate "Write a poem about the sea." --speculative shared-kv   # the trained drafter alone
 
 The text streams to stdout; a statistics line (tokens, tok/s, target passes, acceptance) goes to stderr.
 Exit status: 0, 1 if the generation failed, 2 for bad input, 130 if interrupted."""
@@ -416,6 +453,14 @@ examples:
   ortspec convert --precision int8
   ortspec convert --out ./SmolLM2-135M-Instruct-fp32"""
 
+TRAIN_DRAFTER_EXAMPLES = """\
+examples:
+  ortspec train-drafter                      # SmolLM2-135M-Instruct, 30 minutes on all cores
+  ortspec train-drafter --minutes 60 --threads 2
+  ortspec train-drafter --model ./my-model-folder --out ./my-model-folder/drafter
+
+Prints the drafter folder. Engine (and demo, generate, bench) then use it for --speculative auto / shared-kv."""
+
 
 SERVE_EXAMPLES = """\
 examples:
@@ -445,6 +490,7 @@ def build_parser() -> argparse.ArgumentParser:
         p: argparse.ArgumentParser,
         threads_help: str = "intra-op threads (default: physical cores)",
         load_rewrites: bool = True,
+        drafter: bool = False,
     ) -> None:
         g = p.add_argument_group("model")
         g.add_argument(
@@ -485,6 +531,14 @@ def build_parser() -> argparse.ArgumentParser:
             help="a sliding window named by genai_config.json but ignored by the graph: apply it (config, "
             "default) or run the graph as written (graph)",
         )
+        if drafter:
+            g.add_argument(
+                "--drafter",
+                metavar="DIR|none",
+                default=None,
+                help="shared-KV drafter folder (default: the one `ortspec train-drafter` made for the model, if "
+                "any); none = no drafter",
+            )
 
     def lookup_options(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
         d = p.add_argument_group("speculation")
@@ -528,9 +582,11 @@ def build_parser() -> argparse.ArgumentParser:
         )
         g.add_argument(
             "--speculative",
-            default="prompt-lookup",
-            choices=("prompt-lookup", "none"),
-            help="draft proposer (default prompt-lookup); none = plain greedy. The output is the same either way",
+            default="auto",
+            choices=("auto", "prompt-lookup", "shared-kv", "none"),
+            help="draft proposer: auto (default) = prompt lookup where it matches strongly, the shared-KV drafter "
+            "otherwise (prompt lookup alone without a drafter); shared-kv = the drafter alone; none = plain "
+            "decoding. The output is the same either way",
         )
         g.add_argument("--ignore-eos", action="store_true", help="do not stop at the model's end-of-sequence token")
         d = lookup_options(p)
@@ -571,7 +627,7 @@ def build_parser() -> argparse.ArgumentParser:
         "Greedy decoding, then prompt-lookup speculative decoding, on a built-in code-editing prompt.",
         DEMO_EXAMPLES,
     )
-    model_options(p)
+    model_options(p, drafter=True)
     generation_options(p, 160)
     p.set_defaults(func=cmd_demo)
 
@@ -583,7 +639,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("prompt", nargs="?", help="prompt text (quote it); or use --file")
     p.add_argument("--file", metavar="PATH", help="read the prompt from a UTF-8 file ('-' for stdin)")
-    model_options(p)
+    model_options(p, drafter=True)
     generation_options(p)
     p.set_defaults(func=cmd_generate)
 
@@ -608,7 +664,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--cost-repeat", type=_positive_int, default=20, metavar="N",
         help="samples per verify-cost point (default 20)",
     )  # fmt: skip
-    model_options(p)
+    model_options(p, drafter=True)
     generation_options(p, margins=True)
     p.set_defaults(func=cmd_bench)
 
@@ -637,6 +693,40 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--out", metavar="DIR", help="output folder (default: the ortspec cache)")
     p.set_defaults(func=cmd_convert)
+
+    p = command(
+        "train-drafter",
+        "train the shared-KV draft head for a model on this machine (needs the 'convert' extra for torch)",
+        "Train a shared-KV draft head for a model folder (with a hidden_states output) from data made here by the "
+        "model itself, and write it where Engine finds it. See docs/drafter.md.",
+        TRAIN_DRAFTER_EXAMPLES,
+    )
+    p.add_argument(
+        "--model",
+        metavar="DIR",
+        help="model folder with a hidden_states output (default: SmolLM2-135M-Instruct, converted on first use)",
+    )
+    p.add_argument("--out", metavar="DIR", help="drafter folder (default: in the ortspec cache, where Engine finds it)")
+    p.add_argument(
+        "--minutes", type=_positive_float, default=30.0, metavar="M",
+        help="the whole budget: data, training, export (default 30)",
+    )  # fmt: skip
+    p.add_argument(
+        "--draft-vocab", type=_positive_int, default=8192, metavar="N", help="ids the head predicts (default 8192)"
+    )
+    p.add_argument(
+        "--layer", type=_nonnegative_int, default=None, metavar="L",
+        help="target layer whose KV the head reads (default: the last)",
+    )  # fmt: skip
+    p.add_argument(
+        "--num-speculative-tokens", type=_positive_int, default=4, metavar="N", help="most tokens per draft (default 4)"
+    )
+    p.add_argument(
+        "--threads", type=_positive_int, default=None, metavar="N",
+        help="threads for onnxruntime and torch (default: all)",
+    )  # fmt: skip
+    p.add_argument("--seed", type=int, default=0, help="prompts, split and initialisation (default 0)")
+    p.set_defaults(func=cmd_train_drafter)
 
     p = command(
         "serve",

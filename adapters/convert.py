@@ -42,6 +42,11 @@ TINY_TARGETS = {("fp32", "cpu"), ("int8", "cpu"), ("int4", "cpu"), ("fp32", "cud
 RANDOM_TARGETS = TINY_TARGETS | {("int4", "cuda")}
 RANDOM_ARCHITECTURES = ("llama", "qwen2")
 
+# The builder's extra options for every folder made here: the graph also outputs ``hidden_states`` (the final
+# norm's output, [batch, tokens, hidden]), which OrtBackend exposes as the HiddenStates capability (a shared-KV
+# drafter reads it; see docs/drafter.md).
+BUILDER_EXTRA_OPTIONS = ("include_hidden_states=true",)
+
 # Files whose presence marks a finished folder.
 REQUIRED_FILES = ("model.onnx", "genai_config.json", "tokenizer.json")
 
@@ -85,10 +90,30 @@ def _accuracy_level(precision: str, accuracy_level: int | None) -> int | None:
     return level
 
 
-def is_complete(folder: str | os.PathLike[str]) -> bool:
-    """True if ``folder`` holds every file a finished conversion writes."""
+def is_complete(folder: str | os.PathLike[str], *, hidden_states: bool = True) -> bool:
+    """True if ``folder`` holds every file a finished conversion writes and, with ``hidden_states``, its graph
+    outputs ``hidden_states`` (a folder converted by an older ortspec lacks it: the converters rebuild it)."""
     folder = Path(folder)
-    return all((folder / name).is_file() for name in REQUIRED_FILES)
+    files = all((folder / name).is_file() for name in REQUIRED_FILES)
+    return files and (not hidden_states or has_hidden_states(folder / "model.onnx"))
+
+
+def has_hidden_states(model_path: str | os.PathLike[str]) -> bool:
+    """True if the ONNX graph at ``model_path`` declares an output named ``hidden_states`` (read with ``onnx``
+    without the external weights; without ``onnx`` installed, a scan of the file's bytes for the name, which the
+    builder writes only with that output). False when the file cannot be read."""
+    try:
+        import onnx
+    except ImportError:
+        try:
+            return b"hidden_states" in Path(model_path).read_bytes()
+        except OSError:
+            return False
+    try:
+        model = onnx.load(str(model_path), load_external_data=False)
+    except Exception:  # noqa: BLE001 - unreadable or not an ONNX file
+        return False
+    return any(output.name == "hidden_states" for output in model.graph.output)
 
 
 def require_convert_packages(modules: tuple[str, ...] | None = None) -> None:
@@ -124,8 +149,9 @@ def _run_builder(
     By default as a subprocess (``python -m onnxruntime_genai.models.builder``), which keeps the builder's
     memory and global state out of this process. ``in_process=True`` calls the same two functions the builder's
     ``__main__`` calls, saving a second torch/transformers import (seconds) for tiny models. ``extra_options``:
-    the builder's ``KEY=VALUE`` options (e.g. ``accuracy_level=1``). ``config_hook`` (in process only) may adjust
-    the Hugging Face config the builder loaded before it exports (see ``adapters/architectures.py``).
+    the builder's ``KEY=VALUE`` options (e.g. ``accuracy_level=1``, :data:`BUILDER_EXTRA_OPTIONS`).
+    ``config_hook`` (in process only) may adjust the Hugging Face config the builder loaded before it exports
+    (see ``adapters/architectures.py``).
     """
     if config_hook is not None and not in_process:
         raise ValueError("config_hook needs in_process=True")
@@ -225,16 +251,18 @@ def _check_outputs(out_dir: Path) -> None:
         )
 
 
-def _publish(staged: Path, dest: Path) -> Path:
-    """Rename the finished ``staged`` folder to ``dest`` (same filesystem, so the rename is atomic)."""
+def _publish(staged: Path, dest: Path, *, hidden_states: bool = True) -> Path:
+    """Rename the finished ``staged`` folder to ``dest`` (same filesystem, so the rename is atomic).
+    ``hidden_states``: whether the staged graph has that output (what counts as a finished ``dest``)."""
     umask = os.umask(0)
     os.umask(umask)
     os.chmod(staged, 0o777 & ~umask)  # mkdtemp made it 0700
-    if is_complete(dest):  # someone else finished first: keep theirs
+    if is_complete(dest, hidden_states=hidden_states):  # someone else finished first: keep theirs
         shutil.rmtree(staged, ignore_errors=True)
         return dest
     if dest.exists():
-        # An incomplete leftover (not written by us: we never write dest in place). Move it aside, then replace.
+        # An incomplete leftover, or a folder from an older conversion (no hidden_states; we never write dest in
+        # place). Move it aside, then replace it: a process that has it open keeps its files until it closes them.
         trash = dest.with_name(f".{dest.name}.stale-{os.getpid()}-{time.monotonic_ns()}")
         dest.rename(trash)
         shutil.rmtree(trash, ignore_errors=True)
@@ -341,10 +369,11 @@ def export_folder(
 ) -> Path:
     """Export the Hugging Face folder ``hf_dir`` with the onnxruntime-genai builder (CPU) at ``precision`` into
     ``dest`` (built beside it, renamed into place). Quantized precisions use MatMulNBits ``accuracy_level``
-    (default :data:`EXACT_ACCURACY_LEVEL`). Returns ``dest``."""
+    (default :data:`EXACT_ACCURACY_LEVEL`); the graph has the ``hidden_states`` output
+    (:data:`BUILDER_EXTRA_OPTIONS`). Returns ``dest``."""
     _check_precision(precision)
     level = _accuracy_level(precision, accuracy_level)
-    extra = [f"accuracy_level={level}"] if level is not None else []
+    extra = [*BUILDER_EXTRA_OPTIONS, *([f"accuracy_level={level}"] if level is not None else [])]
     dest.parent.mkdir(parents=True, exist_ok=True)
     staged = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=dest.parent))
     try:
@@ -376,8 +405,10 @@ def convert_smollm2(
     onnxruntime-genai builder for the CPU execution provider at ``precision`` (``fp32``, ``int8`` or ``int4``).
     Quantized precisions use MatMulNBits ``accuracy_level`` (default :data:`EXACT_ACCURACY_LEVEL`, 1: float32
     compute, the level at which speculative output equals greedy output; the builder's own default, 4, is faster
-    but not exact). Idempotent: a finished folder at ``out_dir`` (default :func:`default_model_dir`) is returned
-    as is. Returns the folder's path.
+    but not exact). The graph also outputs ``hidden_states`` (:data:`BUILDER_EXTRA_OPTIONS`), which a shared-KV
+    drafter reads. Idempotent: a finished folder at ``out_dir`` (default :func:`default_model_dir`) is returned as
+    is; a folder converted before the graph had ``hidden_states`` is rebuilt (the old one is replaced only when the
+    new one is complete). Returns the folder's path.
     """
     _check_precision(precision)
     level = _accuracy_level(precision, accuracy_level)
@@ -386,6 +417,8 @@ def convert_smollm2(
     if is_complete(dest):
         say(f"[convert] {dest} is already converted")
         return dest
+    if is_complete(dest, hidden_states=False):
+        say(f"[convert] {dest} has no hidden_states output (converted by an older ortspec); rebuilding it")
     require_convert_packages()
 
     dest.parent.mkdir(parents=True, exist_ok=True)
@@ -471,6 +504,7 @@ def make_tiny_model(
     execution_provider: str = "cpu",
     in_process_builder: bool = True,
     accuracy_level: int | None = None,
+    hidden_states: bool = True,
 ) -> Path:
     """Build a random-weight Llama folder in the builder's layout (``model.onnx``, ``genai_config.json``, ...).
 
@@ -481,7 +515,9 @@ def make_tiny_model(
     ``torch.manual_seed(seed)``: same arguments, same folder.
     ``precision``/``execution_provider`` pick the builder's target (``fp16``/``cuda`` makes a float16 model with
     float16 KV for the CUDA execution provider; it builds without a GPU). Quantized precisions use the builder's
-    MatMulNBits accuracy level (4 on the CPU) unless ``accuracy_level`` is given.
+    MatMulNBits accuracy level (4 on the CPU) unless ``accuracy_level`` is given. ``hidden_states``: the graph also
+    outputs the final norm's output (:data:`BUILDER_EXTRA_OPTIONS`), as ``ortspec convert`` makes it; False builds
+    the graph an older ortspec made (for tests of what refuses it).
     Idempotent like :func:`convert_smollm2`. The builder runs in this process unless ``in_process_builder`` is
     false (it then runs as a subprocess, a few seconds slower). Returns ``out_dir``.
     """
@@ -491,7 +527,7 @@ def make_tiny_model(
             f"got {(precision, execution_provider)}"
         )
     dest = Path(out_dir)
-    if is_complete(dest):
+    if is_complete(dest, hidden_states=hidden_states):
         return dest
     if hidden % heads or heads % kv_heads:
         raise ValueError(f"hidden={hidden} must divide by heads={heads}, and heads by kv_heads={kv_heads}")
@@ -524,7 +560,9 @@ def make_tiny_model(
         # Default init is N(0, 0.02): the logits of such a small random model are nearly flat. Widen them a bit
         # so that argmaxes are well separated and tests exercise realistic-looking distributions.
         model.lm_head.weight.mul_(10.0)
-    return _build_folder(model, fast, dest, precision, execution_provider, in_process_builder, accuracy_level)
+    return _build_folder(
+        model, fast, dest, precision, execution_provider, in_process_builder, accuracy_level, hidden_states
+    )
 
 
 def _build_folder(
@@ -535,10 +573,11 @@ def _build_folder(
     provider: str,
     in_process_builder: bool,
     accuracy_level: int | None = None,
+    hidden_states: bool = True,
 ) -> Path:
     """Save ``model`` and ``tokenizer`` as a Hugging Face folder in a temporary directory, run the builder on it
-    into a staging folder beside ``dest`` (at MatMulNBits ``accuracy_level`` when given), and publish that as
-    ``dest``."""
+    into a staging folder beside ``dest`` (at MatMulNBits ``accuracy_level`` when given; with the
+    ``hidden_states`` output unless ``hidden_states`` is false), and publish that as ``dest``."""
     dest.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="ortspec-tiny-", dir=dest.parent) as tmp_str:
         tmp = Path(tmp_str)
@@ -556,9 +595,12 @@ def _build_folder(
                 tmp / "builder-cache",
                 in_process=in_process_builder,
                 provider=provider,
-                extra_options=[f"accuracy_level={accuracy_level}"] if accuracy_level is not None else [],
+                extra_options=[
+                    *(BUILDER_EXTRA_OPTIONS if hidden_states else ()),
+                    *([f"accuracy_level={accuracy_level}"] if accuracy_level is not None else []),
+                ],
             )
-            return _publish(staged, dest)
+            return _publish(staged, dest, hidden_states=hidden_states)
         except BaseException:
             shutil.rmtree(staged, ignore_errors=True)
             raise

@@ -1,7 +1,7 @@
 """``Engine``: a model folder, its tokenizer and a backend, behind the ``onnx_genai.Engine`` API.
 
-    engine = Engine.from_dir(path)
-    result = engine.generate("Repeat: ...", max_tokens=128, speculative="prompt-lookup")
+    engine = Engine.from_dir(path)            # with the shared-KV drafter trained for it, when there is one
+    result = engine.generate("Repeat: ...", max_tokens=128, speculative="prompt-lookup")   # or "shared-kv", "auto"
     engine.generate_stream(prompt, lambda text, token_id, finish_reason: ..., max_tokens=64)
     for chunk in engine.stream(prompt): ...
 
@@ -24,19 +24,20 @@ from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import attrs
 
-from ortspec.adapters.cache import cache_root
+from ortspec.adapters.cache import cache_root, find_drafter
 from ortspec.adapters.tokenizer import Tokenizer
 from ortspec.backends.base import Backend
 from ortspec.backends.onnx import ModelFolder, ModelFolderError
-from ortspec.core import CostAwareWidth, Options, PromptLookup, Proposer, WidthPolicy
+from ortspec.core import CostAwareWidth, FixedWidth, Options, PromptLookup, Proposer, WidthPolicy
 from ortspec.core.checks import check_int, ids_in_vocab, int_at_least
 from ortspec.driver import GenerateResult, Generation
+from ortspec.lookup_or_draft import LookupOrDraft
 
 Prompt = str | Sequence[int] | Sequence[Mapping[str, str]]
 StreamCallback = Callable[[str, int, str | None], object]
 Stop = str | Sequence[str] | Sequence[Sequence[int]] | None
 
-SPECULATIVE_CHOICES = ("prompt-lookup",)
+SPECULATIVE_CHOICES = ("prompt-lookup", "shared-kv", "auto")
 # Verify-vs-decode logit drift (in logits) above which speculative output is no longer guaranteed to equal greedy.
 DRIFT_WARNING_THRESHOLD = 1e-3
 # Stop strings are searched in the text after every token (cost ~ the number and length of the strings), and a
@@ -46,12 +47,15 @@ MAX_STOP_LENGTH = 1000
 
 
 def make_proposer(speculative: str | Proposer | None) -> Proposer | None:
-    """``None`` (plain greedy), ``"prompt-lookup"`` (3-gram lookup drafting up to 16 tokens), or any proposer."""
+    """``None`` (plain greedy), ``"prompt-lookup"`` (3-gram lookup drafting up to 16 tokens), or any proposer.
+    (``"shared-kv"`` and ``"auto"`` need an Engine's drafter: ``Engine.start_with`` resolves them.)"""
     if speculative is None:
         return None
     if isinstance(speculative, str):
         if speculative == "prompt-lookup":
             return PromptLookup(ngram=3, max_draft=16)
+        if speculative in SPECULATIVE_CHOICES:
+            raise ValueError(f"speculative={speculative!r} needs an Engine (it reads the Engine's drafter)")
         raise ValueError(f"speculative={speculative!r}: expected None, one of {SPECULATIVE_CHOICES} or a proposer")
     if not callable(getattr(speculative, "propose", None)):
         raise ValueError(f"speculative={speculative!r} has no propose(context_tokens, width) method")
@@ -120,12 +124,14 @@ class GenerationOptions:
     """The keywords of every ``Engine`` generation method, validated (a ``ValueError`` names the keyword).
 
     ``max_tokens``: most new tokens. ``stop``: a string, strings, or token-id sequences that end generation
-    (stop strings are cut from the text). ``speculative``: ``None`` (plain greedy), ``"prompt-lookup"``, or a
-    proposer object. ``draft_width``: ``"auto"`` (the cost-aware policy on this backend's measured verify cost
-    curve), the most draft tokens per pass, or a width policy. ``chat``: format a text prompt as one user turn
-    with the folder's chat template (``system``: an optional system turn). ``ignore_eos``: do not stop at the
-    model's EOS tokens. ``top_logprobs``: report each token's log-probability and the N most likely
-    alternatives. ``tie_margin``: the near-tie guard, in logits (0 = off).
+    (stop strings are cut from the text). ``speculative``: ``None`` (plain greedy), ``"prompt-lookup"``,
+    ``"shared-kv"`` (the Engine's drafter: a draft head reading the target's hidden state and KV), ``"auto"``
+    (prompt lookup where it matches strongly, the drafter otherwise, each priced by its own cost-aware width
+    policy; prompt lookup alone without a drafter), or a proposer object. ``draft_width``: ``"auto"`` (the
+    cost-aware policy on this backend's measured verify cost curve), the most draft tokens per pass, or a width
+    policy. ``chat``: format a text prompt as one user turn with the folder's chat template (``system``: an
+    optional system turn). ``ignore_eos``: do not stop at the model's EOS tokens. ``top_logprobs``: report each
+    token's log-probability and the N most likely alternatives. ``tie_margin``: the near-tie guard, in logits (0 = off).
 
     Sampling (onnx_genai's names; every rule in ``ortspec/core/sampling.py``): ``temperature`` (unset or 0:
     greedy), ``top_k`` (unset or 0: off), ``top_p`` (unset or 1: off), ``min_p``, ``seed`` (any int in
@@ -248,12 +254,17 @@ class Engine:
         eos_token_ids: Sequence[int] = (),
         folder: ModelFolder | None = None,
         prefix_reuse: bool = False,
+        drafter: Proposer | None = None,
     ) -> None:
+        """``drafter``: a proposer bound to ``backend`` that reads the target (a ``SharedKvProposer``), used by
+        ``speculative="shared-kv"`` and ``"auto"``; :meth:`from_dir` opens the one found beside the model."""
         self.backend = backend
         self.tokenizer = tokenizer
         self.eos_token_ids = frozenset(eos_token_ids)
         self.folder = folder
         self.prefix_reuse = prefix_reuse
+        self.drafter = drafter
+        self._draft_cost: float | None = None
         self._lock = threading.RLock()
         self._epoch = 0  # bumped by every generation and measurement: the backend's current owner
         self._last: Generation | None = None  # the latest generation, whose KV the backend holds
@@ -272,6 +283,7 @@ class Engine:
         prefix_reuse: bool = False,
         sliding_window: str = "config",
         matmul_accuracy_level: int | None = None,
+        drafter: str | os.PathLike[str] | bool | None = None,
     ) -> Engine:
         """Load an ONNX Runtime GenAI folder (``genai_config.json``, the model, ``tokenizer.json``).
 
@@ -279,12 +291,17 @@ class Engine:
         ``max_length``: KV capacity in tokens (default: the config's context length); ``prefix_reuse``: see the
         class docstring. ``sliding_window`` and ``matmul_accuracy_level``: the load-time rewrites of
         ``OrtBackend.from_folder`` (``matmul_accuracy_level=1`` makes speculation exact on a quantized folder
-        built at the builder's default level 4; see docs/quantization-data.md).
+        built at the builder's default level 4; see docs/quantization-data.md). ``drafter``: a shared-KV drafter
+        folder to open (errors raise ``DrafterError``, a ``ValueError``), ``False`` for none, ``True`` for the one
+        found beside the model (``DrafterError`` when there is none), or ``None`` (default) for that one if any
+        (``ortspec.adapters.cache.find_drafter``: ``<model>/drafter`` or where ``ortspec train-drafter`` puts it; one
+        found that does not fit the model is skipped with a warning). See docs/drafter.md.
 
         Raises ``ValueError`` for a bad argument, ``ModelFolderError`` (a ``ValueError``) naming the file and the
         field or tensor when the folder cannot be used (missing or invalid files, a graph that does not match its
         config, a tokenizer for another vocabulary), and ``BackendError`` when onnxruntime fails otherwise."""
         from ortspec.backends.onnx import OrtBackend
+        from ortspec.backends.onnx.drafter import DrafterError, SharedKvProposer
 
         if threads is not None:
             check_int("threads", threads, 1)
@@ -303,7 +320,29 @@ class Engine:
             sliding_window=sliding_window,
             matmul_accuracy_level=matmul_accuracy_level,
         )
-        return cls(backend, tokenizer, eos_token_ids=folder.eos_token_ids, folder=folder, prefix_reuse=prefix_reuse)
+        proposer = None
+        found = find_drafter(folder.path) if drafter in (None, True) else None
+        if drafter not in (None, False, True):
+            proposer = SharedKvProposer.open(backend, Path(drafter))  # type: ignore[arg-type]
+        elif found is not None:
+            try:
+                proposer = SharedKvProposer.open(backend, found)
+            except DrafterError as exc:
+                if drafter is True:
+                    raise
+                warnings.warn(f"not using the drafter found at {found}: {exc}", RuntimeWarning, stacklevel=2)
+        elif drafter is True:
+            raise DrafterError(
+                f"no drafter found for {folder.path}; train one with: ortspec train-drafter --model {folder.path}"
+            )
+        return cls(
+            backend,
+            tokenizer,
+            eos_token_ids=folder.eos_token_ids,
+            folder=folder,
+            prefix_reuse=prefix_reuse,
+            drafter=proposer,
+        )
 
     # -- text -------------------------------------------------------------------------------------------------
     def tokenize(self, text: str) -> list[int]:
@@ -347,7 +386,7 @@ class Engine:
         Everything the caller gave is checked first (``ValueError`` naming it); only then, for a speculative
         generation, are this model's verify drift and cost curve measured (once; ``BackendError`` if that fails)."""
         stop_strings, stop_sequences = _split_stop(options.stop, self.backend.vocab_size)
-        proposer = make_proposer(options.speculative)
+        proposer, auto_width = self._proposer(options.speculative)
         core_options = Options(
             max_new_tokens=options.max_tokens,
             eos_token_ids=() if options.ignore_eos else self.eos_token_ids,
@@ -364,7 +403,10 @@ class Engine:
             if proposer is not None:
                 self._warn_if_inexact()
                 if draft_width == "auto":
-                    draft_width = CostAwareWidth(self.pass_costs())
+                    draft_width = auto_width()
+                elif isinstance(proposer, LookupOrDraft) and isinstance(draft_width, int):
+                    auto_width()  # prices both sources
+                    draft_width = FixedWidth(draft_width)  # a cap: each source's own policy picks below it
             elif draft_width == "auto":
                 draft_width = 1
             assert not isinstance(draft_width, str)
@@ -433,6 +475,31 @@ class Engine:
         with self._lock:
             return self._last.resident_tokens() if self._last is not None else ()
 
+    def _proposer(self, speculative: str | Proposer | None) -> tuple[Proposer | None, Callable[[], WidthPolicy]]:
+        """The proposer for ``speculative`` and how to make its width policy for ``draft_width="auto"`` (called
+        under the lock: it may measure)."""
+        if speculative == "shared-kv":
+            if self.drafter is None:
+                raise ValueError(
+                    "speculative='shared-kv' needs a drafter: train one with 'ortspec train-drafter' (Engine.from_dir "
+                    "finds it) or pass Engine.from_dir(..., drafter=DIR)"
+                )
+            drafter = self.drafter
+            limit = int(getattr(drafter, "max_draft", 16))
+            return drafter, lambda: CostAwareWidth(self.pass_costs()[: limit + 1], draft_cost=self.draft_cost())
+        if speculative == "auto" and self.drafter is not None:
+            auto = LookupOrDraft(PromptLookup(ngram=3, max_draft=16), self.drafter)
+
+            def width() -> WidthPolicy:
+                costs = self.pass_costs()
+                limit = int(getattr(auto.drafter, "max_draft", 16))
+                auto.price(CostAwareWidth(costs), CostAwareWidth(costs[: limit + 1], draft_cost=self.draft_cost()))
+                return FixedWidth(len(costs) - 1)
+
+            return auto, width
+        proposer = make_proposer("prompt-lookup" if speculative == "auto" else speculative)
+        return proposer, lambda: CostAwareWidth(self.pass_costs())
+
     # -- measurements -----------------------------------------------------------------------------------------
     def verify_drift(self) -> float:
         """Largest logit difference between this backend's verify passes and one-token decodes (~30 passes; see
@@ -460,6 +527,29 @@ class Engine:
                 lambda before: cached_pass_costs(self.backend, self.measurement_file(), kmax, before=before),
             )
         return self._pass_costs
+
+    def draft_cost(self) -> float:
+        """The drafter's time per draft token ÷ a decode step (``ortspec.costs.measure_draft_cost``), measured once
+        per model, drafter, provider and thread count (a second or two) and kept like ``verify_drift``; 0.0
+        without a drafter. ``BackendError`` if the measurement fails."""
+        if self.drafter is None:
+            return 0.0
+        if self._draft_cost is None:
+            from ortspec.costs import cached_draft_cost
+
+            drafter, path = self.drafter, getattr(getattr(self.drafter, "folder", None), "path", None)
+            if path is not None:
+                files = sorted(p for p in Path(path).iterdir() if p.is_file())
+                key = "|".join(
+                    [str(Path(path).resolve())] + [f"{p.name}:{p.stat().st_size}:{p.stat().st_mtime_ns}" for p in files]
+                )
+            else:
+                key = f"{type(drafter).__name__}@{id(drafter)}"
+            self._draft_cost = self._measured(
+                "drafter's cost",
+                lambda before: cached_draft_cost(self.backend, drafter, self.measurement_file(), key, before=before),
+            )
+        return self._draft_cost
 
     def measurement_file(self) -> Path | None:
         """Where this engine's measurements are kept (``ortspec.costs.cached_measurement``): one file per model

@@ -63,7 +63,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from ortspec.adapters.engine import SPECULATIVE_CHOICES, Engine, GenerationOptions, common_prefix_length
+from ortspec.adapters.engine import Engine, GenerationOptions, common_prefix_length
 from ortspec.core.checks import int_at_least
 from ortspec.core.state import Commit, TokenLogprob
 from ortspec.driver import GenerateResult, GenerationError
@@ -73,6 +73,10 @@ T = TypeVar("T")
 # ------------------------------------------------------------------------------------------------------------------
 # Settings
 # ------------------------------------------------------------------------------------------------------------------
+
+
+# The server's proposers: prompt lookup only (its workers open no shared-KV drafter: see docs/drafter.md).
+SPECULATIVE_CHOICES = ("prompt-lookup",)
 
 
 def _check_speculative(instance: object, attribute: object, value: object) -> None:
@@ -1070,6 +1074,7 @@ def load_engines(
             prefix_reuse=prefix_reuse,
             sliding_window=sliding_window,
             matmul_accuracy_level=matmul_accuracy_level,
+            drafter=False,
         )
         for _ in range(workers)
     ]

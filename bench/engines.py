@@ -3,9 +3,11 @@
 outside the backend.
 
 ``OrtspecEngine`` is one ortspec setting (a proposer, a draft width and, for the sampled settings, the sampling
-options) on a shared ``Engine``; ``PeerEngine`` wraps a ``bench.peers`` runner. Every engine reports the new tokens
-without a final EOS token (the peers drop it, ortspec keeps it) and the finish reason in OpenAI's words, ``"stop"``
-or ``"length"`` (ortspec's ``FinishReason.openai``; the peer runners turn their peers' own reports into it).
+options) on a shared ``Engine``; the drafter settings (``DRAFTER_ENGINES``) name the Engine's own choices
+(``speculative="shared-kv"`` / ``"auto"``, ``draft_width="auto"``), so they measure what a user gets.
+``PeerEngine`` wraps a ``bench.peers`` runner. Every engine reports the new tokens without a final EOS token (the
+peers drop it, ortspec keeps it) and the finish reason in OpenAI's words, ``"stop"`` or ``"length"``
+(ortspec's ``FinishReason.openai``; the peer runners turn their peers' own reports into it).
 
 Sampled engines (``SAMPLED_ENGINES``) sample at ``SAMPLING`` with the seed the suite gives each prompt
 (``prompt_seed``: the same for every engine on that prompt); their identity is checked against the plain sampled
@@ -28,7 +30,15 @@ from ortspec.adapters.engine import Engine
 from ortspec.core import AdditiveWidth, CostAwareWidth, PromptLookup, Proposer, WidthPolicy
 from ortspec.driver import Generation
 
-SPEC_ENGINES = ("ortspec-lookup-w8", "ortspec-lookup-w4", "ortspec-lookup-adaptive", "ortspec-lookup-additive")
+# The settings that need the Engine's shared-KV drafter (``ortspec train-drafter``); without one they are missing.
+DRAFTER_ENGINES = ("ortspec-shared-kv", "ortspec-auto")
+SPEC_ENGINES = (
+    "ortspec-lookup-w8",
+    "ortspec-lookup-w4",
+    "ortspec-lookup-adaptive",
+    "ortspec-lookup-additive",
+    *DRAFTER_ENGINES,
+)
 ORTSPEC_ENGINES = ("ortspec-greedy", *SPEC_ENGINES)
 SAMPLED_REFERENCE = "ortspec-sampled"  # plain sampling: the sampled settings' identity is checked against it
 SAMPLED_SPEC = "ortspec-lookup-adaptive-sampled"  # ortspec-lookup-adaptive, sampling
@@ -105,15 +115,15 @@ class EngineRun:
 
 class OrtspecEngine:
     """One ortspec setting on a shared ``Engine``: a proposer factory (``None``: plain decoding; a fresh proposer
-    per generation), a draft width (an int or a width policy) and the sampling options (``Engine`` keywords;
-    empty: greedy)."""
+    per generation, or the name of one the Engine makes: ``"shared-kv"``, ``"auto"``), a draft width (an int, a
+    width policy, or ``"auto"``: the Engine's own) and the sampling options (``Engine`` keywords; empty: greedy)."""
 
     def __init__(
         self,
         name: str,
         engine: Engine,
-        make_proposer: Callable[[], Proposer] | None,
-        draft_width: int | WidthPolicy,
+        make_proposer: Callable[[], Proposer | str] | None,
+        draft_width: int | WidthPolicy | str,
         description: dict[str, Any],
         sampling: Mapping[str, float] | None = None,
     ) -> None:
@@ -211,6 +221,17 @@ def ortspec_engine(name: str, engine: Engine, pass_costs: Sequence[float] = ()) 
         policy = AdditiveWidth(maximum=KMAX)
         description = {"proposer": described, "draft_width": f"AdditiveWidth(current=4, maximum={KMAX}, +2/-1)"}
         return OrtspecEngine(name, engine, lookup, policy, description)
+    if name in DRAFTER_ENGINES:
+        if engine.drafter is None:
+            raise ValueError(f"{name} needs a shared-KV drafter for the model: run `ortspec train-drafter`")
+        how = "shared-kv" if name == "ortspec-shared-kv" else "auto"
+        folder = getattr(getattr(engine.drafter, "folder", None), "path", None)
+        description = {
+            "speculative": how,
+            "draft_width": "auto (the Engine's cost-aware policies, priced with the drafter's measured step)",
+            "drafter": str(folder) if folder else repr(engine.drafter),
+        }
+        return OrtspecEngine(name, engine, lambda: how, "auto", description)
     known = ", ".join((*ORTSPEC_ENGINES, *SAMPLED_ORTSPEC_ENGINES))
     raise ValueError(f"unknown ortspec engine {name!r}; known: {known}")
 

@@ -352,6 +352,23 @@ def _concretize_dims(model, names: dict[str, int]) -> int:
     return changed
 
 
+# Graph outputs an ortspec folder declares for its own readers that onnx_genai cannot place: ``hidden_states`` (the
+# final norm's output, which ortspec's shared-KV drafter reads; onnx_genai refuses a graph whose extra output has no
+# port role: "cannot resolve decoder state from tensor shapes").
+ONNX_GENAI_DROPPED_OUTPUTS = ("hidden_states",)
+
+
+def _drop_outputs(model, names: Sequence[str]) -> int:
+    """Remove the graph outputs called ``names`` (their values stay inside the graph); returns how many."""
+    g = model.graph
+    kept = [o for o in g.output if o.name not in names]
+    dropped = len(g.output) - len(kept)
+    if dropped:
+        del g.output[:]
+        g.output.extend(kept)
+    return dropped
+
+
 def patch_for_onnx_genai(
     model_dir: str | os.PathLike, threads: int = 2, cache_root: str | os.PathLike | None = None
 ) -> Path:
@@ -363,7 +380,9 @@ def patch_for_onnx_genai(
     (``kv_cache_dim``) so one export can serve plain and quantized KV caches.
     onnx_genai allocates its KV cache from the declared shapes and refuses a
     non-concrete axis ("cannot infer KV head_dim from 'present.0.key'"), so the
-    copy declares it as the head size (``ModelFolder.head_size``). Only the
+    copy declares it as the head size (``ModelFolder.head_size``), and it drops the
+    ``hidden_states`` output that ortspec's folders declare for the shared-KV
+    drafter (``ONNX_GENAI_DROPPED_OUTPUTS``; onnx_genai refuses it). Only the
     graph proto is rewritten; the external weight file and every other file are
     hard linked (copied across file systems; symlinks do not work because ONNX
     Runtime rejects external data that resolves outside the model folder). The result is cached under
@@ -379,14 +398,15 @@ def patch_for_onnx_genai(
     src, onnx_path, head = folder.path, folder.model_path, folder.head_size
     onnx_name = onnx_path.name
     st = onnx_path.stat()
-    key = hashlib.sha256(f"{src}|{st.st_size}|{st.st_mtime_ns}|{head}|v1".encode()).hexdigest()[:16]
+    key = hashlib.sha256(f"{src}|{st.st_size}|{st.st_mtime_ns}|{head}|v2".encode()).hexdigest()[:16]
     root = Path(cache_root) if cache_root else ortspec_cache_root() / "peers" / "onnx_genai"
     dst = root / f"{src.name}-{key}"
     if (dst / ".ortspec-complete").is_file():
         return dst
 
     model = onnx.load(str(onnx_path), load_external_data=False)
-    if _concretize_dims(model, {"kv_cache_dim": head}) == 0:
+    dropped = _drop_outputs(model, ONNX_GENAI_DROPPED_OUTPUTS)
+    if _concretize_dims(model, {"kv_cache_dim": head}) == 0 and not dropped:
         return src
     tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}-", dir=str(root if root.exists() else _mk(root))))
     try:
@@ -395,7 +415,9 @@ def patch_for_onnx_genai(
         # Initializers keep their external_data references (relative file names),
         # which resolve to the linked weight files next to the new graph.
         onnx.save(model, str(tmp / onnx_name))
-        (tmp / ".ortspec-complete").write_text(json.dumps({"source": str(src), "kv_cache_dim": head}, indent=2))
+        (tmp / ".ortspec-complete").write_text(
+            json.dumps({"source": str(src), "kv_cache_dim": head, "dropped_outputs": dropped}, indent=2)
+        )
         if dst.exists():
             shutil.rmtree(dst)
         os.replace(tmp, dst)

@@ -269,11 +269,24 @@ def summarize(records: Sequence[RunRecord], engines: Sequence[str], categories: 
     }
 
 
-def sampled_targets(ratios: dict[str, Any]) -> list[dict[str, Any]]:
-    """The issue's targets for the sampled column (``SAMPLED_TARGETS``) beside the measured medians of per-prompt
-    ratios: ``met`` is None when the ratio was not measured."""
+# The drafter's targets (issue 11): (ratio table, engine, category, at least, what it says).
+DRAFTER_TARGETS = (
+    ("spec_vs_ortspec_greedy_e2e", "ortspec-shared-kv", "open_ended", 1.3, "shared-KV speculation ÷ ortspec greedy"),
+    *(
+        ("spec_vs_ortgenai_ngram_e2e", "ortspec-auto", cat, 1.5, "auto ÷ ORT GenAI n-gram speculation")
+        for cat in ("code_edit", "summarize", "qa_context", "open_ended", "all")
+    ),
+    ("vs_ortgenai_e2e", "ortspec-auto", "code_edit", 2.5, "auto ÷ ORT GenAI greedy"),
+)
+# The drafter's step as a share of a target decode step, at most (issue 11).
+DRAFT_STEP_TARGET = 0.08
+
+
+def sampled_targets(ratios: dict[str, Any], targets: Sequence[tuple] = SAMPLED_TARGETS) -> list[dict[str, Any]]:
+    """The issue's targets (default: the sampled column's, ``SAMPLED_TARGETS``; ``DRAFTER_TARGETS``) beside the
+    measured medians of per-prompt ratios: ``met`` is None when the ratio was not measured."""
     out = []
-    for key, engine, cat, target, what in SAMPLED_TARGETS:
+    for key, engine, cat, target, what in targets:
         r = ((ratios.get(key) or {}).get(engine) or {}).get(cat)
         measured = r["median"] if r else None
         out.append(
@@ -593,6 +606,48 @@ def _step_rows(phys: dict[str, Any]) -> Iterator[str]:
         )
 
 
+def _drafter(result: dict[str, Any]) -> Iterator[str]:
+    d = result.get("drafter")
+    if not d:
+        return
+    yield ""
+    yield "## The shared-KV drafter"
+    yield ""
+    yield f"Drafter folder `{d['folder']}`."
+    training = d.get("training") or {}
+    after = training.get("heldout_after_training") or {}
+    if training:
+        yield (
+            f"Trained by `ortspec train-drafter` in {training.get('total_seconds', 0) / 60:.1f} min: "
+            f"{training.get('data', {}).get('positions', '?')} positions of target data; held-out first-token "
+            f"accuracy {after.get('top1', float('nan')):.3f}, mean tokens accepted per draft of width 1..4: "
+            + ", ".join(f"{x:.2f}" for x in after.get("accepted_by_width", []))
+            + " (see docs/drafter.md)."
+        )
+    cost = d.get("cost") or {}
+    if cost:
+        verdict = "met" if cost["cost"] <= DRAFT_STEP_TARGET else "missed"
+        yield ""
+        yield (
+            f"Draft step (measured here, `ortspec.costs.measure_draft_cost`, width {cost['width']}, "
+            f"{cost['context_tokens']}-token context, median of {cost['repeats']}): "
+            f"{cost['step_s'] * 1000:.2f} ms per draft token vs a {cost['decode_step_s'] * 1000:.2f} ms decode step = "
+            f"**{cost['cost'] * 100:.1f}%** of a decode step (target <= {DRAFT_STEP_TARGET * 100:.0f}%: **{verdict}**)."
+        )
+    targets = d.get("targets") or []
+    if targets:
+        yield ""
+        yield "Targets (tok/s end to end, medians of per-prompt ratios on the same prompts):"
+        yield ""
+        for t in targets:
+            verdict = "not measured" if t["met"] is None else ("met" if t["met"] else "missed")
+            measured = "—" if t["measured"] is None else f"{t['measured']:.2f}x"
+            yield (
+                f"- {t['what']} on {t['category']}: {measured} over {t['prompts']} prompts "
+                f"(target >= {t['target_at_least']:.2f}x): **{verdict}**"
+            )
+
+
 def _physical(result: dict[str, Any]) -> Iterator[str]:
     phys = result.get("physical", {})
     yield ""
@@ -706,7 +761,7 @@ def _mismatch_lines(mism: Sequence[dict[str, Any]]) -> Iterator[str]:
         )
 
 
-SECTIONS = (_header, _category_tables, _ratio_tables, _sampled, _physical, _overhead, _identity)
+SECTIONS = (_header, _category_tables, _ratio_tables, _sampled, _drafter, _physical, _overhead, _identity)
 
 
 def markdown(result: dict[str, Any]) -> str:

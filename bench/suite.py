@@ -78,6 +78,7 @@ from tqdm import tqdm
 from bench.engines import (
     ALL_ENGINES,
     ALL_FILTERS,
+    DRAFTER_ENGINES,
     KMAX,
     ORTSPEC_ENGINES,
     PEER_ENGINES,
@@ -102,6 +103,7 @@ from bench.engines import (
 from bench.limits import physical_limits
 from bench.machine import CpuContention, background_load, machine_info, measure_memory_bandwidth
 from bench.report import (
+    DRAFTER_TARGETS,
     RunRecord,
     first_mismatch,
     identity_counts,
@@ -346,12 +348,14 @@ def load_engines(
     cfg: SuiteConfig, engine: Engine, pass_costs: Sequence[float], log: Log
 ) -> tuple[dict[str, BenchEngine], dict[str, str]]:
     """The requested engines in the requested order, and the missing peers with the reason."""
-    loaded: dict[str, BenchEngine] = {
-        n: ortspec_engine(n, engine, pass_costs)
-        for n in cfg.engines
-        if n in (*ORTSPEC_ENGINES, *SAMPLED_ORTSPEC_ENGINES)
-    }
     missing: dict[str, str] = {}
+    loaded: dict[str, BenchEngine] = {}
+    for n in [e for e in cfg.engines if e in (*ORTSPEC_ENGINES, *SAMPLED_ORTSPEC_ENGINES)]:
+        if n in DRAFTER_ENGINES and engine.drafter is None:
+            missing[n] = "no shared-KV drafter for this model (run `ortspec train-drafter`)"
+            log(f"{n} missing: {missing[n]}")
+            continue
+        loaded[n] = ortspec_engine(n, engine, pass_costs)
     for name in [e for e in cfg.engines if e in (*PEER_ENGINES, *SAMPLED_PEER_ENGINES)]:
         log(f"loading peer {name}")
         cache = cfg.workdir / "onnx_genai-cache" if cfg.quick else None
@@ -609,6 +613,7 @@ def run(cfg: SuiteConfig) -> dict[str, Any]:
     log(f"verify cost curve at {len(probe[0])} tokens, K = 0..{KMAX}, {cfg.cost_repeat} samples each")
     cost = measure_cost_curve(cfg, engine.backend, probe, "start", log)
     engines, missing = load_engines(cfg, engine, cost["curve"], log)
+    drafter = drafter_record(cfg, engine, probe, log) if any(n in DRAFTER_ENGINES for n in engines) else {}
     prompt_checks = check_prompts(engines, prompts)
     for name, e in engines.items():
         log(f"warm-up {name}")
@@ -646,6 +651,7 @@ def run(cfg: SuiteConfig) -> dict[str, Any]:
         ),
         "overhead": overhead,
         "sampling": sampling_record(order, prompts, summary),
+        "drafter": drafter and {**drafter, "targets": sampled_targets(summary["ratios"], DRAFTER_TARGETS)},
         "summary": {"table": summary["table"], "ratios": summary["ratios"]},
         "per_prompt": summary["per_prompt"],
         "identity": identity_counts(records, order),
@@ -661,6 +667,26 @@ def run(cfg: SuiteConfig) -> dict[str, Any]:
             e.close()
     log("wrote " + ", ".join(str(p) for p in write_results(cfg.out_dir, cfg.label, result)))
     return result
+
+
+def drafter_record(cfg: SuiteConfig, engine: Engine, probe: Sequence[Sequence[int]], log: Log) -> dict[str, Any]:
+    """The ``drafter`` section: the Engine's drafter folder, its training record (``drafter.json``), and its step
+    measured here against a decode step (``measure_draft_cost``, not the cached value) after the cost curve's
+    probe context."""
+    from ortspec.costs import measure_draft_cost
+
+    folder = getattr(getattr(engine.drafter, "folder", None), "path", None)
+    training: dict[str, Any] = {}
+    if folder is not None:
+        with contextlib.suppress(OSError, ValueError, KeyError):
+            record = json.loads((Path(folder) / "drafter.json").read_text(encoding="utf-8"))["ortspec"]["training"]
+            keys = ("total_seconds", "train_seconds", "data", "heldout_before_training", "heldout_after_training")
+            training = {k: record[k] for k in keys if k in record}
+    context = list(probe[0])
+    log(f"drafter step at a {len(context)}-token context")
+    cost = measure_draft_cost(engine.backend, engine.drafter, context, width=4, repeats=cfg.cost_repeat)
+    log(f"drafter step {cost['step_s'] * 1000:.2f} ms = {cost['cost'] * 100:.1f}% of a decode step")
+    return {"folder": str(folder), "training": training, "cost": cost}
 
 
 def sampling_record(engines: Sequence[str], prompts: Sequence[Prompt], summary: dict[str, Any]) -> dict[str, Any]:

@@ -58,10 +58,14 @@ class PromptLookup:
             raise ValueError(f"min_ngram ({self.min_ngram}) must not exceed ngram ({self.ngram})")
 
     def propose(self, context_tokens: Sequence[int], width: int) -> tuple[int, ...]:
+        return self.match(context_tokens, width)[0]
+
+    def match(self, context_tokens: Sequence[int], width: int) -> tuple[tuple[int, ...], int]:
+        """``propose``'s draft and the length of the context suffix it matched (0 with no draft)."""
         n_ctx = len(context_tokens)
         limit = min(width, self.max_draft)
         if limit < 1 or n_ctx < 2:
-            return ()
+            return (), 0
         if isinstance(context_tokens, Shared):
             with _CACHE_LOCK:
                 tables = self._indexed(context_tokens)
@@ -69,8 +73,8 @@ class PromptLookup:
                     for n in range(min(self.ngram, n_ctx - 1), self.min_ngram - 1, -1):
                         after = tables[n].get(_ngram_key(context_tokens[n_ctx - n :]))
                         if after is not None:
-                            return _copy_forward(context_tokens, after, limit)
-                    return ()
+                            return _copy_forward(context_tokens, after, limit), n
+                    return (), 0
         # Search the context as bytes (4 per token): bytes.rfind runs in C. A hit must be token-aligned and must
         # end before the last token, so that at least one token follows it.
         data = array("I", context_tokens).tobytes()
@@ -80,9 +84,9 @@ class PromptLookup:
             end = body_end
             while (at := data.rfind(needle, 0, end)) >= 0:
                 if at % 4 == 0:
-                    return _copy_forward(context_tokens, at // 4 + n, limit)
+                    return _copy_forward(context_tokens, at // 4 + n, limit), n
                 end = at + 4 * n - 1
-        return ()
+        return (), 0
 
     def _indexed(self, context: Shared[int]) -> dict[int, dict[int, int]] | None:
         """For each n-gram length, ``{n-gram key: the position right after its most recent occurrence}`` over the

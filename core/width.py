@@ -50,6 +50,11 @@ def _check_decay(instance: object, attribute: object, value: object) -> None:
         raise ValueError(f"decay must be a number in [0, 1], got {value!r}")
 
 
+def _check_draft_cost(instance: object, attribute: object, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value < float("inf"):
+        raise ValueError(f"draft_cost must be a finite number >= 0, got {value!r}")
+
+
 @attrs.frozen
 class CostAwareWidth:
     """Pick the width that maximises expected committed tokens per unit of target time.
@@ -59,9 +64,11 @@ class CostAwareWidth:
     and its length - 1 bounds the width. The draft-token acceptance probability ``p`` is an exponentially
     weighted estimate over recent steps: a step that verified ``k`` tokens and committed ``a`` of them counts
     ``a`` successes in ``a + (a < k)`` trials. With a geometric run length, a pass of width ``k`` commits
-    ``(1 - p**(k + 1)) / (1 - p)`` tokens on average; the policy picks the ``k`` with the best tokens per cost,
-    which is 0 (plain greedy steps) when speculation does not pay. While at 0 it probes with ``probe_width``
-    every ``probe_every`` steps so that it notices when drafts start to match again.
+    ``(1 - p**(k + 1)) / (1 - p)`` tokens on average and costs ``pass_costs[k] + k * draft_cost``, where
+    ``draft_cost`` is the proposer's time per draft token relative to a plain step (0 for prompt lookup; a draft
+    head's step for a shared-KV drafter); the policy picks the ``k`` with the best tokens per cost, which is 0
+    (plain greedy steps) when speculation does not pay. While at 0 it probes with ``probe_width`` every
+    ``probe_every`` steps so that it notices when drafts start to match again.
     """
 
     pass_costs: tuple[float, ...] = attrs.field(converter=_to_costs, validator=_check_costs)
@@ -71,6 +78,7 @@ class CostAwareWidth:
     probe_every: int = attrs.field(default=8, validator=int_at_least(1))
     probe_width: int = attrs.field(default=2, validator=int_at_least(1))
     idle_steps: int = 0
+    draft_cost: float = attrs.field(default=0.0, validator=_check_draft_cost)
 
     def acceptance(self) -> float:
         return self.successes / self.trials if self.trials > 0 else 0.0
@@ -78,7 +86,7 @@ class CostAwareWidth:
     def expected_rate(self, k: int) -> float:
         """Expected committed tokens per unit cost for a pass of width ``k``."""
         p = min(self.acceptance(), 0.999)
-        return (1.0 - p ** (k + 1)) / (1.0 - p) / self.pass_costs[k]
+        return (1.0 - p ** (k + 1)) / (1.0 - p) / (self.pass_costs[k] + k * self.draft_cost)
 
     def best_width(self) -> int:
         rates = [self.expected_rate(k) for k in range(len(self.pass_costs))]

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from ortspec.backends.base import Backend, DevicePicks, uses_device_picks
+from ortspec.core.proposers import Proposer
 
 
 def measure_pass_costs(
@@ -228,3 +229,75 @@ def measure_verify_drift(
         backend.rewind(base)
     backend.reset()
     return drift
+
+
+def measure_draft_cost(
+    backend: Backend, proposer: Proposer, context_ids: Sequence[int], width: int = 4, repeats: int = 15
+) -> dict[str, Any]:
+    """What a proposer that reads the target (a shared-KV draft head) costs per draft token, relative to a plain
+    decode step of the same backend at the same context.
+
+    The backend is put in the state the driver promises such a proposer (the KV of every context token but the
+    last, the last pass over the one before); then, interleaved ``repeats`` times: one ``propose(context, width)``
+    and one 1-token ``decode`` (rewound). Returns ``draft_s`` (median seconds of one ``propose``), ``tokens``
+    (median tokens it drafted), ``step_s`` (``draft_s / tokens``), ``decode_step_s`` and ``cost`` (``step_s /
+    decode_step_s``: the ``draft_cost`` of ``CostAwareWidth``). Resets the backend."""
+    context = list(context_ids)
+    if len(context) < 3:
+        raise ValueError("measuring a draft needs a context of at least 3 tokens")
+    backend.reset()
+    backend.decode(context[:-2], 0)
+    backend.decode(context[-2:-1], len(context) - 2)  # the last pass computed position len(context) - 2
+    base = backend.current_len()
+    drafts, sizes, decodes = [], [], []
+    for r in range(repeats + 2):
+        t0 = time.perf_counter()
+        size = len(proposer.propose(context, width))
+        t1 = time.perf_counter()
+        backend.decode(context[-1:], base)
+        t2 = time.perf_counter()
+        if r >= 2:  # the first two are warm-up
+            drafts.append(t1 - t0)
+            sizes.append(size)
+            decodes.append(t2 - t1)
+        # the decode moved the last pass past position base - 1: restore the promised state
+        backend.rewind(base - 1)
+        backend.decode(context[-2:-1], base - 1)
+    backend.reset()
+    draft_s, decode_s = statistics.median(drafts), statistics.median(decodes)
+    tokens = max(1.0, float(statistics.median(sizes)))
+    return {
+        "width": width,
+        "repeats": repeats,
+        "context_tokens": len(context),
+        "draft_s": draft_s,
+        "tokens": tokens,
+        "step_s": draft_s / tokens,
+        "decode_step_s": decode_s,
+        "cost": draft_s / tokens / decode_s,
+    }
+
+
+def cached_draft_cost(
+    backend: Backend,
+    proposer: Proposer,
+    cache_file: Path | None,
+    drafter_key: str,
+    width: int = 4,
+    *,
+    before: Callable[[], None] | None = None,
+) -> float:
+    """``measure_draft_cost(...)["cost"]`` after a context of ``probe_ids`` (up to 256 tokens, cut to fit the
+    capacity), kept by ``cached_measurement`` under the name ``draft cost`` with ``drafter_key`` (which drafter:
+    its folder and the version of its files) among the params, so another drafter is measured again. ``before()``
+    runs just before the backend is used (not on a cache hit); the measurement resets the backend."""
+    context = max(3, min(256, backend.max_length - width - 2))
+
+    def measure() -> dict[str, Any]:
+        if before is not None:
+            before()
+        result = measure_draft_cost(backend, proposer, probe_ids(backend.vocab_size, context), width)
+        return {key: result[key] for key in ("cost", "step_s", "decode_step_s", "tokens")}
+
+    params = {"drafter": drafter_key, "width": width, "context_tokens": context, "probe": "probe_ids"}
+    return float(cached_measurement(cache_file, "draft cost", params, measure)["cost"])

@@ -20,7 +20,8 @@ from hypothesis import strategies as st
 
 from ortspec import GenerationAborted, GenerationError, ProposerError, generate
 from ortspec.backends.fake import FakeBackend, FakeModel
-from ortspec.core import FinishReason, FixedWidth, Options, PromptLookup
+from ortspec.core import CostAwareWidth, FinishReason, FixedWidth, Options, PromptLookup
+from ortspec.lookup_or_draft import LookupOrDraft
 from property_tests import edges
 from property_tests.conftest import examples
 from property_tests.reference import PickRules, ReferenceError, ReferenceRun, greedy_reference
@@ -537,3 +538,33 @@ def test_a_drafter_that_reads_the_target_keeps_the_output_exact(sc, kind, data):
     assert streamed == [c[2] for c in plain.stream]
     if drafter.calls:
         event(f"shared-kv drafter ({kind}) was asked")
+
+
+@settings(max_examples=examples(600))
+@given(scenarios(), st.sampled_from(["good", "bad", "adversarial"]), st.data())
+def test_auto_lookup_or_drafter_keeps_the_output_exact(sc, kind, data):
+    """``speculative="auto"``'s proposer (``LookupOrDraft``: prompt lookup where it matches strongly, the drafter
+    otherwise, each source with its own learning width policy, priced or not) drafts whatever its sources and
+    policies say; the output is plain decoding's, and the drafter still finds the driver's promise kept."""
+    backend = TracingBackend(sc.model, sc.capacity, picks_on_device=data.draw(st.booleans(), label="picks"))
+    drafter = FakeSharedKvDrafter(backend, OracleProposer(sc.model, sc.rules, len(sc.prompt)), kind)
+    ngram = data.draw(st.integers(1, 4), label="ngram")
+    auto = LookupOrDraft(
+        PromptLookup(ngram=ngram, max_draft=data.draw(st.integers(1, 16), label="max_draft")),
+        drafter,
+        strong_ngram=data.draw(st.integers(1, ngram + 1), label="strong_ngram"),
+    )
+    if data.draw(st.booleans(), label="priced"):
+        costs = data.draw(st.lists(st.floats(0.5, 4.0), min_size=1, max_size=16), label="costs")
+        auto.price(
+            CostAwareWidth((1.0, *costs)),
+            CostAwareWidth((1.0, *costs), draft_cost=data.draw(st.floats(0.0, 0.5), label="draft_cost")),
+        )
+    width = FixedWidth(data.draw(st.integers(1, 16), label="width"))
+    spec = generate(backend, sc.prompt, sc.options, auto, draft_width=width, detokenize=sc.detokenize)
+    plain = run(sc)
+    assert (spec.token_ids, spec.text, spec.finish_reason, spec.stop_matched) == (
+        plain.result.token_ids, plain.result.text, plain.result.finish_reason, plain.result.stop_matched,
+    )  # fmt: skip
+    if auto.lookup_drafts and auto.drafter_drafts:
+        event("auto: both sources drafted")

@@ -71,6 +71,10 @@ class ArrayModule(Protocol):
         """Copy KV positions ``[start, stop)`` from ``source`` into ``destination``."""
         ...
 
+    def copy(self, destination, source) -> None:
+        """Copy ``source`` into ``destination`` (arrays of this module, same shape; converted to its dtype)."""
+        ...
+
     def argmax_margin(self, rows) -> tuple[np.ndarray, np.ndarray]:
         """The picks contract (module docstring) on ``rows`` ``[count, vocab]``, returned as host arrays."""
         ...
@@ -254,6 +258,9 @@ class HostArrays:
     def copy_positions(self, destination, source, start: int, stop: int) -> None:
         destination[:, :, start:stop] = source[:, :, start:stop]
 
+    def copy(self, destination, source) -> None:
+        destination[...] = source
+
     def argmax_margin(self, rows) -> tuple[np.ndarray, np.ndarray]:
         return argmax_margin(np.asarray(rows, dtype=np.float32))
 
@@ -408,6 +415,10 @@ class CupyArrays:
                 runtime.graphDestroy(graph)
         return True
 
+    def copy(self, destination, source):
+        with self._on_stream():
+            destination[...] = source
+
     def argmax_margin(self, rows):
         """One fused kernel (a block per row), then one device-to-host copy of ``2 * rows`` float64 numbers (into a
         page-locked buffer; the copy waits for the stream: the step's one synchronisation)."""
@@ -542,6 +553,10 @@ class TorchArrays:
             "a CUDA graph capture failed and left the stream capturing; torch offers no call to end it here "
             "(use array_module='cupy', or cuda_graphs=False)"
         )
+
+    def copy(self, destination, source):
+        with self._on_stream():
+            destination.copy_(source)
 
     def argmax_margin(self, rows):
         with self._on_stream():

@@ -22,6 +22,12 @@ as is. One ``InferenceSession`` runs with IO binding:
 * **Logits.** Bound to a preallocated ``[rows, vocab]`` buffer (``rows`` = the prefill chunk, 256 by default,
   grown once if ``decode_verify`` is asked for more rows), so nothing vocab-sized is allocated per step. Prompts
   longer than a chunk are prefilled chunk by chunk.
+* **Hidden states.** When the graph has the ``hidden_states`` output (the builder's ``include_hidden_states=true``
+  extra option; ``ortspec convert`` sets it), it is bound to a preallocated ``[rows, hidden]`` buffer too, and the
+  backend offers the ``HiddenStates`` capability: ``hidden_at(position)`` for a position of the last pass (a
+  host float32 row), and for a drafter on the same device ``hidden_pointer(position)`` (the row's address) and
+  ``kv_pointer(layer, which, head)`` (the address of one KV head's first position; its first ``current_len()``
+  positions are contiguous). Without the output ``hidden_size`` is 0 and those raise ``BackendError``.
 * **CUDA.** ``provider="cuda"`` keeps the KV, the inputs and the logits in device memory (CuPy arrays, or torch
   CUDA tensors where CuPy is missing), binds them by pointer, and copies to the host only the rows asked for;
   ``verify_picks`` reduces each row to its argmax and top-1/top-2 margin on the device. float16 rows asked for on
@@ -255,6 +261,10 @@ class OrtBackend:
         self._positions = (
             arrays.from_host(np.arange(self._max_length, dtype=graph.position_dtype)) if graph.position_name else None
         )
+        # HiddenStates: the hidden rows of the last pass, for positions [start, start + count); (0, 0) when none
+        self.hidden_size = graph.hidden_size
+        self._hidden_rows = (0, 0)
+        self._hidden_host = np.empty(max(graph.hidden_size, 1), np.float32)
         self._positions_fixed: Any = None  # the static path's position ids, for graphs that take them
         if self.static_shapes:
             self._init_static()
@@ -437,6 +447,9 @@ class OrtBackend:
         self._logits = arrays.empty((rows, self._vocab), graph.logits_dtype)
         float32_on_host = self._device_type == "cpu" and graph.logits_dtype == np.float32
         self._host_logits = self._logits if float32_on_host else np.empty((rows, self._vocab), np.float32)
+        if graph.hidden_name:
+            self._hidden = arrays.empty((rows, graph.hidden_size), graph.hidden_dtype)
+            self._hidden_rows = (0, 0)  # the old buffer's rows are gone
         if self.static_shapes and self._positions_fixed is not None:
             self._positions_fixed = arrays.zeros(rows, graph.position_dtype)
 
@@ -455,6 +468,7 @@ class OrtBackend:
 
     def reset(self) -> None:
         self._len = 0
+        self._hidden_rows = (0, 0)
         self._zero_states()
 
     def rewind(self, length: int) -> None:
@@ -512,6 +526,7 @@ class OrtBackend:
             if self.stateful and self._len != start_len:
                 self._restore_after_failure(start_len)
             self._len = start_len  # chunks already folded in are forgotten: the call had no effect
+            self._hidden_rows = (0, 0)
             raise
         row = self._host_row(chunk - 1)
         if timer is not None:
@@ -616,6 +631,12 @@ class OrtBackend:
         binding.bind_output(
             graph.logits_name, device, device_id, graph.logits_dtype, [1, count, self._vocab], arrays.ptr(self._logits)
         )
+        if graph.hidden_name:
+            shape = [1, count, graph.hidden_size]
+            binding.bind_output(
+                graph.hidden_name, device, device_id, graph.hidden_dtype, shape, arrays.ptr(self._hidden)
+            )
+            self._hidden_rows = (0, 0)  # overwritten by this run
 
         presents = None
         if not self.share_buffer:
@@ -652,6 +673,8 @@ class OrtBackend:
             self._state_cur, self._snapshot_len = 1 - cur, past
             self._history[past:total] = tokens
         self._len = total
+        if graph.hidden_name:
+            self._hidden_rows = (past, count)
 
     # ------------------------------------------------------------------------------------------------------------
     # static shapes
@@ -696,6 +719,11 @@ class OrtBackend:
         binding.bind_output(
             graph.logits_name, device, device_id, graph.logits_dtype, [1, count, self._vocab], arrays.ptr(self._logits)
         )
+        if graph.hidden_name:
+            shape = [1, count, graph.hidden_size]
+            binding.bind_output(
+                graph.hidden_name, device, device_id, graph.hidden_dtype, shape, arrays.ptr(self._hidden)
+            )
         graph_id = self.graphs.graph_id(count) if self.graphs is not None else EAGER
         options = self._ort.RunOptions()
         if self.graphs is not None:
@@ -730,6 +758,7 @@ class OrtBackend:
         past = self._len
         total = past + count
         self._alloc_rows(count)
+        self._hidden_rows = (0, 0)  # overwritten by this run
         step = self._static_pass(count)
         self._stage_static(tokens, past, total)
         if timer is not None:
@@ -759,6 +788,8 @@ class OrtBackend:
         if self.graphs is not None:
             self.graphs.record(count)
         self._len = total
+        if self.graph.hidden_name:
+            self._hidden_rows = (past, count)
 
     def _give_up_graphs(self, reason: str) -> None:
         """The eager fallback: end a capture left open on the stream, reopen the session without CUDA graphs and
@@ -809,6 +840,73 @@ class OrtBackend:
                 pair.append(out)
             presents.append(tuple(pair))
         return presents
+
+    # ------------------------------------------------------------------------------------------------------------
+    # HiddenStates, and the buffers a drafter on the same device reads in place
+    def _hidden_row(self, position: int) -> int:
+        """The row of the hidden buffer holding ``position``; ``BackendError`` unless the last pass computed it and
+        its KV is still resident."""
+        if not self.hidden_size:
+            raise BackendError(
+                f"{self.folder.model_path} has no {self.folder.hidden_states_name!r} output; rebuild the folder with "
+                "the builder's include_hidden_states=true extra option (ortspec convert does)"
+            )
+        start, count = self._hidden_rows
+        if not start <= position < min(start + count, self._len):
+            raise BackendError(
+                f"hidden_at({position}): the last pass computed positions [{start}, {start + count}) and "
+                f"{self._len} are resident"
+            )
+        return position - start
+
+    def hidden_at(self, position: int) -> np.ndarray:
+        """The final hidden state at ``position`` (a position of the last pass, below ``current_len()``), a float32
+        host ``[hidden_size]`` array valid until the next call (``HiddenStates``)."""
+        row = self._hidden_row(int(position))
+        if self._device_type == "cpu" and self.graph.hidden_dtype == np.float32:
+            return self._hidden[row]
+        self._arrays.download(self._hidden[row], self._hidden_host)
+        return self._hidden_host
+
+    def hidden_row(self, position: int):
+        """``hidden_at(position)``'s row as a view of the backend's own buffer (an array of ``array_module``, on
+        this backend's device, ``[hidden_size]`` of ``graph.hidden_dtype``), valid until the next call; for a
+        drafter on the same device to copy from without a trip through the host. Same checks as ``hidden_at``."""
+        return self._hidden[self._hidden_row(int(position))]
+
+    def hidden_pointer(self, position: int) -> int:
+        """The address (on this backend's device) of ``hidden_at(position)``'s row, ``hidden_size`` elements of
+        ``graph.hidden_dtype``, valid until the next call; same checks as ``hidden_at``."""
+        row = self._hidden_row(int(position))
+        return self._arrays.ptr(self._hidden) + row * self.hidden_size * np.dtype(self.graph.hidden_dtype).itemsize
+
+    def kv_pointer(self, layer: int, which: str, head: int) -> int:
+        """The address (on this backend's device) of KV head ``head`` of ``layer`` (``which``: ``"key"`` or
+        ``"value"``) at position 0: ``[max_length, head_size]`` elements of ``graph.kv_dtype``, of which the first
+        ``current_len()`` positions are valid and contiguous. The buffers are the backend's (shared, never copied);
+        a reader must not write them and must not read past ``current_len()``. ``ValueError`` for a bad index."""
+        _, kv_heads, max_length, head_size = self._kv_shape
+        if not 0 <= layer < len(self._keys) or not 0 <= head < kv_heads or which not in ("key", "value"):
+            raise ValueError(
+                f"kv_pointer({layer}, {which!r}, {head}): expected layer in [0, {len(self._keys)}), "
+                f"which 'key' or 'value', head in [0, {kv_heads})"
+            )
+        buffer = (self._keys if which == "key" else self._values)[layer]
+        return self._arrays.ptr(buffer) + head * max_length * head_size * np.dtype(self.graph.kv_dtype).itemsize
+
+    @property
+    def device_type(self) -> str:
+        """Where the buffers live, in IO-binding words: ``"cpu"`` or ``"cuda"``."""
+        return self._device_type
+
+    @property
+    def device_id(self) -> int:
+        return self._device_id
+
+    @property
+    def array_module(self) -> ArrayModule:
+        """The buffers' array module (allocation, pointers, copies on this backend's device)."""
+        return self._arrays
 
     def _host_row(self, row: int) -> np.ndarray:
         """Logits row ``row`` of the last pass as a float32 host ``[vocab]`` view (copied there on a device)."""

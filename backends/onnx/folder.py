@@ -45,8 +45,9 @@ class ModelFolder:
     ``model_path`` (the decoder's ``.onnx`` file) and ``tokenizer_path`` exist when the value is made by
     :meth:`load`. ``eos_token_ids`` holds at least one id in ``[0, vocab_size)``; ``num_attention_heads`` is a
     multiple of ``num_kv_heads``. The graph names come from ``model.decoder.inputs`` / ``outputs``; the KV names
-    are ``%d`` patterns filled with the layer index. ``session_options`` is ``model.decoder.session_options``
-    without its ``provider_options``.
+    are ``%d`` patterns filled with the layer index. ``hidden_states_name`` is the optional output holding the
+    final norm's output (``model.decoder.outputs.hidden_states``, default ``hidden_states``; the graph need not
+    declare it). ``session_options`` is ``model.decoder.session_options`` without its ``provider_options``.
 
     Hybrid models: ``layer_types`` (``model.decoder.layer_types``, None when absent) says which layers hold a
     KV cache (:attr:`kv_layers`: the attention types, every layer when absent); ``state_patterns`` holds one
@@ -74,6 +75,7 @@ class ModelFolder:
     logits_name: str
     present_key_pattern: str
     present_value_pattern: str
+    hidden_states_name: str
     past_present_share_buffer: bool
     session_options: Mapping[str, Any] = attrs.field(converter=dict)
     layer_types: tuple[str, ...] | None = None
@@ -235,6 +237,7 @@ class ModelFolder:
         logits_name = name(outputs, "logits", in_outputs, "logits")
         present_key_pattern = name(outputs, "present_key_names", in_outputs, "present.%d.key", pattern=True)
         present_value_pattern = name(outputs, "present_value_names", in_outputs, "present.%d.value", pattern=True)
+        hidden_states_name = name(outputs, "hidden_states", in_outputs, "hidden_states")
         optional_int(search, "max_length", "search.")  # checked, not read (see above)
 
         layer_types = decoder.get("layer_types")
@@ -292,6 +295,7 @@ class ModelFolder:
             logits_name=logits_name,
             present_key_pattern=present_key_pattern,
             present_value_pattern=present_value_pattern,
+            hidden_states_name=hidden_states_name,
             past_present_share_buffer=share_buffer,
             session_options={key: value for key, value in session_options.items() if key != "provider_options"},
             layer_types=tuple(layer_types) if layer_types is not None else None,

@@ -22,7 +22,7 @@ import numpy as np
 from .folder import ModelFileError, ModelFolder, external_data_problem
 
 # ONNX Runtime's type strings -> numpy dtypes, for the types this backend feeds or reads
-ORT_TYPES = {
+ORT_TYPES: dict[str, np.dtype] = {
     "tensor(float)": np.dtype(np.float32),
     "tensor(float16)": np.dtype(np.float16),
     "tensor(int64)": np.dtype(np.int64),
@@ -99,7 +99,9 @@ class DecoderGraph:
     that name). ``kv_names`` holds one :class:`LayerKVNames` per layer with a KV cache (every layer, except in
     hybrid models), all of ``kv_dtype``; ``states`` one :class:`StateNames` per recurrent state. Output
     ``logits_name`` is ``[1, tokens, vocab]`` of ``logits_dtype``. ``group_query_attention``: the graph uses
-    the ``GroupQueryAttention`` op, which can append to a KV buffer bound as both past and present."""
+    the ``GroupQueryAttention`` op, which can append to a KV buffer bound as both past and present. Optional output
+    ``hidden_name`` (None when the graph has none): the final norm's output, ``[1, tokens, hidden_size]`` of
+    ``hidden_dtype`` (``hidden_size`` is 0 without it)."""
 
     ids_name: str
     ids_dtype: np.dtype
@@ -113,6 +115,9 @@ class DecoderGraph:
     logits_dtype: np.dtype
     group_query_attention: bool
     states: tuple[StateNames, ...] = ()
+    hidden_name: str | None = None
+    hidden_dtype: np.dtype | None = None
+    hidden_size: int = 0
 
 
 def inspect_graph(session, folder: ModelFolder, facts: GraphFacts | None = None) -> DecoderGraph:
@@ -239,6 +244,18 @@ def inspect_graph(session, folder: ModelFolder, facts: GraphFacts | None = None)
             f"says vocab_size = {folder.vocab_size}"
         )
 
+    hidden_name, hidden_dtype, hidden_size = None, None, 0
+    hidden = outputs.get(folder.hidden_states_name)
+    if hidden is not None:
+        hidden_dtype = dtype_of(hidden, FLOAT_DTYPES, "output")
+        hidden_shape = list(hidden.shape)
+        if len(hidden_shape) != 3 or not isinstance(hidden_shape[2], int) or hidden_shape[2] < 1:
+            raise ModelFileError(
+                f"{where}: output {hidden.name!r} has shape {hidden_shape}; expected [batch, sequence, hidden] with "
+                "a fixed hidden size"
+            )
+        hidden_name, hidden_size = hidden.name, int(hidden_shape[2])
+
     extra = sorted(set(inputs) - fed)
     if extra:
         hint = ""
@@ -268,6 +285,9 @@ def inspect_graph(session, folder: ModelFolder, facts: GraphFacts | None = None)
             facts if facts is not None else read_graph_facts(folder.model_path)
         ).group_query_attention,
         states=tuple(states),
+        hidden_name=hidden_name,
+        hidden_dtype=hidden_dtype,
+        hidden_size=hidden_size,
     )
 
 

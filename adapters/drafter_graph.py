@@ -1,0 +1,403 @@
+"""Writing shared-KV drafter folders: the ONNX graph of a one-layer draft head, its metadata and the target's
+tables (the producer side of the contract that ``ortspec.backends.onnx.drafter`` reads; see docs/drafter.md).
+
+A drafter folder holds
+
+* ``drafter.onnx``: the head. Inputs ``inputs_embeds`` ``[B, q, 2H]`` float32 (the target's input embedding of a
+  token, then a hidden state of width H), ``position_ids`` ``[B, q]`` int64 (the query's position, for RoPE) and,
+  per KV head ``h`` of the one target layer it reads, ``shared_kv.<group>.key.<h>`` and ``.value.<h>``
+  ``[B, 1, kv_len, head_size]`` float32 (that head's first ``kv_len`` cached positions, post-RoPE keys). Outputs
+  ``logits`` ``[B, q, V']`` (over the draft vocabulary) and ``projected_state`` ``[B, q, H]``.
+* ``drafter.json``: the metadata (``speculative.proposal_type = "shared_kv"`` and the fields listed in
+  :func:`drafter_metadata`).
+* ``input_embedding.f32``: the target's input-embedding table, raw little-endian float32 ``[V, H]``.
+* ``draft_to_target.i64``: raw little-endian int64 ``[V']``, the target id of each draft-vocabulary entry (absent
+  when the head predicts the whole target vocabulary).
+
+The head computes, for each query row (every row attends to all ``kv_len`` bound positions; the drafter has no
+KV of its own, so nothing here is causal)::
+
+    e, h  = split(inputs_embeds)                    [B, q, H] each
+    u     = concat(rms(e) * w_e, rms(h) * w_h) @ fc + fc_bias
+    q     = rope(rms(u) * w_attn @ wq, position_ids)          [B, heads, q, D]
+    for each KV head j: o_j = softmax(q_j K_j^T * scale) V_j    (q_j: its heads // kv_heads query heads)
+    u     = u + concat(o_j) @ wo
+    m     = rms(u) * w_mlp
+    u     = u + (silu(m @ w_gate) * (m @ w_up)) @ w_down
+    projected_state = rms(u) * w_out
+    logits          = projected_state @ lm_head                [H, V']
+
+Everything here is numpy + ``onnx``; nothing is imported from torch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import attrs
+import numpy as np
+
+DRAFTER_MODEL = "drafter.onnx"
+DRAFTER_METADATA = "drafter.json"
+INPUT_EMBEDDING = "input_embedding.f32"
+DRAFT_TO_TARGET = "draft_to_target.i64"
+GROUP = "full_attention"
+OPSET = 17
+
+
+def _f32(value: Any) -> np.ndarray:
+    return np.ascontiguousarray(np.asarray(value, dtype=np.float32))
+
+
+@attrs.frozen(eq=False)
+class HeadWeights:
+    """The head's parameters, float32, in the ``x @ W`` orientation (``[in, out]``).
+
+    Shapes (H hidden, A = heads * head_size, I intermediate, V' draft vocabulary): ``norm_embed``, ``norm_hidden``,
+    ``norm_attn``, ``norm_mlp``, ``norm_out`` ``[H]``; ``fc`` ``[2H, H]``; ``fc_bias`` ``[H]``; ``wq`` ``[H, A]``;
+    ``wo`` ``[A, H]``; ``w_gate``, ``w_up`` ``[H, I]``; ``w_down`` ``[I, H]``; ``lm_head`` ``[H, V']``; ``cos``,
+    ``sin`` ``[positions, head_size / 2]`` (the target's RoPE tables, non-interleaved halves). ``heads`` must be a
+    multiple of the target's KV heads; ``eps`` is the RMS norms' epsilon."""
+
+    heads: int
+    head_size: int
+    eps: float
+    norm_embed: np.ndarray = attrs.field(converter=_f32)
+    norm_hidden: np.ndarray = attrs.field(converter=_f32)
+    fc: np.ndarray = attrs.field(converter=_f32)
+    fc_bias: np.ndarray = attrs.field(converter=_f32)
+    norm_attn: np.ndarray = attrs.field(converter=_f32)
+    wq: np.ndarray = attrs.field(converter=_f32)
+    wo: np.ndarray = attrs.field(converter=_f32)
+    norm_mlp: np.ndarray = attrs.field(converter=_f32)
+    w_gate: np.ndarray = attrs.field(converter=_f32)
+    w_up: np.ndarray = attrs.field(converter=_f32)
+    w_down: np.ndarray = attrs.field(converter=_f32)
+    norm_out: np.ndarray = attrs.field(converter=_f32)
+    lm_head: np.ndarray = attrs.field(converter=_f32)
+    cos: np.ndarray = attrs.field(converter=_f32)
+    sin: np.ndarray = attrs.field(converter=_f32)
+
+    def __attrs_post_init__(self) -> None:
+        hidden = self.norm_out.shape[0]
+        attn = self.heads * self.head_size
+        inter = self.w_gate.shape[1] if self.w_gate.ndim == 2 else -1
+        expected = {
+            "norm_embed": (hidden,),
+            "norm_hidden": (hidden,),
+            "fc": (2 * hidden, hidden),
+            "fc_bias": (hidden,),
+            "norm_attn": (hidden,),
+            "wq": (hidden, attn),
+            "wo": (attn, hidden),
+            "norm_mlp": (hidden,),
+            "w_gate": (hidden, inter),
+            "w_up": (hidden, inter),
+            "w_down": (inter, hidden),
+            "norm_out": (hidden,),
+        }
+        for name, shape in expected.items():
+            if getattr(self, name).shape != shape:
+                raise ValueError(f"HeadWeights.{name} has shape {getattr(self, name).shape}, expected {shape}")
+        if self.lm_head.ndim != 2 or self.lm_head.shape[0] != hidden:
+            raise ValueError(f"HeadWeights.lm_head has shape {self.lm_head.shape}, expected [{hidden}, V']")
+        half = self.head_size // 2
+        if self.head_size % 2 or self.cos.ndim != 2 or self.cos.shape[1] != half or self.sin.shape != self.cos.shape:
+            raise ValueError(
+                f"HeadWeights.cos/sin must be [positions, {half}] each, got {self.cos.shape}, {self.sin.shape}"
+            )
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.norm_out.shape[0])
+
+    @property
+    def draft_vocab(self) -> int:
+        return int(self.lm_head.shape[1])
+
+    @property
+    def intermediate_size(self) -> int:
+        return int(self.w_gate.shape[1])
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        """Every parameter array by field name."""
+        return {a.name: getattr(self, a.name) for a in attrs.fields(HeadWeights) if a.name not in _SCALARS}
+
+
+_SCALARS = ("heads", "head_size", "eps")
+
+
+def kv_input_names(group: str, kv_heads: int) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The per-head KV input names of ``group``: (keys, values), ``shared_kv.<group>.key.<h>`` for h < kv_heads."""
+    keys = tuple(f"shared_kv.{group}.key.{h}" for h in range(kv_heads))
+    values = tuple(f"shared_kv.{group}.value.{h}" for h in range(kv_heads))
+    return keys, values
+
+
+def build_head_graph(weights: HeadWeights, kv_heads: int, group: str = GROUP):
+    """The head as an ``onnx.ModelProto`` (opset 17, float32; see the module docstring for the computation)."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    if weights.heads % kv_heads:
+        raise ValueError(f"heads ({weights.heads}) must be a multiple of kv_heads ({kv_heads})")
+    hidden, size, heads = weights.hidden_size, weights.head_size, weights.heads
+    per_kv = heads // kv_heads
+    half = size // 2
+    nodes: list[Any] = []
+    inits: list[Any] = [numpy_helper.from_array(array, name) for name, array in weights.arrays().items()]
+
+    def const(name: str, value: Any, dtype: Any = np.int64) -> str:
+        inits.append(numpy_helper.from_array(np.asarray(value, dtype=dtype), name))
+        return name
+
+    counter = iter(range(1 << 30))
+
+    def node(op: str, inputs: Sequence[str], **attributes: Any) -> str:
+        out = f"/{op.lower()}_{next(counter)}"
+        nodes.append(helper.make_node(op, list(inputs), [out], **attributes))
+        return out
+
+    const("eps", np.float32(weights.eps), np.float32)
+    const("two", np.float32(2.0), np.float32)
+    const("scale", np.float32(1.0 / np.sqrt(size)), np.float32)
+    const("halves", [half, half])
+    const("hidden_halves", [hidden, hidden])
+
+    def rms(x: str, weight: str) -> str:
+        mean_square = node("ReduceMean", [node("Pow", [x, "two"])], axes=[-1], keepdims=1)
+        return node("Mul", [node("Div", [x, node("Sqrt", [node("Add", [mean_square, "eps"])])]), weight])
+
+    embeds, hidden_in = "/split_embed", "/split_hidden"
+    nodes.append(helper.make_node("Split", ["inputs_embeds", "hidden_halves"], [embeds, hidden_in], axis=-1))
+
+    u = node("Concat", [rms(embeds, "norm_embed"), rms(hidden_in, "norm_hidden")], axis=-1)
+    u = node("Add", [node("MatMul", [u, "fc"]), "fc_bias"])
+
+    query = node("MatMul", [rms(u, "norm_attn"), "wq"])  # [B, q, heads * D]
+    query = node("Reshape", [query, const("q_shape", [0, 0, heads, size])])
+    query = node("Transpose", [query], perm=[0, 2, 1, 3])  # [B, heads, q, D]
+    cos = node("Unsqueeze", [node("Gather", ["cos", "position_ids"]), const("axis_1", [1])])  # [B, 1, q, D/2]
+    sin = node("Unsqueeze", [node("Gather", ["sin", "position_ids"]), "axis_1"])
+    nodes.append(helper.make_node("Split", [query, "halves"], ["/q_first", "/q_second"], axis=-1))
+    first = node("Sub", [node("Mul", ["/q_first", cos]), node("Mul", ["/q_second", sin])])
+    second = node("Add", [node("Mul", ["/q_second", cos]), node("Mul", ["/q_first", sin])])
+    query = node("Concat", [first, second], axis=-1)  # [B, heads, q, D], rotated
+
+    key_names, value_names = kv_input_names(group, kv_heads)
+    outputs = []
+    group_shape = const("group_shape", [0, 1, -1, size])
+    heads_shape = const("heads_shape", [0, per_kv, -1, size])
+    for j in range(kv_heads):
+        q_j = node(
+            "Slice",
+            [query, const(f"start_{j}", [j * per_kv]), const(f"end_{j}", [(j + 1) * per_kv]), "axis_1"],
+        )
+        q_j = node("Reshape", [q_j, group_shape])  # [B, 1, per_kv * q, D]: one matmul against head j
+        scores = node("MatMul", [q_j, node("Transpose", [key_names[j]], perm=[0, 1, 3, 2])])
+        probs = node("Softmax", [node("Mul", [scores, "scale"])], axis=-1)
+        outputs.append(node("Reshape", [node("MatMul", [probs, value_names[j]]), heads_shape]))
+    attended = node("Concat", outputs, axis=1) if len(outputs) > 1 else outputs[0]  # [B, heads, q, D]
+    attended = node("Transpose", [attended], perm=[0, 2, 1, 3])
+    attended = node("Reshape", [attended, const("merge_shape", [0, 0, heads * size])])
+    u = node("Add", [u, node("MatMul", [attended, "wo"])])
+
+    m = rms(u, "norm_mlp")
+    gate = node("MatMul", [m, "w_gate"])
+    act = node("Mul", [node("Mul", [gate, node("Sigmoid", [gate])]), node("MatMul", [m, "w_up"])])
+    u = node("Add", [u, node("MatMul", [act, "w_down"])])
+    state = rms(u, "norm_out")
+    nodes.append(helper.make_node("Identity", [state], ["projected_state"]))
+    nodes.append(helper.make_node("MatMul", ["projected_state", "lm_head"], ["logits"]))
+
+    inputs = [
+        helper.make_tensor_value_info("inputs_embeds", TensorProto.FLOAT, ["batch", "query", 2 * hidden]),
+        helper.make_tensor_value_info("position_ids", TensorProto.INT64, ["batch", "query"]),
+    ]
+    for name in (*key_names, *value_names):
+        inputs.append(helper.make_tensor_value_info(name, TensorProto.FLOAT, ["batch", 1, "kv_len", size]))
+    outputs_info = [
+        helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", "query", weights.draft_vocab]),
+        helper.make_tensor_value_info("projected_state", TensorProto.FLOAT, ["batch", "query", hidden]),
+    ]
+    graph = helper.make_graph(nodes, "ortspec_shared_kv_head", inputs, outputs_info, inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)], producer_name="ortspec")
+    model.ir_version = 8
+    onnx.checker.check_model(model)
+    return model
+
+
+def drafter_metadata(
+    *,
+    hidden_size: int,
+    draft_vocab: int,
+    target_layer: int,
+    kv_heads: int,
+    num_speculative_tokens: int,
+    has_draft_map: bool,
+    verifier: Mapping[str, Any],
+    group: str = GROUP,
+    extra: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """``drafter.json``'s content. ``speculative`` mirrors the seed's fields (``proposal_type``, ``model``,
+    ``num_speculative_tokens``, ``backbone_hidden_size``, ``vocab_size`` (the head's logits width), ``input_embedding``,
+    ``logits_output``, ``projected_state_output``, ``shared_kv`` groups with ``target_layers`` and
+    ``key_input``/``value_input`` prefixes, ``io``); ortspec adds ``draft_to_target`` (the reduced-vocabulary map)
+    and ``io.kv_layout = "per_kv_head"`` (one input per KV head: ``<key_input>.<h>``). ``extra`` goes under
+    ``ortspec`` (the target's fingerprint, the training record)."""
+    keys, values = kv_input_names(group, kv_heads)
+    speculative: dict[str, Any] = {
+        "proposal_type": "shared_kv",
+        "num_speculative_tokens": int(num_speculative_tokens),
+        "model": DRAFTER_MODEL,
+        "verifier": dict(verifier),
+        "backbone_hidden_size": int(hidden_size),
+        "vocab_size": int(draft_vocab),
+        "input_embedding": INPUT_EMBEDDING,
+        "logits_output": "logits",
+        "projected_state_output": "projected_state",
+        "shared_kv": [
+            {
+                "name": group,
+                "target_layers": [int(target_layer)],
+                "key_input": keys[0].rsplit(".", 1)[0],
+                "value_input": values[0].rsplit(".", 1)[0],
+                "target_key_input": f"past_key_values.{int(target_layer)}.key",
+                "target_value_input": f"past_key_values.{int(target_layer)}.value",
+            }
+        ],
+        "io": {"sequence_source": "inputs_embeds", "kv_ownership": "shared", "kv_layout": "per_kv_head"},
+    }
+    if has_draft_map:
+        speculative["draft_to_target"] = DRAFT_TO_TARGET
+    return {"speculative": speculative, "ortspec": dict(extra or {})}
+
+
+def write_drafter_folder(
+    out_dir: str | os.PathLike[str],
+    weights: HeadWeights,
+    *,
+    embedding: np.ndarray,
+    draft_to_target: np.ndarray | None,
+    target_layer: int,
+    kv_heads: int,
+    num_speculative_tokens: int = 4,
+    verifier: Mapping[str, Any] | None = None,
+    extra: Mapping[str, Any] | None = None,
+) -> Path:
+    """Write a drafter folder (graph, metadata, embedding table, draft map) into ``out_dir`` (created; existing files
+    of these names are replaced). ``embedding``: the target's ``[V, H]`` input-embedding table; ``draft_to_target``:
+    int ``[V']`` target ids of the head's logits columns, distinct and in ``[0, V)`` (None: ``V' == V``, identity)."""
+    import onnx
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    table = np.ascontiguousarray(embedding, dtype="<f4")
+    if table.ndim != 2 or table.shape[1] != weights.hidden_size:
+        raise ValueError(f"embedding must be [V, {weights.hidden_size}], got {table.shape}")
+    if draft_to_target is None:
+        if weights.draft_vocab != table.shape[0]:
+            raise ValueError(f"without draft_to_target the head must predict all {table.shape[0]} ids")
+    else:
+        mapping = np.ascontiguousarray(draft_to_target, dtype="<i8")
+        if mapping.shape != (weights.draft_vocab,) or len(np.unique(mapping)) != len(mapping):
+            raise ValueError(f"draft_to_target must hold {weights.draft_vocab} distinct ids, got {mapping.shape}")
+        if mapping.min() < 0 or mapping.max() >= table.shape[0]:
+            raise ValueError(f"draft_to_target ids must be in [0, {table.shape[0]})")
+        mapping.tofile(out / DRAFT_TO_TARGET)
+    table.tofile(out / INPUT_EMBEDDING)
+    onnx.save(build_head_graph(weights, kv_heads), str(out / DRAFTER_MODEL))
+    meta = drafter_metadata(
+        hidden_size=weights.hidden_size,
+        draft_vocab=weights.draft_vocab,
+        target_layer=target_layer,
+        kv_heads=kv_heads,
+        num_speculative_tokens=num_speculative_tokens,
+        has_draft_map=draft_to_target is not None,
+        verifier=verifier or {},
+        extra=extra,
+    )
+    (out / DRAFTER_METADATA).write_text(json.dumps(meta, indent=1) + "\n", encoding="utf-8")
+    return out
+
+
+def make_random_drafter(
+    target: str | os.PathLike[str],
+    out_dir: str | os.PathLike[str],
+    *,
+    seed: int = 0,
+    draft_vocab: int | None = None,
+    intermediate: int | None = None,
+    target_layer: int | None = None,
+    num_speculative_tokens: int = 4,
+) -> Path:
+    """A drafter folder with random weights for the target folder ``target`` (the contract's wiring, not its
+    quality: its drafts are mostly wrong). It reads the target's last layer (or ``target_layer``), predicts the first
+    ``draft_vocab`` target ids (default: all; fewer makes a ``draft_to_target`` map of scattered ids, so the map is
+    not the identity) and has an MLP of ``intermediate`` (default ``2 * hidden``). Same arguments, same
+    folder. Returns ``out_dir``."""
+    from ortspec.adapters.target_tables import TargetTables
+    from ortspec.backends.onnx import ModelFolder
+
+    folder = ModelFolder.load(target)
+    tables = TargetTables(folder)
+    embedding = tables.embedding()
+    vocab, hidden = embedding.shape
+    cos, sin = tables.rope()
+    heads, size = folder.num_attention_heads, folder.head_size
+    inter = intermediate or 2 * hidden
+    rng = np.random.default_rng(seed)
+
+    def randn(*shape: int, scale: float) -> np.ndarray:
+        return (rng.standard_normal(shape) * scale).astype(np.float32)
+
+    if draft_vocab is None or draft_vocab >= vocab:
+        mapping = None
+        columns = vocab
+    else:
+        step = next(k for k in (7, 11, 13, 17, 19, 23) if np.gcd(k, vocab) == 1)
+        mapping = (np.arange(draft_vocab, dtype=np.int64) * step + 3) % vocab  # distinct ids, not in order
+        columns = draft_vocab
+    weights = HeadWeights(
+        heads=heads,
+        head_size=size,
+        eps=tables.eps,
+        norm_embed=np.ones(hidden),
+        norm_hidden=np.ones(hidden),
+        fc=randn(2 * hidden, hidden, scale=1 / np.sqrt(2 * hidden)),
+        fc_bias=np.zeros(hidden),
+        norm_attn=np.ones(hidden),
+        wq=randn(hidden, heads * size, scale=1 / np.sqrt(hidden)),
+        wo=randn(heads * size, hidden, scale=1 / np.sqrt(heads * size)),
+        norm_mlp=np.ones(hidden),
+        w_gate=randn(hidden, inter, scale=1 / np.sqrt(hidden)),
+        w_up=randn(hidden, inter, scale=1 / np.sqrt(hidden)),
+        w_down=randn(inter, hidden, scale=1 / np.sqrt(inter)),
+        norm_out=np.ones(hidden),
+        lm_head=randn(hidden, columns, scale=3 / np.sqrt(hidden)),
+        cos=cos,
+        sin=sin,
+    )
+    layer = folder.num_layers - 1 if target_layer is None else target_layer
+    return write_drafter_folder(
+        out_dir,
+        weights,
+        embedding=embedding,
+        draft_to_target=mapping,
+        target_layer=layer,
+        kv_heads=folder.num_kv_heads,
+        num_speculative_tokens=num_speculative_tokens,
+        verifier={"name_or_path": folder.path.name},
+        extra={"target": target_fingerprint(folder.path), "weights": f"random (seed {seed})"},
+    )
+
+
+def target_fingerprint(folder: str | os.PathLike[str]) -> dict[str, Any]:
+    """See ``ortspec.backends.onnx.drafter.target_fingerprint`` (the same value, recorded in ``drafter.json``)."""
+    from ortspec.backends.onnx.drafter import target_fingerprint as fingerprint
+
+    return fingerprint(folder)

@@ -1,0 +1,528 @@
+"""Shared-KV drafters: a small ONNX head that drafts tokens from the target's own last hidden state and KV cache.
+
+The contract (what ``ortspec train-drafter`` and ``ortspec.adapters.drafter_graph`` write; docs/drafter.md has the
+long form):
+
+* **Folder.** ``drafter.json`` (the metadata), the graph it names (``speculative.model``), the target's input
+  embedding table ``speculative.input_embedding`` (raw little-endian float32 ``[V, H]``) and, for a reduced draft
+  vocabulary, ``speculative.draft_to_target`` (raw little-endian int64 ``[V']``: the target id of each logits
+  column). ``speculative.proposal_type`` is ``shared_kv``; ``backbone_hidden_size`` is H; ``vocab_size`` is V' (the
+  width of the head's ``logits``); ``shared_kv`` lists the groups, each naming its ``target_layers`` (the last one
+  listed is bound) and its input prefixes ``key_input``/``value_input``; ``io.kv_layout`` is ``per_kv_head``.
+* **Graph.** Inputs ``inputs_embeds`` ``[B, q, 2H]`` (the target's input embedding of a token, then a hidden
+  state), optional ``position_ids`` ``[B, q]`` int64, and per group and target KV head ``h``,
+  ``<key_input>.<h>`` / ``<value_input>.<h>`` ``[B, 1, kv_len, head_size]``. Outputs ``logits`` ``[B, q, V']`` and
+  ``projected_state`` ``[B, q, H]``. Every query row attends to all ``kv_len`` bound positions.
+* **Why one input per KV head.** ``OrtBackend`` keeps a layer's KV as one ``[1, kv_heads, max_length, head_size]``
+  buffer, so the first ``kv_len`` positions of all heads are not one contiguous block, but each head's are. One
+  input per head is bound by pointer into the buffer at that head (``OrtBackend.kv_pointer``): nothing is copied,
+  whatever ``kv_len`` is. The seed's one-tensor-per-group layout (``[B, kv_heads, kv_len, head_size]``) would need a
+  copy of the cache every round; such a graph is refused.
+
+The draft loop (``SharedKvProposer.propose``), in ortspec's fused step: when the driver asks for a draft, the
+backend holds the KV of every context token but the last (the pending token) and its last pass computed the hidden
+state at ``current_len() - 1``, which predicted the pending token. The drafter starts from ``(pending token, that
+hidden state)``, queries at the fixed position ``current_len()`` (the pending token's), picks the argmax of its
+logits (mapped to a target id), and feeds ``(that pick, its projected_state)`` to the next step; every pick is a
+draft token. The drafter owns no KV, so a rejected draft costs nothing to undo.
+
+Errors: a folder or graph that breaks the contract raises ``DrafterError`` naming the file and the key or tensor.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import attrs
+import numpy as np
+
+from ..base import BackendError
+from .graph import FLOAT_DTYPES, ORT_TYPES
+from .session import execution_providers, make_session_options, open_session
+
+METADATA_NAME = "drafter.json"
+KV_LAYOUT = "per_kv_head"
+
+
+class DrafterError(ValueError):
+    """A drafter folder or graph breaks the shared-KV contract, or does not fit the target it is used with."""
+
+
+def target_fingerprint(folder: str | os.PathLike[str]) -> dict[str, Any]:
+    """What identifies a target folder for a drafter trained on it: its name, the SHA-256 of its
+    ``genai_config.json`` and the byte size of the decoder's external data (cheap; a folder rebuilt from the same
+    weights has the same fingerprint; a different model of the same shape and size is not told apart)."""
+    path = Path(folder)
+    config = json.loads((path / "genai_config.json").read_text(encoding="utf-8"))
+    model_name = config.get("model", {}).get("decoder", {}).get("filename", "model.onnx")
+    data = [p for p in path.iterdir() if p.name.startswith(model_name) and p.name != model_name]
+    return {
+        "name": path.name,
+        "config_sha256": hashlib.sha256((path / "genai_config.json").read_bytes()).hexdigest(),
+        "data_bytes": sum(p.stat().st_size for p in data),
+    }
+
+
+@attrs.frozen
+class KvGroup:
+    """One shared-KV group: the graph reads target layer ``layer`` (the last of ``target_layers``) through inputs
+    ``<key_input>.<h>`` and ``<value_input>.<h>``, one per KV head ``h``."""
+
+    name: str
+    target_layers: tuple[int, ...]
+    key_input: str
+    value_input: str
+
+    @property
+    def layer(self) -> int:
+        return self.target_layers[-1]
+
+    def input_names(self, kv_heads: int) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        return (
+            tuple(f"{self.key_input}.{h}" for h in range(kv_heads)),
+            tuple(f"{self.value_input}.{h}" for h in range(kv_heads)),
+        )
+
+
+@attrs.frozen(eq=False)
+class DrafterFolder:
+    """A validated drafter folder (see the module docstring); :meth:`load` makes one.
+
+    ``hidden_size`` is H, ``vocab_size`` the width of the head's logits (V'), ``target_vocab`` the rows of the
+    embedding table (the target's vocabulary), ``draft_to_target`` the int64 ``[V']`` map (None: identity, V' = V).
+    ``metadata`` is the whole parsed ``drafter.json``."""
+
+    path: Path
+    model_path: Path
+    embedding_path: Path
+    num_speculative_tokens: int
+    hidden_size: int
+    vocab_size: int
+    target_vocab: int
+    draft_to_target: np.ndarray | None
+    groups: tuple[KvGroup, ...]
+    logits_name: str
+    projected_state_name: str
+    metadata: Mapping[str, Any]
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> DrafterFolder:
+        """Read and validate ``path/drafter.json`` and the files it names (sizes, ids); ``DrafterError`` names the
+        file and the key at fault."""
+        folder = Path(path).expanduser()
+        meta_path = folder / METADATA_NAME
+        if not meta_path.is_file():
+            raise DrafterError(f"drafter folder {folder} has no {METADATA_NAME}")
+        try:
+            raw = json.loads(meta_path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise DrafterError(f"{meta_path} is not valid JSON: {exc}") from exc
+
+        def fail(message: str) -> DrafterError:
+            return DrafterError(f"{meta_path}: {message}")
+
+        spec = raw.get("speculative") if isinstance(raw, Mapping) else None
+        if not isinstance(spec, Mapping):
+            raise fail("missing section 'speculative' (expected an object)")
+
+        def integer(key: str, default: int | None = None) -> int:
+            value = spec.get(key, default)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise fail(f"speculative.{key} must be an integer >= 1, got {value!r}")
+            return value
+
+        def text(key: str, default: str | None = None) -> str:
+            value = spec.get(key, default)
+            if not isinstance(value, str) or not value:
+                raise fail(f"speculative.{key} must be a non-empty string, got {value!r}")
+            return value
+
+        def file(key: str) -> Path:
+            name = text(key)
+            target = folder / name
+            if not target.is_file():
+                raise fail(f"speculative.{key} names {name}, which is not a file in {folder}")
+            return target
+
+        proposal = str(spec.get("proposal_type", spec.get("method", ""))).lower().replace("-", "_")
+        if proposal != "shared_kv":
+            raise fail(f"speculative.proposal_type must be 'shared_kv', got {spec.get('proposal_type')!r}")
+        hidden = integer("backbone_hidden_size")
+        vocab = integer("vocab_size")
+        steps = integer("num_speculative_tokens", 4)
+        model_path = file("model")
+        embedding_path = file("input_embedding")
+        size = embedding_path.stat().st_size
+        if size % (4 * hidden):
+            raise fail(
+                f"{embedding_path.name} holds {size} bytes, not a whole number of float32 rows of "
+                f"backbone_hidden_size = {hidden}"
+            )
+        target_vocab = size // (4 * hidden)
+
+        mapping = None
+        if spec.get("draft_to_target") is not None:
+            map_path = file("draft_to_target")
+            if map_path.stat().st_size != 8 * vocab:
+                raise fail(f"{map_path.name} holds {map_path.stat().st_size} bytes; expected {vocab} int64 ids")
+            mapping = np.fromfile(map_path, dtype="<i8").astype(np.int64)
+            if mapping.min() < 0 or mapping.max() >= target_vocab:
+                raise fail(f"{map_path.name} holds ids outside the target vocabulary [0, {target_vocab})")
+            if len(np.unique(mapping)) != len(mapping):
+                raise fail(f"{map_path.name} maps two draft ids to the same target id")
+        elif vocab != target_vocab:
+            raise fail(
+                f"speculative.vocab_size = {vocab} differs from the {target_vocab} rows of {embedding_path.name} "
+                "and there is no draft_to_target map"
+            )
+
+        io = spec.get("io", {})
+        if not isinstance(io, Mapping):
+            raise fail("speculative.io must be an object")
+        if io.get("sequence_source", "inputs_embeds") != "inputs_embeds":
+            raise fail(f"speculative.io.sequence_source must be 'inputs_embeds', got {io.get('sequence_source')!r}")
+        if io.get("kv_ownership", "shared") != "shared":
+            raise fail(f"speculative.io.kv_ownership must be 'shared', got {io.get('kv_ownership')!r}")
+        if io.get("kv_layout", KV_LAYOUT) != KV_LAYOUT:
+            raise fail(
+                f"speculative.io.kv_layout is {io.get('kv_layout')!r}; ortspec binds the target's cache in place, "
+                f"which needs one input per KV head ('{KV_LAYOUT}')"
+            )
+
+        raw_groups = spec.get("shared_kv")
+        if not isinstance(raw_groups, list) or not raw_groups:
+            raise fail("speculative.shared_kv must be a non-empty list of groups")
+        groups = []
+        for i, g in enumerate(raw_groups):
+            where = f"speculative.shared_kv[{i}]"
+            if not isinstance(g, Mapping) or not isinstance(g.get("name"), str) or not g["name"]:
+                raise fail(f"{where} must be an object with a non-empty 'name'")
+            layers = g.get("target_layers")
+            if (
+                not isinstance(layers, list)
+                or not layers
+                or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in layers)
+            ):
+                raise fail(f"{where}.target_layers must be a non-empty list of layer indices, got {layers!r}")
+            name = g["name"]
+            key_input = g.get("key_input") or f"shared_kv.{name}.key"
+            value_input = g.get("value_input") or f"shared_kv.{name}.value"
+            groups.append(KvGroup(name, tuple(layers), str(key_input), str(value_input)))
+
+        return cls(
+            path=folder,
+            model_path=model_path,
+            embedding_path=embedding_path,
+            num_speculative_tokens=steps,
+            hidden_size=hidden,
+            vocab_size=vocab,
+            target_vocab=target_vocab,
+            draft_to_target=mapping,
+            groups=tuple(groups),
+            logits_name=text("logits_output", "logits"),
+            projected_state_name=text("projected_state_output", "projected_state"),
+            metadata=raw,
+        )
+
+    def embedding(self) -> np.ndarray:
+        """The target's input-embedding table, ``[target_vocab, hidden_size]`` float32, memory-mapped read-only."""
+        return np.memmap(self.embedding_path, dtype="<f4", mode="r", shape=(self.target_vocab, self.hidden_size))
+
+    @property
+    def fingerprint(self) -> Mapping[str, Any] | None:
+        """The target fingerprint recorded at training (``ortspec.target`` in the metadata), if any."""
+        value = (self.metadata.get("ortspec") or {}).get("target")
+        return value if isinstance(value, Mapping) else None
+
+
+@attrs.frozen
+class DrafterGraph:
+    """What one drafter run binds (all checked against the session): ``embeds_name`` ``[B, q, 2H]`` of
+    ``float_dtype``; ``position_name`` (None when the graph takes no positions); per group the per-head
+    ``(keys, values)`` input names, all of ``float_dtype``; outputs ``logits`` ``[B, q, V']`` and the projected state
+    ``[B, q, H]``, both of ``float_dtype``."""
+
+    embeds_name: str
+    position_name: str | None
+    kv_inputs: tuple[tuple[tuple[str, ...], tuple[str, ...]], ...]
+    float_dtype: np.dtype
+
+
+def inspect_drafter_graph(session, folder: DrafterFolder, *, kv_heads: int, head_size: int) -> DrafterGraph:
+    """Check the session's inputs and outputs against the folder's metadata and the target's KV shape
+    (``kv_heads`` heads of ``head_size``); ``DrafterError`` names the graph file and the tensor at fault."""
+    where = str(folder.model_path)
+    inputs = {a.name: a for a in session.get_inputs()}
+    outputs = {a.name: a for a in session.get_outputs()}
+
+    def need(table: Mapping[str, Any], name: str, what: str) -> Any:
+        if name not in table:
+            raise DrafterError(
+                f"{where}: the graph has no {what} named {name!r}; it declares {sorted(table)[:10]}"
+                + (" ..." if len(table) > 10 else "")
+            )
+        return table[name]
+
+    def check(arg: Any, rank: int, fixed: Mapping[int, int], what: str) -> np.dtype:
+        if ORT_TYPES.get(arg.type) not in FLOAT_DTYPES:
+            raise DrafterError(f"{where}: {what} {arg.name!r} has type {arg.type}; expected float or float16")
+        dtype = ORT_TYPES[arg.type]
+        shape = list(arg.shape)
+        if len(shape) != rank:
+            raise DrafterError(f"{where}: {what} {arg.name!r} has rank {len(shape)}, expected {rank}")
+        for axis, size in fixed.items():
+            if isinstance(shape[axis], int) and shape[axis] != size:
+                raise DrafterError(f"{where}: {what} {arg.name!r} has dim {axis} = {shape[axis]}, expected {size}")
+        return dtype
+
+    hidden = folder.hidden_size
+    embeds = need(inputs, "inputs_embeds", "input")
+    dtype = check(embeds, 3, {2: 2 * hidden}, "input")
+    fed = {embeds.name}
+    position_name = None
+    if "position_ids" in inputs:
+        position = inputs["position_ids"]
+        if position.type != "tensor(int64)" or len(position.shape) != 2:
+            raise DrafterError(f"{where}: input 'position_ids' must be int64 [batch, query], got {position.type}")
+        position_name = position.name
+        fed.add(position_name)
+    kv_inputs = []
+    for group in folder.groups:
+        if group.key_input in inputs or group.value_input in inputs:
+            raise DrafterError(
+                f"{where}: input {group.key_input!r} takes all KV heads in one tensor; ortspec binds the target's "
+                f"cache in place, which needs one input per KV head ({group.key_input}.0 .. "
+                f"{group.key_input}.{kv_heads - 1}, each [batch, 1, kv_len, {head_size}])"
+            )
+        keys, values = group.input_names(kv_heads)
+        for name in (*keys, *values):
+            arg = need(inputs, name, "input")
+            if check(arg, 4, {1: 1, 3: head_size}, "input") != dtype:
+                raise DrafterError(f"{where}: input {name!r} is {arg.type} but inputs_embeds is {embeds.type}")
+            fed.add(name)
+        extra_heads = [n for n in inputs if n.startswith(f"{group.key_input}.") and n not in keys]
+        if extra_heads:
+            raise DrafterError(
+                f"{where}: inputs {extra_heads} read KV heads the target does not have (it has {kv_heads})"
+            )
+        kv_inputs.append((keys, values))
+    unknown = sorted(set(inputs) - fed)
+    if unknown:
+        raise DrafterError(f"{where}: the graph declares inputs a shared-KV drafter does not feed: {unknown}")
+    logits = need(outputs, folder.logits_name, "output")
+    if check(logits, 3, {2: folder.vocab_size}, "output") != dtype:
+        raise DrafterError(f"{where}: output {logits.name!r} is {logits.type} but inputs_embeds is {embeds.type}")
+    state = need(outputs, folder.projected_state_name, "output")
+    if check(state, 3, {2: hidden}, "output") != dtype:
+        raise DrafterError(f"{where}: output {state.name!r} is {state.type} but inputs_embeds is {embeds.type}")
+    return DrafterGraph(
+        embeds_name=embeds.name, position_name=position_name, kv_inputs=tuple(kv_inputs), float_dtype=dtype
+    )
+
+
+class SharedKvProposer:
+    """A shared-KV draft head bound to one ``OrtBackend`` (the ``Proposer`` the driver calls): it reads the
+    backend's ``current_len()``, its last hidden state and the KV buffers of the layers its groups name, in place.
+
+    Made by :meth:`open`. ``max_draft``: the most tokens one ``propose`` drafts (default: the folder's
+    ``num_speculative_tokens``). ``stop_below``: a pick whose probability under the head's softmax is below this
+    is not proposed and drafting stops (0 = never; host path only). The backend must be the one the driver
+    runs: the promise that ``propose`` relies on (module docstring) is checked, and a broken one raises
+    ``DrafterError``. Buffers are the proposer's, on the backend's device; nothing KV-sized is allocated or
+    copied per call. ``steps`` and ``runs`` count ``propose`` calls that drafted and head runs."""
+
+    def __init__(
+        self,
+        backend,
+        folder: DrafterFolder,
+        session,
+        *,
+        max_draft: int | None = None,
+        stop_below: float = 0.0,
+        check_fingerprint: bool = True,
+    ) -> None:
+        self.backend = backend
+        self.folder = folder
+        self.session = session
+        self.max_draft = int(max_draft if max_draft is not None else folder.num_speculative_tokens)
+        if self.max_draft < 1:
+            raise ValueError(f"max_draft must be >= 1, got {max_draft}")
+        if not 0.0 <= stop_below < 1.0:
+            raise ValueError(f"stop_below must be in [0, 1), got {stop_below}")
+        self.stop_below = float(stop_below)
+        target = backend.folder
+        self._check_target(target, check_fingerprint)
+        self.graph = inspect_drafter_graph(session, folder, kv_heads=target.num_kv_heads, head_size=target.head_size)
+        if self.graph.float_dtype != backend.graph.kv_dtype:
+            raise DrafterError(
+                f"{folder.model_path}: the graph reads {self.graph.float_dtype} KV but {target.model_path} keeps "
+                f"{backend.graph.kv_dtype} KV"
+            )
+        self._head_size = target.head_size
+        arrays = backend.array_module
+        self._arrays = arrays
+        self._device, self._device_id = backend.device_type, backend.device_id
+        hidden, dtype = folder.hidden_size, self.graph.float_dtype
+        embedding = folder.embedding()
+        self._embedding = embedding if self._device == "cpu" else arrays.from_host(np.asarray(embedding, dtype))
+        self._to_target = folder.draft_to_target
+        self._embeds = arrays.zeros((1, 1, 2 * hidden), dtype)
+        self._positions = arrays.zeros((1, 1), np.int64)
+        self._positions_host = np.zeros((1, 1), np.int64)
+        self._logits = arrays.empty((1, 1, folder.vocab_size), dtype)
+        self._state = arrays.empty((1, 1, hidden), dtype)
+        self._binding = session.io_binding()
+        self._bind(self.graph.embeds_name, self._embeds, [1, 1, 2 * hidden], dtype)
+        if self.graph.position_name:
+            self._bind(self.graph.position_name, self._positions, [1, 1], np.dtype(np.int64))
+        for name, array, shape in (
+            (folder.logits_name, self._logits, [1, 1, folder.vocab_size]),
+            (folder.projected_state_name, self._state, [1, 1, hidden]),
+        ):
+            self._binding.bind_output(name, self._device, self._device_id, dtype, shape, arrays.ptr(array))
+        self._bound_len = -1
+        self.steps = 0
+        self.runs = 0
+
+    def _bind(self, name: str, array, shape: list[int], dtype: np.dtype) -> None:
+        self._binding.bind_input(name, self._device, self._device_id, dtype, shape, self._arrays.ptr(array))
+
+    def _check_target(self, target, check_fingerprint: bool) -> None:
+        folder, backend = self.folder, self.backend
+        where = f"drafter {folder.path} on target {target.path}"
+        if not getattr(backend, "hidden_size", 0):
+            raise DrafterError(
+                f"{where}: the target graph {target.model_path} has no 'hidden_states' output, which a shared-KV "
+                "drafter reads; rebuild the folder with `ortspec convert` (it rebuilds folders made before) or with "
+                "the onnxruntime-genai builder's extra option include_hidden_states=true"
+            )
+        if backend.hidden_size != folder.hidden_size:
+            raise DrafterError(
+                f"{where}: backbone_hidden_size {folder.hidden_size} differs from the target's {backend.hidden_size}"
+            )
+        if backend.vocab_size != folder.target_vocab:
+            raise DrafterError(
+                f"{where}: {folder.embedding_path.name} has {folder.target_vocab} rows but the target's vocabulary "
+                f"is {backend.vocab_size}"
+            )
+        for group in folder.groups:
+            if group.layer >= target.num_layers:
+                raise DrafterError(
+                    f"{where}: group {group.name!r} reads target layer {group.layer} but the target has "
+                    f"{target.num_layers} layers"
+                )
+        recorded = folder.fingerprint
+        if check_fingerprint and recorded is not None:
+            actual = target_fingerprint(target.path)
+            differs = [k for k in ("config_sha256", "data_bytes") if k in recorded and recorded[k] != actual.get(k)]
+            if differs:
+                raise DrafterError(
+                    f"{where}: the drafter was made for another target ({recorded.get('name')!r}; {differs[0]} "
+                    "differs); pass check_fingerprint=False to use it anyway"
+                )
+
+    @classmethod
+    def open(
+        cls,
+        backend,
+        folder_or_path: DrafterFolder | str | os.PathLike[str],
+        *,
+        threads: int | None = 1,
+        max_draft: int | None = None,
+        stop_below: float = 0.0,
+        check_fingerprint: bool = True,
+        session_options=None,
+    ) -> SharedKvProposer:
+        """Open the drafter in ``folder_or_path`` for ``backend`` (an ``OrtBackend`` with hidden states), on the
+        backend's execution provider. ``threads``: the head's intra-op threads (default 1: a draft step is a few
+        small matrix-vector products, and a second pool competes with the target's for the same cores)."""
+        folder = folder_or_path if isinstance(folder_or_path, DrafterFolder) else DrafterFolder.load(folder_or_path)
+        options = session_options or make_session_options(threads=threads)
+        try:
+            providers = execution_providers(backend.provider, backend.device_id)
+            session = open_session(folder.model_path, providers=providers, session_options=options)
+        except BackendError as exc:
+            raise DrafterError(str(exc)) from exc
+        return cls(
+            backend,
+            folder,
+            session,
+            max_draft=max_draft,
+            stop_below=stop_below,
+            check_fingerprint=check_fingerprint,
+        )
+
+    # ------------------------------------------------------------------------------------------------------------
+    def propose(self, context_tokens: Sequence[int], width: int) -> tuple[int, ...]:
+        """Up to ``min(width, max_draft)`` draft tokens after ``context_tokens`` (see the module docstring)."""
+        kv_len = self.backend.current_len()
+        if kv_len != len(context_tokens) - 1:
+            raise DrafterError(
+                f"the backend holds {kv_len} KV positions but the context has {len(context_tokens)} tokens; a "
+                "shared-KV drafter needs the KV of every context token but the last (the driver's promise)"
+            )
+        steps = min(int(width), self.max_draft)
+        if steps < 1 or kv_len < 1:
+            return ()
+        return self.draft(int(context_tokens[-1]), kv_len, steps)
+
+    def draft(self, token: int, kv_len: int, steps: int) -> tuple[int, ...]:
+        """``steps`` picks starting from ``token`` at position ``kv_len`` (the backend's ``current_len()``) and the
+        backend's hidden state at ``kv_len - 1``."""
+        arrays, hidden = self._arrays, self.folder.hidden_size
+        self._bind_kv(kv_len)
+        self._positions_host[0, 0] = kv_len
+        arrays.upload(self._positions, self._positions_host)
+        arrays.copy(self._embeds[0, 0, hidden:], self.backend.hidden_row(kv_len - 1))
+        draft: list[int] = []
+        self.steps += 1
+        for i in range(steps):
+            arrays.copy(self._embeds[0, 0, :hidden], self._embedding[token])
+            arrays.sync()
+            try:
+                self.session.run_with_iobinding(self._binding)
+            except Exception as exc:  # noqa: BLE001 - ORT raises its own exception types
+                raise DrafterError(f"onnxruntime failed running {self.folder.model_path}: {exc}") from exc
+            self.runs += 1
+            pick, confident = self._pick()
+            if not confident:
+                break
+            token = int(self._to_target[pick]) if self._to_target is not None else pick
+            draft.append(token)
+            if i + 1 < steps:
+                arrays.copy(self._embeds[0, 0, hidden:], self._state[0, 0])
+        return tuple(draft)
+
+    def _pick(self) -> tuple[int, bool]:
+        """The argmax of the last run's logits (lowest id on ties) and whether drafting may go on after it."""
+        if self._device == "cpu":
+            row = self._logits[0, 0]
+            pick = int(np.argmax(row))
+            if self.stop_below > 0.0:
+                probability = 1.0 / float(np.exp(row - row[pick]).sum())
+                return pick, probability >= self.stop_below
+            return pick, True
+        ids, _ = self._arrays.argmax_margin(self._logits[0])
+        return int(ids[0]), True
+
+    def _bind_kv(self, kv_len: int) -> None:
+        """Bind every per-head KV input to the first ``kv_len`` positions of its head, in the backend's buffer."""
+        if kv_len == self._bound_len:
+            return
+        shape = [1, 1, kv_len, self._head_size]
+        for group, (keys, values) in zip(self.folder.groups, self.graph.kv_inputs, strict=True):
+            for which, names in (("key", keys), ("value", values)):
+                for head, name in enumerate(names):
+                    address = self.backend.kv_pointer(group.layer, which, head)
+                    self._binding.bind_input(
+                        name, self._device, self._device_id, self.graph.float_dtype, shape, address
+                    )
+        self._bound_len = kv_len
+
+    def __repr__(self) -> str:
+        return f"SharedKvProposer({str(self.folder.path)!r}, max_draft={self.max_draft})"

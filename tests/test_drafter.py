@@ -1,0 +1,437 @@
+"""The shared-KV drafter on tiny random models built on the fly: OrtBackend's hidden states and KV pointers, the
+drafter folder's validation, the head against an independent numpy reference on the backend's live KV (bound in
+place, never copied), the driver's promise, rejection costing nothing, exactness end to end (greedy and seeded
+sampling, ``shared-kv`` and ``auto``), the Engine's discovery, the draft-cost measurement and the training
+pipeline's data against the single-sequence backend."""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+onnx = pytest.importorskip("onnx")
+
+from ortspec.adapters.drafter_graph import DRAFTER_METADATA, make_random_drafter  # noqa: E402
+from ortspec.backends.base import BackendError, HiddenStates  # noqa: E402
+from ortspec.backends.onnx import OrtBackend  # noqa: E402
+from ortspec.backends.onnx.drafter import DrafterError, DrafterFolder, SharedKvProposer  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def drafter_dir(tiny_model_dir, tmp_path_factory) -> Path:
+    """A random drafter for the tiny model with a reduced vocabulary (a scattered draft_to_target map)."""
+    return make_random_drafter(tiny_model_dir, tmp_path_factory.mktemp("drafter") / "d", seed=1, draft_vocab=300)
+
+
+@pytest.fixture(scope="module")
+def full_vocab_drafter_dir(tiny_model_dir, tmp_path_factory) -> Path:
+    return make_random_drafter(tiny_model_dir, tmp_path_factory.mktemp("drafter-full") / "d", seed=2)
+
+
+@pytest.fixture()
+def backend(tiny_model_dir) -> OrtBackend:
+    return OrtBackend.from_folder(tiny_model_dir, threads=1, max_length=128)
+
+
+def prompt_ids(n: int, vocab: int, seed: int = 0) -> list[int]:
+    return [int(x) for x in np.random.default_rng(seed).integers(3, vocab, n)]
+
+
+def promised_state(backend: OrtBackend, context: list[int]) -> None:
+    """The state the driver promises a drafter: KV of every context token but the last, the last pass ending at
+    the one before it."""
+    backend.reset()
+    backend.decode(context[:-1], 0)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The numpy reference of the documented head (reads the weights from the ONNX file; shares no code with ortspec)
+# ----------------------------------------------------------------------------------------------------------------
+
+
+class ReferenceHead:
+    def __init__(self, folder: Path, kv_heads: int) -> None:
+        from onnx import numpy_helper
+
+        meta = json.loads((folder / DRAFTER_METADATA).read_text())["speculative"]
+        model = onnx.load(str(folder / meta["model"]))
+        self.w = {t.name: numpy_helper.to_array(t).astype(np.float64) for t in model.graph.initializer}
+        self.eps = float(self.w["eps"])
+        self.hidden = meta["backbone_hidden_size"]
+        self.kv_heads = kv_heads
+        self.size = self.w["cos"].shape[1] * 2
+        self.heads = self.w["wq"].shape[1] // self.size
+        rows = (folder / meta["input_embedding"]).stat().st_size // (4 * self.hidden)
+        self.embedding = np.fromfile(folder / meta["input_embedding"], "<f4").reshape(rows, self.hidden)
+        mapping = meta.get("draft_to_target")
+        self.to_target = np.fromfile(folder / mapping, "<i8") if mapping else np.arange(rows)
+
+    def rms(self, x, weight):
+        return x / np.sqrt(np.mean(x * x) + self.eps) * self.w[weight]
+
+    def step(self, embed, state, position, keys, values):
+        """One query: ``keys``/``values`` ``[kv_heads, kv_len, D]``; returns (logits, projected state)."""
+        w, d = self.w, self.size
+        u = np.concatenate([self.rms(embed, "norm_embed"), self.rms(state, "norm_hidden")]) @ w["fc"] + w["fc_bias"]
+        q = (self.rms(u, "norm_attn") @ w["wq"]).reshape(self.heads, d)
+        cos, sin = w["cos"][position], w["sin"][position]
+        q = np.concatenate(
+            [q[:, : d // 2] * cos - q[:, d // 2 :] * sin, q[:, d // 2 :] * cos + q[:, : d // 2] * sin], 1
+        )
+        out = np.zeros((self.heads, d))
+        group = self.heads // self.kv_heads
+        for h in range(self.heads):
+            scores = keys[h // group] @ q[h] / np.sqrt(d)
+            p = np.exp(scores - scores.max())
+            out[h] = (p / p.sum()) @ values[h // group]
+        u = u + out.reshape(-1) @ w["wo"]
+        m = self.rms(u, "norm_mlp")
+        gate = m @ w["w_gate"]
+        u = u + (gate / (1 + np.exp(-gate)) * (m @ w["w_up"])) @ w["w_down"]
+        state = self.rms(u, "norm_out")
+        return state @ w["lm_head"], state
+
+    def draft(self, token, hidden, position, keys, values, steps):
+        out, state = [], hidden
+        for _ in range(steps):
+            logits, state = self.step(self.embedding[token].astype(np.float64), state, position, keys, values)
+            token = int(self.to_target[int(np.argmax(logits))])
+            out.append(token)
+        return tuple(out)
+
+
+def live_kv(backend: OrtBackend, layer: int) -> tuple[np.ndarray, np.ndarray]:
+    n = backend.current_len()
+    return backend._keys[layer][0, :, :n].astype(np.float64), backend._values[layer][0, :, :n].astype(np.float64)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# OrtBackend: hidden states and the buffers a drafter reads
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def test_backend_hidden_states_are_the_lm_heads_input(tiny_model_dir, backend):
+    from ortspec.adapters.target_tables import TargetTables
+
+    assert isinstance(backend, HiddenStates) and backend.hidden_size == 64
+    lm_head = TargetTables(backend.folder).tensor("lm_head.MatMul.weight")
+    ids = prompt_ids(20, backend.vocab_size)
+    rows = backend.decode_verify(ids, 0).copy()
+    for position in (0, 7, 19):
+        np.testing.assert_allclose(backend.hidden_at(position) @ lm_head, rows[position], atol=2e-4)
+    # only the last pass's positions, and only resident ones
+    backend.decode([5, 6], 20)
+    with pytest.raises(BackendError, match="last pass computed positions"):
+        backend.hidden_at(19)
+    assert backend.hidden_at(21).shape == (64,)
+    backend.rewind(21)
+    with pytest.raises(BackendError):
+        backend.hidden_at(21)
+    row = backend.hidden_at(20).copy()
+    pointer = (ctypes.c_float * 64).from_address(backend.hidden_pointer(20))
+    np.testing.assert_array_equal(np.frombuffer(pointer, np.float32), row)
+    np.testing.assert_array_equal(backend.hidden_row(20), row)
+    backend.reset()
+    with pytest.raises(BackendError):
+        backend.hidden_at(0)
+
+
+def test_kv_pointer_addresses_each_heads_first_positions(backend):
+    backend.decode(prompt_ids(10, backend.vocab_size), 0)
+    head_size = backend.folder.head_size
+    for layer in range(backend.folder.num_layers):
+        for which, buffers in (("key", backend._keys), ("value", backend._values)):
+            for head in range(backend.folder.num_kv_heads):
+                raw = (ctypes.c_float * (10 * head_size)).from_address(backend.kv_pointer(layer, which, head))
+                got = np.frombuffer(raw, np.float32).reshape(10, head_size)
+                np.testing.assert_array_equal(got, buffers[layer][0, head, :10])
+    with pytest.raises(ValueError):
+        backend.kv_pointer(backend.folder.num_layers, "key", 0)
+    with pytest.raises(ValueError):
+        backend.kv_pointer(0, "query", 0)
+
+
+@pytest.fixture(scope="module")
+def no_hidden_model_dir(tmp_path_factory) -> Path:
+    from ortspec.adapters.convert import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-old") / "tiny", hidden_states=False)
+
+
+def test_a_folder_without_hidden_states_is_refused_clearly(no_hidden_model_dir, drafter_dir):
+    from ortspec.adapters.convert import has_hidden_states, is_complete
+
+    assert not has_hidden_states(no_hidden_model_dir / "model.onnx") and not is_complete(no_hidden_model_dir)
+    backend = OrtBackend.from_folder(no_hidden_model_dir, threads=1, max_length=64)
+    assert backend.hidden_size == 0
+    backend.decode([1, 2, 3], 0)
+    with pytest.raises(BackendError, match="include_hidden_states"):
+        backend.hidden_at(2)
+    with pytest.raises(DrafterError, match="no 'hidden_states' output.*ortspec convert"):
+        SharedKvProposer.open(backend, drafter_dir, check_fingerprint=False)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The head and its binding
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("which", ["reduced", "full"])
+def test_drafts_equal_the_reference_on_the_targets_kv(which, drafter_dir, full_vocab_drafter_dir, backend):
+    folder = drafter_dir if which == "reduced" else full_vocab_drafter_dir
+    proposer = SharedKvProposer.open(backend, folder)
+    layer = proposer.folder.groups[0].layer
+    reference = ReferenceHead(folder, backend.folder.num_kv_heads)
+    for length in (2, 9, 40):
+        context = prompt_ids(length, backend.vocab_size, seed=length)
+        promised_state(backend, context)
+        draft = proposer.propose(context, 6)
+        keys, values = live_kv(backend, layer)
+        hidden = backend.hidden_at(length - 2).astype(np.float64)
+        assert draft == reference.draft(context[-1], hidden, length - 1, keys, values, min(6, proposer.max_draft))
+        assert all(0 <= t < backend.vocab_size for t in draft)
+        assert backend.current_len() == length - 1  # the drafter touched nothing
+
+
+def test_the_drafter_reads_the_cache_in_place(drafter_dir, backend):
+    """Changing the backend's KV buffer (in place, same address) changes the next draft exactly as the reference
+    says: the drafter reads the live buffer, not a copy."""
+    proposer = SharedKvProposer.open(backend, drafter_dir)
+    layer = proposer.folder.groups[0].layer
+    reference = ReferenceHead(drafter_dir, backend.folder.num_kv_heads)
+    context = prompt_ids(30, backend.vocab_size, seed=3)
+    promised_state(backend, context)
+    before = proposer.propose(context, 4)
+    rng = np.random.default_rng(0)
+    for buffer in (backend._keys[layer], backend._values[layer]):
+        buffer[0, :, :29] = rng.standard_normal(buffer[0, :, :29].shape).astype(np.float32) * 3
+    after = proposer.propose(context, 4)
+    keys, values = live_kv(backend, layer)
+    want = reference.draft(context[-1], backend.hidden_at(28).astype(np.float64), 29, keys, values, 4)
+    assert after == want and after != before
+
+
+def test_the_promise_is_checked(drafter_dir, backend):
+    proposer = SharedKvProposer.open(backend, drafter_dir)
+    context = prompt_ids(12, backend.vocab_size)
+    promised_state(backend, context)
+    with pytest.raises(DrafterError, match="holds 11 KV positions but the context has 13 tokens"):
+        proposer.propose([*context, 5], 3)
+    assert proposer.propose(context, 0) == ()
+    backend.reset()
+    assert proposer.propose([7], 3) == ()  # nothing cached yet: nothing to read
+
+
+def test_a_rejected_draft_costs_nothing(drafter_dir, backend):
+    """The drafter owns no state that a rejection would have to undo: after a verify pass and a rewind, its next
+    draft equals a fresh drafter's on a fresh backend in the same state."""
+    proposer = SharedKvProposer.open(backend, drafter_dir)
+    context = prompt_ids(16, backend.vocab_size, seed=5)
+    promised_state(backend, context)
+    draft = proposer.propose(context, 4)
+    base = backend.current_len()
+    rows = backend.decode_verify([context[-1], *draft], base)
+    pick = int(np.argmax(rows[0]))
+    backend.rewind(base + 1)  # accept nothing: keep the pending token, drop the draft
+    after = proposer.propose([*context, pick], 4)
+    fresh_backend = OrtBackend.from_folder(backend.folder, threads=1, max_length=128)
+    promised_state(fresh_backend, [*context, pick])
+    assert after == SharedKvProposer.open(fresh_backend, drafter_dir).propose([*context, pick], 4)
+    assert not hasattr(proposer, "rewind")
+
+
+def test_stop_below_drops_unconfident_picks(drafter_dir, backend):
+    confident = SharedKvProposer.open(backend, drafter_dir, stop_below=0.999)
+    context = prompt_ids(10, backend.vocab_size)
+    promised_state(backend, context)
+    assert confident.propose(context, 4) == ()  # a random head is never that sure
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Folder and graph validation
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def copy_drafter(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+def edit_metadata(folder: Path, change) -> None:
+    path = folder / DRAFTER_METADATA
+    meta = json.loads(path.read_text())
+    change(meta)
+    path.write_text(json.dumps(meta))
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (lambda m: m["speculative"].update(proposal_type="eagle3"), "proposal_type must be 'shared_kv'"),
+        (lambda m: m["speculative"].update(model="missing.onnx"), "speculative.model names missing.onnx"),
+        # 65 divides no table of the tiny model's 384 x 64 float32 (2**15 * 3 bytes); 48 does (test below)
+        (lambda m: m["speculative"].update(backbone_hidden_size=65), "not a whole number of float32 rows"),
+        (lambda m: m["speculative"].update(vocab_size=299), "draft_to_target.i64 holds 2400 bytes; expected 299"),
+        (lambda m: m["speculative"]["io"].update(kv_layout="per_group"), "needs one input per KV head"),
+        (lambda m: m["speculative"].update(shared_kv=[]), "shared_kv must be a non-empty list"),
+        (lambda m: m["speculative"]["shared_kv"][0].update(target_layers=["x"]), "target_layers must be"),
+        (lambda m: m.pop("speculative"), "missing section 'speculative'"),
+    ],
+)
+def test_metadata_errors_name_the_file_and_key(drafter_dir, tmp_path, change, message):
+    folder = copy_drafter(drafter_dir, tmp_path / "d")
+    edit_metadata(folder, change)
+    with pytest.raises(DrafterError, match=message) as info:
+        DrafterFolder.load(folder)
+    assert str(folder / DRAFTER_METADATA) in str(info.value)
+
+
+def test_draft_map_errors(drafter_dir, tmp_path):
+    folder = copy_drafter(drafter_dir, tmp_path / "d")
+    mapping = np.fromfile(folder / "draft_to_target.i64", "<i8")
+    mapping[1] = mapping[0]
+    mapping.tofile(folder / "draft_to_target.i64")
+    with pytest.raises(DrafterError, match="maps two draft ids to the same target id"):
+        DrafterFolder.load(folder)
+    mapping[1] = 10**6
+    mapping.tofile(folder / "draft_to_target.i64")
+    with pytest.raises(DrafterError, match="outside the target vocabulary"):
+        DrafterFolder.load(folder)
+
+
+def test_graph_errors_name_the_graph_and_tensor(tiny_model_dir, drafter_dir, tmp_path, backend):
+    """A graph in the seed's one-tensor-per-group layout, a graph missing a head's input, and a drafter for
+    another target (layer out of range, fingerprint) are refused with the file and the tensor named."""
+    seed_layout = copy_drafter(drafter_dir, tmp_path / "seed")
+    model = onnx.load(str(seed_layout / "drafter.onnx"))
+    for value in model.graph.input:
+        if value.name == "shared_kv.full_attention.key.0":
+            value.name = "shared_kv.full_attention.key"
+    for node in model.graph.node:
+        node.input[:] = ["shared_kv.full_attention.key" if i == "shared_kv.full_attention.key.0" else i
+                         for i in node.input]  # fmt: skip
+    onnx.save(model, str(seed_layout / "drafter.onnx"))
+    with pytest.raises(DrafterError, match=r"drafter.onnx: input 'shared_kv.full_attention.key' takes all KV heads"):
+        SharedKvProposer.open(backend, seed_layout)
+
+    other_layer = copy_drafter(drafter_dir, tmp_path / "layer")
+    edit_metadata(other_layer, lambda m: m["speculative"]["shared_kv"][0].update(target_layers=[7]))
+    with pytest.raises(DrafterError, match="reads target layer 7 but the target has 2 layers"):
+        SharedKvProposer.open(backend, other_layer)
+
+    renamed = copy_drafter(drafter_dir, tmp_path / "renamed")
+    edit_metadata(renamed, lambda m: m["speculative"]["shared_kv"][0].update(key_input="shared_kv.other.key"))
+    with pytest.raises(DrafterError, match=r"drafter.onnx: the graph has no input named 'shared_kv.other.key.0'"):
+        SharedKvProposer.open(backend, renamed)
+
+    narrower = copy_drafter(drafter_dir, tmp_path / "narrower")  # 48 divides the table: only the target tells
+    edit_metadata(narrower, lambda m: m["speculative"].update(backbone_hidden_size=48))
+    assert DrafterFolder.load(narrower).target_vocab == 512
+    with pytest.raises(DrafterError, match="backbone_hidden_size 48 differs from the target's 64"):
+        SharedKvProposer.open(backend, narrower)
+
+    foreign = copy_drafter(drafter_dir, tmp_path / "foreign")
+    edit_metadata(foreign, lambda m: m["ortspec"]["target"].update(config_sha256="0" * 64))
+    with pytest.raises(DrafterError, match="made for another target"):
+        SharedKvProposer.open(backend, foreign)
+    SharedKvProposer.open(backend, foreign, check_fingerprint=False)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# End to end: exactness, the Engine, the costs
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture()
+def engine(tiny_model_dir, drafter_dir):
+    from ortspec.adapters.engine import Engine
+
+    return Engine.from_dir(tiny_model_dir, threads=1, max_length=256, drafter=drafter_dir)
+
+
+@pytest.mark.parametrize("speculative", ["shared-kv", "auto"])
+@pytest.mark.parametrize("sampling", [{}, {"temperature": 0.8, "top_p": 0.9, "seed": 7}])
+def test_speculative_with_the_drafter_equals_plain(engine, speculative, sampling):
+    prompts = ["The quick brown fox jumps over the lazy dog.", "Return an iterator over the values"]
+    for prompt in prompts:
+        plain = engine.generate(prompt, max_tokens=40, ignore_eos=True, **sampling)
+        for width in ("auto", 3):
+            spec = engine.generate(prompt, max_tokens=40, ignore_eos=True, speculative=speculative,
+                                   draft_width=width, **sampling)  # fmt: skip
+            assert spec.token_ids == plain.token_ids and spec.text == plain.text
+            if speculative == "shared-kv" and width == 3:
+                assert spec.stats.proposed_tokens > 0  # the drafter drafted, the verify pass judged
+
+
+def test_engine_finds_the_drafter_beside_the_model(tiny_model_dir, drafter_dir, tmp_path):
+    from ortspec.adapters.engine import Engine
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model)
+    assert Engine.from_dir(model, threads=1).drafter is None
+    with pytest.raises(ValueError, match="speculative='shared-kv' needs a drafter"):
+        Engine.from_dir(model, threads=1).generate("hi", max_tokens=2, speculative="shared-kv")
+    shutil.copytree(drafter_dir, model / "drafter")
+    found = Engine.from_dir(model, threads=1)
+    assert isinstance(found.drafter, SharedKvProposer) and found.drafter.folder.path == model / "drafter"
+    assert Engine.from_dir(model, threads=1, drafter=False).drafter is None
+
+
+def test_draft_cost_is_measured_and_the_backend_left_reset(tiny_model_dir, drafter_dir):
+    from ortspec.costs import measure_draft_cost, probe_ids
+
+    backend = OrtBackend.from_folder(tiny_model_dir, threads=1, max_length=128)
+    proposer = SharedKvProposer.open(backend, drafter_dir)
+    result = measure_draft_cost(backend, proposer, probe_ids(backend.vocab_size, 50), width=3, repeats=3)
+    assert result["tokens"] == 3 and result["step_s"] > 0 and result["decode_step_s"] > 0
+    assert result["cost"] == pytest.approx(result["step_s"] / result["decode_step_s"])
+    assert backend.current_len() == 0
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The training pipeline's pieces
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def test_batched_target_data_equals_the_backend(tiny_model_dir):
+    """TargetRunner (batched, equal-length prompts) records what OrtBackend computes one sequence at a time: the
+    greedy continuation, hidden states, the layer's keys and values, and labels = the next tokens."""
+    from ortspec.adapters.drafter_data import TargetRunner
+    from ortspec.backends.onnx import ModelFolder
+
+    folder = ModelFolder.load(tiny_model_dir)
+    runner = TargetRunner(folder, 1, threads=1)
+    prompts = [prompt_ids(9, folder.vocab_size, seed=s) for s in range(3)]
+    records = runner.run(prompts, 12, eos=[0])
+    backend = OrtBackend.from_folder(folder, threads=1, max_length=64)
+    for prompt, record in zip(prompts, records, strict=True):
+        assert record.prompt_len == 9 and list(record.tokens[:9]) == prompt
+        backend.reset()
+        n = len(record)
+        rows = backend.decode_verify([int(t) for t in record.tokens], 0)
+        assert np.array_equal(rows.argmax(1), record.labels)
+        assert np.array_equal(record.labels[8:-1], record.tokens[9:])  # greedy from the last prompt token on
+        np.testing.assert_allclose(record.hidden, np.stack([backend.hidden_at(i) for i in range(n)]), atol=1e-4)
+        np.testing.assert_allclose(record.keys, backend._keys[1][0, :, :n], atol=1e-4)
+        np.testing.assert_allclose(record.values, backend._values[1][0, :, :n], atol=1e-4)
+
+
+def test_train_drafter_writes_a_valid_folder(tiny_model_dir, tmp_path):
+    pytest.importorskip("torch")
+    from ortspec.adapters.train_drafter import TrainConfig, train_drafter
+
+    config = TrainConfig(minutes=0.4, batch=4, max_new=24, draft_vocab=200, steps=2, train_batch=4, threads=1)
+    folder = train_drafter(tiny_model_dir, tmp_path / "trained", config, progress=None)
+    meta = DrafterFolder.load(folder)
+    record = meta.metadata["ortspec"]["training"]
+    assert meta.vocab_size == 200 and record["data"]["sequences"] > 0
+    assert record["export_check"]["picks_agree"] == record["export_check"]["checked"] > 0
+    backend = OrtBackend.from_folder(tiny_model_dir, threads=1, max_length=128)
+    context = prompt_ids(20, backend.vocab_size)
+    promised_state(backend, context)
+    assert len(SharedKvProposer.open(backend, folder).propose(context, 3)) == 3
