@@ -374,6 +374,7 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
         threads=args.threads,
         seed=args.seed,
         num_speculative_tokens=args.num_speculative_tokens,
+        weights=args.weights,
     )
     folder = train_drafter(_model_dir(args), args.out, config, progress=lambda m: print(m, file=sys.stderr))
     print(folder)
@@ -725,6 +726,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--threads", type=_positive_int, default=None, metavar="N",
         help="threads for onnxruntime and torch (default: all)",
     )  # fmt: skip
+    p.add_argument(
+        "--weights",
+        default="int8",
+        choices=("int8", "fp32"),
+        help="how the drafter's MatMul weights are stored: int8 (default; a draft step reads a quarter of the bytes) "
+        "or fp32",
+    )
     p.add_argument("--seed", type=int, default=0, help="prompts, split and initialisation (default 0)")
     p.set_defaults(func=cmd_train_drafter)
 

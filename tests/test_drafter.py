@@ -430,7 +430,10 @@ def test_train_drafter_writes_a_valid_folder(tiny_model_dir, tmp_path):
     meta = DrafterFolder.load(folder)
     record = meta.metadata["ortspec"]["training"]
     assert meta.vocab_size == 200 and record["data"]["sequences"] > 0
-    assert record["export_check"]["picks_agree"] == record["export_check"]["checked"] > 0
+    check = record["export_check"]
+    assert check["fp32"]["picks_agree"] == check["fp32"]["checked"] > 0  # the graph computes the torch head
+    assert check["weights"] == "int8" and check["bytes"] < check["bytes_fp32"] / 2  # then its weights are int8
+    assert check["int8"]["checked"] == check["fp32"]["checked"] and check["int8"]["max_logit_diff"] < 1.0
     backend = OrtBackend.from_folder(tiny_model_dir, threads=1, max_length=128)
     context = prompt_ids(20, backend.vocab_size)
     promised_state(backend, context)
