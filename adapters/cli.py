@@ -585,8 +585,8 @@ def build_parser() -> argparse.ArgumentParser:
             "--speculative",
             default="auto",
             choices=("auto", "prompt-lookup", "shared-kv", "none"),
-            help="draft proposer: auto (default) = prompt lookup where it matches strongly, the shared-KV drafter "
-            "otherwise (prompt lookup alone without a drafter); shared-kv = the drafter alone; none = plain "
+            help="draft proposer: auto (default) = per draft, prompt lookup or the shared-KV drafter, whichever has "
+            "earned more (prompt lookup alone without a drafter); shared-kv = the drafter alone; none = plain "
             "decoding. The output is the same either way",
         )
         g.add_argument("--ignore-eos", action="store_true", help="do not stop at the model's end-of-sequence token")

@@ -126,10 +126,10 @@ class GenerationOptions:
     ``max_tokens``: most new tokens. ``stop``: a string, strings, or token-id sequences that end generation
     (stop strings are cut from the text). ``speculative``: ``None`` (plain greedy), ``"prompt-lookup"``,
     ``"shared-kv"`` (the Engine's drafter: a draft head reading the target's hidden state and KV), ``"auto"``
-    (prompt lookup where it matches strongly, the drafter otherwise, each priced by its own cost-aware width
-    policy; prompt lookup alone without a drafter), or a proposer object. ``draft_width``: ``"auto"`` (the
-    cost-aware policy on this backend's measured verify cost curve), the most draft tokens per pass, or a width
-    policy. ``chat``: format a text prompt as one user turn with the folder's chat template (``system``: an
+    (per draft, prompt lookup or the drafter, whichever has earned more tokens per unit time, each priced by its own
+    cost-aware width policy; prompt lookup alone without a drafter), or a proposer object. ``draft_width``:
+    ``"auto"`` (the cost-aware policy on this backend's measured verify cost curve), the most draft tokens per pass,
+    or a width policy. ``chat``: format a text prompt as one user turn with the folder's chat template (``system``: an
     optional system turn). ``ignore_eos``: do not stop at the model's EOS tokens. ``top_logprobs``: report each
     token's log-probability and the N most likely alternatives. ``tie_margin``: the near-tie guard, in logits (0 = off).
 

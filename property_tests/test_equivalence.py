@@ -543,7 +543,7 @@ def test_a_drafter_that_reads_the_target_keeps_the_output_exact(sc, kind, data):
 @settings(max_examples=examples(600))
 @given(scenarios(), st.sampled_from(["good", "bad", "adversarial"]), st.data())
 def test_auto_lookup_or_drafter_keeps_the_output_exact(sc, kind, data):
-    """``speculative="auto"``'s proposer (``LookupOrDraft``: prompt lookup where it matches strongly, the drafter
+    """``speculative="auto"``'s proposer (``LookupOrDraft``: prompt lookup or the drafter, whichever has earned more,
     otherwise, each source with its own learning width policy, priced or not) drafts whatever its sources and
     policies say; the output is plain decoding's, and the drafter still finds the driver's promise kept."""
     backend = TracingBackend(sc.model, sc.capacity, picks_on_device=data.draw(st.booleans(), label="picks"))
