@@ -53,8 +53,9 @@ ran back to back on each prompt, so the pairs share the machine's state). ``CpuC
 every run; a run during which other processes used more than ``--contention-threshold`` cores on average is
 flagged ``disturbed``.
 
-``--quick`` checks that the suite works (not speed): a tiny random-weight model made on the fly, 2 prompts per
-category, 16 new tokens, results in ``--out`` (a temporary folder by default).
+``--quick`` checks that the suite works (not speed): a tiny random-weight model made on the fly, with a random
+shared-KV drafter beside it (so the drafter settings run; their drafts are mostly wrong), 2 prompts per category,
+16 new tokens, results in ``--out`` (a temporary folder by default).
 """
 
 from __future__ import annotations
@@ -800,8 +801,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def _resolve_model(args: argparse.Namespace, workdir: Path) -> Path:
     if args.quick and not args.model_dir:
         from ortspec.adapters.convert import make_tiny_model
+        from ortspec.adapters.drafter_graph import make_random_drafter
 
-        return Path(make_tiny_model(workdir / "tiny-model", context=1024))
+        model = Path(make_tiny_model(workdir / "tiny-model", context=1024))
+        # a random shared-KV drafter beside it (Engine.from_dir finds <model>/drafter), so the drafter settings run
+        make_random_drafter(model, model / "drafter", seed=0)
+        return model
     if args.model_dir:
         return Path(args.model_dir).expanduser().resolve()
     from ortspec.adapters.convert import BUILDER_ACCURACY_LEVEL, convert_smollm2, default_model_dir, is_complete
