@@ -279,7 +279,16 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def _demo_compare(engine, kwargs: dict, proposer, label: str) -> bool:
     """Plain, then speculative (streamed) on the demo prompt with ``kwargs``; print both and whether they agree."""
     plain = engine.generate(DEMO_PROMPT, **kwargs)
-    how = proposer if isinstance(proposer, str) else "prompt lookup"
+    how = (
+        {
+            "auto": "auto: prompt lookup or the shared-KV drafter"
+            if engine.drafter
+            else "auto: prompt lookup, no drafter",
+            "shared-kv": "the shared-KV drafter",
+        }.get(proposer, "prompt lookup")
+        if isinstance(proposer, str)
+        else "prompt lookup"
+    )
     print(f"--- {label}: speculative ({how}) output, streamed ---", flush=True)
     spec = engine.generate_stream(
         DEMO_PROMPT,
