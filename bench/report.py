@@ -529,18 +529,10 @@ def _sampled(result: dict[str, Any]) -> Iterator[str]:
             _identity_cell(rows.get(SAMPLED_NGRAM_PEER)),
         ]
         yield f"| {cat} | " + " | ".join(cells) + " |"
-    targets = sampling.get("targets") or []
-    if targets:
-        yield ""
-        yield "Targets (tok/s end to end, medians of per-prompt ratios on the same prompts and seeds):"
-        yield ""
-        for t in targets:
-            verdict = "not measured" if t["met"] is None else ("met" if t["met"] else "missed")
-            measured = "—" if t["measured"] is None else f"{t['measured']:.2f}x"
-            yield (
-                f"- {t['what']} on {t['category']}: {measured} over {t['prompts']} prompts "
-                f"(target >= {t['target_at_least']:.2f}x): **{verdict}**"
-            )
+    yield from _target_lines(
+        sampling.get("targets") or [],
+        "Targets (tok/s end to end, medians of per-prompt ratios on the same prompts and seeds):",
+    )
 
 
 def _cost_curve(result: dict[str, Any]) -> Iterator[str]:
@@ -634,18 +626,25 @@ def _drafter(result: dict[str, Any]) -> Iterator[str]:
             f"{cost['step_s'] * 1000:.2f} ms per draft token vs a {cost['decode_step_s'] * 1000:.2f} ms decode step = "
             f"**{cost['cost'] * 100:.1f}%** of a decode step (target <= {DRAFT_STEP_TARGET * 100:.0f}%: **{verdict}**)."
         )
-    targets = d.get("targets") or []
-    if targets:
-        yield ""
-        yield "Targets (tok/s end to end, medians of per-prompt ratios on the same prompts):"
-        yield ""
-        for t in targets:
-            verdict = "not measured" if t["met"] is None else ("met" if t["met"] else "missed")
-            measured = "—" if t["measured"] is None else f"{t['measured']:.2f}x"
-            yield (
-                f"- {t['what']} on {t['category']}: {measured} over {t['prompts']} prompts "
-                f"(target >= {t['target_at_least']:.2f}x): **{verdict}**"
-            )
+    yield from _target_lines(
+        d.get("targets") or [], "Targets (tok/s end to end, medians of per-prompt ratios on the same prompts):"
+    )
+
+
+def _target_lines(targets: Sequence[dict[str, Any]], heading: str) -> Iterator[str]:
+    """``heading`` and one line per target (``sampled_targets``'s records): measured, target, met or missed."""
+    if not targets:
+        return
+    yield ""
+    yield heading
+    yield ""
+    for t in targets:
+        verdict = "not measured" if t["met"] is None else ("met" if t["met"] else "missed")
+        measured = "—" if t["measured"] is None else f"{t['measured']:.2f}x"
+        yield (
+            f"- {t['what']} on {t['category']}: {measured} over {t['prompts']} prompts "
+            f"(target >= {t['target_at_least']:.2f}x): **{verdict}**"
+        )
 
 
 def _physical(result: dict[str, Any]) -> Iterator[str]:

@@ -281,6 +281,19 @@ class OrtBackend:
         if self.share_buffer:
             self._bind_kv(self._binding)
 
+    def _bind_row_outputs(self, binding, count: int) -> None:
+        """Bind the per-row outputs of a pass of ``count`` tokens: the logits, and the hidden states when the graph
+        has them, to the preallocated row buffers."""
+        arrays, graph, device, device_id = self._arrays, self.graph, self._device_type, self._device_id
+        binding.bind_output(
+            graph.logits_name, device, device_id, graph.logits_dtype, [1, count, self._vocab], arrays.ptr(self._logits)
+        )
+        if graph.hidden_name:
+            shape = [1, count, graph.hidden_size]
+            binding.bind_output(
+                graph.hidden_name, device, device_id, graph.hidden_dtype, shape, arrays.ptr(self._hidden)
+            )
+
     def _bind_kv(self, binding) -> None:
         """Bind each layer's KV buffers to ``binding`` as both the past input and the present output."""
         arrays, graph, device_id = self._arrays, self.graph, self._device_id
@@ -628,15 +641,8 @@ class OrtBackend:
                 [1, count],
                 arrays.ptr(self._positions) + past * np.dtype(graph.position_dtype).itemsize,
             )
-        binding.bind_output(
-            graph.logits_name, device, device_id, graph.logits_dtype, [1, count, self._vocab], arrays.ptr(self._logits)
-        )
-        if graph.hidden_name:
-            shape = [1, count, graph.hidden_size]
-            binding.bind_output(
-                graph.hidden_name, device, device_id, graph.hidden_dtype, shape, arrays.ptr(self._hidden)
-            )
-            self._hidden_rows = (0, 0)  # overwritten by this run
+        self._bind_row_outputs(binding, count)
+        self._hidden_rows = (0, 0)  # overwritten by this run
 
         presents = None
         if not self.share_buffer:
@@ -716,14 +722,7 @@ class OrtBackend:
                 [1, count],
                 arrays.ptr(self._positions_fixed),
             )
-        binding.bind_output(
-            graph.logits_name, device, device_id, graph.logits_dtype, [1, count, self._vocab], arrays.ptr(self._logits)
-        )
-        if graph.hidden_name:
-            shape = [1, count, graph.hidden_size]
-            binding.bind_output(
-                graph.hidden_name, device, device_id, graph.hidden_dtype, shape, arrays.ptr(self._hidden)
-            )
+        self._bind_row_outputs(binding, count)
         graph_id = self.graphs.graph_id(count) if self.graphs is not None else EAGER
         options = self._ort.RunOptions()
         if self.graphs is not None:
