@@ -29,7 +29,7 @@ from ortspec.adapters.tokenizer import Tokenizer
 from ortspec.backends.base import Backend
 from ortspec.backends.onnx import ModelFolder, ModelFolderError
 from ortspec.core import CostAwareWidth, FixedWidth, Options, PromptLookup, Proposer, WidthPolicy
-from ortspec.core.checks import check_int, ids_in_vocab, int_at_least
+from ortspec.core.checks import ArgumentError, check_int, ids_in_vocab, int_at_least
 from ortspec.driver import GenerateResult, Generation
 from ortspec.lookup_or_draft import LookupOrDraft
 
@@ -55,10 +55,14 @@ def make_proposer(speculative: str | Proposer | None) -> Proposer | None:
         if speculative == "prompt-lookup":
             return PromptLookup(ngram=3, max_draft=16)
         if speculative in SPECULATIVE_CHOICES:
-            raise ValueError(f"speculative={speculative!r} needs an Engine (it reads the Engine's drafter)")
-        raise ValueError(f"speculative={speculative!r}: expected None, one of {SPECULATIVE_CHOICES} or a proposer")
+            raise ArgumentError(
+                "speculative", f"speculative={speculative!r} needs an Engine (it reads the Engine's drafter)"
+            )
+        raise ArgumentError(
+            "speculative", f"speculative={speculative!r}: expected None, one of {SPECULATIVE_CHOICES} or a proposer"
+        )
     if not callable(getattr(speculative, "propose", None)):
-        raise ValueError(f"speculative={speculative!r} has no propose(context_tokens, width) method")
+        raise ArgumentError("speculative", f"speculative={speculative!r} has no propose(context_tokens, width) method")
     return speculative
 
 
@@ -73,42 +77,47 @@ def _split_stop(stop: object, vocab_size: int) -> tuple[tuple[str, ...], tuple[t
     if isinstance(stop, str):
         stop = (stop,)
     if isinstance(stop, (bytes, bytearray)):
-        raise ValueError("stop: bytes are not a stop string; decode them to str (stop strings match decoded text)")
+        raise ArgumentError(
+            "stop", "stop: bytes are not a stop string; decode them to str (stop strings match decoded text)"
+        )
     if isinstance(stop, Mapping) or not isinstance(stop, Iterable):
-        raise ValueError(
-            f"stop must be a string, a list of strings or a list of token-id lists, got {type(stop).__name__}"
+        raise ArgumentError(
+            "stop", f"stop must be a string, a list of strings or a list of token-id lists, got {type(stop).__name__}"
         )
     items = list(stop)
     if len(items) > MAX_STOPS:
-        raise ValueError(f"stop holds {len(items)} entries; at most {MAX_STOPS} are allowed")
+        raise ArgumentError("stop", f"stop holds {len(items)} entries; at most {MAX_STOPS} are allowed")
     strings: list[str] = []
     sequences: list[tuple[int, ...]] = []
     for item in items:
         if isinstance(item, str):
             if not item:
-                raise ValueError("stop: an empty string would match before any text; remove it")
+                raise ArgumentError("stop", "stop: an empty string would match before any text; remove it")
             if len(item) > MAX_STOP_LENGTH:
-                raise ValueError(
-                    f"stop: a stop string of {len(item)} characters; at most {MAX_STOP_LENGTH} are allowed"
+                raise ArgumentError(
+                    "stop", f"stop: a stop string of {len(item)} characters; at most {MAX_STOP_LENGTH} are allowed"
                 )
             for i, ch in enumerate(item):
                 if "\ud800" <= ch <= "\udfff":
-                    raise ValueError(
+                    raise ArgumentError(
+                        "stop",
                         f"stop: {item!r} holds a lone surrogate (U+{ord(ch):04X} at index {i}), which no decoded text "
-                        "contains: it could never match (was it cut from UTF-16, or decoded with surrogateescape?)"
+                        "contains: it could never match (was it cut from UTF-16, or decoded with surrogateescape?)",
                     )
             strings.append(item)
         elif isinstance(item, (bytes, bytearray)):
-            raise ValueError(f"stop: {item!r} is bytes; decode it to str (stop strings match decoded text)")
+            raise ArgumentError("stop", f"stop: {item!r} is bytes; decode it to str (stop strings match decoded text)")
         elif isinstance(item, Iterable) and not isinstance(item, Mapping):
             ids = list(item)
             if not ids:
-                raise ValueError("stop: an empty token-id sequence would match before any token; remove it")
+                raise ArgumentError("stop", "stop: an empty token-id sequence would match before any token; remove it")
             if len(ids) > MAX_STOP_LENGTH:
-                raise ValueError(f"stop: a token-id sequence of {len(ids)} ids; at most {MAX_STOP_LENGTH} are allowed")
+                raise ArgumentError(
+                    "stop", f"stop: a token-id sequence of {len(ids)} ids; at most {MAX_STOP_LENGTH} are allowed"
+                )
             sequences.append(ids_in_vocab("stop", ids, vocab_size))
         else:
-            raise ValueError(f"stop: {item!r} is neither a string nor a sequence of token ids")
+            raise ArgumentError("stop", f"stop: {item!r} is neither a string nor a sequence of token ids")
     return tuple(strings), tuple(sequences)
 
 
@@ -116,12 +125,13 @@ def _check_draft_width(instance: GenerationOptions, attribute: Any, value: Any) 
     if value == "auto" or isinstance(value, WidthPolicy):
         return
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"draft_width={value!r}: expected 'auto', an int >= 1 or a width policy")
+        raise ArgumentError("draft_width", f"draft_width={value!r}: expected 'auto', an int >= 1 or a width policy")
 
 
 @attrs.frozen(kw_only=True)
 class GenerationOptions:
-    """The keywords of every ``Engine`` generation method, validated (a ``ValueError`` names the keyword).
+    """The keywords of every ``Engine`` generation method, validated (an ``ArgumentError``, a ``ValueError``, names
+    the keyword).
 
     ``max_tokens``: most new tokens. ``stop``: a string, strings, or token-id sequences that end generation
     (stop strings are cut from the text). ``speculative``: ``None`` (plain greedy), ``"prompt-lookup"``,
@@ -355,7 +365,7 @@ class Engine:
         the vocabulary, or anything else."""
         if isinstance(prompt, str):
             if not prompt:
-                raise ValueError("the prompt is empty: give some text (or token ids)")
+                raise ArgumentError("prompt", "the prompt is empty: give some text (or token ids)")
             if chat:
                 messages = ([{"role": "system", "content": system}] if system else []) + [
                     {"role": "user", "content": prompt}
@@ -363,19 +373,20 @@ class Engine:
                 prompt = self.tokenizer.apply_chat_template(messages)
             ids = self.tokenizer.encode(prompt)
         elif isinstance(prompt, (bytes, bytearray)):
-            raise ValueError("the prompt is bytes: decode it to str (or give token ids)")
+            raise ArgumentError("prompt", "the prompt is bytes: decode it to str (or give token ids)")
         elif isinstance(prompt, Mapping) or not isinstance(prompt, Sequence) and not hasattr(prompt, "__array__"):
-            raise ValueError(
-                f"the prompt must be text, a list of chat messages or a list of token ids, got {type(prompt).__name__}"
+            raise ArgumentError(
+                "prompt",
+                f"the prompt must be text, a list of chat messages or a list of token ids, got {type(prompt).__name__}",
             )
         elif len(prompt) and all(isinstance(m, Mapping) for m in prompt):
             ids = self.tokenizer.encode(self.tokenizer.apply_chat_template(list(prompt)))  # type: ignore[arg-type]
         else:
             if chat:
-                raise ValueError("chat=True needs a text prompt or chat messages, not token ids")
+                raise ArgumentError("prompt", "chat=True needs a text prompt or chat messages, not token ids")
             ids = list(ids_in_vocab("prompt", list(prompt), self.backend.vocab_size))
         if not ids:
-            raise ValueError("the prompt is empty: it must encode to at least one token")
+            raise ArgumentError("prompt", "the prompt is empty: it must encode to at least one token")
         return ids
 
     # -- generation -------------------------------------------------------------------------------------------
@@ -434,10 +445,11 @@ class Engine:
         capacity = self.backend.max_length
         if len(ids) > capacity:
             model = f"; the model's context_length is {self.folder.context_length}" if self.folder else ""
-            raise ValueError(
+            raise ArgumentError(
+                "prompt",
                 f"the prompt has {len(ids)} tokens but the context holds {capacity} (max_length{model}): "
                 "shorten the prompt"
-                + (" or raise max_length" if self.folder and capacity < self.folder.context_length else "")
+                + (" or raise max_length" if self.folder and capacity < self.folder.context_length else ""),
             )
 
     @takes_options(GenerationOptions)
@@ -480,9 +492,10 @@ class Engine:
         under the lock: it may measure)."""
         if speculative == "shared-kv":
             if self.drafter is None:
-                raise ValueError(
+                raise ArgumentError(
+                    "speculative",
                     "speculative='shared-kv' needs a drafter: train one with 'ortspec train-drafter' (Engine.from_dir "
-                    "finds it) or pass Engine.from_dir(..., drafter=DIR)"
+                    "finds it) or pass Engine.from_dir(..., drafter=DIR)",
                 )
             drafter = self.drafter
             limit = int(getattr(drafter, "max_draft", 16))

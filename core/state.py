@@ -70,7 +70,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 import attrs
 import numpy as np
 
-from .checks import check_int, check_number, ids_in_vocab, is_int, token_ids
+from .checks import ArgumentError, check_int, check_number, ids_in_vocab, is_int, token_ids
 from .sampling import NonFiniteRow, Pick, Sampling, StepContext
 from .tokens import Shared
 
@@ -138,14 +138,14 @@ def _to_logit_bias(value: object) -> tuple[tuple[int, float], ...]:
         return ()
     items = value.items() if isinstance(value, Mapping) else value
     if isinstance(items, (str, bytes)) or not isinstance(items, Iterable):
-        raise ValueError(f"logit_bias: expected a mapping of token id -> bias, got {value!r}")
+        raise ArgumentError("logit_bias", f"logit_bias: expected a mapping of token id -> bias, got {value!r}")
     out: dict[int, float] = {}
     for item in items:
         if not isinstance(item, tuple) or len(item) != 2:
-            raise ValueError(f"logit_bias: expected (token id, bias) pairs, got {item!r}")
+            raise ArgumentError("logit_bias", f"logit_bias: expected (token id, bias) pairs, got {item!r}")
         token, bias = item
         token = token_ids("logit_bias", [token])[0]
-        out[token] = check_number(f"logit_bias[{token}]", bias)
+        out[token] = check_number(f"logit_bias[{token}]", bias, argument="logit_bias")
     return tuple(sorted(out.items()))
 
 
@@ -187,22 +187,24 @@ class Options:
             check_int("max_context", self.max_context, 1)
         check_int("top_logprobs", self.top_logprobs, 0)
         if check_number("tie_margin", self.tie_margin) < 0:
-            raise ValueError(f"tie_margin must be a finite number >= 0, got {self.tie_margin!r}")
+            raise ArgumentError("tie_margin", f"tie_margin must be a finite number >= 0, got {self.tie_margin!r}")
         if check_number("temperature", self.temperature) < 0:
-            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+            raise ArgumentError("temperature", f"temperature must be a finite number >= 0, got {self.temperature!r}")
         check_int("top_k", self.top_k, 0)
         if not 0 < check_number("top_p", self.top_p) <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+            raise ArgumentError("top_p", f"top_p must be in (0, 1], got {self.top_p!r}")
         if not 0 <= check_number("min_p", self.min_p) <= 1:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
+            raise ArgumentError("min_p", f"min_p must be in [0, 1], got {self.min_p!r}")
         if check_number("repetition_penalty", self.repetition_penalty) <= 0:
-            raise ValueError(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty!r}")
+            raise ArgumentError(
+                "repetition_penalty", f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty!r}"
+            )
         check_number("presence_penalty", self.presence_penalty)
         check_number("frequency_penalty", self.frequency_penalty)
         if self.seed is not None and (check_int("seed", self.seed, 0) >= 1 << 64):
-            raise ValueError(f"seed must be an int in [0, 2**64), got {self.seed!r}")
+            raise ArgumentError("seed", f"seed must be an int in [0, 2**64), got {self.seed!r}")
         if self.temperature > 0 and self.seed is None:
-            raise ValueError("temperature > 0 needs a seed (an int): the core has no randomness of its own")
+            raise ArgumentError("seed", "temperature > 0 needs a seed (an int): the core has no randomness of its own")
 
     @property
     def sampling(self) -> Sampling:

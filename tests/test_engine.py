@@ -13,6 +13,7 @@ from ortspec import FinishReason, GenerationAborted, GenerationError, PromptLook
 from ortspec.adapters.cli import main as cli_main
 from ortspec.adapters.engine import Engine, GenerationSuperseded
 from ortspec.backends.onnx import ModelFolderError
+from ortspec.core.checks import ArgumentError
 
 
 @pytest.fixture(scope="module")
@@ -93,19 +94,31 @@ def test_stop_strings_and_token_sequences(engine):
     assert r.finish_reason == FinishReason.STOP_SEQUENCE and r.token_ids[-2:] == tuple(seq)
 
 
+@pytest.mark.parametrize(
+    "prompt, options, argument, match",
+    [
+        ("x", dict(temperature=-0.7), "temperature", "temperature"),
+        ("x", dict(temperature=0.7, top_p=0.0), "top_p", "top_p"),
+        ("x", dict(speculative="medusa"), "speculative", "speculative"),
+        ("", dict(max_tokens=3), "prompt", "empty"),
+        ("x", dict(max_tokens=0), "max_tokens", "max_tokens"),
+        ("x", dict(stop=[""]), "stop", "stop"),
+        ("x", dict(draft_width=0), "draft_width", "draft_width"),
+        ("x", dict(logit_bias={10**9: 1.0}), "logit_bias", "logit_bias"),
+        ([10**9], dict(max_tokens=3), "prompt", "prompt"),
+        (None, dict(max_tokens=3), "prompt", "context"),
+    ],
+)
+def test_bad_arguments_raise_an_argument_error_naming_the_keyword(engine, prompt, options, argument, match):
+    """``ArgumentError`` (a ``ValueError``) with ``argument`` the keyword as the caller typed it: what a front end
+    maps to its own field (the server to a request field)."""
+    prompt = prompt if prompt is not None else [3] * (engine.backend.max_length + 5)
+    with pytest.raises(ArgumentError, match=match) as info:
+        engine.generate(prompt, **options)
+    assert info.value.argument == argument and isinstance(info.value, ValueError)
+
+
 def test_bad_input_is_refused(engine, tmp_path):
-    with pytest.raises(ValueError, match="temperature"):
-        engine.generate("x", temperature=-0.7)
-    with pytest.raises(ValueError, match="top_p"):
-        engine.generate("x", temperature=0.7, top_p=0.0)
-    with pytest.raises(ValueError, match="speculative"):
-        engine.generate("x", speculative="medusa")
-    with pytest.raises(ValueError, match="empty"):
-        engine.generate("", max_tokens=3)
-    with pytest.raises(ValueError, match="max_tokens"):
-        engine.generate("x", max_tokens=0)
-    with pytest.raises(ValueError, match="context"):
-        engine.generate([3] * (engine.backend.max_length + 5), max_tokens=3)
     with pytest.raises(ModelFolderError, match="does not exist"):
         Engine.from_dir(tmp_path / "missing")
     with pytest.raises(ModelFolderError, match="genai_config.json"):

@@ -18,6 +18,7 @@ import pytest
 
 from ortspec import Options, PromptLookup, generate
 from ortspec.backends.fake import FakeBackend, FakeModel
+from ortspec.core.checks import ArgumentError
 from ortspec.core.sampling import StepContext, splitmix64, uniform
 from property_tests.reference import PickRules, reference_pick
 
@@ -182,8 +183,9 @@ def test_greedy_is_the_temperature_zero_case():
     ],
 )
 def test_bad_sampling_options_name_the_field(bad, field):
-    with pytest.raises(ValueError, match=field):
+    with pytest.raises(ArgumentError, match=field) as info:
         Options(**bad)
+    assert info.value.argument == field and isinstance(info.value, ValueError)
 
 
 def test_logit_bias_outside_the_vocabulary_is_refused_before_any_pass():
