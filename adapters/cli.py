@@ -414,7 +414,7 @@ def _batch_defaults(text: str) -> dict:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from ortspec.adapters.server import cmd_serve as serve  # needs the 'serve' extra
+    from ortspec.adapters.serve.run import cmd_serve as serve  # needs the 'serve' extra
 
     return serve(args, _model_dir(args))
 

@@ -24,7 +24,9 @@ import httpx  # noqa: E402
 import openai  # noqa: E402
 
 from ortspec.adapters.engine import Engine  # noqa: E402
-from ortspec.adapters.server import ServerSettings, create_app, load_engines, serve_in_thread  # noqa: E402
+from ortspec.adapters.serve.app import create_app  # noqa: E402
+from ortspec.adapters.serve.run import load_engines, serve_in_thread  # noqa: E402
+from ortspec.adapters.serve.settings import ServerSettings  # noqa: E402
 
 MODEL = "tiny"
 CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "the quick brown fox jumps over"}]

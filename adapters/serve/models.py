@@ -1,0 +1,263 @@
+"""The request side of the HTTP API: pydantic request models, the tables from request fields to the Engine's
+keywords and back, and ``prepare_options`` (a request -> ``GenerationOptions``).
+
+Two tables, one per direction:
+
+- ``SAMPLING_FIELDS``: request field -> ``GenerationOptions`` keyword, one row per sampling field (passing a new
+  field through is one row here, and a field on ``_GenerationRequest`` if the OpenAI API does not have it yet).
+- ``argument_fields(request)``: the Engine's argument name (``ArgumentError.argument``) -> the request field it
+  came from, so an Engine error is reported on the field the client typed (``max_completion_tokens`` for the
+  Engine's ``max_tokens`` when the request set that one).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, NamedTuple
+
+from fastapi.exceptions import RequestValidationError
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from ortspec.adapters.engine import GenerationOptions
+from ortspec.adapters.serve.errors import APIError, client_error, named
+from ortspec.adapters.serve.settings import ServerSettings
+
+# ------------------------------------------------------------------------------------------------------------------
+# Requests
+# ------------------------------------------------------------------------------------------------------------------
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class OrtspecOptions(_Strict):
+    """The ``ortspec`` extension field of a request: ``{"speculative": false}`` decodes this request with plain
+    greedy steps, ``true`` with prompt lookup; unset: the server's default. The output is the same either way."""
+
+    speculative: bool | None = None
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart]
+    name: str | None = None
+
+    def as_template_message(self) -> dict[str, str]:
+        """The message as the chat template takes it (``developer`` is a system turn; text parts joined)."""
+        role = "system" if self.role == "developer" else self.role
+        text = self.content if isinstance(self.content, str) else "\n".join(p.text for p in self.content)
+        return {"role": role, "content": text}
+
+
+class _GenerationRequest(_Strict):
+    """Fields common to both endpoints. ``user`` is accepted and ignored."""
+
+    model: str
+    max_tokens: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = 1
+    user: str | None = None
+    seed: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    ortspec: OrtspecOptions | None = None
+
+    @field_validator("n")
+    @classmethod
+    def _one_choice(cls, n: int) -> int:
+        if n != 1:
+            raise ValueError(f"n={n}: this server returns one choice per request (n=1 only)")
+        return n
+
+
+class CompletionRequest(_GenerationRequest):
+    """``POST /v1/completions``. ``prompt``: text or token ids (a list of one of either is taken as that one);
+    ``logprobs``: how many alternatives to report per token (0-5; 0 = the chosen token's logprob only)."""
+
+    prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = Field(default=None, ge=0, le=5)
+
+
+class ChatCompletionRequest(_GenerationRequest):
+    """``POST /v1/chat/completions``. ``max_completion_tokens`` wins over ``max_tokens``; ``top_logprobs`` (0-20)
+    needs ``logprobs: true``."""
+
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+
+
+GenerationRequest = CompletionRequest | ChatCompletionRequest
+
+# Every field name of every request model: what a pydantic error location may name (validation_error).
+_REQUEST_FIELDS = frozenset(
+    name
+    for model in (CompletionRequest, ChatCompletionRequest, ChatMessage, TextPart, OrtspecOptions, StreamOptions)
+    for name in model.model_fields
+)
+
+
+def validation_error(exc: RequestValidationError) -> APIError:
+    """A 400 naming the first field pydantic refused, e.g. ``messages[0].role``."""
+    errors = exc.errors()
+    first = errors[0] if errors else {"loc": (), "msg": "invalid request", "type": ""}
+    if first.get("type") == "json_invalid":
+        ctx = first.get("ctx")
+        reason = ctx.get("error", "") if isinstance(ctx, dict) else ""
+        return APIError(400, f"the request body is not valid JSON: {reason}")
+    loc = [p for p in first.get("loc", ()) if p != "body"]
+    param = ""
+    for part in loc:
+        if isinstance(part, int):
+            param += f"[{part}]"
+        elif part in _REQUEST_FIELDS:
+            param += f".{part}" if param else part
+        else:
+            break  # a union member's tag, not a field
+    msg = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
+    if first.get("type") == "extra_forbidden":
+        param = param + (f".{loc[-1]}" if param else str(loc[-1])) if loc else param
+        msg = "unrecognized request argument (this server does not support it)"
+    elif first.get("type") == "missing":
+        msg = "required"
+    elif "input" in first and first.get("type") != "value_error":
+        msg = f"{msg} (got {first['input']!r:.80})"
+    return APIError(400, named(param or None, msg), param=param or None)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# The field tables
+# ------------------------------------------------------------------------------------------------------------------
+
+
+class SamplingField(NamedTuple):
+    """A request field passed to ``GenerationOptions`` as ``keyword``."""
+
+    request: str
+    keyword: str
+
+
+SAMPLING_FIELDS: tuple[SamplingField, ...] = (
+    SamplingField("temperature", "temperature"),
+    SamplingField("top_p", "top_p"),
+    SamplingField("top_k", "top_k"),
+    SamplingField("seed", "seed"),
+    SamplingField("min_p", "min_p"),
+    SamplingField("repetition_penalty", "repetition_penalty"),
+    SamplingField("presence_penalty", "presence_penalty"),
+    SamplingField("frequency_penalty", "frequency_penalty"),
+    SamplingField("logit_bias", "logit_bias"),
+)
+
+
+def argument_fields(request: GenerationRequest) -> dict[str, str]:
+    """The one table from the Engine's argument names (``ArgumentError.argument``) to this request's fields."""
+    prompt_field, max_field, logprobs_field = "prompt", "max_tokens", "logprobs"
+    if isinstance(request, ChatCompletionRequest):
+        prompt_field = "messages"
+        if request.max_completion_tokens is not None:
+            max_field = "max_completion_tokens"
+        if request.logprobs:
+            logprobs_field = "top_logprobs"
+    fields = {
+        "prompt": prompt_field,
+        "max_tokens": max_field,
+        "stop": "stop",
+        "top_logprobs": logprobs_field,
+        "speculative": "ortspec.speculative",
+    }
+    return fields | {field.keyword: field.request for field in SAMPLING_FIELDS}
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# A request made ready for a worker
+# ------------------------------------------------------------------------------------------------------------------
+
+
+class Prepared(NamedTuple):
+    """A request made ready for a worker: prompt ids, options, the table from the Engine's argument names to the
+    request's fields (for errors), and whether the request speculates."""
+
+    ids: list[int]
+    options: GenerationOptions
+    fields: dict[str, str]
+    speculative: bool
+
+
+def _request_value(field: SamplingField, value: object) -> object:
+    if field.request == "logit_bias" and isinstance(value, dict):
+        try:
+            return {int(k): v for k, v in value.items()}
+        except ValueError:
+            raise APIError(400, "logit_bias: keys must be token ids", param="logit_bias") from None
+    return value
+
+
+def _logprob_options(request: GenerationRequest) -> int:
+    """``top_logprobs`` for the Engine: the alternatives to report (the Engine reports the chosen token's logprob
+    with at least one alternative; a request for 0 shows none of them)."""
+    if isinstance(request, ChatCompletionRequest):
+        if request.top_logprobs is not None and not request.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        return max(1, request.top_logprobs or 0) if request.logprobs else 0
+    return 0 if request.logprobs is None else max(1, request.logprobs)
+
+
+def prepare_options(
+    request: GenerationRequest, settings: ServerSettings, context_length: int
+) -> tuple[GenerationOptions, bool]:
+    """``GenerationOptions`` for a request (400 naming the field for values it refuses) and whether the request
+    speculates. Without ``max_tokens`` (and no ``settings.default_max_tokens``) the context ends the generation."""
+    max_tokens = request.max_tokens
+    if isinstance(request, ChatCompletionRequest) and request.max_completion_tokens is not None:
+        max_tokens = request.max_completion_tokens
+    if max_tokens is None:
+        max_tokens = settings.default_max_tokens or context_length
+    speculative = settings.speculative is not None
+    if request.ortspec is not None and request.ortspec.speculative is not None:
+        speculative = request.ortspec.speculative
+    kwargs: dict[str, Any] = {
+        "max_tokens": max_tokens,
+        "stop": request.stop,
+        "top_logprobs": _logprob_options(request),
+        "speculative": (settings.speculative or "prompt-lookup") if speculative else None,
+    }
+    for field in SAMPLING_FIELDS:
+        value = getattr(request, field.request)
+        if value is not None:
+            kwargs[field.keyword] = _request_value(field, value)
+    try:
+        options = GenerationOptions(**kwargs)
+    except ValueError as exc:
+        raise client_error(exc, argument_fields(request)) from None
+    return options, speculative
+
+
+def prompt_of(request: GenerationRequest) -> str | list[int] | list[dict[str, str]]:
+    """The prompt as the Engine takes it: text, token ids, or chat messages."""
+    if isinstance(request, ChatCompletionRequest):
+        return [m.as_template_message() for m in request.messages]
+    prompt = request.prompt
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        if len(prompt) != 1:
+            raise APIError(400, "prompt: one prompt per request (a list of one string or token list)", param="prompt")
+        return prompt[0]
+    return prompt  # type: ignore[return-value]  # list[str] / list[list[int]] were handled above
