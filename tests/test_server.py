@@ -4,17 +4,19 @@ official ``openai`` client (sync, async, streamed and not) and by raw HTTP (http
 What is checked: served text equals ``Engine.generate`` text for the same prompt (completions and chat), streamed
 chunks concatenate to the non-streamed text, speculation on and off give the same text, prefix reuse changes
 nothing but the cached-token count, and every bad request is a 4xx OpenAI error object naming the field, after
-which the server still answers. A second server whose backend sleeps per pass makes the timing-dependent
-behaviour deterministic: a full queue is a 429 with Retry-After, a client that disconnects stops its generation
-within one pass, a request past its timeout is a 504, and a backend failure is a clean 500.
+which the server still answers. A second server, whose backend's passes go through a gate the test holds and whose
+clock the test moves, makes the rest deterministic, measured in target passes and waited for on events: a full
+queue is a 429 with Retry-After, a client that disconnects stops its generation within one pass, a request past its
+deadline is a 504 within one pass, and a backend failure is a clean 500.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import threading
-import time
+from typing import NamedTuple
 
 import pytest
 
@@ -340,22 +342,61 @@ def test_unknown_paths_and_oversized_bodies(server):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Queue, cancellation, timeout, failure (a backend that sleeps per pass; EOS off so generations run to max_tokens)
+# Queue, cancellation, timeout, failure: a backend whose passes go through a gate the test holds, and a clock the
+# test moves (EOS off so generations run to max_tokens). Everything is measured in target passes and waited for on
+# events (a pass count, the job's cancel flag, the pool's state); GATE_S only bounds a wait that should never end.
 # ----------------------------------------------------------------------------------------------------------------
 
+GATE_S = 30.0  # the longest any wait here may take before the test fails (it never decides an outcome)
+TIMEOUT = 60.0  # the request timeout, on the test's clock
 
-class SlowBackend:
-    """The tiny model's backend, ``delay`` seconds slower per pass, counting passes; raises on pass ``fail_at``."""
+
+class GatedBackend:
+    """The tiny model's backend, its passes behind a gate: open, a pass runs at once; held, each pass waits for a
+    permit (``allow``). Counts the passes that ran; raises on pass ``fail_at``."""
 
     def __init__(self, inner) -> None:
-        self.inner, self.delay, self.passes, self.fail_at = inner, 0.0, 0, None
+        self.inner, self.passes, self.fail_at = inner, 0, None
+        self._permits: int | None = None  # None: open
+        self._blocked = False  # a pass is waiting for a permit
+        self._changed = threading.Condition()
+
+    def hold(self) -> int:
+        """Hold the gate; return the passes run so far."""
+        with self._changed:
+            self._permits = 0
+            return self.passes
+
+    def allow(self, n: int) -> None:
+        with self._changed:
+            self._permits = (self._permits or 0) + n
+            self._changed.notify_all()
+
+    def open(self) -> None:
+        with self._changed:
+            self._permits = None
+            self._changed.notify_all()
+
+    def wait_blocked_at(self, passes: int) -> None:
+        """Wait until ``passes`` passes have run and the next one waits at the held gate."""
+        with self._changed:
+            assert self._changed.wait_for(lambda: self.passes == passes and self._blocked, GATE_S), self.passes
 
     def _pass(self) -> None:
-        self.passes += 1
-        if self.fail_at is not None and self.passes >= self.fail_at:
-            self.fail_at = None
-            raise RuntimeError("injected backend failure")
-        time.sleep(self.delay)
+        with self._changed:
+            self._blocked = True
+            self._changed.notify_all()
+            released = self._changed.wait_for(lambda: self._permits is None or self._permits > 0, GATE_S)
+            self._blocked = False
+            if not released:
+                raise RuntimeError("the test never let this pass through")
+            if self._permits is not None:
+                self._permits -= 1
+            self.passes += 1
+            self._changed.notify_all()
+            if self.fail_at is not None and self.passes >= self.fail_at:
+                self.fail_at = None
+                raise RuntimeError("injected backend failure")
 
     def decode(self, tokens, past):
         self._pass()
@@ -373,104 +414,150 @@ class SlowBackend:
         return getattr(self.inner, name)
 
 
-DELAY = 0.02  # seconds per pass
-TIMEOUT = 2.0
+class ManualClock:
+    """The server's clock (seconds), moved only by the test: a deadline passes when the test says so."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+class Gated(NamedTuple):
+    url: str
+    backend: GatedBackend
+    pool: object  # the app's WorkerPool
+    clock: ManualClock
+
+
+def _idle(pool) -> bool:
+    return pool.busy == 0 and pool.waiting == 0
 
 
 @pytest.fixture(scope="module")
-def slow(tiny_model_dir):
-    """One worker, one queue slot, a short timeout; yields (url, backend)."""
+def gated_server(tiny_model_dir):
+    """One worker, one queue slot, a gated backend and a manual clock."""
     base = Engine.from_dir(tiny_model_dir, threads=1)
-    backend = SlowBackend(base.backend)
+    backend = GatedBackend(base.backend)
     engine = Engine(backend, base.tokenizer, eos_token_ids=(), folder=base.folder, prefix_reuse=True)
+    clock = ManualClock()
     settings = ServerSettings(model_name=MODEL, max_queue=1, request_timeout_s=TIMEOUT, speculative=None)
-    with serve_in_thread(create_app([engine], settings)) as url:
-        backend.delay = DELAY
-        yield url, backend
+    app = create_app([engine], settings, clock=clock)
+    with serve_in_thread(app) as url:
+        yield Gated(url, backend, app.state.pool, clock)
 
 
-def _wait_until(predicate, timeout: float = 5.0) -> None:
-    end = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < end, "timed out waiting"
-        time.sleep(0.01)
+@pytest.fixture
+def gated(gated_server):
+    """The gated server, its gate open again and its worker idle after the test."""
+    yield gated_server
+    gated_server.backend.open()
+    assert gated_server.pool.wait_until(_idle, GATE_S)
 
 
-def _idle(url: str) -> bool:
-    h = httpx.get(url + "/health").json()
-    return h["busy"] == 0 and h["waiting"] == 0
+def _post(url: str, body: dict, out: list) -> threading.Thread:
+    """POST ``body`` to /v1/completions in a thread; the response lands in ``out``."""
+    thread = threading.Thread(target=lambda: out.append(httpx.post(url + "/v1/completions", json=body, timeout=GATE_S)))
+    thread.start()
+    return thread
 
 
-def test_full_queue_is_a_429_with_retry_after(slow):
-    url, _ = slow
+def test_full_queue_is_a_429_with_retry_after(gated):
+    url, backend, pool, clock = gated
     long = {"model": MODEL, "prompt": "hello", "max_tokens": 1000, "stream": True}
-    with httpx.Client(base_url=url, timeout=30) as a, httpx.Client(base_url=url, timeout=30) as b:
-        with a.stream("POST", "/v1/completions", json=long) as running:
-            assert running.status_code == 200
-            queued_result: list[int] = []
-            queued = threading.Thread(
-                target=lambda: queued_result.append(
-                    b.post("/v1/completions", json=dict(long, stream=False)).status_code
-                )
-            )
-            queued.start()
-            _wait_until(lambda: httpx.get(url + "/health").json()["waiting"] == 1)
-            refused = httpx.post(url + "/v1/completions", json=dict(long, max_tokens=2))
-            assert refused.status_code == 429, refused.text
-            assert int(refused.headers["Retry-After"]) >= 1
-            assert refused.json()["error"]["code"] == "queue_full"
-        # closing the running stream frees the worker for the queued request, which then times out cleanly
-        queued.join(timeout=10)
-        assert queued_result == [504]
-    _wait_until(lambda: _idle(url))
+    start = backend.hold()
+    backend.allow(2)  # the prompt pass (the stream's headers follow it) and one step; the next pass waits
+    with httpx.Client(base_url=url, timeout=GATE_S) as a, a.stream("POST", "/v1/completions", json=long) as running:
+        assert running.status_code == 200
+        backend.wait_blocked_at(start + 2)
+        running_job = pool.workers[0].job
+        queued: list[httpx.Response] = []
+        thread = _post(url, dict(long, stream=False), queued)
+        assert pool.wait_until(lambda p: p.waiting == 1, GATE_S)
+        refused = httpx.post(url + "/v1/completions", json=dict(long, max_tokens=2))
+        assert refused.status_code == 429, refused.text
+        assert int(refused.headers["Retry-After"]) >= 1
+        assert refused.json()["error"]["code"] == "queue_full"
+    # closing the running stream cancels its job and frees the worker for the queued request, which is past its
+    # deadline by then and ends cleanly with a 504
+    assert running_job.cancelled.wait(GATE_S)
+    clock.advance(TIMEOUT + 1)
+    backend.open()
+    thread.join(GATE_S)
+    assert [r.status_code for r in queued] == [504]
+    assert pool.wait_until(_idle, GATE_S)
     assert httpx.post(url + "/v1/completions", json=dict(long, max_tokens=2, stream=False)).status_code == 200
 
 
-def test_a_disconnected_stream_stops_within_one_pass(slow):
-    url, backend = slow
+def test_a_disconnected_stream_stops_within_one_pass(gated):
+    url, backend, pool, _ = gated
     body = {"model": MODEL, "prompt": "hello", "max_tokens": 1000, "stream": True}
-    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as response:
-        for n, _ in enumerate(response.iter_lines()):
-            if n > 6:
-                break
-    closed_at = backend.passes
-    _wait_until(lambda: _idle(url), timeout=2.0)
-    assert backend.passes <= closed_at + 2  # the pass in flight, and at most one more
-    after = backend.passes
-    time.sleep(5 * DELAY)
-    assert backend.passes == after
+    start = backend.hold()
+    backend.allow(4)
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=GATE_S) as response:
+        assert response.status_code == 200
+        backend.wait_blocked_at(start + 4)
+        job = pool.workers[0].job
+    # the client is gone while the worker waits for its next pass: the job is cancelled, and once the gate opens
+    # the worker runs at most the pass it was about to run
+    assert job.cancelled.wait(GATE_S)
+    backend.open()
+    assert pool.wait_until(_idle, GATE_S)
+    assert backend.passes <= start + 4 + 1
     assert 'ortspec_generations_total{outcome="cancelled"}' in httpx.get(url + "/metrics").text
 
 
-def test_a_disconnected_plain_request_stops_too(slow):
-    url, backend = slow
-    before = backend.passes
-    with pytest.raises(httpx.ReadTimeout):
-        httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 1000}, timeout=0.3)
-    _wait_until(lambda: _idle(url), timeout=2.0)
-    assert backend.passes - before < 0.3 / DELAY + 10  # far from the 1000 passes it would have run
+def test_a_disconnected_plain_request_stops_too(gated):
+    url, backend, pool, _ = gated
+    body = json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 1000}).encode()
+    host, port = httpx.URL(url).host, httpx.URL(url).port
+    head = f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+    start = backend.hold()
+    backend.allow(3)
+    with socket.create_connection((host, port)) as client:
+        client.sendall(f"{head}Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        backend.wait_blocked_at(start + 3)
+        job = pool.workers[0].job
+    assert job.cancelled.wait(GATE_S)
+    backend.open()
+    assert pool.wait_until(_idle, GATE_S)
+    assert backend.passes <= start + 3 + 1  # far from the 1000 passes it would have run
 
 
-def test_timeout_is_a_504_and_a_backend_failure_a_clean_500(slow):
-    url, backend = slow
-    _wait_until(lambda: _idle(url))
-    t0 = time.monotonic()
-    r = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 1000}, timeout=30)
-    assert r.status_code == 504 and r.json()["error"]["type"] == "timeout_error"
-    assert TIMEOUT <= time.monotonic() - t0 < TIMEOUT + 2
+def test_a_request_past_its_deadline_is_a_504_within_one_pass(gated):
+    url, backend, pool, clock = gated
+    start = backend.hold()
+    backend.allow(3)
+    out: list[httpx.Response] = []
+    thread = _post(url, {"model": MODEL, "prompt": "hi", "max_tokens": 1000}, out)
+    backend.wait_blocked_at(start + 3)
+    clock.advance(TIMEOUT + 1)  # the deadline passes while the worker waits for its next pass
+    backend.open()
+    thread.join(GATE_S)
+    assert out[0].status_code == 504 and out[0].json()["error"]["type"] == "timeout_error"
+    assert "generated tokens" in out[0].json()["error"]["message"]
+    assert pool.wait_until(_idle, GATE_S)
+    assert backend.passes <= start + 3 + 1
 
+
+def test_a_backend_failure_is_a_clean_500_and_the_worker_stays_usable(gated):
+    url, backend, _, _ = gated
     backend.fail_at = backend.passes + 5
-    r = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 20}, timeout=30)
+    r = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 20}, timeout=GATE_S)
     assert r.status_code == 500 and r.json()["error"]["code"] == "generation_failed"
     assert "injected backend failure" in r.json()["error"]["message"]
 
     backend.fail_at = backend.passes + 5
     body = {"model": MODEL, "prompt": "hi", "max_tokens": 20, "stream": True}
-    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as response:
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=GATE_S) as response:
         data = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
     assert data[-1] == "[DONE]" and json.loads(data[-2])["error"]["code"] == "generation_failed"
 
-    ok = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 20}, timeout=30)
+    ok = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 20}, timeout=GATE_S)
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 20
 
 
