@@ -455,7 +455,7 @@ class Worker:
         self.last_used = 0.0
 
 
-class Job:
+class RequestGeneration:
     """One request's generation on a worker. The worker thread puts events (``Started``, each ``Commit`` when
     streaming, then ``Finished`` or ``Failed``) on a queue the event loop reads; ``cancel()`` asks the thread to
     stop before its next target pass."""
@@ -492,7 +492,7 @@ class WorkerPool:
         self.workers = [Worker(i, e) for i, e in enumerate(engines)]
         self.max_queue, self.timeout_s, self.metrics = max_queue, timeout_s, metrics
         self._waiters: deque[tuple[list[int], asyncio.Future[Worker]]] = deque()
-        self._jobs: set[Job] = set()
+        self._jobs: set[RequestGeneration] = set()
         self._service_s = 1.0  # moving average of a job's time on a worker, for Retry-After
         metrics.workers.set(len(self.workers))
 
@@ -590,14 +590,14 @@ class WorkerPool:
             raise
 
     # -- running ---------------------------------------------------------------------------------------------------
-    async def submit(self, prepared: Prepared, *, stream: bool, deadline: float) -> Job:
+    async def submit(self, prepared: Prepared, *, stream: bool, deadline: float) -> RequestGeneration:
         """Wait for a worker (``QueueFull`` when the queue is full, ``RequestTimeout`` past the deadline) and start
         the generation on it. The caller reads the job's events and cancels the job when it stops reading."""
         t0 = time.monotonic()
         worker = await self._acquire(prepared.ids, deadline)
         self.metrics.queue_wait.observe(time.monotonic() - t0)
         loop = asyncio.get_running_loop()
-        job = Job(loop, worker, prepared, stream=stream, deadline=deadline)
+        job = RequestGeneration(loop, worker, prepared, stream=stream, deadline=deadline)
         self._jobs.add(job)
         try:
             future = worker.executor.submit(self._execute, job)
@@ -619,7 +619,7 @@ class WorkerPool:
         future.add_done_callback(done)
         return job
 
-    def _execute(self, job: Job) -> None:
+    def _execute(self, job: RequestGeneration) -> None:
         """In the worker's thread: run the generation one commit at a time, checking the cancel flag and the
         deadline between commits (so a cancelled request stops within one target pass)."""
         worker, t0 = job.worker, time.monotonic()
@@ -994,7 +994,7 @@ def create_app(engines: Sequence[Engine], settings: ServerSettings) -> FastAPI:
             if not streaming:
                 job.cancel()  # a no-op once it finished; otherwise the worker stops within one pass
 
-    async def _stream(job: Job, shape: _Shape, include_usage: bool) -> AsyncIterator[dict[str, str]]:
+    async def _stream(job: RequestGeneration, shape: _Shape, include_usage: bool) -> AsyncIterator[dict[str, str]]:
         """The SSE events of a streamed response: a chunk per text delta (with the logprobs of the tokens since the
         last one), a last chunk with the finish reason and the ``ortspec`` statistics, the usage chunk when asked
         for, ``[DONE]``. A client that goes away cancels the generation (sse-starlette cancels this generator)."""
