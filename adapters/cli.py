@@ -402,13 +402,13 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 
 def cmd_batch(args: argparse.Namespace) -> int:
-    from ortspec.adapters.batch import cmd_batch as batch
+    from ortspec.adapters.batch.command import cmd_batch as batch
 
     return batch(args)
 
 
 def _batch_defaults(text: str) -> dict:
-    from ortspec.adapters.batch import defaults_json
+    from ortspec.adapters.batch.command import defaults_json
 
     return defaults_json(text)
 

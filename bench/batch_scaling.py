@@ -36,7 +36,9 @@ from typing import Any
 
 from bench.machine import background_load, machine_info
 from bench.workloads import build_workloads, describe_workloads, encode_chat
-from ortspec.adapters.batch import BatchWorker, OutputWriter, run_batch
+from ortspec.adapters.batch import BatchJob, run_batch
+from ortspec.adapters.batch.output import OutputWriter
+from ortspec.adapters.batch.worker import BatchWorker, WorkerSettings
 from ortspec.adapters.tokenizer import Tokenizer
 from ortspec.core import PromptLookup
 
@@ -90,7 +92,7 @@ def one_run(config: str, src: Path, out_dir: Path, model_dir: Path, repeat: int,
     out = out_dir / f"{config.replace(' ', '-')}-{repeat}.jsonl"
     out.unlink(missing_ok=True)
     load_before = wait_quiet(wait_s)
-    summary = run_batch(
+    job = BatchJob(
         src,
         out,
         model=model_dir,
@@ -99,9 +101,8 @@ def one_run(config: str, src: Path, out_dir: Path, model_dir: Path, repeat: int,
         ray="local" if mode == "ray" else None,
         pin=pin,
         options=OPTIONS,
-        progress=False,
-        log=lambda m: None,
     )
+    summary = run_batch(job, progress=False, log=lambda m: None)
     s = summary
     run = {
         "config": config,
@@ -427,7 +428,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for threads in sorted({parse_config(c)[2] for c in configs}):
             # The verify cost curve for each thread count is measured once and cached (BatchWorker's warm-up);
             # doing it here keeps that one-off measurement out of the first timed run.
-            BatchWorker(model_dir, threads=threads, defaults=OPTIONS)
+            BatchWorker(model_dir, WorkerSettings(threads, OPTIONS))
         order = [c for r in range(args.repeat) for c in (configs if r % 2 == 0 else configs[::-1])]
         repeats: dict[str, int] = {}
         runs, outs = [], {}

@@ -8,22 +8,15 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
-from ortspec.adapters.batch import (
-    BatchError,
-    BatchWorker,
-    available_cores,
-    option_fields,
-    parse_record,
-    plan_threads,
-    prepare_output,
-    read_input,
-    run_batch,
-)
+from ortspec.adapters.batch import BatchError, BatchJob, run_batch
+from ortspec.adapters.batch.local import available_cores, plan_threads
+from ortspec.adapters.batch.output import prepare_output
+from ortspec.adapters.batch.records import option_fields, parse_record, read_input
+from ortspec.adapters.batch.worker import BatchWorker, WorkerSettings
 from ortspec.adapters.cli import main as cli_main
 from ortspec.core import PromptLookup
 
@@ -86,7 +79,9 @@ def dataset(tmp_path_factory):
 @pytest.fixture(scope="module")
 def embedded_run(tiny_model_dir, dataset, tmp_path_factory):
     out = tmp_path_factory.mktemp("batch-out") / "out.jsonl"
-    summary = run_batch(dataset, out, model=tiny_model_dir, workers=2, threads=1, options=DEFAULTS, progress=False)
+    summary = run_batch(
+        BatchJob(dataset, out, model=tiny_model_dir, workers=2, threads=1, options=DEFAULTS), progress=False
+    )
     return out, summary
 
 
@@ -114,7 +109,7 @@ def test_duplicate_ids_are_refused_before_anything_runs(tmp_path):
         read_input(src, {}, option_fields())
     out = tmp_path / "out.jsonl"
     with pytest.raises(BatchError, match="duplicate"):
-        run_batch(src, out, model=tmp_path / "no-model", progress=False)
+        run_batch(BatchJob(src, out, model=tmp_path / "no-model"), progress=False)
     assert not out.exists()
     # 1 and "1" are different ids
     ok = write_jsonl(tmp_path / "ok.jsonl", [{"id": 1, "prompt": "x"}, {"id": "1", "prompt": "y"}])
@@ -154,7 +149,7 @@ def test_missing_ray_extra_is_a_clear_message(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "ray", None)
     src = write_jsonl(tmp_path / "in.jsonl", [{"id": 1, "prompt": "x"}])
     with pytest.raises(BatchError, match=r"pip install 'ortspec\[ray\]'"):
-        run_batch(src, tmp_path / "out.jsonl", model=tmp_path, ray="local", progress=False)
+        run_batch(BatchJob(src, tmp_path / "out.jsonl", model=tmp_path, ray="local"), progress=False)
 
 
 # -- end to end on the tiny model --------------------------------------------------------------------------------
@@ -168,7 +163,7 @@ def test_every_record_equals_the_engine_in_this_process(tiny_model_dir, embedded
         len(r["token_ids"]) for r in got.values() if "text" in r
     )
     # what the same records give through one Engine here, with the same defaults and threads
-    worker = BatchWorker(tiny_model_dir, threads=1, defaults=DEFAULTS)
+    worker = BatchWorker(tiny_model_dir, WorkerSettings(threads=1, defaults=DEFAULTS))
     fields = option_fields()
     for number, record in enumerate(RECORDS, start=1):
         expected, _ = worker.run(parse_record(json.dumps(record), number, DEFAULTS, fields))
@@ -199,7 +194,7 @@ def test_speculation_happened_and_bad_records_name_their_problem(embedded_run):
 def test_default_speculation_equals_plain_decoding(tiny_model_dir, dataset, embedded_run, tmp_path):
     plain = tmp_path / "plain.jsonl"
     options = {**DEFAULTS, "speculative": "none"}
-    run_batch(dataset, plain, model=tiny_model_dir, workers=1, threads=1, options=options, progress=False)
+    run_batch(BatchJob(dataset, plain, model=tiny_model_dir, workers=1, threads=1, options=options), progress=False)
     spec, base = read_output(embedded_run[0]), read_output(plain)
     assert spec.keys() == base.keys()
     for key in spec:
@@ -224,7 +219,7 @@ def test_sampled_record_without_seed_reports_one_that_replays(tiny_model_dir, tm
 
 
 def run_and_path(src: Path, out: Path, model: Path, **kwargs) -> Path:
-    run_batch(src, out, model=model, workers=1, threads=1, progress=False, **kwargs)
+    run_batch(BatchJob(src, out, model=model, workers=1, threads=1, **kwargs), progress=False)
     return out
 
 
@@ -249,44 +244,68 @@ def test_a_record_that_kills_its_worker_is_an_error_line(tiny_model_dir, tmp_pat
     ]
     src = write_jsonl(tmp_path / "in.jsonl", records)
     out = tmp_path / "out.jsonl"
-    summary = run_batch(src, out, model=tiny_model_dir, workers=2, threads=1, progress=False,
-                        options={"speculative": CrashOn(ids), "draft_width": 4})  # fmt: skip
+    options = {"speculative": CrashOn(ids), "draft_width": 4}
+    summary = run_batch(BatchJob(src, out, model=tiny_model_dir, workers=2, threads=1, options=options), progress=False)
     got = read_output(out)
     assert len(got) == 5 and summary.errors == 1
     assert "worker process died (exit code 3)" in got["2"]["error"]
     assert all("text" in got[str(i)] for i in (0, 1, 3, 4))
 
 
+class KillRunOn:
+    """Prompt lookup (``lookup``), except in the record whose context starts with ``ids``: there it SIGKILLs its
+    process group (the whole batch run, parent and workers), as a kill in the middle of a run would."""
+
+    def __init__(self, ids, lookup):
+        self.ids, self.lookup = list(ids), lookup
+
+    def propose(self, context, width):
+        if list(context[: len(self.ids)]) == self.ids:
+            os.killpg(os.getpgrp(), signal.SIGKILL)
+        return self.lookup.propose(context, width)
+
+
+KILLED_RUN = """
+import sys
+sys.path.insert(0, sys.argv[1])
+from pathlib import Path
+from test_batch import DEFAULTS, KillRunOn
+from ortspec.adapters.batch import BatchJob, run_batch
+from ortspec.adapters.tokenizer import Tokenizer
+src, out, model, prompt = Path(sys.argv[2]), Path(sys.argv[3]), Path(sys.argv[4]), sys.argv[5]
+killer = KillRunOn(Tokenizer.from_folder(model).encode(prompt), DEFAULTS["speculative"])
+options = {**DEFAULTS, "draft_width": 4, "speculative": killer}
+run_batch(BatchJob(src, out, model=model, workers=1, threads=1, options=options), progress=False)
+"""
+
+
 def test_resume_after_a_kill(tiny_model_dir, tmp_path):
-    """SIGKILL the command (and its workers) mid-run, leave a half-written line as a kill mid-write would, rerun:
-    every record once, each equal to an uninterrupted run's."""
+    """SIGKILL the run (and its worker) in the middle of its fifth record, leave a half-written line as a kill
+    mid-write would, rerun: every record once, each equal to an uninterrupted run's. The kill comes from the fifth
+    record's first draft, so the first four records (longest prompt first: r23 to r20) are in OUTPUT: the parent
+    hands a worker its next record only after writing the last one."""
     records = [
         {"id": f"r{i}", "prompt": f"{i} " + LOOKUP_TEXT[: 20 + 3 * i], "max_tokens": 150, "ignore_eos": True}
         for i in range(24)
     ]
     src = write_jsonl(tmp_path / "in.jsonl", records)
     out = tmp_path / "out.jsonl"
-    cmd = [sys.executable, "-m", "ortspec.adapters.cli", "batch", str(src), str(out), "--model", str(tiny_model_dir),
-           "--workers", "1", "--threads", "1", "--no-progress", "--no-chat"]  # fmt: skip
-    proc = subprocess.Popen(cmd, start_new_session=True, stderr=subprocess.PIPE)
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and proc.poll() is None:
-        if out.exists() and len(out.read_bytes().splitlines()) >= 3:
-            break
-        time.sleep(0.02)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
-    done_before = len(out.read_bytes().splitlines())
-    assert 3 <= done_before < len(records), "the run was not interrupted midway"
+    options = {**DEFAULTS, "draft_width": 4}  # a fixed width: every step drafts, so the killer's propose runs
+    args = [str(Path(__file__).parent), str(src), str(out), str(tiny_model_dir), records[19]["prompt"]]
+    proc = subprocess.run(
+        [sys.executable, "-c", KILLED_RUN, *args], start_new_session=True, capture_output=True, timeout=600
+    )
+    assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()
+    assert [json.loads(line)["id"] for line in out.read_bytes().splitlines()] == ["r23", "r22", "r21", "r20"]
     with open(out, "ab") as f:
-        f.write(b'{"id": "r23", "text": "half a li')
+        f.write(b'{"id": "r19", "text": "half a li')
     notes: list[str] = []
-    summary = run_batch(src, out, model=tiny_model_dir, workers=1, threads=1, progress=False, options=DEFAULTS,
-                        log=notes.append)  # fmt: skip
-    assert any("partial line" in n for n in notes) and any(f"{done_before} of 24" in n for n in notes), notes
-    assert summary.skipped == done_before and summary.written == len(records) - done_before
+    summary = run_batch(BatchJob(src, out, model=tiny_model_dir, workers=1, threads=1, options=options),
+                        progress=False, log=notes.append)  # fmt: skip
+    assert any("partial line" in n for n in notes) and any("4 of 24" in n for n in notes), notes
+    assert summary.skipped == 4 and summary.written == len(records) - 4
     resumed = read_output(out)
-    clean = read_output(run_and_path(src, tmp_path / "clean.jsonl", tiny_model_dir, options=DEFAULTS))
+    clean = read_output(run_and_path(src, tmp_path / "clean.jsonl", tiny_model_dir, options=options))
     assert resumed.keys() == clean.keys() and len(resumed) == len(records)
     for key in clean:
         assert resumed[key] == clean[key], key

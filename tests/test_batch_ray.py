@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from test_batch import BAD_LINES, DEFAULTS, RECORDS, read_output, write_jsonl
 
-from ortspec.adapters.batch import run_batch
+from ortspec.adapters.batch import BatchJob, run_batch
 
 pytestmark = pytest.mark.ray
 ray = pytest.importorskip("ray")
@@ -48,9 +48,9 @@ def same_lines(a: dict, b: dict, *, stats: bool = True) -> None:
 def test_ray_writes_what_the_embedded_runner_writes(local_ray, tiny_model_dir, tmp_path):
     src = write_jsonl(tmp_path / "in.jsonl", RECORDS, [line for line, _ in BAD_LINES])
     embedded, on_ray = tmp_path / "embedded.jsonl", tmp_path / "ray.jsonl"
-    kwargs = dict(model=tiny_model_dir, workers=2, threads=1, options=DEFAULTS, progress=False)
-    run_batch(src, embedded, **kwargs)
-    summary = run_batch(src, on_ray, ray="local", **kwargs)
+    kwargs = dict(model=tiny_model_dir, workers=2, threads=1, options=DEFAULTS)
+    run_batch(BatchJob(src, embedded, **kwargs), progress=False)
+    summary = run_batch(BatchJob(src, on_ray, ray="local", **kwargs), progress=False)
     assert summary.mode == "ray" and summary.lost == 0 and summary.errors == len(BAD_LINES)
     assert summary.written == len(RECORDS) + len(BAD_LINES) and len(summary.load_s) >= 1
     same_lines(read_output(embedded), read_output(on_ray))
@@ -61,13 +61,13 @@ def test_ray_resumes_a_killed_run_with_the_model_shipped(local_ray, tiny_model_d
                for i in range(8)]  # fmt: skip
     records[3] = {**records[3], "temperature": 0.8, "seed": 99}
     src = write_jsonl(tmp_path / "in.jsonl", records)
-    kwargs = dict(model=tiny_model_dir, workers=2, threads=1, options=DEFAULTS, progress=False)
+    kwargs = dict(model=tiny_model_dir, workers=2, threads=1, options=DEFAULTS)
     embedded = read_output(_run(src, tmp_path / "embedded.jsonl", **kwargs))
     # OUTPUT as a kill leaves it: three records, and half of a fourth
     out = tmp_path / "ray.jsonl"
     lines = (tmp_path / "embedded.jsonl").read_bytes().splitlines(keepends=True)
     out.write_bytes(b"".join(lines[:3]) + lines[3][:25])
-    summary = run_batch(src, out, ray="local", ship_model=True, log=lambda m: None, **kwargs)
+    summary = run_batch(BatchJob(src, out, ray="local", ship_model=True, **kwargs), progress=False, log=lambda m: None)
     assert summary.skipped == 3 and summary.written == 5
     same_lines(read_output(out), embedded, stats=False)
     shipped = [p for p in (local_ray / "shipped").glob(f"{tiny_model_dir.name}-*") if p.is_dir()]
@@ -75,7 +75,7 @@ def test_ray_resumes_a_killed_run_with_the_model_shipped(local_ray, tiny_model_d
 
 
 def _run(src, out, **kwargs):
-    run_batch(src, out, **kwargs)
+    run_batch(BatchJob(src, out, **kwargs), progress=False)
     return out
 
 
@@ -94,7 +94,7 @@ def test_ray_equals_embedded_on_smollm2(local_ray, real_model_dir, tmp_path):
     ]  # fmt: skip
     src = write_jsonl(tmp_path / "in.jsonl", records)
     options = {**DEFAULTS, "chat": True}
-    kwargs = dict(model=real_model_dir, workers=1, threads=2, options=options, progress=False)
+    kwargs = dict(model=real_model_dir, workers=1, threads=2, options=options)
     embedded = read_output(_run(src, tmp_path / "embedded.jsonl", **kwargs))
     on_ray = read_output(_run(src, tmp_path / "ray.jsonl", ray="local", **kwargs))
     same_lines(embedded, on_ray)

@@ -40,7 +40,7 @@ from ortspec.adapters.serve.models import (
     prompt_of,
     validation_error,
 )
-from ortspec.adapters.serve.pool import Clock, Failed, Finished, Job, WorkerPool
+from ortspec.adapters.serve.pool import Clock, Failed, Finished, RequestGeneration, WorkerPool
 from ortspec.adapters.serve.responses import LogprobFormatter, ResponseShape, ortspec_stats
 from ortspec.adapters.serve.settings import ServerSettings
 from ortspec.core.state import Commit, TokenLogprob
@@ -150,7 +150,7 @@ class _Routes:
             )
         return Prepared(ids, options, fields, speculative)
 
-    async def _submit(self, body: GenerationRequest, request: Request, prepared: Prepared, deadline: float) -> Job:
+    async def _submit(self, body: GenerationRequest, request: Request, prepared: Prepared, deadline: float) -> RequestGeneration:
         """The job for a request, once a worker took it (429 when the queue is full, 504 past the deadline)."""
         try:
             return await _unless_disconnected(
@@ -196,11 +196,11 @@ class _Routes:
                 job.cancel()  # a no-op once it finished; otherwise the worker stops within one pass
 
 
-def _extension(result: GenerateResult, job: Job) -> dict[str, Any]:
+def _extension(result: GenerateResult, job: RequestGeneration) -> dict[str, Any]:
     return ortspec_stats(result, speculative=job.prepared.speculative, worker=job.worker.index)
 
 
-async def _stream(job: Job, shape: ResponseShape, include_usage: bool) -> AsyncIterator[dict[str, str]]:
+async def _stream(job: RequestGeneration, shape: ResponseShape, include_usage: bool) -> AsyncIterator[dict[str, str]]:
     """The SSE events of a streamed response: a chunk per text delta (with the logprobs of the tokens since the
     last one), a last chunk with the finish reason and the ``ortspec`` statistics, the usage chunk when asked for,
     ``[DONE]``. A client that goes away cancels the generation (sse-starlette cancels this generator)."""

@@ -62,11 +62,11 @@ class Worker:
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"ortspec-worker-{index}")
         self.resident: tuple[int, ...] = ()
         self.busy = False
-        self.job: Job | None = None
+        self.job: RequestGeneration | None = None
         self.last_used = 0.0
 
 
-class Job:
+class RequestGeneration:
     """One request's generation on a worker. The worker thread puts events (``Started``, each ``Commit`` when
     streaming, then ``Finished`` or ``Failed``) on a queue the event loop reads; ``cancel()`` asks the thread to
     stop before its next target pass (``cancelled`` is set from then on). ``deadline``: on the pool's clock."""
@@ -113,7 +113,7 @@ class WorkerPool:
         self.max_queue = check_int("max_queue", max_queue, 0)
         self.timeout_s, self.metrics, self.clock = timeout_s, metrics, clock
         self._waiters: deque[tuple[list[int], asyncio.Future[Worker]]] = deque()
-        self._jobs: set[Job] = set()
+        self._jobs: set[RequestGeneration] = set()
         self._service_s = 1.0  # moving average of a job's time on a worker, for Retry-After
         self._changed = threading.Condition()  # notified whenever busy or waiting changes
         metrics.workers.set(len(self.workers))
@@ -224,14 +224,14 @@ class WorkerPool:
             raise
 
     # -- running ---------------------------------------------------------------------------------------------------
-    async def submit(self, prepared: Prepared, *, stream: bool, deadline: float) -> Job:
+    async def submit(self, prepared: Prepared, *, stream: bool, deadline: float) -> RequestGeneration:
         """Wait for a worker (``QueueFull`` when the queue is full, ``RequestTimeout`` past the deadline) and start
         the generation on it. The caller reads the job's events and cancels the job when it stops reading."""
         t0 = self.clock()
         worker = await self._acquire(prepared.ids, deadline)
         self.metrics.queue_wait.observe(self.clock() - t0)
         loop = asyncio.get_running_loop()
-        job = worker.job = Job(loop, worker, prepared, stream=stream, deadline=deadline)
+        job = worker.job = RequestGeneration(loop, worker, prepared, stream=stream, deadline=deadline)
         self._jobs.add(job)
         try:
             future = worker.executor.submit(self._execute, job)
@@ -253,7 +253,7 @@ class WorkerPool:
         future.add_done_callback(done)
         return job
 
-    def _execute(self, job: Job) -> None:
+    def _execute(self, job: RequestGeneration) -> None:
         """In the worker's thread: run the generation one commit at a time, checking the cancel flag and the
         deadline between commits (so a cancelled request stops within one target pass)."""
         worker, t0 = job.worker, self.clock()

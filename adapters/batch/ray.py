@@ -28,17 +28,11 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from ortspec.adapters.batch import (
-    BatchError,
-    BatchWorker,
-    Job,
-    Task,
-    _file_lock,
-    available_cores,
-    error_record,
-    task_from_message,
-    task_message,
-)
+from .job import BatchError, BatchJob
+from .local import available_cores
+from .output import BatchOutput
+from .records import Task, error_record, task_from_message, task_message
+from .worker import BatchWorker, WorkerSettings, file_lock
 
 RAY_EXTRA_MESSAGE = "--ray needs Ray Data, which is not installed: pip install 'ortspec[ray]' (ray[data]==2.60.0)"
 # Files are shipped in pieces of at most this many bytes (bounds the driver's memory while it puts them).
@@ -56,7 +50,7 @@ def import_ray() -> Any:
 
 
 @contextlib.contextmanager
-def ray_session(address: str, say: Callable[[str], object]) -> Iterator[Any]:
+def ray_session(address: str) -> Iterator[Any]:
     """Ray, initialised for the job: ``"local"`` starts a local instance with this process's cores (and shuts it
     down afterwards), anything else is ``ray.init(address=...)``. An already initialised Ray is used as it is."""
     ray = import_ray()
@@ -145,7 +139,7 @@ def materialize(source: str | Mapping[str, Any]) -> Path:
     from ortspec.adapters.cache import cache_root
 
     target = cache_root() / "shipped" / f"{source['name']}-{source['digest'][:16]}"
-    with _file_lock(target.with_name(target.name + ".lock")):
+    with file_lock(target.with_name(target.name + ".lock")):
         if (target / ".complete").is_file():
             return target
         tmp = target.with_name(f"{target.name}.tmp-{os.getpid()}")
@@ -166,19 +160,9 @@ class RayEngine:
     """A Ray Data actor: one ``BatchWorker``. Takes batches of task messages, returns output lines and metrics
     (both JSON strings); its first answer carries the model load time."""
 
-    def __init__(
-        self,
-        source: str | Mapping[str, Any],
-        threads: int,
-        defaults: Mapping[str, Any],
-        provider: str,
-        max_length: int | None,
-    ) -> None:
+    def __init__(self, source: str | Mapping[str, Any], settings: WorkerSettings) -> None:
         model_dir = materialize(source)
-        name = f"{socket.gethostname()}:{os.getpid()}"
-        self.worker = BatchWorker(
-            model_dir, threads=threads, defaults=defaults, provider=provider, max_length=max_length, name=name
-        )
+        self.worker = BatchWorker(model_dir, settings, name=f"{socket.gethostname()}:{os.getpid()}")
         self._report_load = True
 
     def __call__(self, batch: Mapping[str, Sequence[Any]]) -> dict[str, Any]:
@@ -208,62 +192,61 @@ def _root_cause(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {lines[-1] if lines else ''}"
 
 
+def _dataset(ray: Any, tasks: Sequence[Task], source: Any, settings: WorkerSettings, workers: int) -> Any:
+    """The pending tasks as a Ray Data dataset, one record per block (so lines come back per record), mapped by
+    a pool of at most ``workers`` ``RayEngine`` actors of ``settings.threads`` CPUs each."""
+    ctx = ray.data.DataContext.get_current()
+    ctx.enable_progress_bars = False
+    ctx.execution_options.preserve_order = False
+    ctx.max_errored_blocks = -1
+    items = [{"task": task_message(t)} for t in tasks]
+    ds = ray.data.from_items(items, override_num_blocks=len(items))
+    with warnings.catch_warnings():
+        # Ray 2.60 has no named parameter for max_task_retries; ray_remote_args (deprecated there) sets it.
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return ds.map_batches(
+            RayEngine,
+            batch_size=1,
+            batch_format="numpy",
+            compute=ray.data.ActorPoolStrategy(size=min(workers, len(items)), max_tasks_in_flight_per_actor=1),
+            num_cpus=settings.threads,
+            max_task_retries=1,  # Ray Data's default retries a record that kills its actor forever
+            fn_constructor_kwargs=dict(source=source, settings=settings),
+        )
+
+
 def run_ray(
-    job: Job,
+    output: BatchOutput,
     tasks: Sequence[Task],
     model_dir: Path,
-    *,
-    address: str,
-    workers: int,
-    threads: int | None,
+    job: BatchJob,
     defaults: Mapping[str, Any],
-    provider: str,
-    max_length: int | None,
-    ship_model: bool,
     say: Callable[[str], object],
 ) -> None:
-    """Run ``tasks`` (in this order) on a Ray Data actor pool, writing each record as it completes."""
+    """Run ``tasks`` (in this order) on a Ray Data actor pool, writing each record to ``output`` as it completes.
+    ``job`` says where (``ray``, ``ship_model``), how many (``workers`` x ``threads``) and how each Engine opens
+    (``provider``, ``max_length``); ``defaults``: the job's generation keywords, as the Engine takes them."""
+    address = job.ray
+    assert address is not None, "run_ray runs a job with a Ray address"
     t0 = time.perf_counter()
-    with ray_session(address, say) as ray:
-        job.summary.ray_init_s = time.perf_counter() - t0
-        workers, threads = plan_actors(ray, address, workers, threads, say)
-        job.summary.workers, job.summary.threads = workers, threads
-        ctx = ray.data.DataContext.get_current()
-        ctx.enable_progress_bars = False
-        ctx.execution_options.preserve_order = False
-        ctx.max_errored_blocks = -1
-        with _shipped(ray, model_dir, ship_model) as source:
-            items = [{"task": task_message(t)} for t in tasks]
-            ds = ray.data.from_items(items, override_num_blocks=len(items))  # one record per block: per-record lines
-            with warnings.catch_warnings():
-                # Ray 2.60 has no named parameter for max_task_retries; ray_remote_args (deprecated there) sets it.
-                warnings.simplefilter("ignore", DeprecationWarning)
-                ds = ds.map_batches(
-                    RayEngine,
-                    batch_size=1,
-                    batch_format="numpy",
-                    compute=ray.data.ActorPoolStrategy(size=min(workers, len(items)), max_tasks_in_flight_per_actor=1),
-                    num_cpus=threads,
-                    max_task_retries=1,  # Ray Data's default retries a record that kills its actor forever
-                    fn_constructor_kwargs=dict(
-                        source=source,
-                        threads=threads,
-                        defaults=dict(defaults),
-                        provider=provider,
-                        max_length=max_length,
-                    ),
-                )
+    with ray_session(address) as ray:
+        output.summary.ray_init_s = time.perf_counter() - t0
+        workers, threads = plan_actors(ray, address, job.workers, job.threads, say)
+        output.summary.workers, output.summary.threads = workers, threads
+        settings = WorkerSettings(threads, defaults, provider=job.provider, max_length=job.max_length)
+        with _shipped(ray, model_dir, job.ship_model) as source:
+            ds = _dataset(ray, tasks, source, settings, workers)
             written = set()
             try:
                 for row in ds.iter_rows():
                     metrics = json.loads(str(row["metrics"]))
                     if "load_s" in metrics:
-                        job.summary.load_s.append(float(metrics["load_s"]))
-                    job.write(str(row["line"]).encode("utf-8"), metrics)
+                        output.summary.load_s.append(float(metrics["load_s"]))
+                    output.write(str(row["line"]).encode("utf-8"), metrics)
                     written.add(str(row["key"]))
             except Exception as exc:  # Ray Data stops the dataset (e.g. an actor cannot load the model)
                 raise BatchError(f"the Ray job stopped: {_root_cause(exc)}") from exc
         for task in tasks:  # Ray gave up on these (the actor died on each try): like a dead embedded worker
             if task.key not in written:
                 message = "no result came back from Ray: its actor died while generating this record, twice"
-                job.write(error_record(task.id, task.line, message))
+                output.write(error_record(task.id, task.line, message))

@@ -1,0 +1,213 @@
+"""The embedded runner: worker processes on this machine.
+
+N worker processes (``spawn``), each with its own ``BatchWorker`` (one Engine) and T intra-op threads pinned to
+its own cores (N x T <= the cores this process may use). The parent hands each ready worker one task at a time,
+in the order given (longest prompt first), and writes each answer as it arrives (completion order). A worker
+that dies while it holds a task (a crash, the OOM killer) costs that record an error line; a new worker takes
+its place. A worker that cannot load the model stops the run (``BatchError``).
+
+Channels: each worker reads tasks from its own queue and answers on its own pipe (one writer, no lock): a worker
+killed in the middle of a write can then only break its own channel, never block the others' answers, as it
+could while holding the write lock of a queue shared by all workers. Messages on the pipe: ``("ready", index,
+load_s)``, ``("failed", index, error text)``, ``("done", index, task key, output line, metrics)``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing as mp
+import multiprocessing.connection as mp_connection
+import os
+import queue
+import signal
+import time
+import traceback
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from .job import BatchError
+from .output import BatchOutput, encode_line
+from .records import Task, error_record
+from .worker import BatchWorker, WorkerSettings
+
+# How the parent waits for worker messages before checking that its workers are alive (seconds).
+_POLL_S = 0.5
+# How long stopped workers get to exit before they are terminated (seconds).
+_STOP_S = 5.0
+
+
+def available_cores() -> list[int]:
+    """The CPU ids this process may run on."""
+    if hasattr(os, "sched_getaffinity"):
+        return sorted(os.sched_getaffinity(0))
+    return list(range(os.cpu_count() or 1))
+
+
+def plan_threads(workers: int, threads: int | None, cores: int, *, where: str = "here") -> int:
+    """Intra-op threads per worker: ``threads``, or the cores shared out. ``BatchError`` when workers x threads
+    would exceed ``cores``."""
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+        raise BatchError(f"workers must be an int >= 1, got {workers!r}")
+    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+        raise BatchError(f"threads must be an int >= 1, got {threads!r}")
+    if workers > cores:
+        raise BatchError(f"{workers} workers need at least {workers} cores; {cores} available {where}")
+    if threads is None:
+        return max(1, cores // workers)
+    if workers * threads > cores:
+        raise BatchError(
+            f"{workers} workers x {threads} threads = {workers * threads} intra-op threads, more than the {cores} "
+            f"cores available {where}: choose workers x threads <= {cores} (e.g. --workers {workers} --threads "
+            f"{max(1, cores // workers)})"
+        )
+    return threads
+
+
+def _worker_main(
+    index: int, cpus: list[int] | None, model_dir: str, settings: WorkerSettings, tasks: Any, results: Any
+) -> None:
+    """A worker process: pin to ``cpus``, load, then run tasks from its queue until ``None`` or its parent is gone,
+    answering on ``results`` (the module docstring lists the messages). Ctrl-C is the parent's to handle (it stops
+    the workers)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    parent = os.getppid()
+    if cpus is not None and hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, cpus)
+    try:
+        worker = BatchWorker(model_dir, settings, name=f"worker-{index}")
+    except Exception as exc:
+        results.send(("failed", index, f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=3)}"))
+        return
+    results.send(("ready", index, worker.load_s))
+    while True:
+        try:
+            task = tasks.get(timeout=1.0)
+        except queue.Empty:
+            if os.getppid() != parent:
+                return
+            continue
+        if task is None:
+            return
+        record, metrics = worker.run(task)
+        results.send(("done", index, task.key, encode_line(record), metrics))
+
+
+class WorkerProcesses:
+    """The worker processes of one embedded run and the parent's view of them: which are ready, which task each
+    holds, how many tasks are out. Every method runs in the parent."""
+
+    def __init__(
+        self, output: BatchOutput, model_dir: Path, settings: WorkerSettings, *, workers: int, pin: bool
+    ) -> None:
+        self.output, self.model_dir, self.settings = output, model_dir, settings
+        self.workers, self.pin = workers, pin
+        self._ctx = mp.get_context("spawn")
+        self._cores = available_cores()
+        self.procs: dict[int, Any] = {}
+        self.inboxes: dict[int, Any] = {}
+        self.outboxes: dict[int, Any] = {}  # the parent's end of each worker's answer pipe
+        self.closed: set[int] = set()  # outboxes at end of file (their worker is gone)
+        self.holding: dict[int, Task | None] = {}
+        self.ready: set[int] = set()
+        self.outstanding = 0  # tasks handed to a worker, not yet written
+
+    def start(self, index: int) -> None:
+        """Start (or restart) worker ``index``."""
+        threads = self.settings.threads
+        cpus = self._cores[index * threads : (index + 1) * threads] if self.pin else None
+        self.inboxes[index] = self._ctx.Queue()
+        self.outboxes[index], writer = self._ctx.Pipe(duplex=False)
+        self.closed.discard(index)
+        args = (index, cpus, str(self.model_dir), self.settings, self.inboxes[index], writer)
+        self.procs[index] = self._ctx.Process(
+            target=_worker_main, args=args, name=f"ortspec-batch-{index}", daemon=True
+        )
+        self.procs[index].start()
+        writer.close()  # the worker's copy stays open; when it exits, the parent's reader sees end of file
+        self.holding[index] = None
+
+    def receive(self, index: int) -> None:
+        """Handle one message from worker ``index`` (or note that its pipe is at end of file)."""
+        try:
+            message = self.outboxes[index].recv()
+        except (EOFError, OSError):
+            self.closed.add(index)
+            return
+        kind = message[0]
+        if kind == "failed":
+            raise BatchError(f"worker {index} could not load the model: {message[2]}")
+        if kind == "ready":
+            self.ready.add(index)
+            self.output.summary.load_s.append(float(message[2]))
+        elif (held := self.holding[index]) is not None and held.key == message[2]:
+            self.holding[index] = None
+            self.outstanding -= 1
+            self.output.write(message[3], message[4])
+
+    def check_workers(self) -> None:
+        """A worker that exited: before it was ready, the run cannot go on; after, the record it held (the
+        likely cause) gets an error line and a new worker takes its place."""
+        for i, proc in list(self.procs.items()):
+            if proc.exitcode is None:
+                continue
+            while i not in self.closed and self.outboxes[i].poll():  # what it sent before it died
+                self.receive(i)
+            if i not in self.ready:
+                raise BatchError(f"worker {i} exited (code {proc.exitcode}) before it was ready (its error is above)")
+            task = self.holding[i]
+            if task is not None:
+                message = f"the worker process died (exit code {proc.exitcode}) while generating this record"
+                self.output.write(error_record(task.id, task.line, message))
+                self.outstanding -= 1
+            self.ready.discard(i)
+            self.start(i)
+
+    def run(self, tasks: Sequence[Task]) -> None:
+        """Run ``tasks`` in this order, writing each record as it completes; returns when every one is written."""
+        pending = list(reversed(tasks))  # pop() takes the next one
+        for i in range(min(self.workers, len(tasks))):
+            self.start(i)
+        while pending or self.outstanding:
+            for i in sorted(self.ready):
+                if self.holding[i] is None and pending:
+                    self.holding[i] = task = pending.pop()
+                    self.inboxes[i].put(task)
+                    self.outstanding += 1
+            open_ = {self.outboxes[i]: i for i in self.procs if i not in self.closed}
+            for conn in mp_connection.wait(list(open_), timeout=_POLL_S):
+                self.receive(open_[conn])
+            if not open_:
+                time.sleep(_POLL_S)
+            self.check_workers()
+
+    def stop(self) -> None:
+        """Ask every live worker to exit; terminate those still running after ``_STOP_S`` seconds."""
+        for i, proc in self.procs.items():
+            if proc.is_alive():
+                with contextlib.suppress(Exception):
+                    self.inboxes[i].put(None)
+        deadline = time.monotonic() + _STOP_S
+        for proc in self.procs.values():
+            proc.join(max(0.0, deadline - time.monotonic()))
+            if proc.is_alive():
+                proc.terminate()
+                proc.join(1.0)
+
+
+def run_embedded(
+    output: BatchOutput,
+    tasks: Sequence[Task],
+    model_dir: Path,
+    settings: WorkerSettings,
+    *,
+    workers: int,
+    pin: bool,
+) -> None:
+    """Run ``tasks`` (in this order) on ``workers`` processes, writing each record to ``output`` as it completes;
+    ``pin``: each worker on its own ``settings.threads`` cores."""
+    processes = WorkerProcesses(output, model_dir, settings, workers=workers, pin=pin)
+    try:
+        processes.run(tasks)
+    finally:
+        processes.stop()
