@@ -740,7 +740,7 @@ def run_embedded(
 
 
 def _default_model() -> Path:
-    from ortspec.adapters.convert import convert_smollm2, default_model_dir, is_complete
+    from ortspec.adapters.tools.convert import convert_smollm2, default_model_dir, is_complete
 
     folder = default_model_dir("fp32")
     if not is_complete(folder):
@@ -889,7 +889,7 @@ def defaults_json(text: str) -> dict[str, Any]:
 
 
 def cmd_batch(args: argparse.Namespace) -> int:
-    """``ortspec batch`` (its options are declared with the other commands' in ``adapters/cli.py``)."""
+    """``ortspec batch`` (its options are declared with the other commands' in ``adapters/cli/batch.py``)."""
     from ortspec.core import PromptLookup
 
     if args.output is None:

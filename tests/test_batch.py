@@ -24,7 +24,7 @@ from ortspec.adapters.batch import (
     read_input,
     run_batch,
 )
-from ortspec.adapters.cli import main as cli_main
+from ortspec.adapters.cli.main import main as cli_main
 from ortspec.core import PromptLookup
 
 LOOKUP_TEXT = "the quick brown fox jumps over the lazy dog. the quick brown fox jumps over the lazy dog. the quick"
