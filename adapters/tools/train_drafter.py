@@ -47,6 +47,7 @@ from ortspec.adapters.tools.drafter_graph import (
     write_drafter_folder,
 )
 from ortspec.adapters.tools.drafter_head import torch_head
+from ortspec.adapters.tools.folders import replace_folder
 from ortspec.adapters.tools.target_tables import TargetTables
 from ortspec.backends.onnx import ModelFolder
 from ortspec.backends.onnx.drafter import target_fingerprint
@@ -576,14 +577,7 @@ def _export(
         meta = json.loads(meta_path.read_text(encoding="utf-8"))
         meta["ortspec"]["training"] = record
         meta_path.write_text(json.dumps(meta, indent=1) + "\n", encoding="utf-8")
-        if dest.exists():
-            trash = dest.with_name(f".{dest.name}.old-{os.getpid()}-{time.monotonic_ns()}")
-            dest.rename(trash)
-            shutil.rmtree(trash, ignore_errors=True)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(staged, 0o777 & ~umask)  # mkdtemp made it 0700
-        staged.rename(dest)
+        replace_folder(staged, dest)
     except BaseException:
         shutil.rmtree(staged, ignore_errors=True)
         raise
