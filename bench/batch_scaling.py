@@ -377,7 +377,7 @@ def plan(result: dict[str, Any]) -> list[str]:
 
 
 def quick_model(tmp: Path) -> Path:
-    from ortspec.adapters.convert import make_tiny_model
+    from tests.support.models import make_tiny_model
 
     return make_tiny_model(tmp / "tiny-fp32", context=1024)
 
@@ -418,7 +418,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             n, max_new, max_prompt = 2, 16, 120
             out_dir = Path(args.out) if args.out else tmp / "results"
         else:
-            from ortspec.adapters.convert import default_model_dir
+            from ortspec.adapters.tools.convert import default_model_dir
 
             model_dir = Path(args.model) if args.model else default_model_dir("fp32")
             n, max_new, max_prompt = args.n, args.max_new_tokens, args.max_prompt_tokens

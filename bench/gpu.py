@@ -4,7 +4,7 @@
     python -m bench.gpu --shape tiny --provider cpu --out DIR  # the CI smoke run: seconds
 
 For each model shape (:data:`SHAPES`: the published architectures' dimensions) and precision it builds a model
-folder with random weights (``ortspec.adapters.convert.make_random_model``: the onnxruntime-genai builder, run here,
+folder with random weights (``tests.support.models.make_random_model``: the onnxruntime-genai builder, run here,
 so no weights travel), then for each backend mode (:data:`MODES`: ``eager`` = the default binding; ``static`` =
 static shapes, stream-ordered on CUDA; ``graphs`` = static shapes + one CUDA graph per pass width) measures with
 ``OrtBackend`` on the chosen provider:
@@ -117,7 +117,8 @@ def folder_name(shape: str, precision: str, provider: str) -> str:
 
 def build_folder(models_dir: Path, shape: str, precision: str, provider: str, threads: int | None = None) -> dict:
     """Build (or find) one random-weight folder; returns ``path`` and ``build_s`` (None when it already existed)."""
-    from ortspec.adapters.convert import is_complete, make_random_model
+    from ortspec.adapters.tools.convert import is_complete
+    from tests.support.models import make_random_model
 
     if threads:
         try:

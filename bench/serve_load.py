@@ -479,7 +479,7 @@ def contended(server: ServerProcess, phase: Callable[[], T]) -> tuple[T, dict[st
 
 
 def _model_dir(arg: str | None) -> Path:
-    from ortspec.adapters.convert import convert_smollm2, default_model_dir, is_complete
+    from ortspec.adapters.tools.convert import convert_smollm2, default_model_dir, is_complete
 
     if arg:
         return Path(arg)

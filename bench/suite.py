@@ -800,8 +800,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def _resolve_model(args: argparse.Namespace, workdir: Path) -> Path:
     if args.quick and not args.model_dir:
-        from ortspec.adapters.convert import make_tiny_model
-        from ortspec.adapters.drafter_graph import make_random_drafter
+        from tests.support.drafters import make_random_drafter
+        from tests.support.models import make_tiny_model
 
         model = Path(make_tiny_model(workdir / "tiny-model", context=1024))
         # a random shared-KV drafter beside it (Engine.from_dir finds <model>/drafter), so the drafter settings run
@@ -809,7 +809,7 @@ def _resolve_model(args: argparse.Namespace, workdir: Path) -> Path:
         return model
     if args.model_dir:
         return Path(args.model_dir).expanduser().resolve()
-    from ortspec.adapters.convert import BUILDER_ACCURACY_LEVEL, convert_smollm2, default_model_dir, is_complete
+    from ortspec.adapters.tools.convert import BUILDER_ACCURACY_LEVEL, convert_smollm2, default_model_dir, is_complete
 
     # int8 as ONNX Runtime GenAI users run it: the builder's default MatMulNBits level (4), as in the committed
     # results (ortspec convert builds level 1, the exact one; see docs/quantization-data.md)

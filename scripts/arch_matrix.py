@@ -3,10 +3,10 @@
     python scripts/arch_matrix.py                      # the whole matrix (31 s on 2 cores, builds included)
     python scripts/arch_matrix.py --archs llama,lfm2 --settings fp32,int4 --out /tmp/m.md
 
-For each architecture of ``ortspec.adapters.architectures.ARCHITECTURES`` it builds a tiny random-weight model
+For each architecture of ``tests.support.architectures.ARCHITECTURES`` it builds a tiny random-weight model
 (hidden size 256, so that the quantized MatMulNBits kernels take the same paths as real models'; built once and
 cached under ``~/.cache/ortspec/arch/``) at each precision, and for each setting runs
-``ortspec.adapters.conformance.check_folder``: the folder loads as is, greedy equals ONNX Runtime GenAI's greedy
+``tests.support.conformance.check_folder``: the folder loads as is, greedy equals ONNX Runtime GenAI's greedy
 search on the same folder (and, for fp32, transformers' greedy decoding of the checkpoint it came from),
 speculative decoding equals greedy decoding (drafts replaying the greedy continuation, all right and every third
 wrong, and prompt lookup), and the verify drift. A setting is *exact* when every speculative run equals greedy
@@ -26,10 +26,12 @@ from pathlib import Path
 
 import attrs
 
-from ortspec.adapters.architectures import ARCHITECTURES, make_tiny_arch_model
+sys.path.append(str(Path(__file__).resolve().parent.parent))  # the repository root, for tests.support
+
 from ortspec.adapters.cache import cache_root
-from ortspec.adapters.conformance import FolderReport, check_folder
 from ortspec.adapters.engine import DRIFT_WARNING_THRESHOLD
+from tests.support.architectures import ARCHITECTURES, make_tiny_arch_model
+from tests.support.conformance import FolderReport, check_folder
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = ROOT / "docs" / "architectures.md"
@@ -237,8 +239,8 @@ def write_markdown(args: argparse.Namespace, rows: list[Row], seconds: float) ->
         f"{onnxruntime_genai.__version__}, transformers {transformers.__version__}; {seconds:.0f} s.",
         "",
         f"Tiny random-weight models (hidden size {args.hidden}) built from each architecture's transformers config "
-        "by the onnxruntime-genai builder (`ortspec.adapters.architectures`), checked by "
-        "`ortspec.adapters.conformance.check_folder` with a prompt of about 75 tokens and up to "
+        "by the onnxruntime-genai builder (`tests.support.architectures`), checked by "
+        "`tests.support.conformance.check_folder` with a prompt of about 75 tokens and up to "
         f"{args.max_new_tokens} new tokens.",
         "",
         "* **greedy**: ortspec serves the folder as the builder wrote it, and its greedy output is compared with "

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ortspec.adapters.convert import default_model_dir
+from ortspec.adapters.tools.convert import default_model_dir
 from ortspec.backends.onnx import OrtBackend, physical_cores
 
 

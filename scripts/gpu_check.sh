@@ -74,8 +74,9 @@ if [ "$MODE" = prepare ]; then
   rm -rf "$CARRY/stage" "$CARRY/parts" "$CARRY/base.tar.xz"
   STAGE="$CARRY/stage"
   mkdir -p "$STAGE/base" "$STAGE/ort" "$CARRY/parts"
-  "$PY" -m ortspec.adapters.convert --tiny "$STAGE/base/tiny-fp16-cuda" --precision fp16 --execution-provider cuda
-  "$PY" -m ortspec.adapters.convert --tiny "$STAGE/base/tiny-fp32" --precision fp32
+  TINY='import sys; from tests.support.models import make_tiny_model as m; m(sys.argv[1], precision=sys.argv[2], execution_provider=sys.argv[3])'
+  "$PY" -c "$TINY" "$STAGE/base/tiny-fp16-cuda" fp16 cuda
+  "$PY" -c "$TINY" "$STAGE/base/tiny-fp32" fp32 cpu
   PIPDL=("$PY" -m pip download --no-deps --disable-pip-version-check -q --only-binary=:all:)
   # pure-Python packages: pylib is appended to PYTHONPATH for what the machine lacks; pyfirst goes ahead of it
   "${PIPDL[@]}" -d "$STAGE/wheels" --platform any --python-version 3.12 --implementation py \

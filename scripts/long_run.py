@@ -63,13 +63,13 @@ def long_context_model(tokens: int, folder: Path | None = None) -> Path:
     first use into the ortspec cache, in a child process (the builder's torch would otherwise stay in this
     process's memory, under the figures)."""
     from ortspec.adapters.cache import cache_root
-    from ortspec.adapters.convert import is_complete
+    from ortspec.adapters.tools.convert import is_complete
 
     context = -(-(tokens + 64) // 1024) * 1024
     folder = folder or cache_root() / "models" / f"tiny-long-{context}"
     if not is_complete(folder):
-        code = "import sys; from ortspec.adapters.convert import make_tiny_model as m; m(sys.argv[1], context=int(sys.argv[2]))"  # noqa: E501
-        subprocess.run([sys.executable, "-c", code, str(folder), str(context)], check=True)
+        code = "import sys; from tests.support.models import make_tiny_model as m; m(sys.argv[1], context=int(sys.argv[2]))"  # noqa: E501
+        subprocess.run([sys.executable, "-c", code, str(folder), str(context)], check=True, cwd=ROOT)
     return folder
 
 

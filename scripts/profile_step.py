@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from ortspec import Options, PromptLookup
-from ortspec.adapters.convert import default_model_dir
+from ortspec.adapters.tools.convert import default_model_dir
 from ortspec.backends.onnx import OrtBackend, make_session_options
 from ortspec.core import DecodeState, check_draft, step
 

@@ -33,16 +33,18 @@ import time
 import warnings
 from pathlib import Path
 
+sys.path.append(str(Path(__file__).resolve().parent.parent))  # the repository root, for tests.support
+
 from ortspec.adapters.cache import cache_root
-from ortspec.adapters.convert import (
+from ortspec.adapters.engine import DRIFT_WARNING_THRESHOLD, Engine
+from ortspec.adapters.tokenizer import Tokenizer
+from ortspec.adapters.tools.convert import (
     EXACT_ACCURACY_LEVEL,
     default_model_dir,
     export_folder,
     is_complete,
     prepare_smollm2_hf,
 )
-from ortspec.adapters.engine import DRIFT_WARNING_THRESHOLD, Engine
-from ortspec.adapters.tokenizer import Tokenizer
 from ortspec.backends.onnx import OrtBackend
 from ortspec.costs import measure_pass_costs, measure_verify_drift, probe_ids
 
@@ -76,7 +78,7 @@ def setting_list(folders: dict[str, Path], *, all_levels: bool) -> list[Setting]
 def real_folders(say) -> dict[str, Path]:
     """SmolLM2-135M-Instruct fp32 and int8/int4 at levels 4 and 1, converted into the ortspec cache once (the
     dequantized Hugging Face folder is kept under ``quant/`` to export each variant without redoing it)."""
-    from ortspec.adapters.convert import convert_smollm2
+    from ortspec.adapters.tools.convert import convert_smollm2
 
     folders = {"fp32": convert_smollm2(default_model_dir("fp32"), "fp32", progress=say)}
     hf_dir = cache_root() / "quant" / "hf-SmolLM2-135M-Instruct"
@@ -95,7 +97,7 @@ def real_folders(say) -> dict[str, Path]:
 
 
 def tiny_folders(say) -> dict[str, Path]:
-    from ortspec.adapters.architectures import make_tiny_arch_model
+    from tests.support.architectures import make_tiny_arch_model
 
     root = cache_root() / "arch" / "h256"
     folders = {"fp32": make_tiny_arch_model(root / "llama-fp32", "llama", "fp32", hidden=256)}
@@ -109,7 +111,7 @@ def tiny_folders(say) -> dict[str, Path]:
 
 
 def prompts(engine: Engine, count: int) -> list[list[int]]:
-    from ortspec.adapters.cli import DEMO_PROMPT
+    from ortspec.adapters.cli.demo import DEMO_PROMPT
 
     texts = [DEMO_PROMPT] + [p.read_text() for p in sorted((ROOT / "docs" / "bench" / "prompts").glob("*.txt"))]
     return [engine.prompt_ids(text, chat=True) for text in texts[:count]]

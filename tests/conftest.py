@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 import importlib.util
+import sys
 from pathlib import Path
 
 import pytest
 
-# GreedyReplay drafts a known greedy continuation (all right, or every n-th wrong): it makes a random tiny model
-# speculate, which prompt lookup on its text rarely does (the test modules import it from here).
-from ortspec.adapters.conformance import GreedyReplay
-
-__all__ = ["GreedyReplay"]
+# The repository root, for the tests' support code (tests.support) under a bare `pytest` too (`python -m pytest`
+# from the root has it already). Appended, not prepended: the root's ortspec/ must not shadow the installed package.
+sys.path.append(str(Path(__file__).resolve().parent.parent))
 
 
 def _builder_available() -> bool:
@@ -23,7 +22,7 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     """A 2-layer random Llama with GQA, built by the onnxruntime-genai builder, with a small BPE tokenizer."""
     if not _builder_available():
         pytest.skip("building the tiny model needs the convert extra: pip install 'ortspec[convert]'")
-    from ortspec.adapters.convert import make_tiny_model
+    from tests.support.models import make_tiny_model
 
     return make_tiny_model(tmp_path_factory.mktemp("tiny-shared") / "tiny-fp32")
 
@@ -31,7 +30,7 @@ def tiny_model_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def real_model_dir() -> Path:
     """SmolLM2-135M-Instruct fp32, converted on first use into the ortspec cache (about a minute), then reused."""
-    from ortspec.adapters.convert import convert_smollm2, default_model_dir, is_complete
+    from ortspec.adapters.tools.convert import convert_smollm2, default_model_dir, is_complete
 
     folder = default_model_dir("fp32")
     if not is_complete(folder):

@@ -211,7 +211,7 @@ def truncate(path: Path, size: int) -> None:
 def cli(*argv: str) -> str:
     """Run the ``ortspec`` command; the last line it wrote to stderr, raised as ``CLIExit`` (with the exit status)
     when the status is not 0."""
-    from ortspec.adapters.cli import main
+    from ortspec.adapters.cli.main import main
 
     err = io.StringIO()
     with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):

@@ -1,5 +1,5 @@
 """Architectures beyond Llama, on tiny random-weight folders built by the onnxruntime-genai builder
-(``ortspec.adapters.architectures``): a representative few in CI, the whole matrix with
+(``tests.support.architectures``): a representative few in CI, the whole matrix with
 ``python scripts/arch_matrix.py`` (docs/architectures.md).
 
 * Qwen3 (Q/K norms), Gemma 2 (sliding-window layers with a window-sized cache in the graph), LFM2 (a hybrid whose
@@ -42,7 +42,7 @@ def arch_root(tmp_path_factory) -> Path:
 
 
 def _build(root: Path, arch: str, precision: str = "fp32", *, hidden: int = 64) -> Path:
-    from ortspec.adapters.architectures import make_tiny_arch_model
+    from tests.support.architectures import make_tiny_arch_model
 
     return make_tiny_arch_model(
         root / f"{arch}-{precision}-h{hidden}", arch, precision, hidden=hidden, hf_dir=root / f"hf-{arch}-h{hidden}"
@@ -61,7 +61,7 @@ def _tokens(n: int, vocab: int, seed: int) -> list[int]:
 
 @pytest.mark.parametrize("arch", ["qwen3", "gemma2", "lfm2", "mistral"])
 def test_folder_loads_as_is_and_speculation_is_exact(arch_root, arch):
-    from ortspec.adapters.conformance import check_folder
+    from tests.support.conformance import check_folder
 
     folder = _build(arch_root, arch)
     report = check_folder(folder, _prompt(folder), max_new_tokens=48, hf_dir=arch_root / f"hf-{arch}-h64")
@@ -137,9 +137,8 @@ def test_a_hybrid_config_without_state_names_is_refused_clearly(arch_root, tmp_p
 
 
 def test_engine_speculates_on_a_hybrid_folder(arch_root):
-    from conftest import GreedyReplay
-
     from ortspec.adapters.engine import Engine
+    from tests.support.conformance import GreedyReplay
 
     engine = Engine.from_dir(_build(arch_root, "lfm2"), threads=1)
     prompt = "the quick brown fox jumps over the lazy dog. the quick brown fox"
@@ -227,8 +226,8 @@ def test_matmul_accuracy_level_one_makes_verify_agree_with_decodes(arch_root):
 
 
 def test_a_folder_built_at_level_one_is_exact_as_is(arch_root, tmp_path):
-    from ortspec.adapters.architectures import make_tiny_arch_model
     from ortspec.backends.onnx.graph import read_graph_facts
+    from tests.support.architectures import make_tiny_arch_model
 
     path = make_tiny_arch_model(tmp_path / "int4-level1", "llama", "int4", hidden=256, accuracy_level=1)
     assert dict(read_graph_facts(path / "model.onnx").matmul_nbits) == {(4, 1): 11}
@@ -261,8 +260,8 @@ def test_a_state_without_its_present_name_is_refused(arch_root, tmp_path):
 
 
 def test_conversion_settings_name_their_folders(monkeypatch, tmp_path):
-    from ortspec.adapters.cli import build_parser
-    from ortspec.adapters.convert import default_model_dir
+    from ortspec.adapters.cli.main import build_parser
+    from ortspec.adapters.tools.convert import default_model_dir
 
     monkeypatch.setenv("ORTSPEC_CACHE", str(tmp_path))
     assert default_model_dir("fp32").name == "SmolLM2-135M-Instruct-fp32"
@@ -281,7 +280,7 @@ def test_conversion_settings_name_their_folders(monkeypatch, tmp_path):
 def test_readme_table_is_the_matrix_runs():
     """The README's architecture table is the summary table of docs/architectures.md (both written by one run of
     scripts/arch_matrix.py), with a row for every architecture and a column for every setting."""
-    from ortspec.adapters.architectures import ARCHITECTURES
+    from tests.support.architectures import ARCHITECTURES
 
     root = Path(__file__).resolve().parent.parent
     readme = (root / "README.md").read_text(encoding="utf-8")

@@ -17,7 +17,7 @@ from ortspec.adapters.batch.local import available_cores, plan_threads
 from ortspec.adapters.batch.output import prepare_output
 from ortspec.adapters.batch.records import option_fields, parse_record, read_input
 from ortspec.adapters.batch.worker import BatchWorker, WorkerSettings
-from ortspec.adapters.cli import main as cli_main
+from ortspec.adapters.cli.main import main as cli_main
 from ortspec.core import PromptLookup
 
 LOOKUP_TEXT = "the quick brown fox jumps over the lazy dog. the quick brown fox jumps over the lazy dog. the quick"

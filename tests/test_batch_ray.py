@@ -81,7 +81,7 @@ def _run(src, out, **kwargs):
 
 @pytest.mark.real_model
 def test_ray_equals_embedded_on_smollm2(local_ray, real_model_dir, tmp_path):
-    from ortspec.adapters.cli import DEMO_PROMPT
+    from ortspec.adapters.cli.demo import DEMO_PROMPT
 
     records = [
         {"id": "code", "prompt": DEMO_PROMPT, "max_tokens": 48},

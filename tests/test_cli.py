@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from ortspec.adapters import cli
-from ortspec.adapters.cli import main, speak_flags
+from ortspec.adapters.cli.main import build_parser, main
+from ortspec.adapters.cli.options import speak_flags
 
 
 def _run(capsys, *argv: str) -> tuple[int, str, str]:
@@ -84,7 +84,7 @@ def test_speak_flags_names_the_flags():
 def test_subcommand_help_describes_every_flag_and_has_examples(capsys, command):
     code, out, _ = _run(capsys, command, "--help")
     assert code == 0 and "examples:" in out and f"ortspec {command}" in out.split("examples:")[1]
-    parser = cli.build_parser()
+    parser = build_parser()
     sub = next(a for a in parser._actions if a.dest == "command").choices[command]
     for action in sub._actions:
         assert action.help, f"{command} {action.option_strings or action.dest} has no description"

@@ -16,10 +16,11 @@ import pytest
 
 onnx = pytest.importorskip("onnx")
 
-from ortspec.adapters.drafter_graph import DRAFTER_METADATA, make_random_drafter  # noqa: E402
+from ortspec.adapters.tools.drafter_graph import DRAFTER_METADATA  # noqa: E402
 from ortspec.backends.base import BackendError, HiddenStates  # noqa: E402
 from ortspec.backends.onnx import OrtBackend  # noqa: E402
 from ortspec.backends.onnx.drafter import DrafterError, DrafterFolder, SharedKvProposer  # noqa: E402
+from tests.support.drafters import make_random_drafter  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -116,7 +117,7 @@ def live_kv(backend: OrtBackend, layer: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 def test_backend_hidden_states_are_the_lm_heads_input(tiny_model_dir, backend):
-    from ortspec.adapters.target_tables import TargetTables
+    from ortspec.adapters.tools.target_tables import TargetTables
 
     assert isinstance(backend, HiddenStates) and backend.hidden_size == 64
     lm_head = TargetTables(backend.folder).tensor("lm_head.MatMul.weight")
@@ -158,13 +159,13 @@ def test_kv_pointer_addresses_each_heads_first_positions(backend):
 
 @pytest.fixture(scope="module")
 def no_hidden_model_dir(tmp_path_factory) -> Path:
-    from ortspec.adapters.convert import make_tiny_model
+    from tests.support.models import make_tiny_model
 
     return make_tiny_model(tmp_path_factory.mktemp("tiny-old") / "tiny", hidden_states=False)
 
 
 def test_a_folder_without_hidden_states_is_refused_clearly(no_hidden_model_dir, drafter_dir):
-    from ortspec.adapters.convert import has_hidden_states, is_complete
+    from ortspec.adapters.tools.convert import has_hidden_states, is_complete
 
     assert not has_hidden_states(no_hidden_model_dir / "model.onnx") and not is_complete(no_hidden_model_dir)
     backend = OrtBackend.from_folder(no_hidden_model_dir, threads=1, max_length=64)
@@ -401,7 +402,7 @@ def test_draft_cost_is_measured_and_the_backend_left_reset(tiny_model_dir, draft
 def test_batched_target_data_equals_the_backend(tiny_model_dir):
     """TargetRunner (batched, equal-length prompts) records what OrtBackend computes one sequence at a time: the
     greedy continuation, hidden states, the layer's keys and values, and labels = the next tokens."""
-    from ortspec.adapters.drafter_data import TargetRunner
+    from ortspec.adapters.tools.drafter_data import TargetRunner
     from ortspec.backends.onnx import ModelFolder
 
     folder = ModelFolder.load(tiny_model_dir)
@@ -423,7 +424,7 @@ def test_batched_target_data_equals_the_backend(tiny_model_dir):
 
 def test_train_drafter_writes_a_valid_folder(tiny_model_dir, tmp_path):
     pytest.importorskip("torch")
-    from ortspec.adapters.train_drafter import TrainConfig, train_drafter
+    from ortspec.adapters.tools.train_drafter import TrainConfig, train_drafter
 
     config = TrainConfig(minutes=0.4, batch=4, max_new=24, draft_vocab=200, steps=2, train_batch=4, threads=1)
     folder = train_drafter(tiny_model_dir, tmp_path / "trained", config, progress=None)

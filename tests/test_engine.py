@@ -7,13 +7,13 @@ import subprocess
 import sys
 
 import pytest
-from conftest import GreedyReplay
 
 from ortspec import FinishReason, GenerationAborted, GenerationError, PromptLookup
-from ortspec.adapters.cli import main as cli_main
+from ortspec.adapters.cli.main import main as cli_main
 from ortspec.adapters.engine import Engine, GenerationSuperseded
 from ortspec.backends.onnx import ModelFolderError
 from ortspec.core.checks import ArgumentError
+from tests.support.conformance import GreedyReplay
 
 
 @pytest.fixture(scope="module")

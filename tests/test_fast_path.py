@@ -35,7 +35,7 @@ def _builder_available() -> bool:
 def _tiny(tmp_path_factory, name: str, **kwargs) -> Path:
     if not _builder_available():
         pytest.skip("building the tiny model needs the convert extra: pip install 'ortspec[convert]'")
-    from ortspec.adapters.convert import make_tiny_model
+    from tests.support.models import make_tiny_model
 
     return make_tiny_model(tmp_path_factory.mktemp(name) / name, **kwargs)
 

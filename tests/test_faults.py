@@ -15,11 +15,11 @@ import time
 
 import onnxruntime as ort
 import pytest
-from conftest import GreedyReplay
 
 from ortspec import GenerationError
 from ortspec.adapters.engine import Engine
 from ortspec.backends.base import BackendError
+from tests.support.conformance import GreedyReplay
 
 PROMPT = "the quick brown fox jumps over the lazy dog. the quick brown fox"
 TOKENS = 48

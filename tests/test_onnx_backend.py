@@ -18,10 +18,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ortspec.adapters.convert import default_model_dir, is_complete, make_tiny_model
+from ortspec.adapters.tools.convert import default_model_dir, is_complete
 from ortspec.backends.base import Backend, BackendError
 from ortspec.backends.onnx import ModelFolder, ModelFolderError, OrtBackend, argmax_margin, physical_cores
 from ortspec.backends.onnx.arrays import torch_argmax_margin, xp_argmax_margin
+from tests.support.models import make_tiny_model
 
 ROW_TOL = 1e-4  # float32 logits: batched rows vs one-token steps
 MAX_DIFFS: dict[str, float] = {}
@@ -593,7 +594,7 @@ def test_cuda_provider_errors_clearly_without_cuda(tiny_dir):
 def test_real_model_rows_and_greedy_match_onnxruntime_genai(record_property):
     folder = default_model_dir("fp32")
     if not is_complete(folder):
-        pytest.skip(f"no converted SmolLM2 at {folder} (python -m ortspec.adapters.convert)")
+        pytest.skip(f"no converted SmolLM2 at {folder} (ortspec convert)")
     b = OrtBackend.from_folder(folder, max_length=512)
     assert b.vocab_size == 49152
     from tokenizers import Tokenizer

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from ortspec import FinishReason, PromptLookup
-from ortspec.adapters.cli import DEMO_PROMPT
+from ortspec.adapters.cli.demo import DEMO_PROMPT
 
 pytestmark = pytest.mark.real_model
 
@@ -126,8 +126,8 @@ def test_speculative_equals_plain_sampling(real_engine, prompt):
 def int4_engine():
     """SmolLM2-135M-Instruct int4 at MatMulNBits accuracy level 1 (what ``ortspec convert --precision int4``
     builds), when it is in the cache (``scripts/quant_settings.py`` or that command builds it)."""
-    from ortspec.adapters.convert import default_model_dir, is_complete
     from ortspec.adapters.engine import Engine
+    from ortspec.adapters.tools.convert import default_model_dir, is_complete
 
     folder = default_model_dir("int4")
     if not is_complete(folder):

@@ -571,7 +571,7 @@ def test_a_backend_failure_is_a_clean_500_and_the_worker_stays_usable(gated):
 
 
 def test_cli_has_a_serve_command():
-    from ortspec.adapters.cli import build_parser
+    from ortspec.adapters.cli.main import build_parser
 
     args = build_parser().parse_args(["serve", "--workers", "2", "--port", "0", "--no-prefix-reuse"])
     assert args.workers == 2 and args.port == 0 and args.prefix_reuse is False and args.speculative == "prompt-lookup"

@@ -81,7 +81,7 @@ def _pending(job: BatchJob, defaults: Mapping[str, Any], say: Callable[[str], ob
 
 
 def _default_model() -> Path:
-    from ortspec.adapters.convert import convert_smollm2, default_model_dir, is_complete
+    from ortspec.adapters.tools.convert import convert_smollm2, default_model_dir, is_complete
 
     folder = default_model_dir("fp32")
     if not is_complete(folder):

@@ -1,6 +1,6 @@
 """Shared-KV drafters: a small ONNX head that drafts tokens from the target's own last hidden state and KV cache.
 
-The contract (what ``ortspec train-drafter`` and ``ortspec.adapters.drafter_graph`` write; docs/drafter.md has the
+The contract (what ``ortspec train-drafter`` and ``ortspec.adapters.tools.drafter_graph`` write; docs/drafter.md has the
 long form):
 
 * **Folder.** ``drafter.json`` (the metadata), the graph it names (``speculative.model``), the target's input

@@ -231,30 +231,35 @@ def build_head_graph(weights: HeadWeights, kv_heads: int, group: str = GROUP):
     return model
 
 
+@attrs.frozen
+class DrafterSpec:
+    """What ``drafter.json`` says besides the head's shape: the one target ``layer`` whose KV the head reads and
+    that layer's ``kv_heads``, the most tokens per draft (``num_speculative_tokens``), the ``verifier`` (e.g.
+    ``{"name_or_path": ...}``), and ``extra``, recorded under ``ortspec`` (the target's fingerprint, the training
+    record)."""
+
+    layer: int
+    kv_heads: int
+    num_speculative_tokens: int = 4
+    verifier: Mapping[str, Any] = attrs.field(factory=dict)
+    extra: Mapping[str, Any] = attrs.field(factory=dict)
+
+
 def drafter_metadata(
-    *,
-    hidden_size: int,
-    draft_vocab: int,
-    target_layer: int,
-    kv_heads: int,
-    num_speculative_tokens: int,
-    has_draft_map: bool,
-    verifier: Mapping[str, Any],
-    group: str = GROUP,
-    extra: Mapping[str, Any] | None = None,
+    spec: DrafterSpec, *, hidden_size: int, draft_vocab: int, has_draft_map: bool, group: str = GROUP
 ) -> dict[str, Any]:
     """``drafter.json``'s content. ``speculative`` mirrors the seed's fields (``proposal_type``, ``model``,
     ``num_speculative_tokens``, ``backbone_hidden_size``, ``vocab_size`` (the head's logits width), ``input_embedding``,
     ``logits_output``, ``projected_state_output``, ``shared_kv`` groups with ``target_layers`` and
     ``key_input``/``value_input`` prefixes, ``io``); ortspec adds ``draft_to_target`` (the reduced-vocabulary map)
-    and ``io.kv_layout = "per_kv_head"`` (one input per KV head: ``<key_input>.<h>``). ``extra`` goes under
-    ``ortspec`` (the target's fingerprint, the training record)."""
-    keys, values = kv_input_names(group, kv_heads)
+    and ``io.kv_layout = "per_kv_head"`` (one input per KV head: ``<key_input>.<h>``). ``spec.extra`` goes under
+    ``ortspec``."""
+    keys, values = kv_input_names(group, spec.kv_heads)
     speculative: dict[str, Any] = {
         "proposal_type": "shared_kv",
-        "num_speculative_tokens": int(num_speculative_tokens),
+        "num_speculative_tokens": int(spec.num_speculative_tokens),
         "model": DRAFTER_MODEL,
-        "verifier": dict(verifier),
+        "verifier": dict(spec.verifier),
         "backbone_hidden_size": int(hidden_size),
         "vocab_size": int(draft_vocab),
         "input_embedding": INPUT_EMBEDDING,
@@ -263,35 +268,32 @@ def drafter_metadata(
         "shared_kv": [
             {
                 "name": group,
-                "target_layers": [int(target_layer)],
+                "target_layers": [int(spec.layer)],
                 "key_input": keys[0].rsplit(".", 1)[0],
                 "value_input": values[0].rsplit(".", 1)[0],
-                "target_key_input": f"past_key_values.{int(target_layer)}.key",
-                "target_value_input": f"past_key_values.{int(target_layer)}.value",
+                "target_key_input": f"past_key_values.{int(spec.layer)}.key",
+                "target_value_input": f"past_key_values.{int(spec.layer)}.value",
             }
         ],
         "io": {"sequence_source": "inputs_embeds", "kv_ownership": "shared", "kv_layout": "per_kv_head"},
     }
     if has_draft_map:
         speculative["draft_to_target"] = DRAFT_TO_TARGET
-    return {"speculative": speculative, "ortspec": dict(extra or {})}
+    return {"speculative": speculative, "ortspec": dict(spec.extra)}
 
 
 def write_drafter_folder(
     out_dir: str | os.PathLike[str],
     weights: HeadWeights,
+    spec: DrafterSpec,
     *,
     embedding: np.ndarray,
     draft_to_target: np.ndarray | None,
-    target_layer: int,
-    kv_heads: int,
-    num_speculative_tokens: int = 4,
-    verifier: Mapping[str, Any] | None = None,
-    extra: Mapping[str, Any] | None = None,
 ) -> Path:
-    """Write a drafter folder (graph, metadata, embedding table, draft map) into ``out_dir`` (created; existing files
-    of these names are replaced). ``embedding``: the target's ``[V, H]`` input-embedding table; ``draft_to_target``:
-    int ``[V']`` target ids of the head's logits columns, distinct and in ``[0, V)`` (None: ``V' == V``, identity)."""
+    """Write a drafter folder (graph, metadata, embedding table, draft map) for ``spec`` into ``out_dir`` (created;
+    existing files of these names are replaced). ``embedding``: the target's ``[V, H]`` input-embedding table;
+    ``draft_to_target``: int ``[V']`` target ids of the head's logits columns, distinct and in ``[0, V)`` (None:
+    ``V' == V``, identity)."""
     import onnx
 
     out = Path(out_dir)
@@ -310,97 +312,15 @@ def write_drafter_folder(
             raise ValueError(f"draft_to_target ids must be in [0, {table.shape[0]})")
         mapping.tofile(out / DRAFT_TO_TARGET)
     table.tofile(out / INPUT_EMBEDDING)
-    onnx.save(build_head_graph(weights, kv_heads), str(out / DRAFTER_MODEL))
+    onnx.save(build_head_graph(weights, spec.kv_heads), str(out / DRAFTER_MODEL))
     meta = drafter_metadata(
+        spec,
         hidden_size=weights.hidden_size,
         draft_vocab=weights.draft_vocab,
-        target_layer=target_layer,
-        kv_heads=kv_heads,
-        num_speculative_tokens=num_speculative_tokens,
         has_draft_map=draft_to_target is not None,
-        verifier=verifier or {},
-        extra=extra,
     )
     (out / DRAFTER_METADATA).write_text(json.dumps(meta, indent=1) + "\n", encoding="utf-8")
     return out
-
-
-def make_random_drafter(
-    target: str | os.PathLike[str],
-    out_dir: str | os.PathLike[str],
-    *,
-    seed: int = 0,
-    draft_vocab: int | None = None,
-    intermediate: int | None = None,
-    target_layer: int | None = None,
-    num_speculative_tokens: int = 4,
-) -> Path:
-    """A drafter folder with random weights for the target folder ``target`` (the contract's wiring, not its
-    quality: its drafts are mostly wrong). It reads the target's last layer (or ``target_layer``), predicts the first
-    ``draft_vocab`` target ids (default: all; fewer makes a ``draft_to_target`` map of scattered ids, so the map is
-    not the identity) and has an MLP of ``intermediate`` (default ``2 * hidden``). Same arguments, same
-    folder. Returns ``out_dir``."""
-    from ortspec.adapters.target_tables import TargetTables
-    from ortspec.backends.onnx import ModelFolder
-
-    folder = ModelFolder.load(target)
-    tables = TargetTables(folder)
-    embedding = tables.embedding()
-    vocab, hidden = embedding.shape
-    cos, sin = tables.rope()
-    heads, size = folder.num_attention_heads, folder.head_size
-    inter = intermediate or 2 * hidden
-    rng = np.random.default_rng(seed)
-
-    def randn(*shape: int, scale: float) -> np.ndarray:
-        return (rng.standard_normal(shape) * scale).astype(np.float32)
-
-    if draft_vocab is None or draft_vocab >= vocab:
-        mapping = None
-        columns = vocab
-    else:
-        step = next(k for k in (7, 11, 13, 17, 19, 23) if np.gcd(k, vocab) == 1)
-        mapping = (np.arange(draft_vocab, dtype=np.int64) * step + 3) % vocab  # distinct ids, not in order
-        columns = draft_vocab
-    weights = HeadWeights(
-        heads=heads,
-        head_size=size,
-        eps=tables.eps,
-        norm_embed=np.ones(hidden),
-        norm_hidden=np.ones(hidden),
-        fc=randn(2 * hidden, hidden, scale=1 / np.sqrt(2 * hidden)),
-        fc_bias=np.zeros(hidden),
-        norm_attn=np.ones(hidden),
-        wq=randn(hidden, heads * size, scale=1 / np.sqrt(hidden)),
-        wo=randn(heads * size, hidden, scale=1 / np.sqrt(heads * size)),
-        norm_mlp=np.ones(hidden),
-        w_gate=randn(hidden, inter, scale=1 / np.sqrt(hidden)),
-        w_up=randn(hidden, inter, scale=1 / np.sqrt(hidden)),
-        w_down=randn(inter, hidden, scale=1 / np.sqrt(inter)),
-        norm_out=np.ones(hidden),
-        lm_head=randn(hidden, columns, scale=3 / np.sqrt(hidden)),
-        cos=cos,
-        sin=sin,
-    )
-    layer = folder.num_layers - 1 if target_layer is None else target_layer
-    return write_drafter_folder(
-        out_dir,
-        weights,
-        embedding=embedding,
-        draft_to_target=mapping,
-        target_layer=layer,
-        kv_heads=folder.num_kv_heads,
-        num_speculative_tokens=num_speculative_tokens,
-        verifier={"name_or_path": folder.path.name},
-        extra={"target": target_fingerprint(folder.path), "weights": f"random (seed {seed})"},
-    )
-
-
-def target_fingerprint(folder: str | os.PathLike[str]) -> dict[str, Any]:
-    """See ``ortspec.backends.onnx.drafter.target_fingerprint`` (the same value, recorded in ``drafter.json``)."""
-    from ortspec.backends.onnx.drafter import target_fingerprint as fingerprint
-
-    return fingerprint(folder)
 
 
 WEIGHT_FORMATS = ("fp32", "int8")

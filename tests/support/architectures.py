@@ -1,7 +1,7 @@
 """Tiny random-weight models of every architecture the onnxruntime-genai 0.18 builder writes for the CPU.
 
 :func:`make_tiny_arch_model` builds one: the architecture's transformers config class with tiny sizes (nothing is
-downloaded), random weights, the tiny byte-level BPE tokenizer of :func:`~ortspec.adapters.convert.make_tiny_model`,
+downloaded), random weights, the tiny byte-level BPE tokenizer of :func:`tests.support.models.make_tiny_model`,
 saved with ``save_pretrained`` and exported by the builder at a precision (``fp32``, ``int8`` and ``int4`` for the
 CPU execution provider, ``fp16`` for CUDA; a float16 folder also runs on the CPU). ``scripts/arch_matrix.py``
 runs every architecture at every precision through ortspec; ``tests/test_architectures.py`` runs a few in CI.
@@ -29,16 +29,14 @@ from typing import Any
 
 import attrs
 
-from .convert import (
-    TINY_SPECIAL_TOKENS,
-    _accuracy_level,
-    _publish,
-    _quiet,
-    _run_builder,
-    _train_tiny_tokenizer,
+from ortspec.adapters.tools.convert import (
     is_complete,
+    publish_folder,
     require_convert_packages,
+    resolve_accuracy_level,
 )
+
+from .models import TINY_SPECIAL_TOKENS, quiet, run_builder_in_process, train_tiny_tokenizer
 
 # (precision, builder execution provider): the targets the builder supports that these tests run on the CPU
 ARCH_PRECISIONS = {"fp32": "cpu", "fp16": "cuda", "int8": "cpu", "int4": "cpu"}
@@ -201,8 +199,8 @@ def make_tiny_arch_model(
     spec = ARCHITECTURES[arch]
     extra = []
     if precision in ("int8", "int4") and accuracy_level is not None:
-        extra.append(f"accuracy_level={_accuracy_level(precision, accuracy_level)}")
-    tok = _train_tiny_tokenizer(384)
+        extra.append(f"accuracy_level={resolve_accuracy_level(precision, accuracy_level)}")
+    tok = train_tiny_tokenizer(384)
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         bos_token=TINY_SPECIAL_TOKENS[1],
@@ -218,7 +216,7 @@ def make_tiny_arch_model(
     with tempfile.TemporaryDirectory(prefix=f"ortspec-tiny-{arch}-") as tmp_str:
         tmp = Path(tmp_str)
         hf = tmp / "hf"
-        with _quiet():
+        with quiet():
             model.save_pretrained(str(hf))
             fast.save_pretrained(str(hf))
         if keep is not None:
@@ -232,17 +230,16 @@ def make_tiny_arch_model(
         level = quantizer_log.level
         quantizer_log.setLevel(logging.WARNING)  # it logs every node at INFO
         try:
-            _run_builder(
+            run_builder_in_process(
                 hf,
                 staged,
                 precision,
                 tmp / "builder-cache",
-                in_process=True,
                 provider=ARCH_PRECISIONS[precision],
                 extra_options=extra,
                 config_hook=spec.config_hook,
             )
-            return _publish(staged, dest)
+            return publish_folder(staged, dest)
         except BaseException:
             shutil.rmtree(staged, ignore_errors=True)
             raise

@@ -3,7 +3,7 @@ made on this machine, and write it as a drafter folder (``ortspec.backends.onnx.
 
 The recipe (docs/drafter.md has the reasons and the numbers):
 
-1. **Data** (:mod:`ortspec.adapters.drafter_data`): chat prompts built from local text, continued greedily by the
+1. **Data** (:mod:`ortspec.adapters.tools.drafter_data`): chat prompts built from local text, continued greedily by the
    target's own ONNX graph in batches, keeping per position its final hidden state, its greedy pick, the residual
    stream entering the drafter's layer L (the target's last layer by default) and layer L's keys and values.
 2. **Draft vocabulary**: the ``draft_vocab`` target ids the target picks most often in that data (ties broken by
@@ -17,7 +17,7 @@ The recipe (docs/drafter.md has the reasons and the numbers):
    from every position at once (step k at query position p reads token p + k and predicts the target's pick
    there, attending to layer L's KV of positions < p only, as at inference), cross-entropy on the draft vocabulary
    plus a regression of the projected state on the target's hidden state; AdamW, cosine decay over a time budget.
-5. **Export**: the weights go into the ONNX graph of :mod:`ortspec.adapters.drafter_graph`; the exported graph is
+5. **Export**: the weights go into the ONNX graph of :mod:`ortspec.adapters.tools.drafter_graph`; the exported graph is
    checked against the torch head on held-out positions.
 
 Everything is bounded by ``minutes`` (data ``data_share`` of it, the rest training), so the command ends on time
@@ -38,9 +38,17 @@ import attrs
 import numpy as np
 
 from ortspec.adapters.cache import drafter_dir
-from ortspec.adapters.drafter_data import TargetSequence, collect
-from ortspec.adapters.drafter_graph import WEIGHT_FORMATS, HeadWeights, quantize_weights, write_drafter_folder
-from ortspec.adapters.target_tables import TargetTables
+from ortspec.adapters.tools.drafter_data import TargetSequence, collect
+from ortspec.adapters.tools.drafter_graph import (
+    WEIGHT_FORMATS,
+    DrafterSpec,
+    HeadWeights,
+    quantize_weights,
+    write_drafter_folder,
+)
+from ortspec.adapters.tools.drafter_head import torch_head
+from ortspec.adapters.tools.folders import replace_folder
+from ortspec.adapters.tools.target_tables import TargetTables
 from ortspec.backends.onnx import ModelFolder
 from ortspec.backends.onnx.drafter import target_fingerprint
 
@@ -164,69 +172,10 @@ def initial_weights(
 
 
 # --------------------------------------------------------------------------------------------------------------
-# The head in torch (the same computation as the exported graph) and the batches it trains on
+# The batches the torch head (drafter_head.py) trains on
 # --------------------------------------------------------------------------------------------------------------
 
 TRAINED = ("norm_embed", "norm_hidden", "fc", "fc_bias")  # at lr; the copied layer's parameters at a scaled lr
-FROZEN = ("lm_head", "cos", "sin")
-
-
-def torch_head(weights: HeadWeights, kv_heads: int):
-    """A ``torch.nn.Module`` computing :func:`ortspec.adapters.drafter_graph.build_head_graph`'s head, initialised
-    from ``weights`` (the LM head and RoPE tables as buffers). ``forward(embeds, states, positions, keys, values,
-    allowed)``: ``embeds``/``states`` ``[B, Q, H]``, ``positions`` ``[B, Q]`` int64, ``keys``/``values``
-    ``[B, kv_heads, L, D]``, ``allowed`` bool ``[B, Q, L]`` (which keys each query may read) -> ``(logits [B, Q, V'],
-    state [B, Q, H])``."""
-    import torch
-    from torch import nn
-
-    class Head(nn.Module):
-        # set in __init__ from weights.arrays() (parameters and buffers); declared for the type checker
-        norm_embed: torch.Tensor
-        norm_hidden: torch.Tensor
-        fc: torch.Tensor
-        fc_bias: torch.Tensor
-        cos: torch.Tensor
-        sin: torch.Tensor
-
-        def __init__(self) -> None:
-            super().__init__()
-            for name, array in weights.arrays().items():
-                tensor = torch.from_numpy(np.array(array, np.float32))
-                if name in FROZEN:
-                    self.register_buffer(name, tensor)
-                else:
-                    setattr(self, name, nn.Parameter(tensor))
-            self.heads, self.size, self.eps, self.kv_heads = weights.heads, weights.head_size, weights.eps, kv_heads
-
-        def rms(self, x, weight):
-            return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * weight
-
-        def forward(self, embeds, states, positions, keys, values, allowed):
-            batch, queries, _ = embeds.shape
-            u = torch.cat([self.rms(embeds, self.norm_embed), self.rms(states, self.norm_hidden)], -1)
-            u = u @ self.fc + self.fc_bias
-            q = (self.rms(u, self.norm_attn) @ self.wq).view(batch, queries, self.heads, self.size).transpose(1, 2)
-            cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)  # [B, 1, Q, D/2]
-            first, second = q.chunk(2, dim=-1)
-            q = torch.cat([first * cos - second * sin, second * cos + first * sin], -1)
-            group = self.heads // self.kv_heads
-            k = keys.repeat_interleave(group, dim=1)
-            v = values.repeat_interleave(group, dim=1)
-            scores = (q @ k.transpose(-1, -2)) / math.sqrt(self.size)
-            scores = scores.masked_fill(~allowed.unsqueeze(1), float("-inf"))
-            attended = torch.nan_to_num(scores.softmax(-1)) @ v  # a query allowed no key reads zeros
-            u = u + attended.transpose(1, 2).reshape(batch, queries, -1) @ self.wo
-            m = self.rms(u, self.norm_mlp)
-            u = u + (nn.functional.silu(m @ self.w_gate) * (m @ self.w_up)) @ self.w_down
-            state = self.rms(u, self.norm_out)
-            return state @ self.lm_head, state
-
-        def weights(self) -> HeadWeights:
-            arrays = {name: getattr(self, name).detach().numpy().copy() for name in weights.arrays()}
-            return attrs.evolve(weights, **arrays)
-
-    return Head()
 
 
 @attrs.frozen(eq=False)
@@ -450,6 +399,19 @@ def check_export(folder: Path, head, embedding, hold: Sequence[TargetSequence], 
     return {"max_logit_diff": worst, "picks_agree": agree, "checked": total}
 
 
+@attrs.frozen(eq=False)
+class _Fitted:
+    """A trained head and what its export needs: the target's input-embedding table ``[V, H]``, the draft vocabulary
+    (``draft_ids``: the target id of each logits column), ``to_draft`` (target id -> draft index, -1 outside it) and
+    the held-out sequences the export is checked on."""
+
+    head: Any
+    embedding: np.ndarray
+    draft_ids: np.ndarray
+    to_draft: np.ndarray
+    hold: list[TargetSequence]
+
+
 def train_drafter(
     model_dir: str | os.PathLike[str],
     out_dir: str | os.PathLike[str] | None = None,
@@ -459,10 +421,8 @@ def train_drafter(
 ) -> Path:
     """Train a drafter for the target folder ``model_dir`` (which must have the ``hidden_states`` output) and write
     it to ``out_dir`` (default ``ortspec.adapters.cache.drafter_dir``), replacing what is there only once the new
-    folder is complete. Returns the folder. The record of the run is ``ortspec.training`` in its ``drafter.json``."""
-    import shutil
-    import tempfile
-
+    folder is complete. Returns the folder. The record of the run is ``ortspec.training`` in its ``drafter.json``.
+    Sets torch's thread count for this process (``config.threads``, default: torch's own) and its seed."""
     import torch
 
     cfg = config or TrainConfig()
@@ -498,6 +458,56 @@ def train_drafter(
     train = [sequences[i] for i in order[held:]]
     if not train:
         raise ValueError("the data budget produced too few sequences to train on; give train-drafter more minutes")
+    export_reserve = 60.0 + 0.02 * budget
+    fitted, results = _fit(target, layer, train, hold, cfg, t_start + budget - export_reserve, say)
+    t_train = time.perf_counter() - t_start - t_data
+
+    record = {
+        "recipe": "ortspec.adapters.tools.train_drafter (docs/drafter.md)",
+        "config": attrs.asdict(cfg),
+        "target_layer": layer,
+        "data": {
+            "sequences": len(sequences),
+            "train_sequences": len(train),
+            "heldout_sequences": len(hold),
+            "positions": int(sum(len(s) for s in sequences)),
+            "generated_positions": int(sum(len(s) - s.prompt_len for s in sequences)),
+            "seconds": round(t_data, 1),
+        },
+        **results,
+        "train_seconds": round(t_train, 1),
+        "threads": threads,
+        "load_average_at_start": load_before,
+    }
+    _export(dest, fitted, target, layer, cfg, record, t_start)
+    export_check, total_seconds = record["export_check"], record["total_seconds"]
+    checks = [(name, export_check[name]) for name in ("fp32", "int8") if name in export_check] or [
+        ("fp32", export_check)
+    ]
+    say(
+        f"train-drafter: wrote {dest} in {total_seconds:.0f} s (export check, picks agreeing with the torch head: "
+        + "; ".join(
+            f"{name} {c['picks_agree']}/{c['checked']}, max logit difference {c['max_logit_diff']:.2g}"
+            for name, c in checks
+        )
+        + ")"
+    )
+    return dest
+
+
+def _fit(
+    target: ModelFolder,
+    layer: int,
+    train: list[TargetSequence],
+    hold: list[TargetSequence],
+    cfg: TrainConfig,
+    deadline: float,
+    say: Callable[[str], None],
+) -> tuple[_Fitted, dict[str, Any]]:
+    """Rank the draft vocabulary on ``train``, initialise the head (ridge ``fc``, the target's layer ``layer``),
+    train it until ``deadline`` (a ``time.perf_counter()`` value), and evaluate it on ``hold`` before and after.
+    Returns the head with what its export needs, and the record's entries about the fit."""
+    import torch
 
     tables = TargetTables(target)
     embedding = tables.embedding()
@@ -515,80 +525,59 @@ def train_drafter(
     before = evaluate(head, table, to_target, hold, to_draft, width)
     say(f"init: ridge R^2 {fit['r2']:.3f}; held-out top-1 {before['top1']:.3f}, accepted {before['accepted_by_width']}")
 
-    export_reserve = 60.0 + 0.02 * budget
-    seconds = max(0.0, budget - (time.perf_counter() - t_start) - export_reserve)
+    seconds = max(0.0, deadline - time.perf_counter())
     curve = train_head(head, table, train, to_draft, cfg, seconds, say) if seconds > 0 else []
     after = evaluate(head, table, to_target, hold, to_draft, width)
     say(f"trained: held-out top-1 {after['top1']:.3f}, accepted by width {after['accepted_by_width']}")
-    t_train = time.perf_counter() - t_start - t_data
-
-    record = {
-        "recipe": "ortspec.adapters.train_drafter (docs/drafter.md)",
-        "config": attrs.asdict(cfg),
-        "target_layer": layer,
-        "data": {
-            "sequences": len(sequences),
-            "train_sequences": len(train),
-            "heldout_sequences": len(hold),
-            "positions": int(sum(len(s) for s in sequences)),
-            "generated_positions": int(sum(len(s) - s.prompt_len for s in sequences)),
-            "seconds": round(t_data, 1),
-        },
+    results = {
         "draft_vocab": {"size": len(draft_ids), "heldout_coverage_of_target_picks": coverage},
         "ridge_init": fit,
         "heldout_before_training": before,
         "heldout_after_training": after,
         "curve": curve,
-        "train_seconds": round(t_train, 1),
-        "threads": threads,
-        "load_average_at_start": load_before,
     }
+    return _Fitted(head, embedding, draft_ids, to_draft, hold), results
+
+
+def _export(
+    dest: Path,
+    fitted: _Fitted,
+    target: ModelFolder,
+    layer: int,
+    cfg: TrainConfig,
+    record: dict[str, Any],
+    t_start: float,
+) -> None:
+    """Write the drafter folder beside ``dest``, check the exported graph against the torch head on the held-out
+    positions (and, with int8 weights, the quantized graph too), complete ``record`` (``export_check``,
+    ``total_seconds`` since ``t_start``) in its ``drafter.json``, then replace ``dest`` with it."""
+    import shutil
+    import tempfile
+
     dest.parent.mkdir(parents=True, exist_ok=True)
     staged = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=dest.parent))
+    spec = DrafterSpec(
+        layer=layer,
+        kv_heads=target.num_kv_heads,
+        num_speculative_tokens=cfg.num_speculative_tokens,
+        verifier={"name_or_path": target.path.name, "architectures": ["llama"]},
+        extra={"target": target_fingerprint(target.path), "training": record},
+    )
+    head, embedding, hold, to_draft = fitted.head, fitted.embedding, fitted.hold, fitted.to_draft
     try:
-        write_drafter_folder(
-            staged,
-            head.weights(),
-            embedding=embedding,
-            draft_to_target=draft_ids,
-            target_layer=layer,
-            kv_heads=target.num_kv_heads,
-            num_speculative_tokens=cfg.num_speculative_tokens,
-            verifier={"name_or_path": target.path.name, "architectures": ["llama"]},
-            extra={"target": target_fingerprint(target.path), "training": record},
-        )
+        write_drafter_folder(staged, head.weights(), spec, embedding=embedding, draft_to_target=fitted.draft_ids)
         export_check = check_export(staged, head, embedding, hold, to_draft, target)
         if cfg.weights == "int8":
             # the float32 graph must equal the torch head; the int8 one is then measured against it
             export_check = {"fp32": export_check, **quantize_weights(staged)}
             export_check["int8"] = check_export(staged, head, embedding, hold, to_draft, target)
-        total_seconds = round(time.perf_counter() - t_start, 1)
         record["export_check"] = export_check
-        record["total_seconds"] = total_seconds
+        record["total_seconds"] = round(time.perf_counter() - t_start, 1)
         meta_path = staged / "drafter.json"
         meta = json.loads(meta_path.read_text(encoding="utf-8"))
         meta["ortspec"]["training"] = record
         meta_path.write_text(json.dumps(meta, indent=1) + "\n", encoding="utf-8")
-        if dest.exists():
-            trash = dest.with_name(f".{dest.name}.old-{os.getpid()}-{time.monotonic_ns()}")
-            dest.rename(trash)
-            shutil.rmtree(trash, ignore_errors=True)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(staged, 0o777 & ~umask)  # mkdtemp made it 0700
-        staged.rename(dest)
+        replace_folder(staged, dest)
     except BaseException:
         shutil.rmtree(staged, ignore_errors=True)
         raise
-    checks = [(name, export_check[name]) for name in ("fp32", "int8") if name in export_check] or [
-        ("fp32", export_check)
-    ]
-    say(
-        f"train-drafter: wrote {dest} in {total_seconds:.0f} s (export check, picks agreeing with the torch head: "
-        + "; ".join(
-            f"{name} {c['picks_agree']}/{c['checked']}, max logit difference {c['max_logit_diff']:.2g}"
-            for name, c in checks
-        )
-        + ")"
-    )
-    return dest

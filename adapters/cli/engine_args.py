@@ -1,0 +1,93 @@
+"""From the shared options a command parsed (:mod:`ortspec.adapters.cli.options`) to what it runs: the model
+folder (the default model is converted on first use), the Engine, the proposer, the generation keywords, and the
+one-line statistics a command prints for a result."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+from ortspec.core import PromptLookup
+
+
+def model_dir(args: argparse.Namespace) -> Path:
+    """``--model``, or the default model's folder, converted now (progress on stderr) if it is not yet."""
+    from ortspec.adapters.tools.convert import convert_smollm2, default_model_dir, is_complete
+
+    if args.model:
+        return Path(args.model)
+    folder = default_model_dir(getattr(args, "precision", "fp32"))
+    if not is_complete(folder):
+        print(
+            f"ortspec: the default model is not converted yet; converting it into {folder} (about a minute)",
+            file=sys.stderr,
+        )
+        convert_smollm2(folder, getattr(args, "precision", "fp32"), progress=lambda m: print(m, file=sys.stderr))
+    return folder
+
+
+def engine(args: argparse.Namespace):
+    """The Engine the ``model`` option group describes."""
+    from ortspec.adapters.engine import Engine
+
+    return Engine.from_dir(
+        model_dir(args),
+        provider=args.provider,
+        threads=args.threads,
+        max_length=args.max_length,
+        sliding_window=args.sliding_window,
+        matmul_accuracy_level=args.matmul_accuracy_level,
+        drafter=False if args.drafter == "none" else args.drafter,
+    )
+
+
+def speculative(args: argparse.Namespace):
+    """``None``, the name ``shared-kv`` or ``auto`` (the Engine resolves it with its drafter), or a
+    ``PromptLookup`` with the command line's settings."""
+    if args.speculative == "none":
+        return None
+    if args.speculative in ("shared-kv", "auto"):
+        return args.speculative
+    return PromptLookup(ngram=args.ngram, max_draft=args.max_draft, min_ngram=args.min_ngram)
+
+
+def generation_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """The Engine's generation keywords from the ``generation``, ``speculation`` and ``sampling`` groups."""
+    return dict(
+        max_tokens=args.max_tokens,
+        stop=args.stop or None,
+        chat=args.chat,
+        draft_width=args.draft_width,
+        tie_margin=args.tie_margin,
+        ignore_eos=args.ignore_eos,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        min_p=args.min_p,
+        seed=args.seed,
+        repetition_penalty=args.repetition_penalty,
+        presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty,
+        logit_bias=dict(args.logit_bias) if args.logit_bias else None,
+    )
+
+
+def stats_line(result, label: str) -> str:
+    """One line about a ``GenerateResult``: tokens, time, speeds, first token, passes, finish, acceptance, seed."""
+    s = result.stats
+    t = result.timings
+    parts = [
+        f"{label}: {len(result.token_ids)} tokens in {t.total_s:.2f} s",
+        f"{result.tokens_per_second:.1f} tok/s end to end, "
+        f"{result.decode_tokens_per_second:.1f} tok/s after the first token",
+        f"first token {t.first_token_s * 1000:.0f} ms",
+        f"{s.steps} target passes",
+        f"finish: {result.finish_reason}",
+    ]
+    if s.proposed_tokens:
+        parts.append(f"acceptance {s.accepted_tokens}/{s.proposed_tokens} = {s.acceptance_rate:.0%}")
+    if result.seed is not None:
+        parts.append(f"seed {result.seed}")
+    return "; ".join(parts)

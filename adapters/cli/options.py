@@ -1,0 +1,287 @@
+"""What the ``ortspec`` commands share on the parser side: the argument types (checked ints, floats, widths,
+ports; each refuses a bad value at parse time with a message that says what was expected), the option groups
+(model, speculation, generation and sampling), the subcommand constructor, and the one table that turns the
+Python names in an Engine or core error back into the flags the user typed (:func:`speak_flags`).
+
+A command module declares its own options and calls the groups here for the shared ones; no flag is declared twice.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import re
+from typing import Any
+
+# -- argument types --------------------------------------------------------------------------------------------
+
+
+def int_in(text: str, low: int, high: int | None = None, expected: str | None = None) -> int:
+    """``text`` as an int in ``[low, high]`` (no upper bound when ``high`` is None), else an argparse error that
+    says what was ``expected``."""
+    expected = expected or f"an int >= {low}"
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
+    if value < low or (high is not None and value > high):
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
+    return value
+
+
+def width(text: str) -> int | str:
+    """A draft width: ``auto`` or an int >= 1."""
+    return text if text == "auto" else int_in(text, 1, expected="'auto' or an int >= 1")
+
+
+def positive_int(text: str) -> int:
+    return int_in(text, 1)
+
+
+def nonnegative_int(text: str) -> int:
+    return int_in(text, 0)
+
+
+def port(text: str) -> int:
+    return int_in(text, 0, 65535, expected="a port number 0-65535 (0: any free port)")
+
+
+def positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}")
+    return value
+
+
+def margin(text: str) -> float:
+    """A tie margin in logits: a finite number >= 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0 (logits), got {text!r}") from None
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0 (logits), got {text!r}")
+    return value
+
+
+def margins(text: str) -> list[float]:
+    """Comma-separated tie margins (``bench``)."""
+    return [margin(part.strip()) for part in text.split(",")]
+
+
+def stop_text(text: str) -> str:
+    if not text:
+        raise argparse.ArgumentTypeError("a stop string must not be empty")
+    return text
+
+
+def logit_bias(text: str) -> tuple[int, float]:
+    """``TOKEN_ID=BIAS`` -> ``(token_id, bias)``."""
+    token, sep, bias = text.partition("=")
+    try:
+        if not sep:
+            raise ValueError
+        return int(token), float(bias)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected TOKEN_ID=BIAS (e.g. 42=-100), got {text!r}") from None
+
+
+# -- flags in error messages -----------------------------------------------------------------------------------
+
+# Python keyword and option names that can appear in an error message -> the flag the user typed.
+FLAGS = {
+    "max_new_tokens": "--max-tokens",
+    "max_tokens": "--max-tokens",
+    "stop_strings": "--stop",
+    "stop_token_sequences": "--stop",
+    "tie_margin": "--tie-margin",
+    "draft_width": "--draft-width",
+    "max_length": "--max-length",
+    "max_context": "--max-length",
+    "threads": "--threads",
+    "min_ngram": "--min-ngram",
+    "ngram": "--ngram",
+    "max_draft": "--max-draft",
+    "provider": "--provider",
+    "temperature": "--temperature",
+    "top_k": "--top-k",
+    "top_p": "--top-p",
+    "min_p": "--min-p",
+    "seed": "--seed",
+    "repetition_penalty": "--repetition-penalty",
+    "presence_penalty": "--presence-penalty",
+    "frequency_penalty": "--frequency-penalty",
+    "logit_bias": "--logit-bias",
+}
+_FLAG_WORDS = re.compile(r"\b(" + "|".join(sorted(FLAGS, key=len, reverse=True)) + r")\b")
+
+
+def speak_flags(message: str) -> str:
+    """``message`` with the Python names of options replaced by the command-line flags that set them (an error
+    from the Engine or the core about ``max_new_tokens`` is about ``--max-tokens`` here); a message about ``stop``
+    is about ``--stop``."""
+    message = _FLAG_WORDS.sub(lambda m: FLAGS[m.group(1)], message)
+    return re.sub(r"^stop\b", "--stop", message)
+
+
+# -- subcommands and option groups -----------------------------------------------------------------------------
+
+
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Keeps the epilog's line breaks (the examples)."""
+
+
+def add_command(sub: Any, name: str, help: str, description: str, epilog: str) -> argparse.ArgumentParser:
+    """A subcommand parser of ``sub`` (the ``ortspec`` parser's subparsers) whose epilog keeps its line breaks."""
+    return sub.add_parser(name, help=help, description=description, epilog=epilog, formatter_class=_HelpFormatter)
+
+
+def model_options(
+    p: argparse.ArgumentParser,
+    threads_help: str = "intra-op threads (default: physical cores)",
+    load_rewrites: bool = True,
+    drafter: bool = False,
+) -> None:
+    """The ``model`` group: ``--model``, ``--provider``, ``--threads``, ``--max-length``; with ``load_rewrites``
+    also ``--matmul-accuracy-level`` and ``--sliding-window``, and with ``drafter`` (only then) ``--drafter``."""
+    g = p.add_argument_group("model")
+    g.add_argument(
+        "--model",
+        metavar="DIR",
+        help="ONNX Runtime GenAI model folder (default: SmolLM2-135M-Instruct in the ortspec cache, converted on "
+        "first use)",
+    )
+    g.add_argument("--provider", default="cpu", choices=("cpu", "cuda"), help="execution provider (default cpu)")
+    g.add_argument(
+        "--threads",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help=threads_help,
+    )
+    g.add_argument(
+        "--max-length",
+        type=positive_int,
+        default=None,
+        metavar="TOKENS",
+        help="KV capacity in tokens: prompt + output (default: the model's context length)",
+    )
+    if not load_rewrites:
+        return
+    g.add_argument(
+        "--matmul-accuracy-level",
+        type=int,
+        choices=(1, 2, 3, 4),
+        default=None,
+        help="set every MatMulNBits node's accuracy level at load (1 = float32 compute: speculation on a "
+        "quantized model built at the builder's level 4 becomes exact; default: as the graph says)",
+    )
+    g.add_argument(
+        "--sliding-window",
+        default="config",
+        choices=("config", "graph"),
+        help="a sliding window named by genai_config.json but ignored by the graph: apply it (config, "
+        "default) or run the graph as written (graph)",
+    )
+    if drafter:
+        g.add_argument(
+            "--drafter",
+            metavar="DIR|none",
+            default=None,
+            help="shared-KV drafter folder (default: the one `ortspec train-drafter` made for the model, if "
+            "any); none = no drafter",
+        )
+
+
+def lookup_options(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
+    """The ``speculation`` group: prompt lookup's ``--ngram``, ``--min-ngram``, ``--max-draft`` and the
+    ``--draft-width``; returned so a command can add its own speculation flags to it."""
+    d = p.add_argument_group("speculation")
+    d.add_argument(
+        "--ngram", type=positive_int, default=3, metavar="N",
+        help="prompt lookup: longest suffix matched (default 3)",
+    )  # fmt: skip
+    d.add_argument(
+        "--min-ngram", type=positive_int, default=1, metavar="N",
+        help="prompt lookup: shortest suffix tried (default 1)",
+    )  # fmt: skip
+    d.add_argument(
+        "--max-draft", type=positive_int, default=16, metavar="N",
+        help="prompt lookup: most tokens proposed (default 16)",
+    )  # fmt: skip
+    d.add_argument(
+        "--draft-width",
+        type=width,
+        default="auto",
+        metavar="auto|N",
+        help="draft tokens verified per pass: N >= 1, or auto (default): the cost-aware policy on this machine's "
+        "measured verify cost curve",
+    )
+    return d
+
+
+def generation_options(p: argparse.ArgumentParser, default_tokens: int = 128, margins_list: bool = False) -> None:
+    """The ``generation``, ``speculation`` and ``sampling`` groups of ``demo``, ``generate`` and ``bench``.
+    ``margins_list``: ``--tie-margin`` takes a comma-separated list (``bench``: one run per margin)."""
+    g = p.add_argument_group("generation")
+    g.add_argument(
+        "--max-tokens", type=positive_int, default=default_tokens, metavar="N",
+        help="most new tokens (default %(default)s)",
+    )  # fmt: skip
+    g.add_argument(
+        "--stop", action="append", type=stop_text, metavar="TEXT",
+        help="stop when the output contains TEXT (repeatable); TEXT is cut from the output",
+    )  # fmt: skip
+    g.add_argument(
+        "--chat",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="format the prompt with the model's chat template (default on); --no-chat continues the raw text",
+    )
+    g.add_argument(
+        "--speculative",
+        default="auto",
+        choices=("auto", "prompt-lookup", "shared-kv", "none"),
+        help="draft proposer: auto (default) = per draft, prompt lookup or the shared-KV drafter, whichever has "
+        "earned more (prompt lookup alone without a drafter); shared-kv = the drafter alone; none = plain "
+        "decoding. The output is the same either way",
+    )
+    g.add_argument("--ignore-eos", action="store_true", help="do not stop at the model's end-of-sequence token")
+    d = lookup_options(p)
+    if margins_list:
+        d.add_argument(
+            "--tie-margin",
+            type=margins,
+            default=[0.0, 0.05],
+            metavar="M[,M...]",
+            help="near-tie guard margins in logits: one speculative run per margin, each checked against greedy "
+            "(default 0,0.05; 0 = off)",
+        )
+    else:
+        d.add_argument(
+            "--tie-margin",
+            type=margin,
+            default=0.0,
+            metavar="M",
+            help="near-tie guard: do not accept a verified pick whose top-2 logit gap is below M (default 0 = off)",
+        )
+    _sampling_options(p)
+
+
+def _sampling_options(p: argparse.ArgumentParser) -> None:
+    s = p.add_argument_group(
+        "sampling", "exact seeded sampling: with the same --seed, speculative output equals plain output"
+    )
+    s.add_argument("--temperature", type=float, default=None, help="0 or unset: greedy (default)")
+    s.add_argument("--top-k", type=int, default=None, help="keep the K most likely tokens (0 or unset: off)")
+    s.add_argument("--top-p", type=float, default=None, help="nucleus: smallest set reaching P (1 or unset: off)")
+    s.add_argument("--min-p", type=float, default=0.0, help="drop tokens below MIN_P x the top probability")
+    s.add_argument("--seed", type=int, default=None, help="the sampler's seed (default: drawn, then printed)")
+    s.add_argument("--repetition-penalty", type=float, default=1.0, help="Hugging Face semantics (1 = off)")
+    s.add_argument("--presence-penalty", type=float, default=0.0, help="OpenAI semantics (0 = off)")
+    s.add_argument("--frequency-penalty", type=float, default=0.0, help="OpenAI semantics (0 = off)")
+    s.add_argument("--logit-bias", type=logit_bias, action="append", metavar="ID=BIAS",
+                   help="add BIAS to token ID's logit (repeatable)")  # fmt: skip

@@ -1,0 +1,51 @@
+"""``ortspec serve``: the OpenAI-compatible HTTP server. The server module (it needs the ``serve`` extra) is
+imported only when the command runs, in :func:`run`."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from .engine_args import model_dir
+from .options import add_command, model_options, port, positive_int
+
+EXAMPLES = """\
+examples:
+  ortspec serve
+  ortspec serve --workers 2 --threads 1 --port 8080
+  ortspec serve --model ./my-model-folder --speculative none
+
+Then point the openai client at http://127.0.0.1:8000/v1 (any api_key)."""
+
+
+def add_parser(sub: Any) -> argparse.ArgumentParser:
+    p = add_command(
+        sub,
+        "serve",
+        "OpenAI-compatible HTTP server (needs the 'serve' extra: pip install 'ortspec[serve]')",
+        "Serve /v1/completions, /v1/chat/completions, /v1/models, /health and /metrics over HTTP. Every worker is "
+        "its own Engine (own KV, prefix reuse); requests queue for a free worker.",
+        EXAMPLES,
+    )
+    model_options(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default %(default)s)")
+    p.add_argument("--port", type=port, default=8000, help="port; 0 picks a free one (default %(default)s)")
+    p.add_argument(
+        "--workers", type=positive_int, default=1, help="engines serving in parallel, each with its own KV (default 1)"
+    )
+    p.add_argument("--speculative", default="prompt-lookup", choices=("prompt-lookup", "none"), help="default proposer")
+    p.add_argument("--max-queue", type=positive_int, default=64, help="requests that may wait for a worker; more: 429")
+    p.add_argument("--timeout", type=float, default=600.0, help="per-request timeout in seconds (default 600)")
+    p.add_argument(
+        "--default-max-tokens", type=positive_int, default=None, help="when a request has none (default: context)"
+    )
+    p.add_argument("--model-name", help="model id served (default: the model folder's name)")
+    p.add_argument("--prefix-reuse", action=argparse.BooleanOptionalAction, default=True, help="reuse KV (default on)")
+    p.add_argument("--log-level", default="info", help="uvicorn log level (default info)")
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    from ortspec.adapters.serve.run import cmd_serve  # the one import of the server; needs the 'serve' extra
+
+    return cmd_serve(args, model_dir(args))

@@ -1,0 +1,73 @@
+"""The shared-KV draft head in torch: the same computation as the exported ONNX graph
+(:func:`ortspec.adapters.tools.drafter_graph.build_head_graph`), initialised from and written back to
+:class:`~ortspec.adapters.tools.drafter_graph.HeadWeights`, so ``ortspec train-drafter`` trains exactly what it
+exports. torch is imported only when a head is made."""
+
+from __future__ import annotations
+
+import math
+
+import attrs
+import numpy as np
+
+from ortspec.adapters.tools.drafter_graph import HeadWeights
+
+FROZEN = ("lm_head", "cos", "sin")
+
+
+def torch_head(weights: HeadWeights, kv_heads: int):
+    """A ``torch.nn.Module`` computing :func:`ortspec.adapters.tools.drafter_graph.build_head_graph`'s head, initialised
+    from ``weights`` (the LM head and RoPE tables as buffers). ``forward(embeds, states, positions, keys, values,
+    allowed)``: ``embeds``/``states`` ``[B, Q, H]``, ``positions`` ``[B, Q]`` int64, ``keys``/``values``
+    ``[B, kv_heads, L, D]``, ``allowed`` bool ``[B, Q, L]`` (which keys each query may read) -> ``(logits [B, Q, V'],
+    state [B, Q, H])``."""
+    import torch
+    from torch import nn
+
+    class Head(nn.Module):
+        # set in __init__ from weights.arrays() (parameters and buffers); declared for the type checker
+        norm_embed: torch.Tensor
+        norm_hidden: torch.Tensor
+        fc: torch.Tensor
+        fc_bias: torch.Tensor
+        cos: torch.Tensor
+        sin: torch.Tensor
+
+        def __init__(self) -> None:
+            super().__init__()
+            for name, array in weights.arrays().items():
+                tensor = torch.from_numpy(np.array(array, np.float32))
+                if name in FROZEN:
+                    self.register_buffer(name, tensor)
+                else:
+                    setattr(self, name, nn.Parameter(tensor))
+            self.heads, self.size, self.eps, self.kv_heads = weights.heads, weights.head_size, weights.eps, kv_heads
+
+        def rms(self, x, weight):
+            return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * weight
+
+        def forward(self, embeds, states, positions, keys, values, allowed):
+            batch, queries, _ = embeds.shape
+            u = torch.cat([self.rms(embeds, self.norm_embed), self.rms(states, self.norm_hidden)], -1)
+            u = u @ self.fc + self.fc_bias
+            q = (self.rms(u, self.norm_attn) @ self.wq).view(batch, queries, self.heads, self.size).transpose(1, 2)
+            cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)  # [B, 1, Q, D/2]
+            first, second = q.chunk(2, dim=-1)
+            q = torch.cat([first * cos - second * sin, second * cos + first * sin], -1)
+            group = self.heads // self.kv_heads
+            k = keys.repeat_interleave(group, dim=1)
+            v = values.repeat_interleave(group, dim=1)
+            scores = (q @ k.transpose(-1, -2)) / math.sqrt(self.size)
+            scores = scores.masked_fill(~allowed.unsqueeze(1), float("-inf"))
+            attended = torch.nan_to_num(scores.softmax(-1)) @ v  # a query allowed no key reads zeros
+            u = u + attended.transpose(1, 2).reshape(batch, queries, -1) @ self.wo
+            m = self.rms(u, self.norm_mlp)
+            u = u + (nn.functional.silu(m @ self.w_gate) * (m @ self.w_up)) @ self.w_down
+            state = self.rms(u, self.norm_out)
+            return state @ self.lm_head, state
+
+        def weights(self) -> HeadWeights:
+            arrays = {name: getattr(self, name).detach().numpy().copy() for name in weights.arrays()}
+            return attrs.evolve(weights, **arrays)
+
+    return Head()
