@@ -39,6 +39,7 @@ from ortspec.core import (
     Proposer,
     Sampling,
     WidthPolicy,
+    check_prompt_fits,
     option,
 )
 from ortspec.core.checks import check_int, ids_in_vocab
@@ -65,6 +66,11 @@ def make_proposer(speculative: str | Proposer | None) -> Proposer | None:
     if not callable(getattr(speculative, "propose", None)):
         raise ValueError(f"speculative={speculative!r} has no propose(context_tokens, width) method")
     return speculative
+
+
+def _speculative(value: Any) -> Any:
+    """``"none"`` (what a command line or a JSON record says) is ``None``: plain decoding. The one place."""
+    return None if value == "none" else value
 
 
 def _check_speculative(instance: Any, attribute: Any, value: Any) -> None:
@@ -96,7 +102,8 @@ class GenerationOptions(Sampling, Limits):
     speculative: str | Proposer | None = option(
         None,
         "how drafts are made: None (plain decoding), 'prompt-lookup', 'shared-kv' (the Engine's drafter), 'auto' "
-        "(per draft, prompt lookup or the drafter, whichever has earned more), or a proposer object",
+        "(per draft, prompt lookup or the drafter, whichever has earned more), or a proposer object ('none' is None)",
+        converter=_speculative,
         validator=_check_speculative,
     )
     draft_width: int | WidthPolicy | str = option(
@@ -368,16 +375,17 @@ class Engine:
             return generation
 
     def _check_prompt_fits(self, ids: Sequence[int]) -> None:
-        """``ValueError`` when the prompt is longer than the context (one that fills it exactly ends at once with
-        ``context_full``, as the core decides)."""
+        """``ValueError`` when the prompt is longer than the context (the core's rule, ``check_prompt_fits``; one
+        that fills it exactly ends at once with ``context_full``, as the core decides), with this folder's hint."""
         capacity = self.backend.max_length
-        if len(ids) > capacity:
-            model = f"; the model's context_length is {self.folder.context_length}" if self.folder else ""
-            raise ValueError(
-                f"the prompt has {len(ids)} tokens but the context holds {capacity} (max_length{model}): "
-                "shorten the prompt"
-                + (" or raise max_length" if self.folder and capacity < self.folder.context_length else "")
-            )
+        model = f"; the model's context_length is {self.folder.context_length}" if self.folder else ""
+        raise_it = self.folder is not None and capacity < self.folder.context_length
+        check_prompt_fits(
+            len(ids),
+            capacity,
+            holds=f"the context holds {capacity} (max_length{model})",
+            advice="shorten the prompt" + (" or raise max_length" if raise_it else ""),
+        )
 
     @takes_options(GenerationOptions)
     def start(self, prompt: Prompt, options: GenerationOptions) -> Generation:

@@ -86,7 +86,7 @@ def option(
             return convert(value) if convert is not None else value
 
         converter = none_is_default
-    validators = []
+    validators: list[Callable[[Any, Any, Any], None]] = []
     if bounds is not None:
         checked = bounds
 

@@ -9,6 +9,7 @@ the output never depends on this value, only the speed.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import attrs
 
@@ -77,7 +78,7 @@ class LookupOrDraft:
         name = _POLICY[source]
         policy: CostAwareWidth | None = getattr(self, name)
         verified = 1 if draft else 0
-        changes: dict[str, object] = {
+        changes: dict[str, Any] = {
             "lookup_drafts": self.lookup_drafts + (verified if source != "drafter" else 0),
             "drafter_drafts": self.drafter_drafts + (verified if source == "drafter" else 0),
         }

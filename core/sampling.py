@@ -93,7 +93,7 @@ def _to_logit_bias(value: object) -> tuple[tuple[int, float], ...]:
 
 def _to_float(value: object) -> object:
     """Ints as floats (the pick's arithmetic is float); anything else is left for the bounds check to refuse."""
-    return float(value) if is_int(value) else value
+    return float(value) if is_int(value) else value  # type: ignore[arg-type]
 
 
 @attrs.frozen(kw_only=True)

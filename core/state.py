@@ -357,7 +357,9 @@ class DecodeState:
         state = cls(
             prompt_tokens=prompt, options=options, detokenize=detokenize, capacity=capacity, cached_prefix=cached
         )
-        check_prompt_fits(len(prompt), state.context_limit, options.max_context)
+        limit = state.context_limit
+        bound = "max_context" if limit == options.max_context else "the context (the KV capacity)"
+        check_prompt_fits(len(prompt), limit, holds=f"{bound} is {limit}")
         if len(prompt) == state.context_limit:
             state = attrs.evolve(state, finish_reason=FinishReason.CONTEXT_FULL)
         return state
@@ -402,12 +404,14 @@ class DecodeState:
         return self.text[: self.streamed_chars]
 
 
-def check_prompt_fits(prompt_len: int, context_limit: int | None, max_context: int | None = None) -> None:
-    """``ValueError`` unless a prompt of ``prompt_len`` tokens fits ``context_limit`` (None: no limit); the message
-    names ``max_context`` when that is the bound."""
+def check_prompt_fits(
+    prompt_len: int, context_limit: int | None, *, holds: str, advice: str = "shorten the prompt"
+) -> None:
+    """The one prompt-length rule: ``ValueError`` unless a prompt of ``prompt_len`` tokens fits ``context_limit``
+    (None: no limit). The message reads "the prompt has N tokens but {holds}: {advice}" (``holds`` names the
+    bound, e.g. "max_context is 3"). A prompt that fills the limit exactly fits (it ends at once)."""
     if context_limit is not None and prompt_len > context_limit:
-        bound = "max_context" if context_limit == max_context else "the context (the KV capacity)"
-        raise ValueError(f"the prompt has {prompt_len} tokens but {bound} is {context_limit}: shorten the prompt")
+        raise ValueError(f"the prompt has {prompt_len} tokens but {holds}: {advice}")
 
 
 def draft_budget(state: DecodeState) -> int:

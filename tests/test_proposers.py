@@ -199,8 +199,7 @@ def test_is_frozen():
 def test_auto_learns_which_source_pays():
     """``LookupOrDraft`` keeps, per source, what its drafts earned: a drafter that knows the text wins over prompt
     lookup's short matches that keep failing, and prompt lookup wins on text that repeats itself."""
-    from ortspec.core import CostAwareWidth
-    from ortspec.core import LookupOrDraft
+    from ortspec.core import CostAwareWidth, LookupOrDraft
 
     def truth(last: int) -> int:  # the "target's" next token: a fixed walk over 40 ids
         return (last * 7 + 3) % 40

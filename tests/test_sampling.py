@@ -138,7 +138,9 @@ def test_picks_equal_the_reference_on_random_rows(rules, vocab):
 def test_seeds_matter_on_a_flat_model():
     model = FakeModel(vocab_size=64, seed=1, markov=0.0, noise=0.05)
     outputs = {
-        generate(FakeBackend(model), (1, 2, 3), Options(max_tokens=12, sampling=Sampling(temperature=1.0, seed=s))).token_ids
+        generate(
+            FakeBackend(model), (1, 2, 3), Options(max_tokens=12, sampling=Sampling(temperature=1.0, seed=s))
+        ).token_ids
         for s in range(20)
     }
     assert len(outputs) == 20
