@@ -18,7 +18,7 @@ import os
 import secrets
 import threading
 import warnings
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
@@ -28,32 +28,38 @@ from ortspec.adapters.cache import cache_root, find_drafter
 from ortspec.adapters.tokenizer import Tokenizer
 from ortspec.backends.base import Backend
 from ortspec.backends.onnx import ModelFolder, ModelFolderError
-from ortspec.core import CostAwareWidth, FixedWidth, Options, PromptLookup, Proposer, WidthPolicy
-from ortspec.core.checks import ArgumentError, check_int, ids_in_vocab, int_at_least
-from ortspec.driver import GenerateResult, Generation
-from ortspec.lookup_or_draft import LookupOrDraft
+from ortspec.core import (
+    MAX_DRAFT,
+    CostAwareWidth,
+    FixedWidth,
+    Limits,
+    LookupOrDraft,
+    Options,
+    PromptLookup,
+    Proposer,
+    Sampling,
+    WidthPolicy,
+    check_prompt_fits,
+    option,
+)
+from ortspec.core.checks import ArgumentError, check_int, ids_in_vocab
+from ortspec.driver import GenerateResult, Generation, StreamCallback
 
 Prompt = str | Sequence[int] | Sequence[Mapping[str, str]]
-StreamCallback = Callable[[str, int, str | None], object]
-Stop = str | Sequence[str] | Sequence[Sequence[int]] | None
 
 SPECULATIVE_CHOICES = ("prompt-lookup", "shared-kv", "auto")
 # Verify-vs-decode logit drift (in logits) above which speculative output is no longer guaranteed to equal greedy.
 DRIFT_WARNING_THRESHOLD = 1e-3
-# Stop strings are searched in the text after every token (cost ~ the number and length of the strings), and a
-# stop token sequence is compared with the newest tokens: these bounds keep that a small part of a step.
-MAX_STOPS = 64
-MAX_STOP_LENGTH = 1000
 
 
 def make_proposer(speculative: str | Proposer | None) -> Proposer | None:
-    """``None`` (plain greedy), ``"prompt-lookup"`` (3-gram lookup drafting up to 16 tokens), or any proposer.
-    (``"shared-kv"`` and ``"auto"`` need an Engine's drafter: ``Engine.start_with`` resolves them.)"""
+    """``None`` (plain greedy), ``"prompt-lookup"`` (3-gram lookup drafting up to ``MAX_DRAFT`` tokens), or any
+    proposer. (``"shared-kv"`` and ``"auto"`` need an Engine's drafter: ``Engine.start_with`` resolves them.)"""
     if speculative is None:
         return None
     if isinstance(speculative, str):
         if speculative == "prompt-lookup":
-            return PromptLookup(ngram=3, max_draft=16)
+            return PromptLookup(ngram=3, max_draft=MAX_DRAFT)
         if speculative in SPECULATIVE_CHOICES:
             raise ArgumentError(
                 "speculative", f"speculative={speculative!r} needs an Engine (it reads the Engine's drafter)"
@@ -66,126 +72,64 @@ def make_proposer(speculative: str | Proposer | None) -> Proposer | None:
     return speculative
 
 
-def _split_stop(stop: object, vocab_size: int) -> tuple[tuple[str, ...], tuple[tuple[int, ...], ...]]:
-    """``stop`` as (stop strings, stop token sequences); ``ValueError`` naming ``stop`` for anything that could
-    never match or is not a stop: an empty string or sequence, bytes, a lone surrogate (no decoded text holds one:
-    e.g. half of a character cut from UTF-16, or bytes decoded with ``surrogateescape``), a token id outside the
-    vocabulary, more than ``MAX_STOPS`` entries, or one longer than ``MAX_STOP_LENGTH``. ``None`` and ``[]``: no
-    stops."""
-    if stop is None:
-        return (), ()
-    if isinstance(stop, str):
-        stop = (stop,)
-    if isinstance(stop, (bytes, bytearray)):
-        raise ArgumentError(
-            "stop", "stop: bytes are not a stop string; decode them to str (stop strings match decoded text)"
-        )
-    if isinstance(stop, Mapping) or not isinstance(stop, Iterable):
-        raise ArgumentError(
-            "stop", f"stop must be a string, a list of strings or a list of token-id lists, got {type(stop).__name__}"
-        )
-    items = list(stop)
-    if len(items) > MAX_STOPS:
-        raise ArgumentError("stop", f"stop holds {len(items)} entries; at most {MAX_STOPS} are allowed")
-    strings: list[str] = []
-    sequences: list[tuple[int, ...]] = []
-    for item in items:
-        if isinstance(item, str):
-            if not item:
-                raise ArgumentError("stop", "stop: an empty string would match before any text; remove it")
-            if len(item) > MAX_STOP_LENGTH:
-                raise ArgumentError(
-                    "stop", f"stop: a stop string of {len(item)} characters; at most {MAX_STOP_LENGTH} are allowed"
-                )
-            for i, ch in enumerate(item):
-                if "\ud800" <= ch <= "\udfff":
-                    raise ArgumentError(
-                        "stop",
-                        f"stop: {item!r} holds a lone surrogate (U+{ord(ch):04X} at index {i}), which no decoded text "
-                        "contains: it could never match (was it cut from UTF-16, or decoded with surrogateescape?)",
-                    )
-            strings.append(item)
-        elif isinstance(item, (bytes, bytearray)):
-            raise ArgumentError("stop", f"stop: {item!r} is bytes; decode it to str (stop strings match decoded text)")
-        elif isinstance(item, Iterable) and not isinstance(item, Mapping):
-            ids = list(item)
-            if not ids:
-                raise ArgumentError("stop", "stop: an empty token-id sequence would match before any token; remove it")
-            if len(ids) > MAX_STOP_LENGTH:
-                raise ArgumentError(
-                    "stop", f"stop: a token-id sequence of {len(ids)} ids; at most {MAX_STOP_LENGTH} are allowed"
-                )
-            sequences.append(ids_in_vocab("stop", ids, vocab_size))
-        else:
-            raise ArgumentError("stop", f"stop: {item!r} is neither a string nor a sequence of token ids")
-    return tuple(strings), tuple(sequences)
+def _speculative(value: Any) -> Any:
+    """``"none"`` (what a command line or a JSON record says) is ``None``: plain decoding. The one place."""
+    return None if value == "none" else value
 
 
-def _check_draft_width(instance: GenerationOptions, attribute: Any, value: Any) -> None:
+def _check_speculative(instance: Any, attribute: Any, value: Any) -> None:
+    if value is None or isinstance(value, str) or callable(getattr(value, "propose", None)):
+        return
+    raise ArgumentError("speculative", f"speculative={value!r} has no propose(context_tokens, width) method")
+
+
+def _check_draft_width(instance: Any, attribute: Any, value: Any) -> None:
     if value == "auto" or isinstance(value, WidthPolicy):
         return
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ArgumentError("draft_width", f"draft_width={value!r}: expected 'auto', an int >= 1 or a width policy")
 
 
-@attrs.frozen(kw_only=True)
-class GenerationOptions:
-    """The keywords of every ``Engine`` generation method, validated (an ``ArgumentError``, a ``ValueError``, names
-    the keyword).
+@attrs.frozen(kw_only=True, slots=False)
+class GenerationOptions(Sampling, Limits):
+    """The keywords of every ``Engine`` generation method, validated (a ``ValueError`` names the keyword).
 
-    ``max_tokens``: most new tokens. ``stop``: a string, strings, or token-id sequences that end generation
-    (stop strings are cut from the text). ``speculative``: ``None`` (plain greedy), ``"prompt-lookup"``,
-    ``"shared-kv"`` (the Engine's drafter: a draft head reading the target's hidden state and KV), ``"auto"``
-    (per draft, prompt lookup or the drafter, whichever has earned more tokens per unit time, each priced by its own
-    cost-aware width policy; prompt lookup alone without a drafter), or a proposer object. ``draft_width``:
-    ``"auto"`` (the cost-aware policy on this backend's measured verify cost curve), the most draft tokens per pass,
-    or a width policy. ``chat``: format a text prompt as one user turn with the folder's chat template (``system``: an
-    optional system turn). ``ignore_eos``: do not stop at the model's EOS tokens. ``top_logprobs``: report each
-    token's log-probability and the N most likely alternatives. ``tie_margin``: the near-tie guard, in logits (0 = off).
-
-    Sampling (onnx_genai's names; every rule in ``ortspec/core/sampling.py``): ``temperature`` (unset or 0:
-    greedy), ``top_k`` (unset or 0: off), ``top_p`` (unset or 1: off), ``min_p``, ``seed`` (any int in
-    [0, 2**64); unset while sampling: the Engine draws one and reports it as ``result.seed``, so every run can be
-    replayed), ``repetition_penalty``, ``presence_penalty``, ``frequency_penalty``, ``logit_bias`` ({token id:
-    bias}). With the same seed, speculative output equals plain output token for token.
+    Declared once: the shared options come from the core's ``Limits`` (``max_tokens``, ``stop``, ``top_logprobs``,
+    ``tie_margin``) and ``Sampling`` (``temperature``, ``top_k``, ``top_p``, ``min_p``, ``seed``,
+    ``repetition_penalty``, ``presence_penalty``, ``frequency_penalty``, ``logit_bias``: every rule in
+    ``core/sampling.py``; with the same seed, speculative output equals plain output token for token; sampling
+    without a seed draws one, reported as ``result.seed``); the Engine's own are below. Each field's help is in
+    its declaration (``ortspec.core.options_of(GenerationOptions)``), which the command line, the server and batch
+    read too.
     """
 
-    max_tokens: int = attrs.field(default=128, validator=int_at_least(1))
-    stop: Stop = None
-    speculative: str | Proposer | None = None
-    draft_width: int | WidthPolicy | str = attrs.field(default="auto", validator=_check_draft_width)
-    chat: bool = False
-    system: str | None = None
-    ignore_eos: bool = False
-    top_logprobs: int = attrs.field(default=0, validator=int_at_least(0))
-    tie_margin: float = 0.0
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float = 0.0
-    seed: int | None = None
-    repetition_penalty: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: Mapping[int, float] | None = None
+    speculative: str | Proposer | None = option(
+        None,
+        "how drafts are made: None (plain decoding), 'prompt-lookup', 'shared-kv' (the Engine's drafter), 'auto' "
+        "(per draft, prompt lookup or the drafter, whichever has earned more), or a proposer object ('none' is None)",
+        converter=_speculative,
+        validator=_check_speculative,
+    )
+    draft_width: int | WidthPolicy | str = option(
+        "auto",
+        "'auto' (the cost-aware policy on this backend's measured verify costs), the most draft tokens per pass, or "
+        "a width policy",
+        validator=_check_draft_width,
+    )
+    chat: bool = option(False, "format a text prompt as one user turn with the model's chat template")
+    system: str | None = option(None, "with chat: a system turn before the user turn")
+    ignore_eos: bool = option(False, "do not stop at the model's EOS tokens")
 
-    def sampling_options(self) -> dict[str, Any]:
-        """The core ``Options`` keywords for sampling; a seed is drawn when sampling without one."""
-        temperature = 0.0 if self.temperature is None else self.temperature
-        seed = self.seed
-        if seed is None and isinstance(temperature, (int, float)) and temperature > 0:
-            seed = secrets.randbits(64)
-        return dict(
-            temperature=temperature,
-            top_k=0 if self.top_k is None else self.top_k,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            min_p=self.min_p,
-            seed=seed,
-            repetition_penalty=self.repetition_penalty,
-            presence_penalty=self.presence_penalty,
-            frequency_penalty=self.frequency_penalty,
-            logit_bias=self.logit_bias,
-        )
+    def limits(self) -> dict[str, Any]:
+        """The ``Limits`` keywords of the core's ``Options``."""
+        return {f.name: getattr(self, f.name) for f in attrs.fields(Limits)}
+
+    def sampling(self) -> Sampling:
+        """The core's ``Sampling``; a seed is drawn when sampling without one."""
+        values = {f.name: getattr(self, f.name) for f in attrs.fields(Sampling)}
+        if values["seed"] is None and values["temperature"] > 0:
+            values["seed"] = secrets.randbits(64)
+        return Sampling(**values)
 
 
 P = ParamSpec("P")
@@ -318,7 +262,7 @@ class Engine:
         if max_length is not None:
             check_int("max_length", max_length, 1)
         if provider not in ("cpu", "cuda"):
-            raise ValueError(f"provider must be 'cpu' or 'cuda', got {provider!r}")
+            raise ArgumentError("provider", f"provider must be 'cpu' or 'cuda', got {provider!r}")
         folder = ModelFolder.load(Path(path))
         tokenizer = Tokenizer.from_folder(folder.path)
         check_tokenizer_fits(folder, tokenizer)
@@ -396,27 +340,23 @@ class Engine:
 
         Everything the caller gave is checked first (``ValueError`` naming it); only then, for a speculative
         generation, are this model's verify drift and cost curve measured (once; ``BackendError`` if that fails)."""
-        stop_strings, stop_sequences = _split_stop(options.stop, self.backend.vocab_size)
         proposer, auto_width = self._proposer(options.speculative)
         core_options = Options(
-            max_new_tokens=options.max_tokens,
+            **options.limits(),
             eos_token_ids=() if options.ignore_eos else self.eos_token_ids,
-            stop_strings=stop_strings,
-            stop_token_sequences=stop_sequences,
-            top_logprobs=options.top_logprobs,
-            tie_margin=options.tie_margin,
-            **options.sampling_options(),
+            sampling=options.sampling(),
         )
         ids = self.prompt_ids(prompt, chat=options.chat, system=options.system)
         self._check_prompt_fits(ids)
+        ids_in_vocab("stop", [t for seq in core_options.stop_token_sequences for t in seq], self.backend.vocab_size)
         draft_width = options.draft_width
         with self._lock:
             if proposer is not None:
                 self._warn_if_inexact()
                 if draft_width == "auto":
-                    draft_width = auto_width()
+                    proposer, draft_width = auto_width()
                 elif isinstance(proposer, LookupOrDraft) and isinstance(draft_width, int):
-                    auto_width()  # prices both sources
+                    proposer, _ = auto_width()  # prices both sources
                     draft_width = FixedWidth(draft_width)  # a cap: each source's own policy picks below it
             elif draft_width == "auto":
                 draft_width = 1
@@ -440,17 +380,18 @@ class Engine:
             return generation
 
     def _check_prompt_fits(self, ids: Sequence[int]) -> None:
-        """``ValueError`` when the prompt is longer than the context (one that fills it exactly ends at once with
-        ``context_full``, as the core decides)."""
+        """``ValueError`` when the prompt is longer than the context (the core's rule, ``check_prompt_fits``; one
+        that fills it exactly ends at once with ``context_full``, as the core decides), with this folder's hint."""
         capacity = self.backend.max_length
-        if len(ids) > capacity:
-            model = f"; the model's context_length is {self.folder.context_length}" if self.folder else ""
-            raise ArgumentError(
-                "prompt",
-                f"the prompt has {len(ids)} tokens but the context holds {capacity} (max_length{model}): "
-                "shorten the prompt"
-                + (" or raise max_length" if self.folder and capacity < self.folder.context_length else ""),
-            )
+        model = f"; the model's context_length is {self.folder.context_length}" if self.folder else ""
+        raise_it = self.folder is not None and capacity < self.folder.context_length
+        check_prompt_fits(
+            len(ids),
+            capacity,
+            holds=f"the context holds {capacity} (max_length{model})",
+            advice="shorten the prompt" + (" or raise max_length" if raise_it else ""),
+            argument="prompt",
+        )
 
     @takes_options(GenerationOptions)
     def start(self, prompt: Prompt, options: GenerationOptions) -> Generation:
@@ -470,10 +411,9 @@ class Engine:
         callback raises, generation stops and ``GenerationAborted`` (with the partial result) is raised from the
         callback's exception."""
         if not callable(callback):
-            raise ValueError("callback must be callable as callback(text, token_id, finish_reason)")
+            raise ArgumentError("callback", "callback must be callable as callback(text, token_id, finish_reason)")
         with self._lock:
-            run = self.start_with(prompt, options)
-            return run.run(lambda c: callback(c.text, c.token_id, str(run.state.finish_reason) if run.done else None))
+            return self.start_with(prompt, options).run(callback)
 
     @takes_options(GenerationOptions)
     def stream(self, prompt: Prompt, options: GenerationOptions) -> Iterator[str]:
@@ -487,9 +427,11 @@ class Engine:
         with self._lock:
             return self._last.resident_tokens() if self._last is not None else ()
 
-    def _proposer(self, speculative: str | Proposer | None) -> tuple[Proposer | None, Callable[[], WidthPolicy]]:
-        """The proposer for ``speculative`` and how to make its width policy for ``draft_width="auto"`` (called
-        under the lock: it may measure)."""
+    def _proposer(
+        self, speculative: str | Proposer | None
+    ) -> tuple[Proposer | None, Callable[[], tuple[Proposer, WidthPolicy]]]:
+        """The proposer for ``speculative`` and how to price it for ``draft_width="auto"``: a function giving the
+        (priced) proposer and its width policy (called under the lock: it may measure)."""
         if speculative == "shared-kv":
             if self.drafter is None:
                 raise ArgumentError(
@@ -498,20 +440,24 @@ class Engine:
                     "finds it) or pass Engine.from_dir(..., drafter=DIR)",
                 )
             drafter = self.drafter
-            limit = int(getattr(drafter, "max_draft", 16))
-            return drafter, lambda: CostAwareWidth(self.pass_costs()[: limit + 1], draft_cost=self.draft_cost())
+            limit = int(getattr(drafter, "max_draft", MAX_DRAFT))
+            return drafter, lambda: (
+                drafter,
+                CostAwareWidth(self.pass_costs()[: limit + 1], draft_cost=self.draft_cost()),
+            )
         if speculative == "auto" and self.drafter is not None:
-            auto = LookupOrDraft(PromptLookup(ngram=3, max_draft=16), self.drafter)
+            auto = LookupOrDraft(PromptLookup(ngram=3, max_draft=MAX_DRAFT), self.drafter)
 
-            def width() -> WidthPolicy:
+            def priced() -> tuple[Proposer, WidthPolicy]:
                 costs = self.pass_costs()
-                limit = int(getattr(auto.drafter, "max_draft", 16))
-                auto.price(CostAwareWidth(costs), CostAwareWidth(costs[: limit + 1], draft_cost=self.draft_cost()))
-                return FixedWidth(len(costs) - 1)
+                limit = int(getattr(auto.drafter, "max_draft", MAX_DRAFT))
+                drafter_policy = CostAwareWidth(costs[: limit + 1], draft_cost=self.draft_cost())
+                return auto.priced(CostAwareWidth(costs), drafter_policy), FixedWidth(len(costs) - 1)
 
-            return auto, width
+            return auto, priced
         proposer = make_proposer("prompt-lookup" if speculative == "auto" else speculative)
-        return proposer, lambda: CostAwareWidth(self.pass_costs())
+        assert proposer is not None or speculative is None
+        return proposer, lambda: (proposer, CostAwareWidth(self.pass_costs()))  # type: ignore[return-value]
 
     # -- measurements -----------------------------------------------------------------------------------------
     def verify_drift(self) -> float:
@@ -529,7 +475,7 @@ class Engine:
             )
         return self._drift
 
-    def pass_costs(self, kmax: int = 16) -> tuple[float, ...]:
+    def pass_costs(self, kmax: int = MAX_DRAFT) -> tuple[float, ...]:
         """This backend's verify cost curve (pass over 1 + K tokens ÷ a decode step, K = 0..kmax), measured once
         (a few seconds) and kept like ``verify_drift``. ``BackendError`` if the measurement fails."""
         if self._pass_costs is None or len(self._pass_costs) != kmax + 1:

@@ -273,8 +273,8 @@ def measure_mode(folder: str, provider: str, mode: str, cfg: argparse.Namespace,
         out["capture_s"] = round(time.perf_counter() - t0, 3)
     vocab = backend.vocab_size
     prompt = _prompt_ids(vocab, cfg.prompt_tokens)
-    options = Options(max_new_tokens=cfg.new_tokens)
-    generate(backend, prompt, Options(max_new_tokens=8))  # warm-up: first use of each shape
+    options = Options(max_tokens=cfg.new_tokens)
+    generate(backend, prompt, Options(max_tokens=8))  # warm-up: first use of each shape
 
     runs = [generate(backend, prompt, options) for _ in range(cfg.repeats)]
     greedy = runs[0].token_ids
@@ -347,7 +347,7 @@ def measure_mode(folder: str, provider: str, mode: str, cfg: argparse.Namespace,
         guarded = generate(
             backend,
             prompt,
-            Options(max_new_tokens=cfg.new_tokens, tie_margin=margin),
+            Options(max_tokens=cfg.new_tokens, tie_margin=margin),
             OracleDrafts(prompt, greedy, vocab),
             draft_width=8,
         )

@@ -131,7 +131,7 @@ def replay_prompt(
     driver, core and proposer, measured on this machine). The output is checked to be the recorded one."""
     backend = ReplayBackend(prompt, greedy, vocab, costs, picks=picks)
     t0 = time.perf_counter()
-    r = generate(backend, prompt, Options(max_new_tokens=len(greedy)), proposer, draft_width=width)
+    r = generate(backend, prompt, Options(max_tokens=len(greedy)), proposer, draft_width=width)
     wall = time.perf_counter() - t0
     assert list(r.token_ids) == list(greedy)
     return {
@@ -153,7 +153,7 @@ def replay(records, prompts, settings, costs, vocab):
             if len(greedy) < 2:
                 continue
             backend = ReplayBackend(prompt, greedy, vocab, costs)
-            r = generate(backend, prompt, Options(max_new_tokens=len(greedy)), proposer, draft_width=width)
+            r = generate(backend, prompt, Options(max_tokens=len(greedy)), proposer, draft_width=width)
             assert list(r.token_ids) == list(greedy)
             steps_after_prefill = r.stats.steps - 1
             per_prompt.append((len(greedy) - 1) / backend.cost)

@@ -51,7 +51,7 @@ from ortspec.adapters.tokenizer import Tokenizer
 
 CATEGORIES = ("code_edit", "summarize", "qa_context", "open_ended")
 
-DEFAULT_MAX_NEW_TOKENS = 256
+DEFAULT_MAX_TOKENS = 256
 
 # --------------------------------------------------------------------------
 # Data types
@@ -616,7 +616,7 @@ def build_workloads(
     max_prompt_tokens: int = 1500,
     tokenizer: Tokenizer | str | os.PathLike | None = None,
     *,
-    max_new_tokens: int | dict[str, int] = DEFAULT_MAX_NEW_TOKENS,
+    max_new_tokens: int | dict[str, int] = DEFAULT_MAX_TOKENS,
     categories: Iterable[str] = CATEGORIES,
 ) -> list[Workload]:
     """Build ``n_per_category`` prompts for each category, in category order.
@@ -636,7 +636,7 @@ def build_workloads(
     for cat in categories:
         if cat not in _BUILDERS:
             raise ValueError(f"unknown category {cat!r}; expected one of {CATEGORIES}")
-        mnt = max_new_tokens.get(cat, DEFAULT_MAX_NEW_TOKENS) if isinstance(max_new_tokens, dict) else max_new_tokens
+        mnt = max_new_tokens.get(cat, DEFAULT_MAX_TOKENS) if isinstance(max_new_tokens, dict) else max_new_tokens
         result.extend(_BUILDERS[cat](n_per_category, budget, int(mnt), pyver))
     return result
 

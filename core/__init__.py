@@ -1,37 +1,60 @@
-"""The pure core: decoding rules, proposers and width policies. No I/O, no devices."""
+"""The pure core: decoding rules, proposers and width policies. No I/O, no devices, no process state."""
 
-from .proposers import PromptLookup, Proposer
+from .declare import Bounds, OptionSpec, option, options_of, spec
+from .lookup_or_draft import LookupOrDraft
+from .proposers import MAX_DRAFT, Learner, NgramIndex, PromptLookup, Proposer
+from .sampling import Sampling
 from .state import (
     Commit,
     DecodeState,
     FinishReason,
+    Limits,
     Options,
     Stats,
+    StepOutcome,
     TokenLogprob,
     check_draft,
+    check_prompt_fits,
     delivered,
     draft_budget,
+    draft_width,
     step,
     step_from_picks,
+    take_draft,
 )
 from .width import AdditiveWidth, CostAwareWidth, FixedWidth, WidthPolicy
 
 __all__ = [
+    "MAX_DRAFT",
     "AdditiveWidth",
-    "CostAwareWidth",
+    "Bounds",
     "Commit",
+    "CostAwareWidth",
     "DecodeState",
     "FinishReason",
     "FixedWidth",
+    "Learner",
+    "Limits",
+    "LookupOrDraft",
+    "NgramIndex",
+    "OptionSpec",
     "Options",
     "PromptLookup",
     "Proposer",
+    "Sampling",
     "Stats",
+    "StepOutcome",
     "TokenLogprob",
     "WidthPolicy",
     "check_draft",
+    "check_prompt_fits",
     "delivered",
     "draft_budget",
+    "draft_width",
+    "option",
+    "options_of",
+    "spec",
     "step",
     "step_from_picks",
+    "take_draft",
 ]

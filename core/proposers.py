@@ -9,17 +9,18 @@ correctness.
 
 from __future__ import annotations
 
-import threading
 from array import array
+from bisect import bisect_right
 from collections.abc import Sequence
-from typing import Any, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 import attrs
 
 from .checks import int_at_least
 from .tokens import Shared
 
-_CACHE_LOCK = threading.Lock()
+# The most draft tokens any built-in proposer drafts in one pass (prompt lookup's default, the width policies' cap).
+MAX_DRAFT = 16
 
 
 @runtime_checkable
@@ -27,6 +28,18 @@ class Proposer(Protocol):
     def propose(self, context_tokens: Sequence[int], width: int) -> tuple[int, ...]:
         """Up to ``width`` token ids that probably follow ``context_tokens``."""
         ...
+
+
+@runtime_checkable
+class Learner(Protocol):
+    """A proposer whose choices learn from what the target accepted, as a frozen value (like a width policy):
+    ``propose`` stays a pure function of the value and the context; after each verified draft the driver replaces
+    the value with ``observe(context_tokens, width, draft, accepted)`` after every step it was asked to propose for
+    (the call's arguments, the draft as verified, possibly empty, and how many of its tokens were committed)."""
+
+    def propose(self, context_tokens: Sequence[int], width: int) -> tuple[int, ...]: ...
+
+    def observe(self, context_tokens: Sequence[int], width: int, draft: Sequence[int], accepted: int) -> Learner: ...
 
 
 @attrs.frozen
@@ -40,18 +53,16 @@ class PromptLookup:
     back-reference does (a match 2 tokens back proposes the 2-token period repeated), so runs and short cycles
     fill the whole width.
 
-    Cost. A ``Shared`` context (what the driver passes; core/tokens.py) only grows between calls, so the proposer
-    keeps an index of its n-grams (for each length, the most recent position after each n-gram) and adds only
-    the n-grams the new tokens complete: a step costs O(new tokens), whatever the length of the history. The index
-    holds one entry per distinct n-gram of the last context seen (about 100 bytes each) until another context
-    replaces it. Any other sequence is searched as bytes (``bytes.rfind``, in C), O(context) per call.
+    Cost. A ``Shared`` context (what the driver passes; core/tokens.py) carries an index of its n-grams
+    (``NgramIndex``, attached to the token history's storage and extended by each step's new tokens), so a call
+    costs O(new tokens + log occurrences), whatever the length of the history. Any other sequence, or a context the
+    index does not cover yet, is searched as bytes (``bytes.rfind``, in C), O(context) per call. The value holds
+    no state: one ``PromptLookup`` serves any number of generations, in any threads.
     """
 
     ngram: int = attrs.field(default=3, validator=int_at_least(1))
     max_draft: int = attrs.field(default=8, validator=int_at_least(1))
     min_ngram: int = attrs.field(default=1, validator=int_at_least(1))
-    # [(head, store, indexed, tables)] for the last Shared context seen: see _indexed.
-    _index: list[tuple[Any, ...]] = attrs.field(factory=list, init=False, eq=False, repr=False)
 
     def __attrs_post_init__(self) -> None:
         if self.min_ngram > self.ngram:
@@ -67,14 +78,13 @@ class PromptLookup:
         if limit < 1 or n_ctx < 2:
             return (), 0
         if isinstance(context_tokens, Shared):
-            with _CACHE_LOCK:
-                tables = self._indexed(context_tokens)
-                if tables is not None:
-                    for n in range(min(self.ngram, n_ctx - 1), self.min_ngram - 1, -1):
-                        after = tables[n].get(_ngram_key(context_tokens[n_ctx - n :]))
-                        if after is not None:
-                            return _copy_forward(context_tokens, after, limit), n
-                    return (), 0
+            index = context_tokens.derived(("ngrams", self.min_ngram, self.ngram), self._new_index)
+            if index.covers(n_ctx):
+                for n in range(min(self.ngram, n_ctx - 1), self.min_ngram - 1, -1):
+                    after = index.last_before(n, context_tokens[n_ctx - n :], n_ctx)
+                    if after is not None:
+                        return _copy_forward(context_tokens, after, limit), n
+                return (), 0
         # Search the context as bytes (4 per token): bytes.rfind runs in C. A hit must be token-aligned and must
         # end before the last token, so that at least one token follows it.
         data = array("I", context_tokens).tobytes()
@@ -88,32 +98,59 @@ class PromptLookup:
                 end = at + 4 * n - 1
         return (), 0
 
-    def _indexed(self, context: Shared[int]) -> dict[int, dict[int, int]] | None:
-        """For each n-gram length, ``{n-gram key: the position right after its most recent occurrence}`` over the
-        n-grams of ``context`` that end before its last token; None when the index cannot serve ``context`` (a
-        shorter view of storage already indexed further: the caller searches bytes). The caller holds the lock.
+    def _new_index(self, head: tuple[int, ...], items: Sequence[int]) -> NgramIndex:
+        index = NgramIndex(head, range(self.min_ngram, self.ngram + 1))
+        index.follow([], items)
+        return index
 
-        A ``Shared`` context is ``head + store[:n]``, and ``store`` only grows and never changes, so the index of
-        the last context seen stays true and is extended by the n-grams the newer tokens complete."""
-        head, store, n = context.parts()
-        usable = len(head) + n - 1  # n-grams must end before the last token
-        cached = self._index[0] if self._index else None
-        if cached is not None and cached[0] is head and cached[1] is store:
-            if cached[2] > usable:
-                return None
-            done, tables = cached[2], cached[3]
+
+class NgramIndex:
+    """Where each n-gram of a token history occurred: for each length, ``{n-gram: [the position right after each
+    occurrence, ascending]}`` over the history ``head + items``. Append-only, so it answers for every prefix of the
+    history it covers; it is derived data of a ``Shared`` storage (``Shared.derived``), written only by the
+    storage's extender (``follow``)."""
+
+    __slots__ = ("head", "tables", "covered", "_tail")
+
+    def __init__(self, head: tuple[int, ...], lengths: range) -> None:
+        self.head = head
+        self.tables: dict[int, dict[int, list[int]]] = {n: {} for n in lengths}
+        self.covered = 0  # n-grams ending before history position `covered` are indexed
+        self._tail: list[int] = []  # the last indexed tokens (up to the longest n), for the next n-grams
+
+    def covers(self, context_len: int) -> bool:
+        """True when every n-gram that ends before the last of ``context_len`` tokens is indexed."""
+        return self.covered >= context_len - 1
+
+    def last_before(self, n: int, suffix: Sequence[int], context_len: int) -> int | None:
+        """The position right after the most recent occurrence of ``suffix`` (``n`` tokens) that ends before the
+        last of the first ``context_len`` history tokens; None when there is none."""
+        positions = self.tables[n].get(_ngram_key(suffix))
+        if not positions:
+            return None
+        i = bisect_right(positions, context_len - 1) - 1
+        return positions[i] if i >= 0 else None
+
+    def follow(self, items: Sequence[int], new: Sequence[int]) -> None:
+        """Index the n-grams that end in the history ``head + items + new`` at or after ``covered``."""
+        h = len(self.head)
+        if self.covered < h:
+            self._add([*self.head[self.covered :], *items, *new])
         else:
-            done, tables = 0, {k: {} for k in range(self.min_ngram, self.ngram + 1)}
-        if done < usable:
-            low = max(0, done - self.ngram + 1)
-            tokens = context[low:usable]  # the new n-grams and the tokens before them that they span
-            for end in range(done, usable):  # an n-gram of tokens [end - k + 1, end]
-                for k, table in tables.items():
-                    first = end - k + 1
-                    if first >= 0:
-                        table[_ngram_key(tokens[first - low : end + 1 - low])] = end + 1
-            self._index[:] = [(head, store, usable, tables)]
-        return tables
+            self._add([*items[self.covered - h :], *new])
+
+    def _add(self, tokens: Sequence[int]) -> None:
+        """Index the n-grams ending at each of ``tokens``, the history's tokens from position ``covered`` on."""
+        longest = max(self.tables)
+        tail = self._tail
+        for token in tokens:
+            tail.append(int(token))
+            if len(tail) > longest:
+                del tail[0]
+            self.covered += 1  # the n-grams ending at position covered - 1: the next token is at `covered`
+            for n, table in self.tables.items():
+                if len(tail) >= n:
+                    table.setdefault(_ngram_key(tail[-n:]), []).append(self.covered)
 
 
 def _ngram_key(ids: Sequence[int]) -> int:

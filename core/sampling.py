@@ -43,10 +43,13 @@ alternatives are the most likely tokens of that same distribution.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 import attrs
 import numpy as np
+
+from .checks import ArgumentError, check_number, is_int, token_ids
+from .declare import Bounds, option
 
 UNLIKELY = 40.0  # in units of (z_max - z) / T: tokens beyond it are never sampled
 _MASK64 = (1 << 64) - 1
@@ -70,19 +73,84 @@ class NonFiniteRow(ValueError):
     """A logits row is not finite where its pick is made."""
 
 
-@attrs.frozen
-class Sampling:
-    """The options that shape a pick (a view of ``core.state.Options``, validated there)."""
+def _to_logit_bias(value: object) -> tuple[tuple[int, float], ...]:
+    """``{token id: bias}`` (a mapping or pairs) as sorted ``(id, bias)`` pairs; ``ValueError`` names
+    ``logit_bias``."""
+    if value is None:
+        return ()
+    items = value.items() if isinstance(value, Mapping) else value
+    if isinstance(items, (str, bytes)) or not isinstance(items, Iterable):
+        raise ArgumentError("logit_bias", f"logit_bias: expected a mapping of token id -> bias, got {value!r}")
+    out: dict[int, float] = {}
+    for item in items:
+        if not isinstance(item, tuple) or len(item) != 2:
+            raise ArgumentError("logit_bias", f"logit_bias: expected (token id, bias) pairs, got {item!r}")
+        token, bias = item
+        token = token_ids("logit_bias", [token])[0]
+        out[token] = check_number(f"logit_bias[{token}]", bias, argument="logit_bias")
+    return tuple(sorted(out.items()))
 
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    min_p: float = 0.0
-    seed: int | None = None
-    repetition_penalty: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: tuple[tuple[int, float], ...] = ()
+
+def _to_float(value: object) -> object:
+    """Ints as floats (the pick's arithmetic is float); anything else is left for the bounds check to refuse."""
+    return float(value) if is_int(value) else value  # type: ignore[arg-type]
+
+
+@attrs.frozen(kw_only=True)
+class Sampling:
+    """The options that shape each pick, declared once: the Engine's keywords, the command line's flags, the
+    server's request fields and the batch records' keys are built from these fields (``core/declare.py``).
+
+    Every default leaves the pick greedy on the raw row. ``seed`` None is "not given": the core needs one to sample
+    (``Options`` refuses ``temperature > 0`` without it); the Engine draws one and reports it."""
+
+    temperature: float = option(
+        0.0,
+        "sampling temperature; 0 decodes greedily",
+        bounds=Bounds(minimum=0),
+        converter=_to_float,
+    )
+    top_k: int = option(0, "sample from the k most likely tokens only; 0 = off", bounds=Bounds("int", minimum=0))
+    top_p: float = option(
+        1.0,
+        "nucleus sampling: the smallest set of tokens holding this much probability; 1 = off",
+        bounds=Bounds(minimum=0, maximum=1, low_open=True),
+        converter=_to_float,
+    )
+    min_p: float = option(
+        0.0,
+        "drop tokens less likely than min_p times the most likely one; 0 = off",
+        bounds=Bounds(minimum=0, maximum=1),
+        converter=_to_float,
+    )
+    seed: int | None = option(
+        None,
+        "the sampler's seed, an int in [0, 2**64); the same seed replays the same tokens (drawn when sampling "
+        "without one)",
+        bounds=Bounds("int", minimum=0, maximum=2**64, high_open=True, none_ok=True),
+        converter=lambda v: int(v) if is_int(v) else v,
+    )
+    repetition_penalty: float = option(
+        1.0,
+        "divide the logits of tokens already in the context by this (multiply when negative); 1 = off",
+        bounds=Bounds(minimum=0, low_open=True),
+        converter=_to_float,
+    )
+    presence_penalty: float = option(
+        0.0,
+        "subtract this from the logits of tokens already generated; 0 = off",
+        bounds=Bounds(),
+        converter=_to_float,
+    )
+    frequency_penalty: float = option(
+        0.0,
+        "subtract this times a token's count among the generated tokens from its logit; 0 = off",
+        bounds=Bounds(),
+        converter=_to_float,
+    )
+    logit_bias: tuple[tuple[int, float], ...] = option(
+        (), "{token id: bias} added to those logits before the pick", converter=_to_logit_bias
+    )
 
     @property
     def processes(self) -> bool:

@@ -33,12 +33,12 @@ the picks itself (``step_from_picks``); the rules after the picks are the same c
 
 Each candidate then passes the commit rules, one token at a time and in this order, even in the middle of a
 block: EOS (the EOS token is kept), stop token sequences, stop strings (the earliest completion in the text wins
-and the text is cut before it), ``max_new_tokens`` (``MAX_NEW_TOKENS``), the context limit (``CONTEXT_FULL``). The
+and the text is cut before it), ``max_tokens`` (``MAX_TOKENS``), the context limit (``CONTEXT_FULL``). The
 first rule that fires ends the generation, and no candidate after that token is ever committed. Because the
 rules see the same tokens in the same order whatever the draft was, speculative and greedy runs end identically.
 
 A draft may hold at most ``draft_budget(state)`` tokens: every one of them, and the bonus token, could still be
-committed within ``max_new_tokens`` and the context limit. So no pass writes a KV position past either bound.
+committed within ``max_tokens`` and the context limit. So no pass writes a KV position past either bound.
 
 The step returns ``rewind_to``, the KV length the backend must keep: ``kv_len`` of the new state. The pass left
 ``kv_len + 1 + K`` positions; the committed ones stay, and the last committed token becomes the next pending
@@ -66,11 +66,13 @@ from __future__ import annotations
 import enum
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import NamedTuple
 
 import attrs
 import numpy as np
 
-from .checks import ArgumentError, check_int, check_number, ids_in_vocab, is_int, token_ids
+from .checks import ArgumentError, check_int, ids_in_vocab, int_at_least, is_int, token_ids
+from .declare import Bounds, option
 from .sampling import NonFiniteRow, Pick, Sampling, StepContext
 from .tokens import Shared
 
@@ -84,7 +86,7 @@ class FinishReason(enum.StrEnum):
 
     EOS_TOKEN = "eos_token"
     STOP_SEQUENCE = "stop_sequence"  # a stop token sequence or a stop string
-    MAX_NEW_TOKENS = "max_new_tokens"  # Options.max_new_tokens tokens were generated
+    MAX_TOKENS = "max_tokens"  # Options.max_tokens tokens were generated
     CONTEXT_FULL = "context_full"  # prompt + generated tokens reached the context limit
 
     @property
@@ -93,133 +95,146 @@ class FinishReason(enum.StrEnum):
         return "stop" if self in (FinishReason.EOS_TOKEN, FinishReason.STOP_SEQUENCE) else "length"
 
 
+# Stop strings are searched in the text after every token (cost ~ the number and length of the strings), and a
+# stop token sequence is compared with the newest tokens: these bounds keep that a small part of a step.
+MAX_STOPS = 64
+MAX_STOP_LENGTH = 1000
+
+Stop = str | tuple[int, ...]
+
+
 def _to_eos_ids(value: object) -> frozenset[int]:
     if value is None:
         return frozenset()
     if is_int(value):
         value = (value,)
     if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
-        raise ValueError(f"eos_token_ids: expected a set of token ids, got {value!r}")
+        raise ArgumentError("eos_token_ids", f"eos_token_ids: expected a set of token ids, got {value!r}")
     return frozenset(token_ids("eos_token_ids", value))
 
 
-def _to_stop_sequences(value: object) -> tuple[tuple[int, ...], ...]:
-    if value is None:
-        return ()
-    if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
-        raise ValueError(f"stop_token_sequences: expected a tuple of token-id tuples, got {value!r}")
-    out = []
-    for seq in value:
-        if is_int(seq) or isinstance(seq, (str, bytes)) or not isinstance(seq, Iterable):
-            raise ValueError(f"stop_token_sequences: {seq!r} is not a sequence of token ids")
-        ids = token_ids("stop_token_sequences", seq)
-        if not ids:
-            raise ValueError("stop_token_sequences: a stop sequence must not be empty")
-        out.append(ids)
-    return tuple(out)
+def _stop_string(item: str) -> str:
+    if not item:
+        raise ArgumentError("stop", "stop: an empty string would match before any text; remove it")
+    if len(item) > MAX_STOP_LENGTH:
+        raise ArgumentError(
+            "stop", f"stop: a stop string of {len(item)} characters; at most {MAX_STOP_LENGTH} are allowed"
+        )
+    for i, ch in enumerate(item):
+        if "\ud800" <= ch <= "\udfff":
+            raise ArgumentError(
+                "stop",
+                f"stop: {item!r} holds a lone surrogate (U+{ord(ch):04X} at index {i}), which no decoded text "
+                "contains: it could never match (was it cut from UTF-16, or decoded with surrogateescape?)",
+            )
+    return item
 
 
-def _to_stop_strings(value: object) -> tuple[str, ...]:
+def _to_stops(value: object) -> tuple[Stop, ...]:
+    """``stop`` as a tuple of stop strings and stop token-id sequences; ``ValueError`` naming ``stop`` for anything
+    that could never match or is not a stop: an empty string or sequence, bytes, a lone surrogate (no decoded text
+    holds one), a negative id, more than ``MAX_STOPS`` entries, or one longer than ``MAX_STOP_LENGTH``. ``None``:
+    no stops. (Ids are checked against the vocabulary when a generation starts.)"""
     if value is None:
         return ()
     if isinstance(value, str):
         value = (value,)
-    if not isinstance(value, Iterable):
-        raise ValueError(f"stop_strings: expected a tuple of strings, got {value!r}")
-    out = tuple(value)
-    for s in out:
-        if not isinstance(s, str) or not s:
-            raise ValueError(f"stop_strings: {s!r} is not a non-empty string")
-    return out
-
-
-def _to_logit_bias(value: object) -> tuple[tuple[int, float], ...]:
-    if value is None:
-        return ()
-    items = value.items() if isinstance(value, Mapping) else value
-    if isinstance(items, (str, bytes)) or not isinstance(items, Iterable):
-        raise ArgumentError("logit_bias", f"logit_bias: expected a mapping of token id -> bias, got {value!r}")
-    out: dict[int, float] = {}
+    if isinstance(value, (bytes, bytearray)):
+        raise ArgumentError(
+            "stop", "stop: bytes are not a stop string; decode them to str (stop strings match decoded text)"
+        )
+    if isinstance(value, Mapping) or not isinstance(value, Iterable):
+        raise ArgumentError(
+            "stop", f"stop must be a string, a list of strings or a list of token-id lists, got {type(value).__name__}"
+        )
+    items = list(value)
+    if len(items) > MAX_STOPS:
+        raise ArgumentError("stop", f"stop holds {len(items)} entries; at most {MAX_STOPS} are allowed")
+    out: list[Stop] = []
     for item in items:
-        if not isinstance(item, tuple) or len(item) != 2:
-            raise ArgumentError("logit_bias", f"logit_bias: expected (token id, bias) pairs, got {item!r}")
-        token, bias = item
-        token = token_ids("logit_bias", [token])[0]
-        out[token] = check_number(f"logit_bias[{token}]", bias, argument="logit_bias")
-    return tuple(sorted(out.items()))
+        if isinstance(item, str):
+            out.append(_stop_string(item))
+        elif isinstance(item, (bytes, bytearray)):
+            raise ArgumentError("stop", f"stop: {item!r} is bytes; decode it to str (stop strings match decoded text)")
+        elif isinstance(item, Iterable) and not isinstance(item, Mapping):
+            ids = token_ids("stop", item)
+            if not ids:
+                raise ArgumentError("stop", "stop: an empty token-id sequence would match before any token; remove it")
+            if len(ids) > MAX_STOP_LENGTH:
+                raise ArgumentError(
+                    "stop", f"stop: a token-id sequence of {len(ids)} ids; at most {MAX_STOP_LENGTH} are allowed"
+                )
+            out.append(ids)
+        else:
+            raise ArgumentError("stop", f"stop: {item!r} is neither a string nor a sequence of token ids")
+    return tuple(out)
 
 
-@attrs.frozen
-class Options:
-    """What to generate and when to stop. Every field is validated; a bad one raises ``ValueError`` naming it.
+@attrs.frozen(kw_only=True, slots=False)  # not slotted: the Engine's options combine it with ``Sampling``
+class Limits:
+    """The options every layer shares, declared once (``core/declare.py``): when to stop, and what to report."""
 
-    ``max_context`` bounds prompt + generated tokens; ``None`` leaves the bound to the backend's KV capacity
-    (the state's context limit is the smaller of the two). ``top_logprobs`` > 0 records, for each committed
-    token, its log-probability and the N most likely alternatives. ``tie_margin`` > 0 turns on the near-tie
-    guard (see the module docstring), in logit units.
+    max_tokens: int = option(128, "the most new tokens to generate", bounds=Bounds("int", minimum=1))
+    stop: tuple[Stop, ...] = option(
+        (),
+        "stop strings (cut from the text) and stop token-id sequences (kept): generation ends at the first match",
+        converter=_to_stops,
+    )
+    top_logprobs: int = option(
+        0,
+        "report each token's log-probability and the N most likely alternatives",
+        bounds=Bounds("int", minimum=0),
+    )
+    tie_margin: float = option(
+        0.0,
+        "the near-tie guard, in logits: a pick of a multi-token pass closer than this to a tie is re-decided by a "
+        "1-token pass; 0 = off",
+        bounds=Bounds(minimum=0),
+        converter=lambda v: float(v) if is_int(v) else v,
+    )
 
-    Sampling (``core/sampling.py`` states every rule): ``temperature`` (0 = greedy), ``top_k`` (0 = off),
-    ``top_p`` (1 = off), ``min_p`` (0 = off), ``seed`` (an int in [0, 2**64); required when ``temperature > 0``:
-    the core has no randomness of its own), ``repetition_penalty`` (1 = off), ``presence_penalty`` and
-    ``frequency_penalty`` (0 = off), ``logit_bias`` ({token id: bias}, given as a mapping or pairs).
+    @property
+    def stop_strings(self) -> tuple[str, ...]:
+        """The stop strings of ``stop``, in order."""
+        return tuple(s for s in self.stop if isinstance(s, str))
+
+    @property
+    def stop_token_sequences(self) -> tuple[tuple[int, ...], ...]:
+        """The stop token-id sequences of ``stop``, in order."""
+        return tuple(s for s in self.stop if not isinstance(s, str))
+
+
+@attrs.frozen(kw_only=True)
+class Options(Limits):
+    """What to generate and when to stop, as the core sees it. Every field is validated; a bad one raises
+    ``ValueError`` naming it.
+
+    The shared options (``Limits``): ``max_tokens``, ``stop``, ``top_logprobs`` (> 0 records, for each committed
+    token, its log-probability and the N most likely alternatives), ``tie_margin`` (> 0 turns on the near-tie guard,
+    see the module docstring). ``eos_token_ids``: the tokens that end generation (kept). ``max_context`` bounds
+    prompt + generated tokens; ``None`` leaves the bound to the backend's KV capacity (the state's context limit
+    is the smaller of the two). ``sampling``: how each pick is made (``core/sampling.py``); sampling
+    (``temperature > 0``) needs a ``seed``: the core has no randomness of its own.
     """
 
-    max_new_tokens: int = 128
     eos_token_ids: frozenset[int] = attrs.field(default=frozenset(), converter=_to_eos_ids)
-    stop_token_sequences: tuple[tuple[int, ...], ...] = attrs.field(default=(), converter=_to_stop_sequences)
-    stop_strings: tuple[str, ...] = attrs.field(default=(), converter=_to_stop_strings)
-    max_context: int | None = None
-    top_logprobs: int = 0
-    tie_margin: float = 0.0
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    min_p: float = 0.0
-    seed: int | None = None
-    repetition_penalty: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: tuple[tuple[int, float], ...] = attrs.field(default=(), converter=_to_logit_bias)
+    max_context: int | None = attrs.field(default=None, validator=attrs.validators.optional(int_at_least(1)))
+    sampling: Sampling = attrs.field(default=Sampling(), validator=attrs.validators.instance_of(Sampling))
 
     def __attrs_post_init__(self) -> None:
-        check_int("max_new_tokens", self.max_new_tokens, 1)
-        if self.max_context is not None:
-            check_int("max_context", self.max_context, 1)
-        check_int("top_logprobs", self.top_logprobs, 0)
-        if check_number("tie_margin", self.tie_margin) < 0:
-            raise ArgumentError("tie_margin", f"tie_margin must be a finite number >= 0, got {self.tie_margin!r}")
-        if check_number("temperature", self.temperature) < 0:
-            raise ArgumentError("temperature", f"temperature must be a finite number >= 0, got {self.temperature!r}")
-        check_int("top_k", self.top_k, 0)
-        if not 0 < check_number("top_p", self.top_p) <= 1:
-            raise ArgumentError("top_p", f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not 0 <= check_number("min_p", self.min_p) <= 1:
-            raise ArgumentError("min_p", f"min_p must be in [0, 1], got {self.min_p!r}")
-        if check_number("repetition_penalty", self.repetition_penalty) <= 0:
-            raise ArgumentError(
-                "repetition_penalty", f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty!r}"
-            )
-        check_number("presence_penalty", self.presence_penalty)
-        check_number("frequency_penalty", self.frequency_penalty)
-        if self.seed is not None and (check_int("seed", self.seed, 0) >= 1 << 64):
-            raise ArgumentError("seed", f"seed must be an int in [0, 2**64), got {self.seed!r}")
-        if self.temperature > 0 and self.seed is None:
+        if self.sampling.temperature > 0 and self.sampling.seed is None:
             raise ArgumentError("seed", "temperature > 0 needs a seed (an int): the core has no randomness of its own")
 
     @property
-    def sampling(self) -> Sampling:
-        """The options that shape each pick (``core/sampling.py``)."""
-        return Sampling(
-            temperature=float(self.temperature),
-            top_k=int(self.top_k),
-            top_p=float(self.top_p),
-            min_p=float(self.min_p),
-            seed=None if self.seed is None else int(self.seed),
-            repetition_penalty=float(self.repetition_penalty),
-            presence_penalty=float(self.presence_penalty),
-            frequency_penalty=float(self.frequency_penalty),
-            logit_bias=self.logit_bias,
-        )
+    def device_picks_suffice(self) -> bool:
+        """True when every pick is the raw row's argmax and nothing else is read from the row (no logprobs): a
+        backend that makes argmax picks where its logits live (``DevicePicks``) may then stand in for the rows."""
+        return not self.top_logprobs and self.sampling.is_plain_greedy
+
+    @property
+    def replay_seed(self) -> int | None:
+        """The sampler's seed when sampling (what reproduces the run), None when decoding greedily."""
+        return self.sampling.seed if self.sampling.temperature > 0 else None
 
 
 @attrs.frozen
@@ -238,6 +253,16 @@ class Stats:
     def acceptance_rate(self) -> float:
         """Accepted ÷ proposed draft tokens (0.0 when nothing was proposed)."""
         return self.accepted_tokens / self.proposed_tokens if self.proposed_tokens else 0.0
+
+
+class StepOutcome(NamedTuple):
+    """What one step decided: the new ``state``; the ``commits`` it released, in order; ``rewind_to``, the KV length
+    the backend must keep; ``accepted``, how many draft tokens were committed (the bonus token not counted)."""
+
+    state: DecodeState
+    commits: tuple[Commit, ...]
+    rewind_to: int
+    accepted: int
 
 
 @attrs.frozen
@@ -281,6 +306,7 @@ class DecodeState:
     options: Options
     detokenize: Detokenize | None = attrs.field(default=None, eq=False, repr=False)
     capacity: int | None = None
+    cached_prefix: int = 0  # leading prompt tokens whose KV the prompt pass reuses (see ``start``)
     # Shared sequences (core/tokens.py): a step extends them in O(1) instead of copying the whole history.
     generated_tokens: Shared[int] = attrs.field(factory=Shared, converter=_shared_ids)
     text: str = ""
@@ -304,9 +330,13 @@ class DecodeState:
         *,
         capacity: int | None = None,
         vocab_size: int | None = None,
+        cached_prefix: int = 0,
     ) -> DecodeState:
         """The state before the first step. ``capacity``: the backend's KV capacity in positions;
-        ``vocab_size``: the model's vocabulary (prompt ids must lie in it).
+        ``vocab_size``: the model's vocabulary (prompt ids, stop sequences and biased ids must lie in it);
+        ``cached_prefix``: how many leading prompt tokens the backend already holds the KV of (the caller vouches);
+        the prompt pass reuses at most all but the last prompt token (``cached_prefix`` of the state), whose row
+        picks the first token.
 
         Raises ``ValueError`` for an empty prompt, a prompt id outside the vocabulary, a prompt longer than the
         context limit, or stop strings without a ``detokenize`` function. A prompt that fills the context limit
@@ -314,28 +344,31 @@ class DecodeState:
         if not isinstance(options, Options):
             raise ValueError(f"options must be an ortspec Options, got {type(options).__name__}")
         if isinstance(prompt_tokens, (str, bytes)):
-            raise ValueError("prompt_tokens must be token ids, not text (tokenize it first)")
+            raise ArgumentError("prompt_tokens", "prompt_tokens must be token ids, not text (tokenize it first)")
         if vocab_size is None:
             prompt = token_ids("prompt_tokens", prompt_tokens)
         else:
-            prompt = ids_in_vocab("prompt_tokens", prompt_tokens, check_int("vocab_size", vocab_size, 1))
-            ids_in_vocab("logit_bias", [token for token, _ in options.logit_bias], vocab_size)
+            vocab_size = check_int("vocab_size", vocab_size, 1)
+            prompt = ids_in_vocab("prompt_tokens", prompt_tokens, vocab_size)
+            ids_in_vocab("logit_bias", [token for token, _ in options.sampling.logit_bias], vocab_size)
+            ids_in_vocab("stop", [t for seq in options.stop_token_sequences for t in seq], vocab_size)
         if not prompt:
-            raise ValueError("prompt_tokens is empty: generation needs at least one prompt token")
+            raise ArgumentError("prompt_tokens", "prompt_tokens is empty: generation needs at least one prompt token")
         if options.stop_strings and detokenize is None:
-            raise ValueError("stop_strings need a detokenize function (ids -> str) to see the text")
+            raise ArgumentError("stop", "stop strings need a detokenize function (ids -> str) to see the text")
         if detokenize is not None and not callable(detokenize):
             raise ValueError("detokenize must be a callable ids -> str")
         if capacity is not None:
             capacity = check_int("capacity", capacity, 1)
-        state = cls(prompt_tokens=prompt, options=options, detokenize=detokenize, capacity=capacity)
+        cached = min(check_int("cached_prefix", cached_prefix, 0), len(prompt) - 1)
+        state = cls(
+            prompt_tokens=prompt, options=options, detokenize=detokenize, capacity=capacity, cached_prefix=cached
+        )
         limit = state.context_limit
-        if limit is not None:
-            if len(prompt) > limit:
-                bound = "max_context" if limit == options.max_context else "the context (the KV capacity)"
-                raise ValueError(f"the prompt has {len(prompt)} tokens but {bound} is {limit}: shorten the prompt")
-            if len(prompt) == limit:
-                state = attrs.evolve(state, finish_reason=FinishReason.CONTEXT_FULL)
+        bound = "max_context" if limit == options.max_context else "the context (the KV capacity)"
+        check_prompt_fits(len(prompt), limit, holds=f"{bound} is {limit}")
+        if len(prompt) == state.context_limit:
+            state = attrs.evolve(state, finish_reason=FinishReason.CONTEXT_FULL)
         return state
 
     @property
@@ -378,16 +411,43 @@ class DecodeState:
         return self.text[: self.streamed_chars]
 
 
+def check_prompt_fits(
+    prompt_len: int,
+    context_limit: int | None,
+    *,
+    holds: str,
+    advice: str = "shorten the prompt",
+    argument: str = "prompt_tokens",
+) -> None:
+    """The one prompt-length rule: ``ValueError`` unless a prompt of ``prompt_len`` tokens fits ``context_limit``
+    (None: no limit). The message reads "the prompt has N tokens but {holds}: {advice}" (``holds`` names the
+    bound, e.g. "max_context is 3"; ``argument``: the keyword the error names). A prompt that fills the limit
+    exactly fits (it ends at once)."""
+    if context_limit is not None and prompt_len > context_limit:
+        raise ArgumentError(argument, f"the prompt has {prompt_len} tokens but {holds}: {advice}")
+
+
 def draft_budget(state: DecodeState) -> int:
     """The most draft tokens the next step may verify: every one of them could still be committed, bonus
-    included, within ``max_new_tokens`` and the context limit. 0 means a plain step."""
+    included, within ``max_tokens`` and the context limit. 0 means a plain step."""
     if state.finished or state._plain_step_next:
         return 0
-    budget = state.options.max_new_tokens - len(state.generated_tokens) - 1
+    budget = state.options.max_tokens - len(state.generated_tokens) - 1
     limit = state.context_limit
     if limit is not None:
         budget = min(budget, limit - state.context_len - 1)
     return max(budget, 0)
+
+
+def draft_width(state: DecodeState, policy_width: int) -> int:
+    """How many draft tokens to ask a proposer for: the width policy's choice, capped by ``draft_budget``."""
+    return min(draft_budget(state), policy_width)
+
+
+def take_draft(state: DecodeState, proposal: Iterable[int], width: int, vocab_size: int) -> tuple[int, ...]:
+    """A proposer's answer as the next step's draft: cut to ``width`` (longer proposals are truncated), then checked
+    by ``check_draft``."""
+    return check_draft(state, tuple(proposal)[:width], vocab_size)
 
 
 def check_draft(state: DecodeState, draft: Sequence[int], vocab_size: int) -> tuple[int, ...]:
@@ -399,7 +459,9 @@ def check_draft(state: DecodeState, draft: Sequence[int], vocab_size: int) -> tu
         raise ValueError(f"the generation already finished ({state.finish_reason})")
     ids = ids_in_vocab("draft", draft, vocab_size)
     if len(ids) > draft_budget(state):
-        raise ValueError(f"a draft of {len(ids)} tokens exceeds this step's budget of {draft_budget(state)}")
+        raise ArgumentError(
+            "draft", f"a draft of {len(ids)} tokens exceeds this step's budget of {draft_budget(state)}"
+        )
     return ids
 
 
@@ -408,11 +470,12 @@ def step(
     base_logits: np.ndarray,
     rows: np.ndarray | None,
     draft: Sequence[int],
-) -> tuple[DecodeState, tuple[Commit, ...], int]:
+) -> StepOutcome:
     """Advance by one target pass over ``(pending, *draft)``.
 
     ``base_logits``: ``[vocab]`` logits for the first uncommitted position; ``rows``: ``[K, vocab]``, row ``i``
-    after ``draft[i]`` (``None`` or empty when K = 0). Returns ``(new_state, commits, rewind_to)``. The arrays
+    after ``draft[i]`` (``None`` or empty when K = 0). Returns a ``StepOutcome``: ``(state, commits, rewind_to,
+    accepted)``. The arrays
     are read, never kept or modified. Raises ``ValueError`` on shapes that do not match the draft, ids outside
     the vocabulary, or a non-finite logit where a pick is made.
     """
@@ -421,8 +484,9 @@ def step(
         raise ValueError(f"base_logits must have shape [vocab], got {base.shape}")
     vocab = base.shape[0]
     draft = check_draft(state, draft, vocab)
-    if state.options.logit_bias and state.options.logit_bias[-1][0] >= vocab:
-        raise ValueError(f"logit_bias names token id {state.options.logit_bias[-1][0]}, outside the vocabulary")
+    bias = state.options.sampling.logit_bias
+    if bias and bias[-1][0] >= vocab:
+        raise ArgumentError("logit_bias", f"logit_bias names token id {bias[-1][0]}, outside the vocabulary")
     k = len(draft)
     if k == 0:
         if rows is not None and np.asarray(rows).size != 0:
@@ -464,7 +528,7 @@ def step_from_picks(
     *,
     vocab_size: int,
     margins: Sequence[float] | np.ndarray | None = None,
-) -> tuple[DecodeState, tuple[Commit, ...], int]:
+) -> StepOutcome:
     """``step`` with the K + 1 target picks already made where the logits live (a device-side argmax):
     ``picks[0]`` from the base row, ``picks[i + 1]`` after ``draft[i]``, each the row's argmax (lowest id on
     ties). ``margins`` (top-1 minus top-2 logit per row) feed the tie guard; a NaN margin marks a row that is not
@@ -518,7 +582,7 @@ def _advance(
     pick: Callable[[int], int],
     margin: Callable[[int], float],
     logprob: Callable[[int, int], TokenLogprob] | None,
-) -> tuple[DecodeState, tuple[Commit, ...], int]:
+) -> StepOutcome:
     """The accept rule, the tie guard, then the commit rules for each candidate; the only place that decides
     any of them."""
     opts = state.options
@@ -557,8 +621,8 @@ def _advance(
         eos = token in opts.eos_token_ids
         seq = None if eos else _matched_stop_sequence(generated, opts.stop_token_sequences)
         bound = None
-        if len(generated) >= opts.max_new_tokens:
-            bound = FinishReason.MAX_NEW_TOKENS
+        if len(generated) >= opts.max_tokens:
+            bound = FinishReason.MAX_TOKENS
         elif limit is not None and len(state.prompt_tokens) + len(generated) >= limit:
             bound = FinishReason.CONTEXT_FULL
         # A token that ends the generation also flushes a trailing partial character, before the stop check.
@@ -602,7 +666,7 @@ def _advance(
         detok_end=text.detok_end,
         plain_step_next=plain_step_next,
     )
-    return new_state, tuple(commits), new_state.kv_len
+    return StepOutcome(new_state, tuple(commits), new_state.kv_len, committed_draft)
 
 
 def _matched_stop_sequence(generated: Sequence[int], sequences: tuple[tuple[int, ...], ...]) -> tuple[int, ...] | None:

@@ -9,20 +9,43 @@ extended a second time), so every value keeps its contents forever and a run of 
 
 It behaves as a tuple for reading: ``len``, indexing, iteration, ``in``; a slice is a tuple; it equals a tuple or
 list with the same items (and another ``Shared`` with them); ``+`` with a tuple gives a tuple. Entries of the
-list are never changed once written, so a consumer may cache what it derived from a prefix (``parts`` names the
-storage; ``PromptLookup`` keeps the bytes of the context it searched).
+list are never changed once written, so whatever is derived from a prefix stays true: ``derived`` attaches such a
+structure to the storage (``PromptLookup``'s n-gram index), and every in-place extension brings it up to date, so
+it costs O(new items) per step, whoever asks.
+
+No locks. Exactly one extender may append in place at a given length: it claims that length in the storage's
+``claims`` (``dict.setdefault``, atomic), checks that the list still ends there, appends, and releases the claim;
+any other extender of a value of that length copies. Derived structures are updated only by the claimant, before
+the new items become visible, and published once (``setdefault``): readers never write.
 """
 
 from __future__ import annotations
 
 import itertools
-import threading
-from collections.abc import Iterable, Iterator, Sequence
-from typing import Any, Generic, TypeVar, overload
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any, Generic, Protocol, TypeVar, overload
 
 T = TypeVar("T")
+D = TypeVar("D", bound="Derived")
 
-_EXTEND_LOCK = threading.Lock()  # two values extended at once from one list: only one may append in place
+
+class Derived(Protocol):
+    """A structure derived from a ``Shared`` storage's items (and a head), kept up to date by the storage."""
+
+    def follow(self, items: Sequence[Any], new: Sequence[Any]) -> None:
+        """``new`` items are about to be appended after ``items`` (the whole storage so far): take them in."""
+        ...
+
+
+class _Storage(Generic[T]):
+    """The append-only list behind ``Shared`` values, the in-place claims on it, and what is derived from it."""
+
+    __slots__ = ("items", "claims", "derived")
+
+    def __init__(self, items: list[T]) -> None:
+        self.items = items
+        self.claims: dict[int, object] = {}  # length -> the extender appending in place at that length
+        self.derived: dict[Any, Derived] = {}
 
 
 class Shared(Sequence[T], Generic[T]):
@@ -32,11 +55,11 @@ class Shared(Sequence[T], Generic[T]):
 
     def __init__(self, items: Iterable[T] = ()) -> None:
         self._head: tuple[T, ...] = ()
-        self._store: list[T] = list(items)
-        self._n = len(self._store)
+        self._store: _Storage[T] = _Storage(list(items))
+        self._n = len(self._store.items)
 
     @classmethod
-    def _view(cls, head: tuple[T, ...], store: list[T], n: int) -> Shared[T]:
+    def _view(cls, head: tuple[T, ...], store: _Storage[T], n: int) -> Shared[T]:
         view: Shared[T] = cls.__new__(cls)
         view._head, view._store, view._n = head, store, n
         return view
@@ -50,13 +73,32 @@ class Shared(Sequence[T], Generic[T]):
         """This sequence followed by ``items``: O(len(items)) when this is the newest value of its storage, one
         copy of the stored items otherwise. ``self`` is unchanged."""
         new = list(items)
-        with _EXTEND_LOCK:
-            store = self._store
-            if len(store) != self._n:
-                store = store[: self._n]
-            store.extend(new)
-            n = len(store)
-        return Shared._view(self._head, store, n)
+        if not new:
+            return self
+        store, n, claim = self._store, self._n, object()
+        if store.claims.setdefault(n, claim) is claim:
+            try:
+                if len(store.items) == n:  # nobody appended past this value: append in place
+                    for follower in list(store.derived.values()):
+                        follower.follow(store.items, new)
+                    store.items.extend(new)
+                    return Shared._view(self._head, store, n + len(new))
+            finally:
+                del store.claims[n]
+        return Shared._view(self._head, _Storage(store.items[:n] + new), n + len(new))
+
+    def derived(self, key: Any, build: Callable[[tuple[T, ...], Sequence[T]], D]) -> D:
+        """The structure derived from this sequence's head and storage under ``key`` (one per head and key): made
+        on first use by ``build(head, items)`` over the storage's items so far, then kept up to date by every
+        in-place extension of the storage (``Derived.follow``). It may cover more items than this value holds
+        (a longer value of the same storage), or, when an extension raced its first build, fewer: the caller
+        checks what it covers."""
+        store = self._store
+        full_key = (id(self._head), key)
+        found = store.derived.get(full_key)
+        if found is None:
+            found = store.derived.setdefault(full_key, build(self._head, store.items[:]))
+        return found  # type: ignore[return-value]
 
     def with_head(self, head: tuple[T, ...]) -> Shared[T]:
         """``head`` followed by this sequence's stored items (O(1); this sequence must have no head itself)."""
@@ -65,9 +107,9 @@ class Shared(Sequence[T], Generic[T]):
         return Shared._view(tuple(head), self._store, self._n)
 
     def parts(self) -> tuple[tuple[T, ...], list[T], int]:
-        """``(head, store, n)``: the sequence is ``head + store[:n]``. ``store`` only ever grows, and its items never
-        change, so whatever a caller derives from ``store[:m]`` stays true for as long as it holds ``store``."""
-        return self._head, self._store, self._n
+        """``(head, items, n)``: the sequence is ``head + items[:n]``; ``items`` (the storage) only ever grows, and
+        its items never change."""
+        return self._head, self._store.items, self._n
 
     def __len__(self) -> int:
         return len(self._head) + self._n
@@ -87,16 +129,16 @@ class Shared(Sequence[T], Generic[T]):
             if stop <= start:
                 return ()
             head = self._head[start:stop] if start < h else ()
-            return head + tuple(self._store[max(start - h, 0) : max(stop - h, 0)])
+            return head + tuple(self._store.items[max(start - h, 0) : max(stop - h, 0)])
         i = index.__index__()
         if i < 0:
             i += h + self._n
         if not 0 <= i < h + self._n:
             raise IndexError("Shared index out of range")
-        return self._head[i] if i < h else self._store[i - h]
+        return self._head[i] if i < h else self._store.items[i - h]
 
     def __iter__(self) -> Iterator[T]:
-        return itertools.chain(self._head, itertools.islice(self._store, self._n))
+        return itertools.chain(self._head, itertools.islice(self._store.items, self._n))
 
     def __eq__(self, other: object) -> bool:
         if isinstance(other, Shared):

@@ -1,16 +1,24 @@
 """ortspec: exact, fast speculative decoding for ONNX Runtime.
 
-``generate`` is the decode loop over any backend; ``Engine`` (from ``ortspec.adapters``) wraps a model folder.
+``generate`` is the decode loop over any backend; ``Engine`` and ``GenerationOptions`` (from ``ortspec.adapters``,
+imported on first use: they load onnxruntime and tokenizers) wrap a model folder.
 """
 
 from ortspec.backends.base import Backend, BackendError
 from ortspec.core import (
+    MAX_DRAFT,
+    AdditiveWidth,
     Commit,
+    CostAwareWidth,
     FinishReason,
     FixedWidth,
+    Learner,
+    Limits,
+    LookupOrDraft,
     Options,
     PromptLookup,
     Proposer,
+    Sampling,
     Stats,
     TokenLogprob,
     WidthPolicy,
@@ -21,16 +29,20 @@ from ortspec.driver import (
     GenerationAborted,
     GenerationError,
     ProposerError,
+    StreamCallback,
     Timings,
     generate,
 )
 
-__version__ = "0.1.0"
+__version__ = "0.1.0"  # the one place: pyproject.toml reads it (tool.setuptools.dynamic)
 
 __all__ = [
+    "MAX_DRAFT",
+    "AdditiveWidth",
     "Backend",
     "BackendError",
     "Commit",
+    "CostAwareWidth",
     "Engine",
     "FinishReason",
     "FixedWidth",
@@ -38,21 +50,37 @@ __all__ = [
     "Generation",
     "GenerationAborted",
     "GenerationError",
+    "GenerationOptions",
+    "GenerationSuperseded",
+    "Learner",
+    "Limits",
+    "LookupOrDraft",
+    "ModelFolderError",
     "Options",
     "PromptLookup",
-    "ProposerError",
     "Proposer",
+    "ProposerError",
+    "Sampling",
     "Stats",
+    "StreamCallback",
     "Timings",
     "TokenLogprob",
     "WidthPolicy",
     "generate",
 ]
 
+_LAZY = {
+    "Engine": ("ortspec.adapters.engine", "Engine"),
+    "GenerationOptions": ("ortspec.adapters.engine", "GenerationOptions"),
+    "GenerationSuperseded": ("ortspec.adapters.engine", "GenerationSuperseded"),
+    "ModelFolderError": ("ortspec.backends.onnx", "ModelFolderError"),
+}
+
 
 def __getattr__(name: str):
-    if name == "Engine":  # imported lazily: it loads onnxruntime and tokenizers
-        from ortspec.adapters.engine import Engine
+    if name in _LAZY:  # imported on first use: they load onnxruntime and tokenizers
+        import importlib
 
-        return Engine
+        module, attribute = _LAZY[name]
+        return getattr(importlib.import_module(module), attribute)
     raise AttributeError(f"module 'ortspec' has no attribute {name!r}")

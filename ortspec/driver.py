@@ -1,16 +1,20 @@
 """The decode loop: the one place that calls both the core and a backend.
 
-    state = DecodeState.start(prompt, options, capacity=backend.max_length)
-    state = core.step(state, backend.decode(prompt, 0), None, ())       the prompt pass picks the first token
+    state = DecodeState.start(prompt, options, capacity=backend.max_length, cached_prefix=cached)
+    state = core.step(state, backend.decode(prompt[state.cached_prefix:], state.cached_prefix), None, ()).state
     until the state finishes:
-        draft  = proposer.propose(context, width)       width = min(draft_budget(state), policy.width())
-        rows   = backend pass over (pending, *draft)     one pass; K = 0 is a plain greedy step
-        state, commits, rewind_to = core.step(state, rows[0], rows[1:], draft)
+        width  = core.draft_width(state, policy.width())
+        draft  = core.take_draft(state, proposer.propose(context, width), width, vocab)
+        rows   = backend pass over (pending, *draft)     one pass; K = 0 is a plain step
+        state, commits, rewind_to, accepted = core.step(state, rows[0], rows[1:], draft)
         backend.rewind(rewind_to); deliver the commits; policy = policy.observe(K, accepted)
+        proposer = proposer.observe(context, width, draft, accepted)   a learning proposer (``core.proposers.Learner``)
 
-A backend with device picks (``backends.base.uses_device_picks``) returns the K + 1 picks and margins instead of
-the rows, and the loop calls ``core.step_from_picks`` instead of ``core.step``. Everything about what is
-accepted, committed, streamed or when to stop is decided by ``ortspec.core``; this module only moves data.
+When ``options.device_picks_suffice`` and the backend makes picks where its logits live
+(``backends.base.uses_device_picks``), the pass returns the K + 1 picks and margins instead of the rows, and the
+loop calls ``core.step_from_picks``. Everything about what is accepted, committed, streamed or when to stop, how
+wide a draft may be and how much of a cached prefix is reused is decided by ``ortspec.core``; this module only
+moves data.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from contextlib import AbstractContextManager
 import attrs
 
 from ortspec.backends.base import Backend, DevicePicks, uses_device_picks
-from ortspec.core.proposers import Proposer
+from ortspec.core.proposers import Learner, Proposer
 from ortspec.core.state import (
     Commit,
     DecodeState,
@@ -31,12 +35,13 @@ from ortspec.core.state import (
     FinishReason,
     Options,
     Stats,
+    StepOutcome,
     TokenLogprob,
-    check_draft,
     delivered,
-    draft_budget,
+    draft_width,
     step,
     step_from_picks,
+    take_draft,
 )
 from ortspec.core.width import FixedWidth, WidthPolicy
 
@@ -120,6 +125,12 @@ class ProposerError(ValueError):
     vocabulary); the ``__cause__`` says which."""
 
 
+StreamCallback = Callable[[str, int, "FinishReason | None"], object]
+"""``callback(text, token_id, finish_reason)``, called for every generated token in order: the text it releases
+(often '' while text is held back), its id, and the finish reason on the last token (None before). The one
+callback shape of ``generate``, ``Generation.run`` and ``Engine.generate_stream`` (onnx_genai's)."""
+
+
 def generate(
     backend: Backend,
     prompt_tokens: Sequence[int],
@@ -127,17 +138,18 @@ def generate(
     proposer: Proposer | None = None,
     *,
     draft_width: int | WidthPolicy = 8,
-    callback: Callable[[Commit], object] | None = None,
+    callback: StreamCallback | None = None,
     detokenize: Detokenize | None = None,
 ) -> GenerateResult:
-    """Generate greedily from ``prompt_tokens`` on ``backend``; with a ``proposer``, speculatively.
+    """Generate from ``prompt_tokens`` on ``backend``; with a ``proposer``, speculatively.
 
     The output is the same with or without a proposer (and whatever it proposes); only the number of target
     passes changes. ``draft_width`` is the most draft tokens per pass, or a ``WidthPolicy`` choosing it per step.
-    ``callback`` receives each ``Commit`` (token id and text delta) in order. The proposer's draft is cut to
-    the step's width (longer proposals are truncated). Raises ``ValueError`` for bad input (before anything
-    runs), ``GenerationAborted`` when the callback raises, and ``GenerationError`` (with the partial result) when
-    the backend, the proposer (``ProposerError``) or the core fails once generation started.
+    ``callback(text, token_id, finish_reason)`` is called for each generated token in order (``StreamCallback``).
+    The proposer's draft is cut to the step's width (longer proposals are truncated). Raises ``ValueError`` for
+    bad input (before anything runs), ``GenerationAborted`` when the callback raises, and ``GenerationError`` (with
+    the partial result) when the backend, the proposer (``ProposerError``) or the core fails once generation
+    started.
     """
     run = Generation(backend, prompt_tokens, options, proposer, draft_width=draft_width, detokenize=detokenize)
     return run.run(callback)
@@ -176,37 +188,37 @@ class Generation:
         options = options if options is not None else Options()
         self._policy: WidthPolicy = draft_width if isinstance(draft_width, WidthPolicy) else FixedWidth(draft_width)
         self.state = DecodeState.start(
-            prompt_tokens, options, detokenize, capacity=backend.max_length, vocab_size=backend.vocab_size
+            prompt_tokens,
+            options,
+            detokenize,
+            capacity=backend.max_length,
+            vocab_size=backend.vocab_size,
+            cached_prefix=cached_prefix,
         )
         self._backend = backend
         self._proposer = proposer
-        self._picker: DevicePicks | None = None  # set when the backend makes the picks where its logits live
-        if uses_device_picks(backend) and not options.top_logprobs and options.sampling.is_plain_greedy:
-            self._picker = backend
+        self._picker: DevicePicks | None = (
+            backend if uses_device_picks(backend) and options.device_picks_suffice else None
+        )
         self._commits: tuple[Commit, ...] = ()
         self._delivered = 0  # of self._commits
         self._t_first: float | None = None
         self._lease = lease if lease is not None else contextlib.nullcontext()
         self._before_pass = before_pass
-        prompt_len = len(self.state.prompt_tokens)
-        if isinstance(cached_prefix, bool) or not isinstance(cached_prefix, int) or cached_prefix < 0:
-            raise ValueError(f"cached_prefix must be an int >= 0, got {cached_prefix!r}")
-        self._cached = min(cached_prefix, prompt_len - 1)
-
         self._t_prefill = self._t_start
         self._guarded(self._prompt_pass)
 
     def _prompt_pass(self) -> None:
         """Its last row picks the first token, exactly as a plain step would. Afterwards the KV holds the whole
         prompt and the first generated token is pending, as the core expects."""
-        backend, cached = self._backend, self._cached
+        backend, cached = self._backend, self.state.cached_prefix
         if cached:
             backend.rewind(cached)
         else:
             backend.reset()
         if not self.state.finished:
             logits = backend.decode(self.state.prompt_tokens[cached:], cached)
-            self.state, self._commits, rewind_to = step(self.state, logits, None, ())
+            self.state, self._commits, rewind_to, _ = step(self.state, logits, None, ())
             backend.rewind(rewind_to)
             self._t_first = time.perf_counter()
         self._t_prefill = time.perf_counter()
@@ -241,17 +253,23 @@ class Generation:
         return self.state.context_tokens[:held]
 
     @property
+    def proposer(self) -> Proposer | None:
+        """The proposer as it stands now: a learning proposer's latest value (``core.proposers.Learner``)."""
+        return self._proposer
+
+    @property
     def done(self) -> bool:
         """True once the state is finished and every commit has been delivered."""
         return self.state.finished and self._delivered == len(self._commits)
 
-    def run(self, callback: Callable[[Commit], object] | None = None) -> GenerateResult:
-        """Consume the rest of the generation, passing each commit to ``callback``; return ``result()``. If the
-        callback raises, generation stops with ``GenerationAborted`` carrying what was delivered before."""
+    def run(self, callback: StreamCallback | None = None) -> GenerateResult:
+        """Consume the rest of the generation, calling ``callback(text, token_id, finish_reason)`` for each token;
+        return ``result()``. If the callback raises, generation stops with ``GenerationAborted`` carrying what was
+        delivered before."""
         for commit in self:
             if callback is not None:
                 try:
-                    callback(commit)
+                    callback(commit.text, commit.token_id, self.state.finish_reason if self.done else None)
                 except Exception as exc:
                     raise GenerationAborted(self.result()) from exc
         return self.result()
@@ -259,30 +277,37 @@ class Generation:
     def _step(self) -> None:
         """One target pass: propose, verify, decide (core), rewind."""
         backend, state = self._backend, self.state
-        draft: tuple[int, ...] = ()
-        width = min(draft_budget(state), self._policy.width()) if self._proposer is not None else 0
-        if self._proposer is not None and width > 0:
-            try:
-                proposal = tuple(self._proposer.propose(state.context_tokens, width))[:width]
-                draft = check_draft(state, proposal, backend.vocab_size)
-            except Exception as exc:
-                raise ProposerError(f"the proposer {self._proposer!r} failed: {type(exc).__name__}: {exc}") from exc
+        width = draft_width(state, self._policy.width()) if self._proposer is not None else 0
+        draft = self._propose(state, width)
         tokens = (state.pending_token, *draft)
+        outcome: StepOutcome
         if self._picker is not None:
             picks, margins = self._picker.verify_picks(tokens, state.kv_len)
-            new_state, commits, rewind_to = step_from_picks(
-                state, picks, draft, vocab_size=backend.vocab_size, margins=margins
-            )
+            outcome = step_from_picks(state, picks, draft, vocab_size=backend.vocab_size, margins=margins)
         elif draft:
             rows = backend.decode_verify(tokens, state.kv_len)
-            new_state, commits, rewind_to = step(state, rows[0], rows[1:], draft)
+            outcome = step(state, rows[0], rows[1:], draft)
         else:
-            new_state, commits, rewind_to = step(state, backend.decode(tokens, state.kv_len), None, draft)
-        backend.rewind(rewind_to)
-        self._policy = self._policy.observe(len(draft), new_state.stats.accepted_tokens - state.stats.accepted_tokens)
-        self.state, self._commits, self._delivered = new_state, commits, 0
-        if commits and self._t_first is None:
+            outcome = step(state, backend.decode(tokens, state.kv_len), None, draft)
+        backend.rewind(outcome.rewind_to)
+        self._policy = self._policy.observe(len(draft), outcome.accepted)
+        if isinstance(self._proposer, Learner) and width > 0:
+            self._proposer = self._proposer.observe(state.context_tokens, width, draft, outcome.accepted)
+        self.state, self._commits, self._delivered = outcome.state, outcome.commits, 0
+        if outcome.commits and self._t_first is None:
             self._t_first = time.perf_counter()
+
+    def _propose(self, state: DecodeState, width: int) -> tuple[int, ...]:
+        """The proposer's draft of at most ``width`` tokens for the next step (``()`` without a proposer or when
+        the width is 0)."""
+        if self._proposer is None or width == 0:
+            return ()
+        try:
+            return take_draft(
+                state, self._proposer.propose(state.context_tokens, width), width, self._backend.vocab_size
+            )
+        except Exception as exc:
+            raise ProposerError(f"the proposer {self._proposer!r} failed: {type(exc).__name__}: {exc}") from exc
 
     def result(self) -> GenerateResult:
         """What was delivered so far: the finished result, or a partial one (``finish_reason`` None)."""
@@ -302,6 +327,6 @@ class Generation:
                 total_s=now - self._t_start,
             ),
             prompt_tokens=len(s.prompt_tokens),
-            cached_prompt_tokens=self._cached,
-            seed=s.options.seed if s.options.temperature > 0 else None,
+            cached_prompt_tokens=s.cached_prefix,
+            seed=s.options.replay_seed,
         )

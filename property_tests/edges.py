@@ -19,7 +19,7 @@ TARGETS = {
     "ended inside a block: eos": 0.10,
     "ended inside a block: stop sequence": 0.10,
     "ended inside a block: stop string": 0.10,
-    "ended inside a block: max_new_tokens": 0.10,
+    "ended inside a block: max_tokens": 0.10,
     "ended inside a block: context": 0.10,
 }
 # The rates are checked only when at least this many examples ran (the ci and thorough profiles).

@@ -14,7 +14,7 @@ and obvious on purpose. The rules:
   limit is an error; a prompt that fills it ends at once (``context_full``, no token).
 - After each token, in this order: EOS (kept), stop token sequences (the first listed that the tokens end with),
   stop strings (the occurrence that ends earliest in the text, the earlier start on a tie; the text is cut before
-  it), ``max_new_tokens``, the context limit. The first that fires ends the generation.
+  it), ``max_tokens``, the context limit. The first that fires ends the generation.
 - The text is the detokenizer's text of all generated tokens. While it ends in U+FFFD (a partial character) it
   waits for the next token, unless the token ends the generation (EOS, a stop sequence, a limit), which flushes
   it as it is, before stop strings are searched.
@@ -177,7 +177,7 @@ def greedy_reference(
     logits_after: Callable[[Sequence[int]], np.ndarray],
     prompt: Sequence[int],
     *,
-    max_new_tokens: int,
+    max_tokens: int,
     rules: PickRules = PickRules(),
     eos_token_ids: frozenset[int] = frozenset(),
     stop_token_sequences: Sequence[tuple[int, ...]] = (),
@@ -220,8 +220,8 @@ def greedy_reference(
                     finish, matched = "stop_sequence", tuple(seq)
                     break
         bound = None
-        if len(run.tokens) >= max_new_tokens:
-            bound = "max_new_tokens"
+        if len(run.tokens) >= max_tokens:
+            bound = "max_tokens"
         elif len(prompt) + len(run.tokens) >= limit:
             bound = "context_full"
         if detokenize is not None:

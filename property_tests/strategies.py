@@ -19,7 +19,7 @@ import numpy as np
 from hypothesis import strategies as st
 
 from ortspec.backends.fake import FakeModel
-from ortspec.core import AdditiveWidth, CostAwareWidth, Options, PromptLookup
+from ortspec.core import AdditiveWidth, CostAwareWidth, Options, PromptLookup, Sampling
 from property_tests.reference import PickRules, ReferenceError, plain_continuation
 
 # Byte-level pieces: ASCII words and the bytes of 2-, 3- and 4-byte characters (é, €, 中, 𝄞), alone and glued to
@@ -45,7 +45,7 @@ def sentencepiece_detokenize(ids: Sequence[int]) -> str:
 
 
 DETOKENIZERS = {"bytes": byte_detokenize, "sentencepiece": sentencepiece_detokenize}
-END_KINDS = ("stop_string", "stop_sequence", "context", "max_new_tokens", "eos", "free")
+END_KINDS = ("stop_string", "stop_sequence", "context", "max_tokens", "eos", "free")
 
 
 @st.composite
@@ -198,7 +198,7 @@ def scenarios(draw, end: str | None = None, nonfinite: bool = False, mode: str |
                     if text.find(text[end2 - length2 : end2]) == end2 - length2:
                         stop_strings.append(text[end2 - length2 : end2])
                         break
-    elif end == "max_new_tokens":
+    elif end == "max_tokens":
         max_new = at + 1
     elif end == "context":
         limit = len(prompt) + at + 1
@@ -217,21 +217,20 @@ def scenarios(draw, end: str | None = None, nonfinite: bool = False, mode: str |
     if draw(st.integers(0, 5)) == 5:
         stop_sequences.append(tuple(draw(st.lists(st.integers(0, model.vocab_size - 1), min_size=1, max_size=2))))
     options = Options(
-        max_new_tokens=max_new,
+        max_tokens=max_new,
         eos_token_ids=eos,
-        stop_token_sequences=stop_sequences,
-        stop_strings=stop_strings,
+        stop=[*stop_sequences, *stop_strings],
         max_context=max_context,
         top_logprobs=draw(st.sampled_from([0, 0, 0, 1, 3])),
         tie_margin=draw(st.sampled_from([0.0, 0.0, 0.0, 0.0, 1e-5, 1e-2, 0.3])),
-        **rules_as_options(rules),
+        sampling=rules_as_sampling(rules),
     )
     return Scenario(model, prompt, options, detokenizer, capacity, end, at, rules)
 
 
-def rules_as_options(rules: PickRules) -> dict:
-    """``Options`` keywords for ``rules``."""
-    return dict(
+def rules_as_sampling(rules: PickRules) -> Sampling:
+    """The core's ``Sampling`` for ``rules``."""
+    return Sampling(
         temperature=rules.temperature, top_k=rules.top_k, top_p=rules.top_p, min_p=rules.min_p, seed=rules.seed,
         repetition_penalty=rules.repetition_penalty, presence_penalty=rules.presence_penalty,
         frequency_penalty=rules.frequency_penalty, logit_bias=rules.logit_bias,

@@ -11,6 +11,7 @@ that raises, corrupt picks) must surface as errors that carry exactly what was d
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import attrs
 import numpy as np
@@ -18,10 +19,9 @@ import pytest
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
-from ortspec import GenerationAborted, GenerationError, ProposerError, generate
+from ortspec import Generation, GenerationAborted, GenerationError, ProposerError, generate
 from ortspec.backends.fake import FakeBackend, FakeModel
-from ortspec.core import CostAwareWidth, FinishReason, FixedWidth, Options, PromptLookup
-from ortspec.lookup_or_draft import LookupOrDraft
+from ortspec.core import CostAwareWidth, FinishReason, FixedWidth, LookupOrDraft, Options, PromptLookup
 from property_tests import edges
 from property_tests.conftest import examples
 from property_tests.reference import PickRules, ReferenceError, ReferenceRun, greedy_reference
@@ -30,7 +30,7 @@ from property_tests.strategies import (
     OracleProposer,
     Scenario,
     proposers_for,
-    rules_as_options,
+    rules_as_sampling,
     scenarios,
     width_policies,
 )
@@ -76,20 +76,31 @@ class Run:
         return [len(d) for d in self.drafts]
 
 
-def run(sc: Scenario, proposer=None, width=1, *, picks=False, callback=None, drift=0.0) -> Run:
+class Delivered(NamedTuple):
+    """One call of a stream callback."""
+
+    text: str
+    token_id: int
+    finish_reason: object
+
+
+class Streamed(list):
+    """A stream callback (``callback(text, token_id, finish_reason)``) that records each call as ``Delivered``."""
+
+    def __call__(self, text: str, token_id: int, finish_reason: object) -> None:
+        self.append(Delivered(text, token_id, finish_reason))
+
+
+def run(sc: Scenario, proposer=None, width=1, *, picks=False, drift=0.0) -> Run:
     backend = TracingBackend(sc.model, sc.capacity, picks_on_device=picks, verify_drift=drift)
     stream = []
-
-    def on_commit(c):
+    generation = Generation(backend, sc.prompt, sc.options, proposer, draft_width=width, detokenize=sc.detokenize)
+    for c in generation:
         stream.append((backend.passes, c.token_id, c.text, c.logprob))
-        if callback is not None:
-            callback(c)
-
-    result = generate(backend, sc.prompt, sc.options, proposer, draft_width=width, callback=on_commit,
-                      detokenize=sc.detokenize)  # fmt: skip
+    result = generation.result()
     # The KV trails the committed tokens by one, and no pass ever held a position that could not be committed.
     assert backend.current_len() == len(sc.prompt) + len(result.token_ids) - 1 or not result.token_ids
-    limit = min(sc.options.max_context or sc.capacity, sc.capacity, len(sc.prompt) + sc.options.max_new_tokens)
+    limit = min(sc.options.max_context or sc.capacity, sc.capacity, len(sc.prompt) + sc.options.max_tokens)
     assert backend.peak_len <= limit - 1
     return Run(result, stream, backend.drafts)
 
@@ -97,7 +108,7 @@ def run(sc: Scenario, proposer=None, width=1, *, picks=False, callback=None, dri
 def reference(sc: Scenario) -> ReferenceRun:
     o = sc.options
     return greedy_reference(
-        sc.model.logits_for, sc.prompt, max_new_tokens=o.max_new_tokens, eos_token_ids=o.eos_token_ids,
+        sc.model.logits_for, sc.prompt, max_tokens=o.max_tokens, eos_token_ids=o.eos_token_ids,
         stop_token_sequences=o.stop_token_sequences, stop_strings=o.stop_strings, max_context=o.max_context,
         capacity=sc.capacity, top_logprobs=o.top_logprobs, detokenize=sc.detokenize, rules=sc.rules,
     )  # fmt: skip
@@ -163,7 +174,7 @@ def classify(sc: Scenario, spec: Run) -> list[str]:
         if draft and (in_last >= 2 or in_last < accepted + 1):
             kind = {
                 FinishReason.EOS_TOKEN: "eos",
-                FinishReason.MAX_NEW_TOKENS: "max_new_tokens",
+                FinishReason.MAX_TOKENS: "max_tokens",
                 FinishReason.CONTEXT_FULL: "context",
             }.get(r.finish_reason)
             if r.finish_reason is FinishReason.STOP_SEQUENCE:
@@ -234,7 +245,7 @@ def _equivalence_test(mode: str, end: str, n: int):
 
 # 8,500 examples per mode; the limits end a block less often (the last block must be drafted whole), so they get
 # more. With the tiny-budget tests below, each mode runs 10,000 examples.
-_SHARE = {"stop_string": 1400, "stop_sequence": 1400, "eos": 1200, "max_new_tokens": 1700, "context": 2200, "free": 600}
+_SHARE = {"stop_string": 1400, "stop_sequence": 1400, "eos": 1200, "max_tokens": 1700, "context": 2200, "free": 600}
 for _mode in ("greedy", "sampling"):
     for _end, _n in _SHARE.items():
         globals()[f"test_{_mode}_equivalence_ending_by_{_end}"] = _equivalence_test(_mode, _end, _n)
@@ -253,7 +264,7 @@ def test_sampling_equivalence_with_tiny_budgets(sc, budget, data):
 
 
 def check_tiny_budget(sc, budget, data):
-    sc = attrs.evolve(sc, options=attrs.evolve(sc.options, max_new_tokens=budget))
+    sc = attrs.evolve(sc, options=attrs.evolve(sc.options, max_tokens=budget))
     proposer = data.draw(proposers_for(sc.model, sc.rules, len(sc.prompt)), label="proposer")
     width = data.draw(width_policies(), label="width")
     greedy = run(sc)
@@ -264,9 +275,9 @@ def check_tiny_budget(sc, budget, data):
 def _expect_failure(sc: Scenario, action) -> tuple[GenerationError, list]:
     """Run ``action(backend, on_commit)`` on a fresh backend; return the GenerationError and what was streamed."""
     backend = FakeBackend(sc.model, sc.capacity)
-    streamed = []
+    streamed = Streamed()
     with pytest.raises(GenerationError) as info:
-        action(backend, streamed.append)
+        action(backend, streamed)
     # Whatever failed, the same backend serves the next generation correctly.
     again = generate(backend, sc.prompt, sc.options, detokenize=sc.detokenize)
     assert list(again.token_ids) == reference(sc).tokens
@@ -314,9 +325,9 @@ def test_a_raising_callback_stops_generation_with_what_was_delivered(sc, at, dat
         return
 
     def action(backend, record):
-        def callback(commit):
-            record(commit)
-            if len(record.__self__) > at:
+        def callback(text, token_id, finish_reason):
+            record(text, token_id, finish_reason)
+            if len(record) > at:
                 raise KeyError("the consumer went away")
 
         generate(backend, sc.prompt, sc.options, proposer, draft_width=8, callback=callback,
@@ -351,14 +362,14 @@ class CorruptPicksBackend(FakeBackend):
 @given(scenarios(mode="greedy"), st.integers(1, 5), st.sampled_from(["id", "nan"]))
 def test_corrupt_device_picks_never_become_tokens(sc, fault_at, kind):
     # Device picks are argmax picks: plain greedy rules (no penalties), no logprobs.
-    plain = {**rules_as_options(PickRules()), "top_logprobs": 0}
-    sc = attrs.evolve(sc, options=attrs.evolve(sc.options, **plain), rules=PickRules())
+    plain = attrs.evolve(sc.options, sampling=rules_as_sampling(PickRules()), top_logprobs=0)
+    sc = attrs.evolve(sc, options=plain, rules=PickRules())
     ref = reference(sc)
     backend = CorruptPicksBackend(sc.model, sc.capacity, fault_at, kind)
-    streamed = []
+    streamed = Streamed()
     try:
         oracle = OracleProposer(sc.model, sc.rules, len(sc.prompt))
-        result = generate(backend, sc.prompt, sc.options, oracle, draft_width=4, callback=streamed.append,
+        result = generate(backend, sc.prompt, sc.options, oracle, draft_width=4, callback=streamed,
                           detokenize=sc.detokenize)  # fmt: skip
     except GenerationError as exc:
         assert isinstance(exc.__cause__, ValueError)
@@ -387,9 +398,9 @@ def test_non_finite_rows_are_refused_at_the_same_token(sc, data):
     event("non-finite row reached")
     for prop in (None, proposer):
         backend = FakeBackend(sc.model, sc.capacity, picks_on_device=picks)
-        streamed = []
+        streamed = Streamed()
         with pytest.raises(GenerationError, match="not finite") as info:
-            generate(backend, sc.prompt, sc.options, prop, draft_width=8, callback=streamed.append,
+            generate(backend, sc.prompt, sc.options, prop, draft_width=8, callback=streamed,
                      detokenize=sc.detokenize)  # fmt: skip
         assert list(info.value.partial.token_ids) == ref_error.run.tokens == [c.token_id for c in streamed]
 
@@ -399,9 +410,9 @@ def test_an_empty_prompt_is_refused(fake_models_and_empty):
 
     backend = FakeBackend(FakeModel(vocab_size=fake_models_and_empty))
     with pytest.raises(ValueError, match="prompt_tokens is empty"):
-        generate(backend, [], Options(max_new_tokens=4))
+        generate(backend, [], Options(max_tokens=4))
     with pytest.raises(ReferenceError):
-        greedy_reference(lambda ctx: np.zeros(4), [], max_new_tokens=4)
+        greedy_reference(lambda ctx: np.zeros(4), [], max_tokens=4)
     assert backend.passes == 0
 
 
@@ -409,7 +420,7 @@ def test_property_sanity_lookup_accepts_on_repetitive_model():
     """The suite must exercise acceptance, not only rejection: a repetitive model accepts most lookups."""
 
     model = FakeModel(vocab_size=8, seed=3, markov=6.0, noise=0.05)
-    sc = Scenario(model, (1, 2, 3, 1, 2), Options(max_new_tokens=60), None, 4096, "free", 0)
+    sc = Scenario(model, (1, 2, 3, 1, 2), Options(max_tokens=60), None, 4096, "free", 0)
     result = run(sc, PromptLookup(), 8).result
     assert result.stats.accepted_tokens > 30
     assert result.stats.steps < 30
@@ -530,7 +541,7 @@ def test_a_drafter_that_reads_the_target_keeps_the_output_exact(sc, kind, data):
     width = data.draw(width_policies(), label="width")
     streamed = []
     spec = generate(backend, sc.prompt, sc.options, drafter, draft_width=width,
-                    callback=lambda c: streamed.append(c.text), detokenize=sc.detokenize)  # fmt: skip
+                    callback=lambda text, *_: streamed.append(text), detokenize=sc.detokenize)  # fmt: skip
     plain = run(sc)
     assert (spec.token_ids, spec.text, spec.finish_reason, spec.stop_matched) == (
         plain.result.token_ids, plain.result.text, plain.result.finish_reason, plain.result.stop_matched,
@@ -556,12 +567,14 @@ def test_auto_lookup_or_drafter_keeps_the_output_exact(sc, kind, data):
     )
     if data.draw(st.booleans(), label="priced"):
         costs = data.draw(st.lists(st.floats(0.5, 4.0), min_size=1, max_size=16), label="costs")
-        auto.price(
+        auto = auto.priced(
             CostAwareWidth((1.0, *costs)),
             CostAwareWidth((1.0, *costs), draft_cost=data.draw(st.floats(0.0, 0.5), label="draft_cost")),
         )
     width = FixedWidth(data.draw(st.integers(1, 16), label="width"))
-    spec = generate(backend, sc.prompt, sc.options, auto, draft_width=width, detokenize=sc.detokenize)
+    generation = Generation(backend, sc.prompt, sc.options, auto, draft_width=width, detokenize=sc.detokenize)
+    spec = generation.run()
+    auto = generation.proposer
     plain = run(sc)
     assert (spec.token_ids, spec.text, spec.finish_reason, spec.stop_matched) == (
         plain.result.token_ids, plain.result.text, plain.result.finish_reason, plain.result.stop_matched,

@@ -175,13 +175,13 @@ def cold_cache_step_us(kv_bytes: int, steps: int = 2000) -> tuple[float, float]:
     row[7] = 1.0
     out = []
     for pollute in (False, True):
-        state = DecodeState.start([5, 6, 7], Options(max_new_tokens=steps + 1))
+        state = DecodeState.start([5, 6, 7], Options(max_tokens=steps + 1))
         own = 0.0
         for _ in range(steps):
             if pollute:
                 streamed.sum()
             t0 = time.thread_time()
-            state, _, _ = step(state, row, None, ())
+            state, _, _, _ = step(state, row, None, ())
             own += time.thread_time() - t0
         out.append(own / steps * 1e6)
     return out[0], out[1]

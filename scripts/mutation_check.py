@@ -45,13 +45,13 @@ MUTANTS: dict[str, tuple[str, str, str]] = {
     ),
     "budget-overshoot": (
         "core/state.py",
-        "budget = state.options.max_new_tokens - len(state.generated_tokens) - 1",
-        "budget = state.options.max_new_tokens - len(state.generated_tokens)",
+        "budget = state.options.max_tokens - len(state.generated_tokens) - 1",
+        "budget = state.options.max_tokens - len(state.generated_tokens)",
     ),
     "max-tokens-overshoot": (
         "core/state.py",
-        "if len(generated) >= opts.max_new_tokens:",
-        "if len(generated) > opts.max_new_tokens:",
+        "if len(generated) >= opts.max_tokens:",
+        "if len(generated) > opts.max_tokens:",
     ),
     "accept-without-check": (
         "core/state.py",

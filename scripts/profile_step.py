@@ -63,7 +63,7 @@ def _python_overhead(folder: Path, threads: int, ids: list[int], k: int, steps: 
     b = OrtBackend.from_folder(folder, threads=threads)
     lookup = PromptLookup(max_draft=k)
     b.decode(ids[:-1], 0)
-    state = DecodeState.start(ids, Options(max_new_tokens=10_000))
+    state = DecodeState.start(ids, Options(max_tokens=10_000))
     t_backend, t_core, t_propose = [], [], []
     for i in range(steps):
         t0 = time.perf_counter()
@@ -72,7 +72,7 @@ def _python_overhead(folder: Path, threads: int, ids: list[int], k: int, steps: 
         t1 = time.perf_counter()
         rows = b.decode_verify((state.pending_token, *draft), state.kv_len)
         t2 = time.perf_counter()
-        state, _, rewind_to = step(state, rows[0], rows[1:], draft)
+        state, _, rewind_to, _ = step(state, rows[0], rows[1:], draft)
         b.rewind(rewind_to)
         t3 = time.perf_counter()
         t_propose.append(t1 - t0)

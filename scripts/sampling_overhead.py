@@ -93,7 +93,7 @@ def time_setting(
             context.pick(rows[i], i, draft[:i], margin=False, top_n=0)
 
     state = attrs.evolve(DecodeState.start(prompt, options), generated_tokens=tuple(generated))
-    _, commits, _ = step(state, rows[0], rows[1:], draft)
+    _, commits, _, _ = step(state, rows[0], rows[1:], draft)
     assert [c.token_id for c in commits] == picks, "the draft should be accepted in full"
     per_rows, _ = _median_time(pick_rows, repeat)
     plain, _ = _median_time(lambda: step(state, rows[0], None, ()), repeat)
@@ -150,7 +150,7 @@ def report(args: argparse.Namespace) -> str:
     greedy_full = None
     verdicts = []
     for name, sampling in SETTINGS.items():
-        options = Options(max_new_tokens=1 << 20, seed=args.seed if sampling else None, **sampling)
+        options = Options(max_tokens=1 << 20, seed=args.seed if sampling else None, **sampling)
         t = time_setting(options, rows, prompt, generated, args.repeat)
         greedy_full = greedy_full or t["full_step_s"]
         pct = 100 * t["full_step_s"] / decode_s

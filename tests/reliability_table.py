@@ -279,7 +279,7 @@ CASES: tuple[Case, ...] = (
     Case(A, "stop `[[384]]` (an id outside the vocabulary)", lambda lab: lab.generate(stop=[[384]]), ValueError,
          "stop holds token id 384"),
     Case(A, 'stop `"\u2603 snowman"` (text the model never produces)',
-         lambda lab: no_error(lab.generate(stop=["\u2603 snowman"])), None, "12 tokens, finish max_new_tokens"),
+         lambda lab: no_error(lab.generate(stop=["\u2603 snowman"])), None, "12 tokens, finish max_tokens"),
     Case(A, "`temperature=-0.7`", lambda lab: lab.generate(temperature=-0.7), ValueError, "temperature"),
     Case(A, "`temperature=0.7, top_p=0`", lambda lab: lab.generate(temperature=0.7, top_p=0.0), ValueError,
          "top_p must be in (0, 1]"),
@@ -329,7 +329,7 @@ CASES: tuple[Case, ...] = (
          GenerationError, "drafter crashed", ProposerError),
     Case(P, "proposer returns 100 ids for a width of 4 (documented: cut to the width)",
          lambda lab: no_error(lab.generate(speculative=Garbage(tuple(range(3, 103))), draft_width=4)), None,
-         "12 tokens, finish max_new_tokens"),
+         "12 tokens, finish max_tokens"),
     # callbacks and interrupts
     Case(C, "stream callback raises `KeyError`", lambda lab: callback_raises(lab, KeyError("gone")),
          GenerationAborted, "the stream callback raised after 1 token", KeyError),

@@ -64,7 +64,7 @@ def test_folder_loads_as_is_and_speculation_is_exact(arch_root, arch):
     from tests.support.conformance import check_folder
 
     folder = _build(arch_root, arch)
-    report = check_folder(folder, _prompt(folder), max_new_tokens=48, hf_dir=arch_root / f"hf-{arch}-h64")
+    report = check_folder(folder, _prompt(folder), max_tokens=48, hf_dir=arch_root / f"hf-{arch}-h64")
     assert report.load_error is None and report.run_error is None
     assert len(report.greedy) > 0
     if arch == "mistral":
@@ -167,7 +167,7 @@ def test_a_window_the_graph_ignores_is_applied_and_named(arch_root, caplog):
     short = OrtBackend.from_folder(path, threads=1, max_length=32)  # the window cannot matter
     assert not as_written.rewrites and not short.rewrites
     prompt = _prompt(path)
-    options = Options(max_new_tokens=40)
+    options = Options(max_tokens=40)
     with_window = generate(applied, prompt, options).token_ids
     without = generate(as_written, prompt, options).token_ids
     assert with_window != without  # 75 + 40 positions: the window of 32 matters

@@ -69,10 +69,32 @@ def stack(picks, v: int = V) -> np.ndarray:
 
 
 def run(state, picks, draft=()):
-    """One step whose K + 1 rows pick ``picks`` (each with a wide margin)."""
+    """One step whose K + 1 rows pick ``picks`` (each with a wide margin): ``(state, commits, rewind_to)``."""
     draft = tuple(draft)
     assert len(picks) == len(draft) + 1
-    return step(state, onehot(picks[0]), stack(picks[1:]) if draft else None, draft)
+    outcome = step(state, onehot(picks[0]), stack(picks[1:]) if draft else None, draft)
+    return outcome.state, outcome.commits, outcome.rewind_to
+
+
+@pytest.mark.parametrize(
+    "picks, draft, options, accepted",
+    [
+        ([5], (), Options(), 0),
+        ([4, 5, 9, 1], (4, 5, 6), Options(), 2),  # draft[2] rejected: 4, 5 accepted, 9 is the bonus
+        ([4, 5, 6, 7], (4, 5, 6), Options(), 3),  # all accepted, 7 is the bonus
+        ([4, 5, 6, 7], (4, 5, 6), Options(max_tokens=2), 1),  # a budget of 1 draft token: 4, then the bonus 5
+        ([4, 5, 6, 7], (4, 5, 6), Options(eos_token_ids={4}), 1),  # the accepted EOS ends the block
+        ([4, 5, 6, 7], (4, 5, 6), Options(eos_token_ids={5}), 2),
+    ],
+)
+def test_step_reports_the_draft_tokens_it_committed(picks, draft, options, accepted):
+    s = start(options)
+    if draft and len(draft) > draft_budget(s):
+        draft = draft[: draft_budget(s)]
+        picks = picks[: len(draft) + 1]
+    outcome = step(s, onehot(picks[0]), stack(picks[1:]) if draft else None, draft)
+    assert outcome.accepted == accepted
+    assert outcome.state.stats.accepted_tokens == accepted
 
 
 def start(options=None, prompt=PROMPT, detokenize=None):
@@ -132,7 +154,7 @@ def test_longest_matching_prefix_then_the_target_pick():
     # picks: 4 (== draft[0]) then 9 (!= draft[1] = 5): commit 4 and the correction 9. Rows 2 and 3 are never read.
     base = onehot(4)
     rows = np.stack([onehot(9), np.full(V, np.nan, np.float32), np.full(V, np.nan, np.float32)])
-    s2, commits, rewind_to = step(s, base, rows, (4, 5, 6))
+    s2, commits, rewind_to, _ = step(s, base, rows, (4, 5, 6))
     assert s2.generated_tokens == (4, 9)
     assert tokens(commits) == (4, 9)
     assert rewind_to == s2.kv_len == len(PROMPT) + 2 - 1
@@ -156,7 +178,7 @@ def test_argmax_ties_break_to_lowest_id_in_base_row():
     s = start()
     base = np.zeros(V, np.float32)
     base[[3, 7, 11]] = 2.0
-    s2, commits, _ = step(s, base, None, ())
+    s2, commits, _, _ = step(s, base, None, ())
     assert s2.generated_tokens == (3,)
 
 
@@ -166,7 +188,7 @@ def test_argmax_ties_break_to_lowest_id_in_verify_row():
     base[[1, 2]] = 2.0  # tie 1/2 -> 1, which matches the draft
     row = np.zeros(V, np.float32)
     row[[6, 3]] = 4.0  # tie 3/6 -> 3
-    s2, _, _ = step(s, base, row[None, :], (1,))
+    s2, _, _, _ = step(s, base, row[None, :], (1,))
     assert s2.generated_tokens == (1, 3)
 
 
@@ -174,7 +196,7 @@ def test_tie_broken_against_the_draft_rejects_it():
     s = start()
     base = np.zeros(V, np.float32)
     base[[1, 2]] = 2.0  # the draft proposes the higher id of an exact tie: greedy picks 1
-    s2, _, _ = step(s, base, onehot(5)[None, :], (2,))
+    s2, _, _, _ = step(s, base, onehot(5)[None, :], (2,))
     assert s2.generated_tokens == (1,)
     assert s2.stats.accepted_tokens == 0
 
@@ -182,7 +204,7 @@ def test_tie_broken_against_the_draft_rejects_it():
 def test_nan_in_a_row_that_is_never_reached_is_ignored():
     s = start()
     rows = np.stack([onehot(6), np.full(V, np.nan, np.float32)])
-    s2, _, _ = step(s, onehot(5), rows, (7, 8))  # draft[0] rejected: rows are not read
+    s2, _, _, _ = step(s, onehot(5), rows, (7, 8))  # draft[0] rejected: rows are not read
     assert s2.generated_tokens == (5,)
 
 
@@ -202,9 +224,9 @@ def test_logits_as_lists_and_float64_are_accepted():
     base[4] = 1.0
     rows = [[0.0] * V]
     rows[0][9] = 1.0
-    s2, _, _ = step(s, base, rows, [4])
+    s2, _, _, _ = step(s, base, rows, [4])
     assert s2.generated_tokens == (4, 9)
-    s3, _, _ = step(s, onehot(4).astype(np.float64), None, ())
+    s3, _, _, _ = step(s, onehot(4).astype(np.float64), None, ())
     assert s3.generated_tokens == (4,)
 
 
@@ -214,8 +236,8 @@ SCENARIOS = {
     "partial_accept": (Options(), [4, 5, 9, 1], (4, 5, 6)),
     "reject_first": (Options(), [9, 1, 2, 3], (4, 5, 6)),
     "eos_mid_block": (Options(eos_token_ids=5), [4, 5, 6, 7], (4, 5, 6)),
-    "stop_seq_mid_block": (Options(stop_token_sequences=[(4, 5)]), [4, 5, 6, 7], (4, 5, 6)),
-    "max_tokens_end_of_block": (Options(max_new_tokens=4), [4, 5, 6, 7], (4, 5, 6)),
+    "stop_seq_mid_block": (Options(stop=[(4, 5)]), [4, 5, 6, 7], (4, 5, 6)),
+    "max_tokens_end_of_block": (Options(max_tokens=4), [4, 5, 6, 7], (4, 5, 6)),
     "max_context_end_of_block": (Options(max_context=len(PROMPT) + 3), [4, 5, 6], (4, 5)),
 }
 
@@ -232,7 +254,7 @@ def test_rewind_to_is_new_kv_len(name):
 
 
 def test_rewind_to_over_several_steps():
-    s = start(Options(max_new_tokens=50))
+    s = start(Options(max_tokens=50))
     plan = [([5], ()), ([1, 2, 3], (1, 2)), ([7, 8], (9,)), ([4, 4, 4, 4], (4, 4, 4))]
     for picks, draft in plan:
         before = len(s.generated_tokens)
@@ -272,7 +294,7 @@ def test_eos_as_first_pick_and_as_bonus():
 
 
 def test_stop_token_sequence_mid_block():
-    s = start(Options(stop_token_sequences=[(4, 5)]))
+    s = start(Options(stop=[(4, 5)]))
     s2, commits, rewind_to = run(s, [4, 5, 6, 7], draft=(4, 5, 6))
     assert s2.generated_tokens == (4, 5)
     assert s2.finish_reason is FinishReason.STOP_SEQUENCE
@@ -281,7 +303,7 @@ def test_stop_token_sequence_mid_block():
 
 
 def test_stop_token_sequence_spanning_two_steps():
-    s = start(Options(stop_token_sequences=[(9, 9, 9), (4, 5)]))
+    s = start(Options(stop=[(9, 9, 9), (4, 5)]))
     s, commits, _ = run(s, [4])
     assert s.finish_reason is None
     s, commits, rewind_to = run(s, [5, 6, 7], draft=(5, 6))
@@ -293,7 +315,7 @@ def test_stop_token_sequence_spanning_two_steps():
 
 
 def test_stop_token_sequence_needs_the_whole_sequence():
-    s = start(Options(stop_token_sequences=[(4, 5, 6)]))
+    s = start(Options(stop=[(4, 5, 6)]))
     s, _, _ = run(s, [4, 5, 4, 5], draft=(4, 5, 4))
     assert s.finish_reason is None
     s, commits, _ = run(s, [6, 1], draft=(6,))
@@ -302,7 +324,7 @@ def test_stop_token_sequence_needs_the_whole_sequence():
 
 
 def test_stop_string_spanning_tokens_in_one_block():
-    s = start(Options(stop_strings="END"), detokenize=detok)
+    s = start(Options(stop="END"), detokenize=detok)
     s2, commits, rewind_to = run(s, [A, E, N, D, B], draft=(A, E, N, D))
     assert s2.generated_tokens == (A, E, N, D)
     assert s2.finish_reason is FinishReason.STOP_SEQUENCE
@@ -313,7 +335,7 @@ def test_stop_string_spanning_tokens_in_one_block():
 
 
 def test_stop_string_spanning_steps():
-    s = start(Options(stop_strings=["zz", "END"]), detokenize=detok)
+    s = start(Options(stop=["zz", "END"]), detokenize=detok)
     all_commits = []
     s, c, _ = run(s, [A])
     all_commits += c
@@ -331,7 +353,7 @@ def test_stop_string_spanning_steps():
 
 def test_stop_string_earliest_completion_across_tokens():
     # "ND" completes at D; "ENDx" would start earlier but completes only at x: "ND" wins.
-    s = start(Options(stop_strings=("ENDx", "ND")), detokenize=detok)
+    s = start(Options(stop=("ENDx", "ND")), detokenize=detok)
     s2, commits, _ = run(s, [E, N, D, X, A], draft=(E, N, D, X))
     assert s2.generated_tokens == (E, N, D)
     assert s2.stop_matched == "ND"
@@ -341,7 +363,7 @@ def test_stop_string_earliest_completion_across_tokens():
 
 def test_stop_string_earliest_completion_in_one_token():
     # The token's text is "ENDa": "EN" completes at 2, "ND" at 3, whatever the order of the options.
-    s = start(Options(stop_strings=("ND", "EN")), detokenize=detok)
+    s = start(Options(stop=("ND", "EN")), detokenize=detok)
     s2, commits, _ = run(s, [A, ENDA, B], draft=(A, ENDA))
     assert s2.generated_tokens == (A, ENDA)
     assert s2.stop_matched == "EN"
@@ -351,7 +373,7 @@ def test_stop_string_earliest_completion_in_one_token():
 
 def test_stop_string_equal_completion_prefers_earlier_start():
     # "xEND": "END" and "ND" both complete at 4; "END" starts earlier and cuts more.
-    s = start(Options(stop_strings=("ND", "END")), detokenize=detok)
+    s = start(Options(stop=("ND", "END")), detokenize=detok)
     s2, commits, _ = run(s, [XEND])
     assert s2.stop_matched == "END"
     assert s2.text == "x"
@@ -359,7 +381,7 @@ def test_stop_string_equal_completion_prefers_earlier_start():
 
 
 def test_stop_string_inside_a_token_cuts_the_rest_of_it():
-    s = start(Options(stop_strings="END"), detokenize=detok)
+    s = start(Options(stop="END"), detokenize=detok)
     s2, commits, _ = run(s, [B, ENDA, A], draft=(B, ENDA))
     assert s2.generated_tokens == (B, ENDA)
     assert s2.text == "b"
@@ -367,7 +389,7 @@ def test_stop_string_inside_a_token_cuts_the_rest_of_it():
 
 
 def test_max_new_tokens_budget_values():
-    s = start(Options(max_new_tokens=4))
+    s = start(Options(max_tokens=4))
     assert draft_budget(s) == 3
     s, _, _ = run(s, [5])
     assert draft_budget(s) == 2
@@ -376,13 +398,13 @@ def test_max_new_tokens_budget_values():
     s, _, _ = run(s, [7])
     assert draft_budget(s) == 0
     s, _, _ = run(s, [8])
-    assert s.finish_reason is FinishReason.MAX_NEW_TOKENS
+    assert s.finish_reason is FinishReason.MAX_TOKENS
     assert draft_budget(s) == 0
-    assert draft_budget(start(Options(max_new_tokens=1))) == 0
+    assert draft_budget(start(Options(max_tokens=1))) == 0
 
 
 def test_max_new_tokens_reached_exactly_by_a_full_budget_block():
-    s = start(Options(max_new_tokens=4))
+    s = start(Options(max_tokens=4))
     s, _, _ = run(s, [5])
     # A proposer may want 3 more, but the budget is 2: those 2 plus the bonus land exactly on 4.
     with pytest.raises(ValueError, match="budget of 2"):
@@ -390,20 +412,20 @@ def test_max_new_tokens_reached_exactly_by_a_full_budget_block():
     s, commits, rewind_to = run(s, [6, 7, 8], draft=(6, 7))
     assert s.generated_tokens == (5, 6, 7, 8)
     assert len(s.generated_tokens) == 4
-    assert s.finish_reason is FinishReason.MAX_NEW_TOKENS
+    assert s.finish_reason is FinishReason.MAX_TOKENS
     assert rewind_to == s.kv_len
 
 
 def test_max_new_tokens_one():
-    s = start(Options(max_new_tokens=1))
+    s = start(Options(max_tokens=1))
     with pytest.raises(ValueError, match="budget of 0"):
         run(s, [1, 2], draft=(1,))
     s, commits, _ = run(s, [1])
-    assert s.generated_tokens == (1,) and s.finish_reason is FinishReason.MAX_NEW_TOKENS
+    assert s.generated_tokens == (1,) and s.finish_reason is FinishReason.MAX_TOKENS
 
 
 def test_max_context_budget_and_finish():
-    opts = Options(max_new_tokens=100, max_context=len(PROMPT) + 3)
+    opts = Options(max_tokens=100, max_context=len(PROMPT) + 3)
     s = start(opts)
     assert draft_budget(s) == 2  # min(100 - 0 - 1, 6 - 3 - 1)
     s1, _, _ = run(s, [9, 1, 2], draft=(4, 5))  # rejected: one token
@@ -417,12 +439,12 @@ def test_max_context_budget_and_finish():
 
 
 def test_max_context_reached_mid_block_via_step_from_picks_after_earlier_steps():
-    opts = Options(max_new_tokens=100, max_context=len(PROMPT) + 5)
+    opts = Options(max_tokens=100, max_context=len(PROMPT) + 5)
     s = start(opts)
-    s, _, _ = step_from_picks(s, [1], (), vocab_size=V)
-    s, _, _ = step_from_picks(s, [2], (), vocab_size=V)
+    s, _, _, _ = step_from_picks(s, [1], (), vocab_size=V)
+    s, _, _, _ = step_from_picks(s, [2], (), vocab_size=V)
     assert draft_budget(s) == 2
-    s, commits, rewind_to = step_from_picks(s, [3, 4, 5], (3, 4), vocab_size=V)
+    s, commits, rewind_to, _ = step_from_picks(s, [3, 4, 5], (3, 4), vocab_size=V)
     assert s.generated_tokens == (1, 2, 3, 4, 5)
     assert s.finish_reason is FinishReason.CONTEXT_FULL
     assert rewind_to == opts.max_context - 1
@@ -449,42 +471,42 @@ def test_prompt_one_short_of_max_context_gets_one_token():
 
 
 def test_eos_wins_over_max_tokens_on_the_same_token():
-    s = start(Options(max_new_tokens=2, eos_token_ids=6))
+    s = start(Options(max_tokens=2, eos_token_ids=6))
     s, _, _ = run(s, [4, 6], draft=(4,))
     assert s.generated_tokens == (4, 6)
     assert s.finish_reason is FinishReason.EOS_TOKEN
 
 
 def test_eos_wins_over_stop_sequence_on_the_same_token():
-    s = start(Options(eos_token_ids=6, stop_token_sequences=[(6,)]))
+    s = start(Options(eos_token_ids=6, stop=[(6,)]))
     s, _, _ = run(s, [6])
     assert s.finish_reason is FinishReason.EOS_TOKEN
     assert s.stop_matched is None
 
 
 def test_eos_wins_over_stop_string_on_the_same_token():
-    s = start(Options(eos_token_ids=D, stop_strings="END"), detokenize=detok)
+    s = start(Options(eos_token_ids=D, stop="END"), detokenize=detok)
     s, _, _ = run(s, [E, N, D], draft=(E, N))
     assert s.finish_reason is FinishReason.EOS_TOKEN
     assert s.stop_matched is None
 
 
 def test_stop_sequence_wins_over_stop_string_on_the_same_token():
-    s = start(Options(stop_token_sequences=[(D,)], stop_strings="END"), detokenize=detok)
+    s = start(Options(stop=[(D,), "END"]), detokenize=detok)
     s, _, _ = run(s, [E, N, D], draft=(E, N))
     assert s.finish_reason is FinishReason.STOP_SEQUENCE
     assert s.stop_matched == (D,)
 
 
 def test_stop_sequence_wins_over_max_tokens_on_the_same_token():
-    s = start(Options(max_new_tokens=2, stop_token_sequences=[(4, 5)]))
+    s = start(Options(max_tokens=2, stop=[(4, 5)]))
     s, _, _ = run(s, [4, 5], draft=(4,))
     assert s.finish_reason is FinishReason.STOP_SEQUENCE
     assert s.stop_matched == (4, 5)
 
 
 def test_stop_string_wins_over_max_tokens_on_the_same_token():
-    s = start(Options(max_new_tokens=3, stop_strings="END"), detokenize=detok)
+    s = start(Options(max_tokens=3, stop="END"), detokenize=detok)
     s, commits, _ = run(s, [E, N, D], draft=(E, N))
     assert s.finish_reason is FinishReason.STOP_SEQUENCE
     assert s.stop_matched == "END"
@@ -493,9 +515,9 @@ def test_stop_string_wins_over_max_tokens_on_the_same_token():
 
 
 def test_max_tokens_wins_over_max_context_on_the_same_token():
-    s = start(Options(max_new_tokens=3, max_context=len(PROMPT) + 3))
+    s = start(Options(max_tokens=3, max_context=len(PROMPT) + 3))
     s, _, _ = run(s, [4, 5, 6], draft=(4, 5))
-    assert s.finish_reason is FinishReason.MAX_NEW_TOKENS
+    assert s.finish_reason is FinishReason.MAX_TOKENS
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -527,24 +549,24 @@ def test_stream_without_stop_strings_releases_each_token():
 
 
 def test_stream_holds_back_a_possible_stop_string_then_releases_it():
-    s, per_step = _stream(Options(stop_strings="END"), [([A], ()), ([E], ()), ([N], ()), ([B], ())])
+    s, per_step = _stream(Options(stop="END"), [([A], ()), ([E], ()), ([N], ()), ([B], ())])
     assert per_step == [("a",), ("",), ("",), ("ENb",)]
     assert s.text == "aENb" and s.finish_reason is None
 
 
 def test_stream_holds_back_in_one_block():
-    s, per_step = _stream(Options(stop_strings="END"), [([A, E, N, B, C], (A, E, N, B))])
+    s, per_step = _stream(Options(stop="END"), [([A, E, N, B, C], (A, E, N, B))])
     assert per_step == [("a", "", "", "ENb", "c")]
 
 
 def test_stream_releases_only_what_cannot_start_the_stop_string():
     # "EE": the first E can no longer start "END" once a second E follows; the second E is still held.
-    s, per_step = _stream(Options(stop_strings="END"), [([E], ()), ([E], ()), ([A], ())])
+    s, per_step = _stream(Options(stop="END"), [([E], ()), ([E], ()), ([A], ())])
     assert per_step == [("",), ("E",), ("Ea",)]
 
 
 def test_stream_hold_back_uses_the_longest_possible_prefix():
-    s, per_step = _stream(Options(stop_strings=("abc", "bx")), [([A], ()), ([B], ()), ([C], ())])
+    s, per_step = _stream(Options(stop=("abc", "bx")), [([A], ()), ([B], ()), ([C], ())])
     assert s.stop_matched == "abc"
     assert per_step == [("",), ("",), ("",)]
     assert s.text == ""
@@ -563,7 +585,7 @@ def test_stream_three_byte_character_in_one_block():
 
 
 def test_stream_partial_character_while_text_is_held_back():
-    s, per_step = _stream(Options(stop_strings="END"), [([E], ()), ([C3], ()), ([A9], ())])
+    s, per_step = _stream(Options(stop="END"), [([E], ()), ([C3], ()), ([A9], ())])
     assert per_step == [("",), ("",), ("E\u00e9",)]
 
 
@@ -574,29 +596,29 @@ def test_stream_empty_piece_tokens():
 
 
 def test_stream_releases_everything_at_finish():
-    s, per_step = _stream(Options(max_new_tokens=3, stop_strings="END"), [([A, E, N], (A, E))])
+    s, per_step = _stream(Options(max_tokens=3, stop="END"), [([A, E, N], (A, E))])
     assert per_step == [("a", "", "EN")]
-    assert s.finish_reason is FinishReason.MAX_NEW_TOKENS
+    assert s.finish_reason is FinishReason.MAX_TOKENS
     assert s.text == "aEN" and s.streamed_chars == 3
     assert s.stop_matched is None
 
 
 def test_stream_releases_held_text_at_eos():
-    s, per_step = _stream(Options(eos_token_ids=B, stop_strings="END"), [([E, N, B], (E, N))])
+    s, per_step = _stream(Options(eos_token_ids=B, stop="END"), [([E, N, B], (E, N))])
     assert per_step == [("", "", "ENb")]
     assert s.finish_reason is FinishReason.EOS_TOKEN
 
 
 def test_stream_partial_character_at_finish_is_flushed_as_replacement():
     # Documented: at the end, an undecodable tail shows as U+FFFD rather than being lost.
-    s, per_step = _stream(Options(max_new_tokens=2), [([A, C3], (A,))])
+    s, per_step = _stream(Options(max_tokens=2), [([A, C3], (A,))])
     assert per_step == [("a", "\ufffd")]
     assert s.text == "a\ufffd"
 
 
 def test_final_flush_applies_stop_strings():
-    # Token D_C3 decodes to "D" + a partial character; it is the 3rd and last token (max_new_tokens=3).
-    s, per_step = _stream(Options(max_new_tokens=3, stop_strings="END"), [([E], ()), ([N], ()), ([D_C3], ())])
+    # Token D_C3 decodes to "D" + a partial character; it is the 3rd and last token (max_tokens=3).
+    s, per_step = _stream(Options(max_tokens=3, stop="END"), [([E], ()), ([N], ()), ([D_C3], ())])
     assert "END" not in s.text
     assert s.finish_reason is FinishReason.STOP_SEQUENCE
     assert s.stop_matched == "END"
@@ -605,20 +627,20 @@ def test_final_flush_applies_stop_strings():
 
 def test_stop_string_completed_by_a_token_with_a_trailing_partial_character():
     # "D" waits with its partial character; the stop string is seen when the character completes.
-    s, per_step = _stream(Options(stop_strings="END"), [([E], ()), ([N], ()), ([D_C3], ()), ([A9], ())])
+    s, per_step = _stream(Options(stop="END"), [([E], ()), ([N], ()), ([D_C3], ()), ([A9], ())])
     assert s.stop_matched == "END"
     assert s.text == ""
     assert s.generated_tokens == (E, N, D_C3, A9)
 
 
 def test_stream_without_detokenize_has_no_text():
-    s, per_step = _stream(Options(max_new_tokens=3), [([1, 2, 3], (1, 2))], detokenize=None)
+    s, per_step = _stream(Options(max_tokens=3), [([1, 2, 3], (1, 2))], detokenize=None)
     assert per_step == [("", "", "")]
     assert s.text == ""
 
 
 def test_stream_invariant_over_a_long_mixed_run():
-    opts = Options(max_new_tokens=40, stop_strings=("END", "xx"))
+    opts = Options(max_tokens=40, stop=("END", "xx"))
     plan = [
         ([A, E], (A,)),
         ([E, N, C3, B], (E, N, B)),  # C3 rejects the draft's B
@@ -670,7 +692,7 @@ def _check_record(rec: TokenLogprob, row, token, n):
 def test_logprobs_plain_step_matches_float64_reference_with_ties_to_lowest_id():
     row = np.array([1.0, 3.0, 2.0, 3.0, 0.5] + [-1.0] * (V - 5), dtype=np.float32)
     s = start(Options(top_logprobs=3))
-    s2, commits, _ = step(s, row, None, ())
+    s2, commits, _, _ = step(s, row, None, ())
     assert s2.generated_tokens == (1,)
     assert len(s2.logprobs) == 1
     rec = s2.logprobs[0]
@@ -683,7 +705,7 @@ def test_logprobs_plain_step_matches_float64_reference_with_ties_to_lowest_id():
 def test_logprobs_top_n_cut_inside_a_tie_takes_lowest_ids():
     row = np.zeros(V, np.float32)
     row[[9, 4, 12, 2]] = 7.0
-    s2, _, _ = step(start(Options(top_logprobs=2)), row, None, ())
+    s2, _, _, _ = step(start(Options(top_logprobs=2)), row, None, ())
     assert s2.generated_tokens == (2,)
     assert [t for t, _ in s2.logprobs[0].top] == [2, 4]
     _check_record(s2.logprobs[0], row, 2, 2)
@@ -691,7 +713,7 @@ def test_logprobs_top_n_cut_inside_a_tie_takes_lowest_ids():
 
 def test_logprobs_top_n_larger_than_vocab_lists_every_id():
     row = np.arange(V, dtype=np.float32)[::-1].copy()
-    s2, _, _ = step(start(Options(top_logprobs=100)), row, None, ())
+    s2, _, _, _ = step(start(Options(top_logprobs=100)), row, None, ())
     assert len(s2.logprobs[0].top) == V
     assert [t for t, _ in s2.logprobs[0].top] == list(range(V))
     _check_record(s2.logprobs[0], row, 0, V)
@@ -702,7 +724,7 @@ def test_logprobs_with_large_logits_are_stable():
     row = np.zeros(V, np.float32)
     row[5] = 1000.0
     row[6] = 999.0
-    s2, _, _ = step(start(Options(top_logprobs=2)), row, None, ())
+    s2, _, _, _ = step(start(Options(top_logprobs=2)), row, None, ())
     _check_record(s2.logprobs[0], row, 5, 2)
     assert math.isfinite(s2.logprobs[0].logprob)
 
@@ -717,7 +739,7 @@ def test_logprobs_come_from_the_row_that_produced_each_token():
     r1[11] = 8.0  # bonus (draft[1] = 6 is rejected)
     r2 = rng.standard_normal(V).astype(np.float32)
     s = start(Options(top_logprobs=4))
-    s2, commits, _ = step(s, base, np.stack([r0, r1, r2]), (4, 5, 6))
+    s2, commits, _, _ = step(s, base, np.stack([r0, r1, r2]), (4, 5, 6))
     assert s2.generated_tokens == (4, 5, 11)
     assert len(s2.logprobs) == 3
     for rec, row, tok, commit in zip(s2.logprobs, [base, r0, r1], [4, 5, 11], commits, strict=True):
@@ -764,7 +786,7 @@ def test_tie_guard_ends_acceptance_before_a_narrow_margin():
     s = start(Options(tie_margin=0.5))
     base = _row_margin(4, 2.0)
     rows = np.stack([_row_margin(5, 2.0), _row_margin(6, 0.25), _row_margin(7, 2.0)])
-    s2, commits, rewind_to = step(s, base, rows, (4, 5, 6))
+    s2, commits, rewind_to, _ = step(s, base, rows, (4, 5, 6))
     assert s2.generated_tokens == (4, 5)  # 6 (picked with margin 0.25) is not committed
     assert rewind_to == s2.kv_len == s.kv_len + 2
     assert s2.stats.tie_guard_stops == 1
@@ -777,7 +799,7 @@ def test_tie_guard_on_the_bonus_token():
     s = start(Options(tie_margin=0.5))
     base = _row_margin(4, 2.0)
     rows = np.stack([_row_margin(5, 0.0, second=9)])  # exact tie 5/9 in the bonus row
-    s2, _, _ = step(s, base, rows, (4,))
+    s2, _, _, _ = step(s, base, rows, (4,))
     assert s2.generated_tokens == (4,)
     assert s2.stats.tie_guard_stops == 1
 
@@ -786,7 +808,7 @@ def test_tie_guard_on_a_rejection_correction():
     s = start(Options(tie_margin=0.5))
     base = _row_margin(4, 2.0)
     rows = np.stack([_row_margin(8, 0.1), _row_margin(7, 2.0)])  # draft[1] = 5 rejected; correction 8 is close
-    s2, _, _ = step(s, base, rows, (4, 5))
+    s2, _, _, _ = step(s, base, rows, (4, 5))
     assert s2.generated_tokens == (4,)
     assert s2.stats.tie_guard_stops == 1
 
@@ -796,7 +818,7 @@ def test_tie_guard_on_the_first_pick_commits_nothing_and_asks_for_a_plain_step()
     s = run(s, [1])[0]
     base = _row_margin(4, 0.1)
     rows = np.stack([_row_margin(5, 2.0)])
-    s2, commits, rewind_to = step(s, base, rows, (4,))
+    s2, commits, rewind_to, _ = step(s, base, rows, (4,))
     assert commits == ()
     assert s2.generated_tokens == s.generated_tokens == (1,)
     assert rewind_to == s.kv_len == s2.kv_len
@@ -811,7 +833,7 @@ def test_tie_guard_on_the_first_pick_commits_nothing_and_asks_for_a_plain_step()
         step(s2, base, rows, (4,))
     # The plain step decides the exact tie by the lowest id, unguarded.
     tie = _row_margin(4, 0.0, second=9)
-    s3, commits, _ = step(s2, tie, None, ())
+    s3, commits, _, _ = step(s2, tie, None, ())
     assert tokens(commits) == (4,)
     assert not s3.plain_step_next
     assert draft_budget(s3) > 0
@@ -820,32 +842,32 @@ def test_tie_guard_on_the_first_pick_commits_nothing_and_asks_for_a_plain_step()
 
 def test_plain_step_is_never_guarded():
     s = start(Options(tie_margin=10.0))
-    s2, commits, _ = step(s, _row_margin(3, 0.0, second=8), None, ())
+    s2, commits, _, _ = step(s, _row_margin(3, 0.0, second=8), None, ())
     assert tokens(commits) == (3,)
     assert s2.stats.tie_guard_stops == 0
 
 
 def test_margin_equal_to_the_threshold_is_committed():
     s = start(Options(tie_margin=0.5))
-    s2, commits, _ = step(s, _row_margin(4, 0.5), _row_margin(5, 0.5)[None, :], (4,))
+    s2, commits, _, _ = step(s, _row_margin(4, 0.5), _row_margin(5, 0.5)[None, :], (4,))
     assert s2.generated_tokens == (4, 5)
     assert s2.stats.tie_guard_stops == 0
 
 
 def test_tie_guard_off_by_default_even_for_exact_ties():
     s = start()
-    s2, _, _ = step(s, _row_margin(4, 0.0, second=9), _row_margin(5, 0.0, second=9)[None, :], (4,))
+    s2, _, _, _ = step(s, _row_margin(4, 0.0, second=9), _row_margin(5, 0.0, second=9)[None, :], (4,))
     assert s2.generated_tokens == (4, 5)
     assert s2.stats.tie_guard_stops == 0
 
 
 def test_tie_guard_counts_every_stop():
-    s = start(Options(tie_margin=0.5, max_new_tokens=50))
+    s = start(Options(tie_margin=0.5, max_tokens=50))
     narrow = _row_margin(4, 0.1)
-    s, c, _ = step(s, narrow, _row_margin(5, 2.0)[None, :], (4,))  # stop 1: nothing committed
+    s, c, _, _ = step(s, narrow, _row_margin(5, 2.0)[None, :], (4,))  # stop 1: nothing committed
     assert c == ()
-    s, c, _ = step(s, narrow, None, ())  # plain: commits 4
-    s, c, _ = step(s, _row_margin(5, 2.0), np.stack([_row_margin(6, 0.1)]), (5,))  # stop 2
+    s, c, _, _ = step(s, narrow, None, ())  # plain: commits 4
+    s, c, _, _ = step(s, _row_margin(5, 2.0), np.stack([_row_margin(6, 0.1)]), (5,))  # stop 2
     assert tokens(c) == (5,)
     assert s.stats.tie_guard_stops == 2
     assert s.generated_tokens == (4, 5)
@@ -853,16 +875,16 @@ def test_tie_guard_counts_every_stop():
 
 def test_step_from_picks_tie_guard_with_margins():
     s = start(Options(tie_margin=0.5))
-    s2, commits, rewind_to = step_from_picks(s, [4, 5, 6], (4, 5), margins=[2.0, 2.0, 0.1], vocab_size=V)
+    s2, commits, rewind_to, _ = step_from_picks(s, [4, 5, 6], (4, 5), margins=[2.0, 2.0, 0.1], vocab_size=V)
     assert tokens(commits) == (4, 5)
     assert s2.stats.tie_guard_stops == 1
-    s3, commits, rewind_to = step_from_picks(
+    s3, commits, rewind_to, _ = step_from_picks(
         s, [4, 5, 6], (4, 5), margins=np.array([0.1, 2.0, 2.0], np.float32), vocab_size=V
     )
     assert commits == () and rewind_to == s.kv_len and draft_budget(s3) == 0
-    s4, commits, _ = step_from_picks(s, [4, 5, 6], (4, 5), vocab_size=V)  # no margins: no guard
+    s4, commits, _, _ = step_from_picks(s, [4, 5, 6], (4, 5), vocab_size=V)  # no margins: no guard
     assert tokens(commits) == (4, 5, 6)
-    s5, commits, _ = step_from_picks(s, [4], (), margins=[0.0], vocab_size=V)  # plain: never guarded
+    s5, commits, _, _ = step_from_picks(s, [4], (), margins=[0.0], vocab_size=V)  # plain: never guarded
     assert tokens(commits) == (4,)
 
 
@@ -880,10 +902,10 @@ def _pick_row(pick: int, margin: float) -> np.ndarray:
 @pytest.mark.parametrize(
     "options",
     [
-        Options(max_new_tokens=12),
-        Options(max_new_tokens=30, eos_token_ids=[B], tie_margin=0.3),
-        Options(max_new_tokens=30, stop_strings=("END", "\u00e9x")),
-        Options(max_new_tokens=30, stop_token_sequences=[(X, X)], max_context=len(PROMPT) + 12),
+        Options(max_tokens=12),
+        Options(max_tokens=30, eos_token_ids=[B], tie_margin=0.3),
+        Options(max_tokens=30, stop=("END", "\u00e9x")),
+        Options(max_tokens=30, stop=[(X, X)], max_context=len(PROMPT) + 12),
     ],
     ids=["max_tokens", "eos_tie_guard", "stop_strings", "stop_seq_max_context"],
 )
@@ -944,7 +966,7 @@ def test_prompt_as_numpy_array_is_accepted():
 
 def test_options_must_be_options():
     with pytest.raises(ValueError, match="options must be"):
-        DecodeState.start([1], {"max_new_tokens": 3})
+        DecodeState.start([1], {"max_tokens": 3})
 
 
 def test_detokenize_must_be_callable():
@@ -976,7 +998,7 @@ def test_non_finite_logit_at_a_verify_pick(bad):
     step is plain, whose 1-token pass refuses the row exactly where plain decoding refuses it."""
     rows = stack([5, 6])
     rows[1, 2] = bad
-    s, commits, rewind_to = step(start(), onehot(4), rows, (4, 5))
+    s, commits, rewind_to, _ = step(start(), onehot(4), rows, (4, 5))
     assert tokens(commits) == (4, 5)  # both accepted draft tokens, no bonus
     assert s.stats.accepted_tokens == 2
     assert s.plain_step_next and draft_budget(s) == 0
@@ -988,7 +1010,7 @@ def test_non_finite_logit_at_a_verify_pick(bad):
 
 
 def test_non_finite_margin_from_device_picks_ends_the_block_like_a_row():
-    s, commits, _ = step_from_picks(start(), [4, 5, 6], (4, 5), vocab_size=V, margins=[1.0, 1.0, float("nan")])
+    s, commits, _, _ = step_from_picks(start(), [4, 5, 6], (4, 5), vocab_size=V, margins=[1.0, 1.0, float("nan")])
     assert tokens(commits) == (4, 5) and s.plain_step_next
     with pytest.raises(ValueError, match="not finite"):
         step_from_picks(s, [6], (), vocab_size=V, margins=[float("nan")])
@@ -1029,10 +1051,10 @@ def test_base_logits_must_be_one_dimensional():
         step(s, np.empty(0, np.float32), None, ())
 
 
-@pytest.mark.parametrize("bad", [0, -3, True, 2.0, "8", None])
-def test_max_new_tokens_must_be_a_positive_int(bad):
-    with pytest.raises(ValueError, match="max_new_tokens"):
-        Options(max_new_tokens=bad)
+@pytest.mark.parametrize("bad", [0, -3, True, 2.0, "8"])
+def test_max_tokens_must_be_a_positive_int(bad):
+    with pytest.raises(ValueError, match="max_tokens"):
+        Options(max_tokens=bad)
 
 
 @pytest.mark.parametrize("bad", [-1, [1, -2], "7", 1.0, [True]])
@@ -1042,34 +1064,41 @@ def test_eos_ids_must_be_token_ids(bad):
 
 
 def test_stop_sequences_must_be_non_empty_token_sequences():
-    with pytest.raises(ValueError, match="must not be empty"):
-        Options(stop_token_sequences=[()])
-    with pytest.raises(ValueError, match="must not be empty"):
-        Options(stop_token_sequences=[(1, 2), []])
-    with pytest.raises(ValueError, match="not a sequence of token ids"):
-        Options(stop_token_sequences=[1, 2])  # flat, not a sequence of sequences
-    with pytest.raises(ValueError, match="stop_token_sequences"):
-        Options(stop_token_sequences=[(1, -2)])
-    with pytest.raises(ValueError, match="stop_token_sequences"):
-        Options(stop_token_sequences="ab")
-    with pytest.raises(ValueError, match="stop_token_sequences"):
-        Options(stop_token_sequences=["ab"])
+    with pytest.raises(ValueError, match="stop: an empty token-id sequence"):
+        Options(stop=[()])
+    with pytest.raises(ValueError, match="stop: an empty token-id sequence"):
+        Options(stop=[(1, 2), []])
+    with pytest.raises(ValueError, match="neither a string nor a sequence of token ids"):
+        Options(stop=[1, 2])  # flat, not a sequence of sequences
+    with pytest.raises(ValueError, match="stop: -2 is not a token id"):
+        Options(stop=[(1, -2)])
+    with pytest.raises(ValueError, match="stop: b'ab' is bytes"):
+        Options(stop=[b"ab"])
 
 
 def test_stop_strings_must_be_non_empty_strings():
-    with pytest.raises(ValueError, match="stop_strings"):
-        Options(stop_strings="")
-    with pytest.raises(ValueError, match="stop_strings"):
-        Options(stop_strings=["ok", ""])
-    with pytest.raises(ValueError, match="stop_strings"):
-        Options(stop_strings=["ok", 3])
-    with pytest.raises(ValueError, match="stop_strings"):
-        Options(stop_strings=5)
+    with pytest.raises(ValueError, match="stop: an empty string"):
+        Options(stop="")
+    with pytest.raises(ValueError, match="stop: an empty string"):
+        Options(stop=["ok", ""])
+    with pytest.raises(ValueError, match="stop: 3 is neither"):
+        Options(stop=["ok", 3])
+    with pytest.raises(ValueError, match="stop must be a string"):
+        Options(stop=5)
+    with pytest.raises(ValueError, match="lone surrogate"):
+        Options(stop="a\ud800")
+    with pytest.raises(ValueError, match="at most 64"):
+        Options(stop=["x"] * 65)
+
+
+def test_none_means_the_default():
+    """A JSON null or an unset flag: ``None`` for an option whose default is not None is that default."""
+    assert Options(max_tokens=None, stop=None, tie_margin=None, top_logprobs=None) == Options()
 
 
 def test_stop_strings_need_detokenize():
     with pytest.raises(ValueError, match="detokenize"):
-        DecodeState.start([1, 2], Options(stop_strings="END"))
+        DecodeState.start([1, 2], Options(stop="END"))
 
 
 @pytest.mark.parametrize("bad", [0, -1, True, 4.0])
@@ -1089,7 +1118,7 @@ def test_top_logprobs_must_be_a_non_negative_int(bad):
         Options(top_logprobs=bad)
 
 
-@pytest.mark.parametrize("bad", [-0.1, float("nan"), float("inf"), True, "0.1", None])
+@pytest.mark.parametrize("bad", [-0.1, float("nan"), float("inf"), True, "0.1"])
 def test_tie_margin_must_be_finite_non_negative(bad):
     with pytest.raises(ValueError, match="tie_margin"):
         Options(tie_margin=bad)
@@ -1101,7 +1130,7 @@ def test_tie_margin_accepts_ints_and_numpy_floats():
 
 
 def test_draft_longer_than_the_budget():
-    s = start(Options(max_new_tokens=3))
+    s = start(Options(max_tokens=3))
     with pytest.raises(ValueError, match="a draft of 3 tokens exceeds this step's budget of 2"):
         step(s, onehot(1), stack([1, 2, 3]), (1, 2, 3))
     with pytest.raises(ValueError, match="exceeds this step's budget of 2"):
@@ -1112,7 +1141,7 @@ def test_draft_longer_than_the_budget():
 
 
 def test_stepping_a_finished_state():
-    s, _, _ = run(start(Options(max_new_tokens=1)), [4])
+    s, _, _ = run(start(Options(max_tokens=1)), [4])
     assert s.finished
     with pytest.raises(ValueError, match="already finished"):
         run(s, [4])
@@ -1140,7 +1169,7 @@ def test_step_from_picks_argument_checks():
 
 def test_options_defaults():
     o = Options()
-    assert o.max_new_tokens == 128
+    assert o.max_tokens == 128
     assert o.eos_token_ids == frozenset()
     assert o.stop_token_sequences == ()
     assert o.stop_strings == ()
@@ -1163,23 +1192,23 @@ def test_options_eos_list_becomes_frozenset():
 
 
 def test_options_single_stop_string():
-    assert Options(stop_strings="END").stop_strings == ("END",)
-    assert Options(stop_strings=None).stop_strings == ()
+    assert Options(stop="END").stop_strings == ("END",)
+    assert Options(stop=None).stop_strings == ()
 
 
 def test_options_stop_lists_become_tuples():
-    o = Options(stop_strings=["a", "bc"], stop_token_sequences=[[1, 2], (3,), np.array([4, 5])])
+    o = Options(stop=["a", [1, 2], "bc", (3,), np.array([4, 5])])
     assert o.stop_strings == ("a", "bc")
     assert o.stop_token_sequences == ((1, 2), (3,), (4, 5))
     assert all(type(t) is int for seq in o.stop_token_sequences for t in seq)
-    assert Options(stop_token_sequences=None).stop_token_sequences == ()
+    assert Options(stop=None).stop_token_sequences == ()
 
 
 def test_options_are_frozen_and_comparable():
-    o = Options(eos_token_ids=[1], stop_strings=["x"])
-    assert o == Options(eos_token_ids={1}, stop_strings=("x",))
+    o = Options(eos_token_ids=[1], stop=["x"])
+    assert o == Options(eos_token_ids={1}, stop=("x",))
     with pytest.raises(AttributeError):
-        o.max_new_tokens = 3  # type: ignore[misc]
+        o.max_tokens = 3  # type: ignore[misc]
 
 
 def test_stats_acceptance_rate():
@@ -1190,9 +1219,9 @@ def test_stats_acceptance_rate():
 def test_finish_reason_str():
     assert str(FinishReason.EOS_TOKEN) == "eos_token"
     assert FinishReason("context_full") is FinishReason.CONTEXT_FULL
-    assert FinishReason.MAX_NEW_TOKENS == "max_new_tokens"
+    assert FinishReason.MAX_TOKENS == "max_tokens"
 
 
 def test_finish_reason_in_openai_words():
     assert FinishReason.EOS_TOKEN.openai == FinishReason.STOP_SEQUENCE.openai == "stop"
-    assert FinishReason.MAX_NEW_TOKENS.openai == FinishReason.CONTEXT_FULL.openai == "length"
+    assert FinishReason.MAX_TOKENS.openai == FinishReason.CONTEXT_FULL.openai == "length"

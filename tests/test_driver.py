@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 import pytest
 
@@ -84,9 +86,9 @@ class Fixed:
 def test_plain_generate_equals_greedy(seed):
     model = make_model(seed)
     backend = FakeBackend(model)
-    r = generate(backend, PROMPT, Options(max_new_tokens=30))
+    r = generate(backend, PROMPT, Options(max_tokens=30))
     assert list(r.token_ids) == model.greedy(PROMPT, 30)
-    assert r.finish_reason is FinishReason.MAX_NEW_TOKENS
+    assert r.finish_reason is FinishReason.MAX_TOKENS
     assert r.stats.steps == 30
     assert r.stats.verification_steps == 0 and r.stats.proposed_tokens == 0
     assert r.stats.steps == 30 == backend.passes  # the prompt pass picks the first token
@@ -98,15 +100,15 @@ def test_plain_generate_equals_greedy(seed):
 @pytest.mark.parametrize("seed", [0, 5])
 def test_prompt_lookup_generate_equals_greedy(seed, width):
     model = make_model(seed)
-    r = generate(FakeBackend(model), PROMPT, Options(max_new_tokens=40), PromptLookup(), draft_width=width)
+    r = generate(FakeBackend(model), PROMPT, Options(max_tokens=40), PromptLookup(), draft_width=width)
     assert list(r.token_ids) == model.greedy(PROMPT, 40)
-    assert r.finish_reason is FinishReason.MAX_NEW_TOKENS
+    assert r.finish_reason is FinishReason.MAX_TOKENS
 
 
 def test_prompt_lookup_accepts_tokens_on_repetitive_text():
     model = make_model(0, markov=20.0)
     backend = FakeBackend(model)
-    r = generate(backend, PROMPT, Options(max_new_tokens=60), PromptLookup(), draft_width=4)
+    r = generate(backend, PROMPT, Options(max_tokens=60), PromptLookup(), draft_width=4)
     assert list(r.token_ids) == model.greedy(PROMPT, 60)
     assert r.stats.accepted_tokens > 20
     assert r.stats.steps < 60
@@ -115,7 +117,7 @@ def test_prompt_lookup_accepts_tokens_on_repetitive_text():
 def test_oracle_proposer_fills_every_pass():
     model = make_model(3)
     backend = RecordingBackend(model)
-    r = generate(backend, PROMPT, Options(max_new_tokens=20), Oracle(model), draft_width=3)
+    r = generate(backend, PROMPT, Options(max_tokens=20), Oracle(model), draft_width=3)
     assert list(r.token_ids) == model.greedy(PROMPT, 20)
     assert r.stats.accepted_tokens == r.stats.proposed_tokens
     assert r.stats.steps == 6  # prompt pass 1, then 4 + 4 + 4 + 4, then 3 (the budget caps the last draft)
@@ -126,7 +128,7 @@ def test_oracle_proposer_fills_every_pass():
 def test_device_accept_path_equals_greedy():
     model = make_model(4)
     backend = DeviceAcceptBackend(model)
-    r = generate(backend, PROMPT, Options(max_new_tokens=30), PromptLookup(), draft_width=4)
+    r = generate(backend, PROMPT, Options(max_tokens=30), PromptLookup(), draft_width=4)
     assert list(r.token_ids) == model.greedy(PROMPT, 30)
     kinds = {kind for kind, _ in backend.calls}
     assert kinds == {"decode", "argmax"}  # prefill, then every step through verify_picks
@@ -136,7 +138,7 @@ def test_device_accept_path_equals_greedy():
 def test_device_accept_is_skipped_for_logprobs():
     model = make_model(4)
     backend = DeviceAcceptBackend(model)
-    r = generate(backend, PROMPT, Options(max_new_tokens=10, top_logprobs=2), Oracle(model), draft_width=2)
+    r = generate(backend, PROMPT, Options(max_tokens=10, top_logprobs=2), Oracle(model), draft_width=2)
     assert list(r.token_ids) == model.greedy(PROMPT, 10)
     assert "argmax" not in {kind for kind, _ in backend.calls}
     assert len(r.logprobs) == 10
@@ -145,7 +147,7 @@ def test_device_accept_is_skipped_for_logprobs():
 def test_one_token_prompt_has_no_prefill():
     model = make_model(2)
     backend = RecordingBackend(model)
-    r = generate(backend, [7], Options(max_new_tokens=6))
+    r = generate(backend, [7], Options(max_tokens=6))
     assert list(r.token_ids) == model.greedy([7], 6)
     assert backend.calls[0] == ("decode", (7,))
     assert r.stats.steps == 6 == backend.passes
@@ -154,7 +156,7 @@ def test_one_token_prompt_has_no_prefill():
 def test_prompt_pass_picks_the_first_token():
     model = make_model(2)
     backend = RecordingBackend(model)
-    r = generate(backend, PROMPT, Options(max_new_tokens=2))
+    r = generate(backend, PROMPT, Options(max_tokens=2))
     assert backend.calls[0] == ("decode", PROMPT)
     assert backend.calls[1] == ("decode", (r.token_ids[0],))
     assert len(backend.calls) == 2
@@ -166,7 +168,7 @@ def test_eos_ends_generation_like_greedy():
     assert 0 in g
     want = g[: g.index(0) + 1]
     for proposer in (None, PromptLookup(), Oracle(model)):
-        r = generate(FakeBackend(model), PROMPT, Options(max_new_tokens=200, eos_token_ids=0), proposer)
+        r = generate(FakeBackend(model), PROMPT, Options(max_tokens=200, eos_token_ids=0), proposer)
         assert list(r.token_ids) == want
         assert r.finish_reason is FinishReason.EOS_TOKEN
 
@@ -179,7 +181,7 @@ def test_stop_string_through_the_driver():
         generate(
             FakeBackend(model),
             PROMPT,
-            Options(max_new_tokens=80, stop_strings=[stop]),
+            Options(max_tokens=80, stop=[stop]),
             proposer,
             detokenize=detok,
         )
@@ -198,14 +200,14 @@ def test_stop_token_sequence_through_the_driver():
     seq = tuple(g[20:22])
     first = next(i for i in range(len(g) - 1) if tuple(g[i : i + 2]) == seq)
     for proposer in (None, PromptLookup(), Oracle(model)):
-        r = generate(FakeBackend(model), PROMPT, Options(max_new_tokens=50, stop_token_sequences=[seq]), proposer)
+        r = generate(FakeBackend(model), PROMPT, Options(max_tokens=50, stop=[seq]), proposer)
         assert list(r.token_ids) == g[: first + 2]
         assert r.stop_matched == seq
 
 
 def test_logprobs_through_the_driver_are_the_same_with_and_without_speculation():
     model = make_model(9)
-    opts = Options(max_new_tokens=15, top_logprobs=3)
+    opts = Options(max_tokens=15, top_logprobs=3)
     plain = generate(FakeBackend(model), PROMPT, opts)
     spec = generate(FakeBackend(model), PROMPT, opts, Oracle(model), draft_width=4)
     assert plain.token_ids == spec.token_ids
@@ -217,7 +219,7 @@ def test_logprobs_through_the_driver_are_the_same_with_and_without_speculation()
 
 def test_tie_guard_with_planted_ties_still_equals_greedy():
     model = make_model(10, tie_rate=0.5, near_tie_gap=1e-4)
-    opts = Options(max_new_tokens=40, tie_margin=1e-3)
+    opts = Options(max_tokens=40, tie_margin=1e-3)
     r = generate(FakeBackend(model), PROMPT, opts, Oracle(model), draft_width=4)
     assert list(r.token_ids) == model.greedy(PROMPT, 40)
     assert r.stats.tie_guard_stops > 0
@@ -230,34 +232,50 @@ def test_tie_guard_with_planted_ties_still_equals_greedy():
 # Streaming callback and abort
 
 
+def _recorder(into: list):
+    """A stream callback ``(text, token_id, finish_reason)`` that records each call as a ``Commit``-like triple."""
+
+    def cb(text, token_id, finish_reason):
+        into.append(Delivered(text, token_id, finish_reason))
+
+    return cb
+
+
+class Delivered(NamedTuple):
+    text: str
+    token_id: int
+    finish_reason: object
+
+
 def test_callback_receives_commits_in_order():
     model = make_model(11)
-    got = []
+    got: list = []
     r = generate(
         FakeBackend(model),
         PROMPT,
-        Options(max_new_tokens=30),
+        Options(max_tokens=30),
         PromptLookup(),
         draft_width=4,
-        callback=got.append,
+        callback=_recorder(got),
         detokenize=detok,
     )
     assert tuple(c.token_id for c in got) == r.token_ids
     assert "".join(c.text for c in got) == r.text == detok(r.token_ids)
+    assert [c.finish_reason for c in got] == [None] * (len(got) - 1) + [r.finish_reason]
 
 
 def test_callback_deltas_with_stop_string_concatenate_to_the_text():
     model = make_model(12, markov=1.0)
     full = detok(model.greedy(PROMPT, 60))
     stop = full[30:32]
-    got = []
+    got: list = []
     r = generate(
         FakeBackend(model),
         PROMPT,
-        Options(max_new_tokens=60, stop_strings=stop),
+        Options(max_tokens=60, stop=stop),
         Oracle(model),
         draft_width=5,
-        callback=got.append,
+        callback=_recorder(got),
         detokenize=detok,
     )
     assert "".join(c.text for c in got) == r.text
@@ -270,8 +288,8 @@ class Boom(RuntimeError):
 
 
 def _raise_at(n: int, received: list):
-    def cb(commit):
-        received.append(commit)
+    def cb(text, token_id, finish_reason):
+        received.append(Delivered(text, token_id, finish_reason))
         if len(received) == n:
             raise Boom(f"stop at {n}")
 
@@ -288,7 +306,7 @@ def test_callback_raising_mid_block_aborts_with_the_streamed_tokens(n):
         generate(
             backend,
             PROMPT,
-            Options(max_new_tokens=30, top_logprobs=1),
+            Options(max_tokens=30, top_logprobs=1),
             Oracle(model),
             draft_width=4,
             callback=_raise_at(n, received),
@@ -307,7 +325,7 @@ def test_callback_raising_mid_block_aborts_with_the_streamed_tokens(n):
     assert len(partial.logprobs) == n
     assert list(partial.token_ids) == model.greedy(PROMPT, n)
     # The backend is usable for a new generation.
-    r = generate(backend, PROMPT, Options(max_new_tokens=10))
+    r = generate(backend, PROMPT, Options(max_tokens=10))
     assert list(r.token_ids) == model.greedy(PROMPT, 10)
     assert backend.current_len() == len(PROMPT) + 10 - 1
 
@@ -322,7 +340,7 @@ def test_callback_raising_before_a_stop_in_the_same_block_reports_no_stop():
         generate(
             FakeBackend(model),
             PROMPT,
-            Options(max_new_tokens=30, stop_token_sequences=[seq]),
+            Options(max_tokens=30, stop=[seq]),
             Oracle(model),
             draft_width=6,
             callback=_raise_at(2, received),
@@ -337,21 +355,21 @@ def test_callback_raising_on_the_last_commit_keeps_every_token():
     model = make_model(15)
     received: list = []
     with pytest.raises(GenerationAborted) as info:
-        generate(FakeBackend(model), PROMPT, Options(max_new_tokens=5), callback=_raise_at(5, received))
+        generate(FakeBackend(model), PROMPT, Options(max_tokens=5), callback=_raise_at(5, received))
     assert info.value.partial.token_ids == tuple(model.greedy(PROMPT, 5))
 
 
 def test_callback_base_exception_is_not_wrapped():
-    def cb(commit):
+    def cb(text, token_id, finish_reason):
         raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
-        generate(FakeBackend(make_model()), PROMPT, Options(max_new_tokens=3), callback=cb)
+        generate(FakeBackend(make_model()), PROMPT, Options(max_tokens=3), callback=cb)
 
 
 def test_generation_iterator_partial_result_and_done():
     model = make_model(16)
-    run = Generation(FakeBackend(model), PROMPT, Options(max_new_tokens=12), Oracle(model), draft_width=4)
+    run = Generation(FakeBackend(model), PROMPT, Options(max_tokens=12), Oracle(model), draft_width=4)
     it = iter(run)
     first = [next(it) for _ in range(3)]
     assert not run.done
@@ -362,7 +380,7 @@ def test_generation_iterator_partial_result_and_done():
     assert run.done
     final = run.result()
     assert final.token_ids == tuple(c.token_id for c in first + rest) == tuple(model.greedy(PROMPT, 12))
-    assert final.finish_reason is FinishReason.MAX_NEW_TOKENS
+    assert final.finish_reason is FinishReason.MAX_TOKENS
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -373,7 +391,7 @@ def test_proposer_returning_too_many_tokens_is_truncated():
     model = make_model(17)
     backend = RecordingBackend(model)
     proposer = Oracle(model, extra=10)
-    r = generate(backend, PROMPT, Options(max_new_tokens=25), proposer, draft_width=3)
+    r = generate(backend, PROMPT, Options(max_tokens=25), proposer, draft_width=3)
     assert list(r.token_ids) == model.greedy(PROMPT, 25)
     assert all(len(t) <= 1 + 3 for kind, t in backend.calls if kind == "verify")
     assert r.stats.proposed_tokens <= 3 * r.stats.verification_steps
@@ -383,7 +401,7 @@ def test_proposer_returning_an_out_of_vocab_id_raises_before_the_backend_sees_it
     model = make_model(18)
     backend = RecordingBackend(model)
     with pytest.raises(GenerationError, match=f"token id {VOCAB}, outside the vocabulary") as info:
-        generate(backend, PROMPT, Options(max_new_tokens=10), Fixed((1, VOCAB)), draft_width=4)
+        generate(backend, PROMPT, Options(max_tokens=10), Fixed((1, VOCAB)), draft_width=4)
     assert isinstance(info.value.__cause__, ProposerError)
     assert info.value.partial.token_ids == tuple(model.greedy(PROMPT, 1))  # the prompt pass's token is kept
     assert all(max(t) < VOCAB for _, t in backend.calls)
@@ -393,7 +411,7 @@ def test_proposer_returning_an_out_of_vocab_id_raises_before_the_backend_sees_it
 def test_proposer_returning_a_negative_id_raises():
     backend = RecordingBackend(make_model())
     with pytest.raises(GenerationError, match="not a token id") as info:
-        generate(backend, PROMPT, Options(max_new_tokens=10), Fixed((-1,)), draft_width=4)
+        generate(backend, PROMPT, Options(max_tokens=10), Fixed((-1,)), draft_width=4)
     assert isinstance(info.value.__cause__, ProposerError)
     assert [kind for kind, _ in backend.calls] == ["decode"]
 
@@ -401,13 +419,13 @@ def test_proposer_returning_a_negative_id_raises():
 def test_proposer_returning_a_list_or_array_works():
     model = make_model(19)
     for proposer in (Oracle(model, as_list=True), Fixed([1, 2, 3]), Fixed(np.array([1, 2], dtype=np.int64))):
-        r = generate(FakeBackend(model), PROMPT, Options(max_new_tokens=12), proposer, draft_width=4)
+        r = generate(FakeBackend(model), PROMPT, Options(max_tokens=12), proposer, draft_width=4)
         assert list(r.token_ids) == model.greedy(PROMPT, 12)
 
 
 def test_proposer_returning_nothing_is_a_plain_step():
     model = make_model(20)
-    r = generate(FakeBackend(model), PROMPT, Options(max_new_tokens=8), Fixed(()), draft_width=4)
+    r = generate(FakeBackend(model), PROMPT, Options(max_tokens=8), Fixed(()), draft_width=4)
     assert list(r.token_ids) == model.greedy(PROMPT, 8)
     assert r.stats.verification_steps == 0
 
@@ -415,7 +433,7 @@ def test_proposer_returning_nothing_is_a_plain_step():
 def test_proposer_sees_the_context_and_a_capped_width():
     model = make_model(21)
     proposer = Oracle(model)
-    r = generate(FakeBackend(model), PROMPT, Options(max_new_tokens=10), proposer, draft_width=4)
+    r = generate(FakeBackend(model), PROMPT, Options(max_tokens=10), proposer, draft_width=4)
     g = model.greedy(PROMPT, 10)
     assert proposer.calls[0] == (PROMPT + (g[0],), 4)  # the prompt pass already picked g[0]
     for context, width in proposer.calls:
@@ -439,7 +457,7 @@ def test_width_policy_observes_every_step():
 
     log: list = []
     model = make_model(22)
-    r = generate(FakeBackend(model), PROMPT, Options(max_new_tokens=30), PromptLookup(), draft_width=Recorder(log))
+    r = generate(FakeBackend(model), PROMPT, Options(max_tokens=30), PromptLookup(), draft_width=Recorder(log))
     assert list(r.token_ids) == model.greedy(PROMPT, 30)
     assert len(log) == r.stats.steps - 1  # every step after the prompt pass
     assert sum(p for p, _ in log) == r.stats.proposed_tokens
@@ -450,14 +468,14 @@ def test_width_policy_observes_every_step():
 @pytest.mark.parametrize("bad", [0, -1, True, 2.5])
 def test_bad_draft_width(bad):
     with pytest.raises(ValueError, match="draft_width must be an int >= 1"):
-        generate(FakeBackend(make_model()), PROMPT, Options(max_new_tokens=3), PromptLookup(), draft_width=bad)
+        generate(FakeBackend(make_model()), PROMPT, Options(max_tokens=3), PromptLookup(), draft_width=bad)
 
 
 def test_fixed_width_policy():
     p = FixedWidth(5)
     assert p.width() == 5
     assert p.observe(5, 0) is p
-    r = generate(FakeBackend(make_model()), PROMPT, Options(max_new_tokens=5), PromptLookup(), draft_width=p)
+    r = generate(FakeBackend(make_model()), PROMPT, Options(max_tokens=5), PromptLookup(), draft_width=p)
     assert len(r.token_ids) == 5
 
 
@@ -473,7 +491,7 @@ def test_stats_invariants_and_kv_length(proposer, width):
     model = make_model(23)
     backend = FakeBackend(model)
     prop = {"lookup": PromptLookup(), "oracle": Oracle(model), "fixed": Fixed((1, 2, 3, 4)), None: None}[proposer]
-    r = generate(backend, PROMPT, Options(max_new_tokens=33), prop, draft_width=width)
+    r = generate(backend, PROMPT, Options(max_tokens=33), prop, draft_width=width)
     s = r.stats
     assert list(r.token_ids) == model.greedy(PROMPT, 33)
     assert 0 <= s.accepted_tokens <= s.proposed_tokens
@@ -490,7 +508,7 @@ def test_max_context_defaults_to_backend_capacity():
     model = make_model(24)
     for proposer in (None, PromptLookup(), Oracle(model)):
         backend = FakeBackend(model, max_length=10)
-        r = generate(backend, PROMPT[:6], Options(max_new_tokens=100), proposer)
+        r = generate(backend, PROMPT[:6], Options(max_tokens=100), proposer)
         assert len(r.token_ids) == 4
         assert r.finish_reason is FinishReason.CONTEXT_FULL
         assert list(r.token_ids) == model.greedy(PROMPT[:6], 4)
@@ -501,7 +519,7 @@ def test_max_context_defaults_to_backend_capacity():
 def test_max_context_larger_than_capacity_is_capped():
     model = make_model(25)
     backend = FakeBackend(model, max_length=12)
-    r = generate(backend, PROMPT, Options(max_new_tokens=100, max_context=1000), Oracle(model))
+    r = generate(backend, PROMPT, Options(max_tokens=100, max_context=1000), Oracle(model))
     assert len(PROMPT) + len(r.token_ids) == 12
     assert r.finish_reason is FinishReason.CONTEXT_FULL
     assert backend.peak_len <= 12
@@ -510,7 +528,7 @@ def test_max_context_larger_than_capacity_is_capped():
 def test_max_context_smaller_than_capacity_is_honoured():
     model = make_model(26)
     backend = FakeBackend(model, max_length=100)
-    r = generate(backend, PROMPT, Options(max_new_tokens=100, max_context=len(PROMPT) + 7), Oracle(model))
+    r = generate(backend, PROMPT, Options(max_tokens=100, max_context=len(PROMPT) + 7), Oracle(model))
     assert len(r.token_ids) == 7
     assert r.finish_reason is FinishReason.CONTEXT_FULL
     assert backend.peak_len <= len(PROMPT) + 7
@@ -519,7 +537,7 @@ def test_max_context_smaller_than_capacity_is_honoured():
 def test_max_new_tokens_is_never_overshot_by_a_pass():
     model = make_model(27)
     backend = FakeBackend(model)
-    r = generate(backend, PROMPT, Options(max_new_tokens=7), Oracle(model), draft_width=5)
+    r = generate(backend, PROMPT, Options(max_tokens=7), Oracle(model), draft_width=5)
     assert len(r.token_ids) == 7
     assert backend.peak_len <= len(PROMPT) + 7 - 1  # no pass ever reaches past the last committed token
 
@@ -527,13 +545,13 @@ def test_max_new_tokens_is_never_overshot_by_a_pass():
 def test_prompt_longer_than_capacity_raises():
     backend = RecordingBackend(make_model(), max_length=5)
     with pytest.raises(ValueError, match=r"the prompt has 8 tokens but the context \(the KV capacity\) is 5"):
-        generate(backend, PROMPT, Options(max_new_tokens=3))
+        generate(backend, PROMPT, Options(max_tokens=3))
     assert backend.calls == []
 
 
 def test_prompt_filling_the_capacity_finishes_with_no_tokens():
     backend = RecordingBackend(make_model(), max_length=len(PROMPT))
-    r = generate(backend, PROMPT, Options(max_new_tokens=3), PromptLookup())
+    r = generate(backend, PROMPT, Options(max_tokens=3), PromptLookup())
     assert r.token_ids == ()
     assert r.finish_reason is FinishReason.CONTEXT_FULL
     assert r.text == ""
@@ -543,7 +561,7 @@ def test_prompt_filling_the_capacity_finishes_with_no_tokens():
 @pytest.mark.parametrize("bad, match", [([], "prompt_tokens is empty"), ("hi", "not text"), ([1, -1], "prompt_tokens")])
 def test_bad_prompt(bad, match):
     with pytest.raises(ValueError, match=match):
-        generate(FakeBackend(make_model()), bad, Options(max_new_tokens=3))
+        generate(FakeBackend(make_model()), bad, Options(max_tokens=3))
 
 
 @pytest.mark.parametrize("prompt", [[1, VOCAB + 3, 2], [VOCAB]])
@@ -551,24 +569,24 @@ def test_prompt_id_outside_the_vocabulary_is_refused(prompt):
     # The core checks prompt ids against the backend's vocabulary before any pass.
     backend = RecordingBackend(make_model())
     with pytest.raises(ValueError, match=f"prompt_tokens holds token id {VOCAB + 3 if len(prompt) > 1 else VOCAB}"):
-        generate(backend, prompt, Options(max_new_tokens=3))
+        generate(backend, prompt, Options(max_tokens=3))
     assert backend.calls == []
 
 
 def test_stop_strings_without_detokenize_raise():
     with pytest.raises(ValueError, match="detokenize"):
-        generate(FakeBackend(make_model()), PROMPT, Options(stop_strings="x"))
+        generate(FakeBackend(make_model()), PROMPT, Options(stop="x"))
 
 
 def test_default_options():
     model = make_model(28)
     r = generate(FakeBackend(model), PROMPT)
-    assert len(r.token_ids) == Options().max_new_tokens
-    assert r.finish_reason is FinishReason.MAX_NEW_TOKENS
+    assert len(r.token_ids) == Options().max_tokens
+    assert r.finish_reason is FinishReason.MAX_TOKENS
 
 
 def test_result_timings_and_rate():
-    r = generate(FakeBackend(make_model()), PROMPT, Options(max_new_tokens=5))
+    r = generate(FakeBackend(make_model()), PROMPT, Options(max_tokens=5))
     t = r.timings
     assert 0 <= t.prefill_s <= t.total_s
     assert 0 <= t.first_token_s <= t.total_s

@@ -37,7 +37,7 @@ def test_generate_greedy_and_speculative_agree(engine):
         assert s.stats.verification_steps > 0, (speculative, s.stats)
         if isinstance(speculative, GreedyReplay):
             assert s.stats.accepted_tokens >= 10 and s.stats.multi_token_accepts > 0, s.stats
-    assert len(g.token_ids) == 40 and g.finish_reason == FinishReason.MAX_NEW_TOKENS
+    assert len(g.token_ids) == 40 and g.finish_reason == FinishReason.MAX_TOKENS
 
 
 def test_prompt_as_ids_and_chat(engine):
@@ -63,7 +63,7 @@ def test_stream_callback_signature_and_abort(engine):
     seen = []
     r = engine.generate_stream("abc abc abc", lambda t, i, f: seen.append((t, i, f)), max_tokens=12, ignore_eos=True)
     assert "".join(t for t, _, _ in seen) == r.text
-    assert seen[-1][2] == "max_new_tokens"
+    assert seen[-1][2] == "max_tokens"
 
     def boom(text, token_id, finish_reason):
         if len(seen2) == 3:

@@ -99,7 +99,7 @@ def test_static_shapes_generation_equals_default(fp32_dir):
     default = OrtBackend.from_folder(fp32_dir, threads=1)
     static = OrtBackend.from_folder(fp32_dir, threads=1, static_shapes=True)
     prompt = _tokens(12, default.vocab_size, seed=5) * 3
-    options = Options(max_new_tokens=40)
+    options = Options(max_tokens=40)
     greedy = generate(default, prompt, options)
     for backend in (default, static):
         for proposer in (None, PromptLookup(ngram=2, max_draft=8)):
@@ -389,7 +389,7 @@ def test_cuda_graphs_speculative_equals_greedy_via_device_picks(cuda_dir):
     b = OrtBackend.from_folder(cuda_dir, provider="cuda", cuda_graphs=True)
     b.capture_graphs()
     prompt = _tokens(12, b.vocab_size, seed=3) * 3
-    options = Options(max_new_tokens=48)
+    options = Options(max_tokens=48)
     greedy = generate(b, prompt, options)
     spec = generate(b, prompt, options, PromptLookup(ngram=3, max_draft=6), draft_width=6)
     eager = generate(OrtBackend.from_folder(cuda_dir, provider="cuda"), prompt, options)

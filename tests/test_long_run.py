@@ -51,8 +51,8 @@ def test_a_long_generation_keeps_memory_flat_and_back_to_back_runs_leak_nothing(
 def _per_token_cpu_us(proposer, tokens: int) -> tuple[float, float]:
     backend = FakeBackend(FakeModel(vocab_size=384, seed=1), max_length=tokens + 8)
     marks: list[float] = []
-    generate(backend, [5, 6, 7], Options(max_new_tokens=tokens, stop_strings=("zzzzq",)), proposer, draft_width=4,
-             callback=lambda c: marks.append(time.thread_time()),
+    generate(backend, [5, 6, 7], Options(max_tokens=tokens, stop=("zzzzq",)), proposer, draft_width=4,
+             callback=lambda *_: marks.append(time.thread_time()),
              detokenize=lambda ids: "".join(chr(97 + i % 26) for i in ids))  # fmt: skip
     return (marks[1001] - marks[1]) / 1000 * 1e6, (marks[-1] - marks[-1001]) / 1000 * 1e6
 

@@ -651,13 +651,13 @@ def test_cuda_engine_speculative_equals_greedy_via_device_accept(cuda_dir, recor
 
     cuda.verify_picks = counting
     prompt = _tokens(12, cuda.vocab_size, seed=3) * 3
-    options = Options(max_new_tokens=48)
+    options = Options(max_tokens=48)
     greedy = generate(cuda, prompt, options)
     spec = generate(cuda, prompt, options, PromptLookup(ngram=3, max_draft=6), draft_width=6)
     assert calls["verify_picks"] == greedy.stats.steps + spec.stats.steps
     assert spec.token_ids == greedy.token_ids
     assert spec.stats.steps <= greedy.stats.steps
-    guarded = generate(cuda, prompt, Options(max_new_tokens=48, tie_margin=1e-3), PromptLookup(), draft_width=6)
+    guarded = generate(cuda, prompt, Options(max_tokens=48, tie_margin=1e-3), PromptLookup(), draft_width=6)
     assert guarded.token_ids == greedy.token_ids
     cpu_ids = generate(OrtBackend.from_folder(cuda_dir, provider="cpu", threads=2), prompt, options).token_ids
     same = sum(a == b for a, b in zip(cpu_ids, greedy.token_ids, strict=False))

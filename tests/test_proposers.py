@@ -199,8 +199,7 @@ def test_is_frozen():
 def test_auto_learns_which_source_pays():
     """``LookupOrDraft`` keeps, per source, what its drafts earned: a drafter that knows the text wins over prompt
     lookup's short matches that keep failing, and prompt lookup wins on text that repeats itself."""
-    from ortspec.core import CostAwareWidth
-    from ortspec.lookup_or_draft import LookupOrDraft
+    from ortspec.core import CostAwareWidth, LookupOrDraft
 
     def truth(last: int) -> int:  # the "target's" next token: a fixed walk over 40 ids
         return (last * 7 + 3) % 40
@@ -215,27 +214,32 @@ def test_auto_learns_which_source_pays():
 
     costs = (1.0, 1.1, 1.2, 1.3, 1.4)
 
-    def drive(context: list[int], auto: LookupOrDraft, steps: int, next_token) -> None:
+    def drive(context: list[int], auto: LookupOrDraft, steps: int, next_token) -> LookupOrDraft:
         for _ in range(steps):
-            draft = auto.propose(context, 4)
+            before = tuple(context)
+            draft = auto.propose(before, 4)
+            accepted = 0
             for t in draft:  # the driver's rule: commit the agreeing prefix, then the target's own pick
                 if t != next_token(context):
                     break
                 context.append(t)
+                accepted += 1
             context.append(next_token(context))
+            auto = auto.observe(before, 4, draft, accepted)
+        return auto
 
     # open-ended text: the walk never repeats a 3-gram early, so lookup only has short matches, which fail
     auto = LookupOrDraft(PromptLookup(ngram=3, max_draft=8), Oracle())
-    auto.price(CostAwareWidth(costs), CostAwareWidth(costs, draft_cost=0.05))
+    auto = auto.priced(CostAwareWidth(costs), CostAwareWidth(costs, draft_cost=0.05))
     context = [5, 11, 5, 23, 11, 31]
-    drive(context, auto, 30, lambda c: truth(c[-1]))
+    auto = drive(context, auto, 30, lambda c: truth(c[-1]))
     assert auto.drafter_drafts > 3 * auto.lookup_drafts
     assert auto.drafter_policy.acceptance() > auto.weak_lookup_policy.acceptance()
 
     # text that copies itself: a period-6 loop; lookup matches and is right, the drafter (the walk) is wrong
     loop = [1, 2, 3, 4, 5, 6]
     auto = LookupOrDraft(PromptLookup(ngram=3, max_draft=8), Oracle())
-    auto.price(CostAwareWidth(costs), CostAwareWidth(costs, draft_cost=0.05))
+    auto = auto.priced(CostAwareWidth(costs), CostAwareWidth(costs, draft_cost=0.05))
     context = loop * 2
-    drive(context, auto, 30, lambda c: loop[len(c) % 6])
+    auto = drive(context, auto, 30, lambda c: loop[len(c) % 6])
     assert auto.lookup_drafts > 3 * auto.drafter_drafts

@@ -19,7 +19,7 @@ import pytest
 from ortspec import Options, PromptLookup, generate
 from ortspec.backends.fake import FakeBackend, FakeModel
 from ortspec.core.checks import ArgumentError
-from ortspec.core.sampling import StepContext, splitmix64, uniform
+from ortspec.core.sampling import Sampling, StepContext, splitmix64, uniform
 from property_tests.reference import PickRules, reference_pick
 
 ROW = np.array([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0], dtype=np.float32)
@@ -30,7 +30,7 @@ def draw_counts(row: np.ndarray, draws: int = DRAWS, **rules) -> np.ndarray:
     """How often each token is picked at index 0 over seeds 0..draws-1."""
     counts = np.zeros(len(row), dtype=np.int64)
     for seed in range(draws):
-        ctx = StepContext(Options(seed=seed, **rules).sampling, (0,), ())
+        ctx = StepContext(Sampling(seed=seed, **rules), (0,), ())
         counts[ctx.pick(row, 0, (), margin=False, top_n=0).token] += 1
     return counts
 
@@ -115,12 +115,12 @@ RULE_SETS = [
 @pytest.mark.parametrize("vocab", [2, 17, 300, 4096])
 def test_picks_equal_the_reference_on_random_rows(rules, vocab):
     rng = np.random.default_rng(vocab)
-    options = Options(
+    options = Options(sampling=Sampling(
         temperature=rules.temperature, top_k=rules.top_k, top_p=rules.top_p, min_p=rules.min_p, seed=rules.seed,
         repetition_penalty=rules.repetition_penalty, presence_penalty=rules.presence_penalty,
         frequency_penalty=rules.frequency_penalty, logit_bias=[(t % vocab, b) for t, b in rules.logit_bias],
-    )  # fmt: skip
-    rules = PickRules(**{**rules.__dict__, "logit_bias": options.logit_bias})
+    ))  # fmt: skip
+    rules = PickRules(**{**rules.__dict__, "logit_bias": options.sampling.logit_bias})
     for trial in range(40):
         row = (rng.standard_normal(vocab) * rng.choice([0.3, 2.0, 6.0])).astype(np.float32)
         if trial % 5 == 0:
@@ -139,7 +139,9 @@ def test_picks_equal_the_reference_on_random_rows(rules, vocab):
 def test_seeds_matter_on_a_flat_model():
     model = FakeModel(vocab_size=64, seed=1, markov=0.0, noise=0.05)
     outputs = {
-        generate(FakeBackend(model), (1, 2, 3), Options(max_new_tokens=12, temperature=1.0, seed=s)).token_ids
+        generate(
+            FakeBackend(model), (1, 2, 3), Options(max_tokens=12, sampling=Sampling(temperature=1.0, seed=s))
+        ).token_ids
         for s in range(20)
     }
     assert len(outputs) == 20
@@ -147,7 +149,7 @@ def test_seeds_matter_on_a_flat_model():
 
 def test_the_same_seed_replays_and_speculation_keeps_it():
     model = FakeModel(vocab_size=32, seed=2, markov=3.0)
-    options = Options(max_new_tokens=40, temperature=0.8, top_p=0.9, seed=99)
+    options = Options(max_tokens=40, sampling=Sampling(temperature=0.8, top_p=0.9, seed=99))
     plain = generate(FakeBackend(model), (1, 2, 3, 1, 2), options)
     again = generate(FakeBackend(model), (1, 2, 3, 1, 2), options)
     spec = generate(FakeBackend(model), (1, 2, 3, 1, 2), options, PromptLookup(), draft_width=6)
@@ -158,8 +160,8 @@ def test_the_same_seed_replays_and_speculation_keeps_it():
 
 def test_greedy_is_the_temperature_zero_case():
     model = FakeModel(vocab_size=32, seed=3)
-    assert generate(FakeBackend(model), (5, 6), Options(max_new_tokens=20)).token_ids == tuple(model.greedy((5, 6), 20))
-    assert generate(FakeBackend(model), (5, 6), Options(max_new_tokens=20)).seed is None
+    assert generate(FakeBackend(model), (5, 6), Options(max_tokens=20)).token_ids == tuple(model.greedy((5, 6), 20))
+    assert generate(FakeBackend(model), (5, 6), Options(max_tokens=20)).seed is None
 
 
 @pytest.mark.parametrize(
@@ -184,21 +186,21 @@ def test_greedy_is_the_temperature_zero_case():
 )
 def test_bad_sampling_options_name_the_field(bad, field):
     with pytest.raises(ArgumentError, match=field) as info:
-        Options(**bad)
+        Options(sampling=Sampling(**bad))
     assert info.value.argument == field and isinstance(info.value, ValueError)
 
 
 def test_logit_bias_outside_the_vocabulary_is_refused_before_any_pass():
     backend = FakeBackend(FakeModel(vocab_size=16))
     with pytest.raises(ValueError, match="logit_bias"):
-        generate(backend, (1, 2), Options(logit_bias={16: 1.0}))
+        generate(backend, (1, 2), Options(sampling=Sampling(logit_bias={16: 1.0})))
     assert backend.passes == 0
 
 
 def test_a_non_finite_row_is_refused_even_where_filters_would_drop_it():
     row = ROW.copy()
     row[-1] = np.nan  # the least likely token: top_k would drop it
-    ctx = StepContext(Options(temperature=1.0, top_k=2, seed=1).sampling, (0,), ())
+    ctx = StepContext(Sampling(temperature=1.0, top_k=2, seed=1), (0,), ())
     with pytest.raises(ValueError, match="not finite"):
         ctx.pick(row, 0, (), margin=False, top_n=0)
     with pytest.raises(ValueError, match="not finite"):

@@ -191,7 +191,7 @@ def check_folder(
     except Exception as exc:  # noqa: BLE001 - the report says why
         return FolderReport(path, load_error=f"{type(exc).__name__}: {exc}", seconds=time.perf_counter() - started)
     eos = frozenset(backend.folder.eos_token_ids)
-    options = Options(max_new_tokens=max_new_tokens, eos_token_ids=eos)
+    options = Options(max_tokens=max_new_tokens, eos_token_ids=eos)
     levels = tuple(sorted({level for (_bits, level) in backend.graph_facts.matmul_nbits}))
     try:
         greedy = generate(backend, list(prompt), options).token_ids

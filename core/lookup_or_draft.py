@@ -1,0 +1,95 @@
+"""``speculative="auto"``: per draft, prompt lookup or a draft model (the shared-KV drafter), whichever has earned more.
+
+A frozen value that learns like a width policy (``core.proposers.Learner``): ``propose`` is a pure function of the
+value and the context, and the driver replaces the value with ``observe(context, draft, accepted)`` after each
+verified draft. It only chooses which draft to verify; the core checks every draft token against the target, so
+the output never depends on this value, only the speed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import attrs
+
+from .checks import int_at_least
+from .proposers import PromptLookup, Proposer
+from .width import CostAwareWidth
+
+_POLICY = {"strong": "lookup_policy", "weak": "weak_lookup_policy", "drafter": "drafter_policy"}
+
+
+@attrs.frozen
+class LookupOrDraft:
+    """Prompt lookup or a draft model, chosen per draft by what each has earned, each with its own cost-aware width
+    policy.
+
+    Three sources learn their acceptance apart: lookup drafts from a strong match (a context suffix of at least
+    ``strong_ngram`` tokens found earlier), lookup drafts from a weak match, and the drafter. Per call: when prompt
+    lookup has a draft, it is taken if its source's policy (strong or weak, by the match's length) expects at least
+    as many committed tokens per unit of target time as the drafter's (``expected_rate`` at each policy's best
+    width); otherwise the drafter drafts ``drafter_policy.width()`` tokens. So on text that copies its prompt the
+    lookup wins even on short matches, and on open-ended text, where short matches rarely hold, the drafter does.
+    Each policy prices its source (``draft_cost``: 0 for lookup, the head's step for the drafter) and learns only
+    from its own drafts (``observe``). Widths are capped by the driver's ``width``, so the driver's own policy should
+    only cap (a ``FixedWidth`` of the largest width). Unpriced (no policies; see :meth:`priced`), lookup drafts
+    whenever it has a draft and each source drafts up to the driver's width. ``lookup_drafts`` and
+    ``drafter_drafts`` count the verified drafts of each source.
+    """
+
+    lookup: PromptLookup
+    drafter: Proposer
+    lookup_policy: CostAwareWidth | None = None  # strong matches
+    weak_lookup_policy: CostAwareWidth | None = None
+    drafter_policy: CostAwareWidth | None = None
+    strong_ngram: int = attrs.field(default=3, validator=int_at_least(1))
+    lookup_drafts: int = 0
+    drafter_drafts: int = 0
+
+    def priced(self, lookup_policy: CostAwareWidth, drafter_policy: CostAwareWidth) -> LookupOrDraft:
+        """This value with the sources' width policies (made from the backend's measured costs): ``lookup_policy``
+        for both kinds of lookup match, ``drafter_policy`` for the drafter."""
+        return attrs.evolve(
+            self, lookup_policy=lookup_policy, weak_lookup_policy=lookup_policy, drafter_policy=drafter_policy
+        )
+
+    def _choose(self, context_tokens: Sequence[int], width: int) -> tuple[str, tuple[int, ...]]:
+        """The source for a draft after ``context_tokens`` and, for a lookup source, its draft (cut to its width)."""
+        draft, matched = self.lookup.match(context_tokens, width)
+        source = "strong" if matched >= self.strong_ngram else "weak"
+        policy: CostAwareWidth | None = getattr(self, _POLICY[source])
+        if draft and _rate(policy) >= _rate(self.drafter_policy):
+            return source, draft[: _width(policy, width)]
+        return "drafter", ()
+
+    def propose(self, context_tokens: Sequence[int], width: int) -> tuple[int, ...]:
+        source, draft = self._choose(context_tokens, width)
+        if source != "drafter":
+            return draft
+        k = _width(self.drafter_policy, width)
+        return tuple(self.drafter.propose(context_tokens, k))[:k] if k > 0 else ()
+
+    def observe(self, context_tokens: Sequence[int], width: int, draft: Sequence[int], accepted: int) -> LookupOrDraft:
+        """This value after ``accepted`` of ``draft`` (what ``propose(context_tokens, width)`` returned) were
+        committed: the source that drafted it (the same choice ``propose`` made) learns it; an empty draft counts
+        as an idle step of that source's policy."""
+        source, _ = self._choose(context_tokens, width)
+        name = _POLICY[source]
+        policy: CostAwareWidth | None = getattr(self, name)
+        verified = 1 if draft else 0
+        changes: dict[str, Any] = {
+            "lookup_drafts": self.lookup_drafts + (verified if source != "drafter" else 0),
+            "drafter_drafts": self.drafter_drafts + (verified if source == "drafter" else 0),
+        }
+        if policy is not None:
+            changes[name] = policy.observe(len(draft), accepted)
+        return attrs.evolve(self, **changes)
+
+
+def _rate(policy: CostAwareWidth | None) -> float:
+    return policy.expected_rate(policy.best_width()) if policy is not None else 0.0
+
+
+def _width(policy: CostAwareWidth | None, cap: int) -> int:
+    return min(cap, policy.width()) if policy is not None else cap
