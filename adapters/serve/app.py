@@ -150,7 +150,9 @@ class _Routes:
             )
         return Prepared(ids, options, fields, speculative)
 
-    async def _submit(self, body: GenerationRequest, request: Request, prepared: Prepared, deadline: float) -> RequestGeneration:
+    async def _submit(
+        self, body: GenerationRequest, request: Request, prepared: Prepared, deadline: float
+    ) -> RequestGeneration:
         """The job for a request, once a worker took it (429 when the queue is full, 504 past the deadline)."""
         try:
             return await _unless_disconnected(

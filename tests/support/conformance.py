@@ -66,7 +66,7 @@ def _strip_eos(tokens: Sequence[int], eos: frozenset[int]) -> list[int]:
     return tokens[:-1] if tokens and tokens[-1] in eos else tokens
 
 
-def genai_greedy(folder: str | os.PathLike[str], prompt: Sequence[int], max_new_tokens: int, threads: int) -> list[int]:
+def genai_greedy(folder: str | os.PathLike[str], prompt: Sequence[int], max_tokens: int, threads: int) -> list[int]:
     """ONNX Runtime GenAI's greedy search on ``folder`` (CPU, ``threads`` intra-op threads): the new tokens, without
     a final EOS. A folder built for CUDA runs on the CPU (its provider options are cleared)."""
     import onnxruntime_genai as og
@@ -76,7 +76,7 @@ def genai_greedy(folder: str | os.PathLike[str], prompt: Sequence[int], max_new_
     config.overlay(json.dumps({"model": {"decoder": {"session_options": {"intra_op_num_threads": int(threads)}}}}))
     model = og.Model(config)
     params = og.GeneratorParams(model)
-    params.set_search_options(do_sample=False, max_length=len(prompt) + max_new_tokens, batch_size=1)
+    params.set_search_options(do_sample=False, max_length=len(prompt) + max_tokens, batch_size=1)
     generator = og.Generator(model, params)
     generator.append_tokens(np.asarray(prompt, dtype=np.int32))
     while not generator.is_done():
@@ -86,7 +86,7 @@ def genai_greedy(folder: str | os.PathLike[str], prompt: Sequence[int], max_new_
     return _strip_eos(sequence, eos)
 
 
-def transformers_greedy(hf_dir: str | os.PathLike[str], prompt: Sequence[int], max_new_tokens: int) -> list[int]:
+def transformers_greedy(hf_dir: str | os.PathLike[str], prompt: Sequence[int], max_tokens: int) -> list[int]:
     """transformers' greedy decoding of the float32 checkpoint in ``hf_dir`` (no EOS stop): the new tokens."""
     import torch
     from transformers import AutoModelForCausalLM
@@ -97,7 +97,7 @@ def transformers_greedy(hf_dir: str | os.PathLike[str], prompt: Sequence[int], m
     ids = torch.tensor([list(prompt)])
     with torch.no_grad():
         out = model.generate(
-            ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None
+            ids, attention_mask=torch.ones_like(ids), max_tokens=max_tokens, do_sample=False, eos_token_id=None
         )
     return [int(t) for t in out[0, len(prompt) :]]
 
@@ -175,7 +175,7 @@ def check_folder(
     folder: str | os.PathLike[str],
     prompt: Sequence[int],
     *,
-    max_new_tokens: int = 64,
+    max_tokens: int = 64,
     threads: int = 1,
     backend_options: Mapping[str, Any] | None = None,
     genai: bool = True,
@@ -183,7 +183,7 @@ def check_folder(
     draft_width: int = 6,
 ) -> FolderReport:
     """Run the checks of the module docstring on ``folder`` with ``prompt`` (token ids). ``backend_options``
-    go to ``OrtBackend.from_folder``. Greedy decoding stops at the folder's EOS tokens or ``max_new_tokens``."""
+    go to ``OrtBackend.from_folder``. Greedy decoding stops at the folder's EOS tokens or ``max_tokens``."""
     started = time.perf_counter()
     path = Path(folder)
     try:
@@ -191,7 +191,7 @@ def check_folder(
     except Exception as exc:  # noqa: BLE001 - the report says why
         return FolderReport(path, load_error=f"{type(exc).__name__}: {exc}", seconds=time.perf_counter() - started)
     eos = frozenset(backend.folder.eos_token_ids)
-    options = Options(max_tokens=max_new_tokens, eos_token_ids=eos)
+    options = Options(max_tokens=max_tokens, eos_token_ids=eos)
     levels = tuple(sorted({level for (_bits, level) in backend.graph_facts.matmul_nbits}))
     try:
         greedy = generate(backend, list(prompt), options).token_ids
@@ -208,7 +208,7 @@ def check_folder(
     found: dict[str, Any] = {}
     if genai:
         try:
-            theirs = genai_greedy(path, prompt, max_new_tokens, threads)
+            theirs = genai_greedy(path, prompt, max_tokens, threads)
             ours = _strip_eos(greedy, eos)
             found["genai_agree"] = (agreement(ours, theirs), max(len(ours), len(theirs)))
         except Exception as exc:  # noqa: BLE001 - a peer failure is reported, not raised
