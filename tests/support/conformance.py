@@ -97,7 +97,7 @@ def transformers_greedy(hf_dir: str | os.PathLike[str], prompt: Sequence[int], m
     ids = torch.tensor([list(prompt)])
     with torch.no_grad():
         out = model.generate(
-            ids, attention_mask=torch.ones_like(ids), max_tokens=max_tokens, do_sample=False, eos_token_id=None
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens, do_sample=False, eos_token_id=None
         )
     return [int(t) for t in out[0, len(prompt) :]]
 
