@@ -407,12 +407,13 @@ class BatchWorker:
     ) -> None:
         from ortspec.adapters.cache import cache_root
         from ortspec.adapters.engine import Engine
+        from ortspec.backends.onnx import BackendConfig
 
         t0 = time.perf_counter()
         self.name = name
         self.defaults = dict(defaults)
         self.engine = Engine.from_dir(
-            model_dir, provider=provider, threads=threads, max_length=max_length, drafter=False
+            model_dir, BackendConfig(provider=provider, threads=threads, max_length=max_length), drafter=False
         )  # prompt lookup only: batch workers open no shared-KV drafter (docs/drafter.md)
         if self.defaults.get("speculative") is not None:
             with _file_lock(cache_root() / "measurements" / ".measure.lock"):

@@ -55,14 +55,17 @@ def _model_dir(args: argparse.Namespace) -> Path:
 
 def _engine(args: argparse.Namespace):
     from ortspec.adapters.engine import Engine
+    from ortspec.backends.onnx import BackendConfig
 
     return Engine.from_dir(
         _model_dir(args),
-        provider=args.provider,
-        threads=args.threads,
-        max_length=args.max_length,
-        sliding_window=args.sliding_window,
-        matmul_accuracy_level=args.matmul_accuracy_level,
+        BackendConfig(
+            provider=args.provider,
+            threads=args.threads,
+            max_length=args.max_length,
+            sliding_window=args.sliding_window,
+            matmul_accuracy_level=args.matmul_accuracy_level,
+        ),
         drafter=False if args.drafter == "none" else args.drafter,
     )
 
@@ -838,8 +841,10 @@ def main(argv: list[str] | None = None) -> int:
     differ); 2 for bad input (arguments, prompt, model folder); 130 when interrupted (Ctrl-C)."""
     from ortspec.adapters.convert import ConversionError
     from ortspec.backends.base import BackendError
+    from ortspec.backends.onnx import route_onnxruntime_logging
     from ortspec.driver import GenerationError
 
+    route_onnxruntime_logging()  # onnxruntime's own log lines go to Python logging (ortspec.onnxruntime)
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
     if unknown:

@@ -64,6 +64,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ortspec.adapters.engine import Engine, GenerationOptions, common_prefix_length
+from ortspec.backends.onnx import BackendConfig, route_onnxruntime_logging
 from ortspec.core.checks import int_at_least
 from ortspec.core.state import Commit, TokenLogprob
 from ortspec.driver import GenerateResult, GenerationError
@@ -881,6 +882,7 @@ def create_app(engines: Sequence[Engine], settings: ServerSettings) -> FastAPI:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        route_onnxruntime_logging()  # onnxruntime's own log lines go to Python logging (ortspec.onnxruntime)
         if settings.measure_at_startup:
             await run_in_threadpool(pool.measure)
         yield
@@ -1068,12 +1070,14 @@ def load_engines(
     return [
         Engine.from_dir(
             model_dir,
-            provider=provider,
-            threads=threads,
-            max_length=max_length,
+            BackendConfig(
+                provider=provider,
+                threads=threads,
+                max_length=max_length,
+                sliding_window=sliding_window,
+                matmul_accuracy_level=matmul_accuracy_level,
+            ),
             prefix_reuse=prefix_reuse,
-            sliding_window=sliding_window,
-            matmul_accuracy_level=matmul_accuracy_level,
             drafter=False,
         )
         for _ in range(workers)

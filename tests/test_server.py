@@ -25,6 +25,7 @@ import openai  # noqa: E402
 
 from ortspec.adapters.engine import Engine  # noqa: E402
 from ortspec.adapters.server import ServerSettings, create_app, load_engines, serve_in_thread  # noqa: E402
+from ortspec.backends.onnx import BackendConfig  # noqa: E402
 
 MODEL = "tiny"
 CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "the quick brown fox jumps over"}]
@@ -33,7 +34,7 @@ CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": 
 @pytest.fixture(scope="module")
 def reference(tiny_model_dir):
     """A plain Engine (no prefix reuse): what the server must reproduce."""
-    return Engine.from_dir(tiny_model_dir, threads=1)
+    return Engine.from_dir(tiny_model_dir, BackendConfig(threads=1))
 
 
 @pytest.fixture(scope="module")
@@ -378,7 +379,7 @@ TIMEOUT = 2.0
 @pytest.fixture(scope="module")
 def slow(tiny_model_dir):
     """One worker, one queue slot, a short timeout; yields (url, backend)."""
-    base = Engine.from_dir(tiny_model_dir, threads=1)
+    base = Engine.from_dir(tiny_model_dir, BackendConfig(threads=1))
     backend = SlowBackend(base.backend)
     engine = Engine(backend, base.tokenizer, eos_token_ids=(), folder=base.folder, prefix_reuse=True)
     settings = ServerSettings(model_name=MODEL, max_queue=1, request_timeout_s=TIMEOUT, speculative=None)

@@ -26,6 +26,9 @@ hidden state)``, queries at the fixed position ``current_len()`` (the pending to
 logits (mapped to a target id), and feeds ``(that pick, its projected_state)`` to the next step; every pick is a
 draft token. The drafter owns no KV, so a rejected draft costs nothing to undo.
 
+**The target** is anything with the :class:`SharedKvTarget` protocol (``OrtBackend`` has it): the drafter reads
+the target's committed length, its hidden-state row and the address of each KV head through it, and nothing else.
+
 Errors: a folder or graph that breaks the contract raises ``DrafterError`` naming the file and the key or tensor.
 """
 
@@ -36,13 +39,15 @@ import json
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import attrs
 import numpy as np
 
 from ..base import BackendError
-from .graph import FLOAT_DTYPES, ORT_TYPES
+from .arrays import ArrayModule
+from .folder import ModelFolder
+from .model_graph import FLOAT_DTYPES, ORT_TYPES
 from .session import execution_providers, make_session_options, open_session
 
 METADATA_NAME = "drafter.json"
@@ -51,6 +56,54 @@ KV_LAYOUT = "per_kv_head"
 
 class DrafterError(ValueError):
     """A drafter folder or graph breaks the shared-KV contract, or does not fit the target it is used with."""
+
+
+class SharedKvTarget(Protocol):
+    """What a shared-KV drafter reads from its target backend (``OrtBackend`` is one), in place on the target's
+    device: the buffers stay the target's, the drafter never writes them.
+
+    ``folder``: the target's model folder (its path, layers, KV heads and head size); ``provider`` and
+    ``device_id``: where the drafter's session runs; ``array_module`` and ``device_type``: the target's buffers'
+    array module and IO-binding device; ``vocab_size``, ``hidden_size`` (0: no hidden states) and ``kv_dtype``: the
+    shapes and type the drafter's graph must match."""
+
+    @property
+    def folder(self) -> ModelFolder: ...
+
+    @property
+    def provider(self) -> str: ...
+
+    @property
+    def device_id(self) -> int: ...
+
+    @property
+    def device_type(self) -> str: ...
+
+    @property
+    def array_module(self) -> ArrayModule: ...
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    @property
+    def hidden_size(self) -> int: ...
+
+    @property
+    def kv_dtype(self) -> np.dtype: ...
+
+    def current_len(self) -> int:
+        """The committed KV length (positions ``[0, current_len())`` are resident)."""
+        ...
+
+    def hidden_row(self, position: int) -> Any:
+        """The final hidden state at ``position`` (a position of the last pass), ``[hidden_size]`` on the target's
+        device, valid until the target's next call."""
+        ...
+
+    def kv_pointer(self, layer: int, which: str, head: int) -> int:
+        """The device address of KV head ``head`` of ``layer`` (``which``: ``"key"`` or ``"value"``) at position 0;
+        its first ``current_len()`` positions are contiguous ``[head_size]`` rows of ``kv_dtype``."""
+        ...
 
 
 def target_fingerprint(folder: str | os.PathLike[str]) -> dict[str, Any]:
@@ -326,8 +379,9 @@ def inspect_drafter_graph(session, folder: DrafterFolder, *, kv_heads: int, head
 
 
 class SharedKvProposer:
-    """A shared-KV draft head bound to one ``OrtBackend`` (the ``Proposer`` the driver calls): it reads the
-    backend's ``current_len()``, its last hidden state and the KV buffers of the layers its groups name, in place.
+    """A shared-KV draft head bound to one target backend (a :class:`SharedKvTarget`; the ``Proposer`` the driver
+    calls): it reads the backend's ``current_len()``, its last hidden state and the KV buffers of the layers its
+    groups name, in place.
 
     Made by :meth:`open`. ``max_draft``: the most tokens one ``propose`` drafts (default: the folder's
     ``num_speculative_tokens``). ``stop_below``: a pick whose probability under the head's softmax is below this
@@ -338,7 +392,7 @@ class SharedKvProposer:
 
     def __init__(
         self,
-        backend,
+        backend: SharedKvTarget,
         folder: DrafterFolder,
         session,
         *,
@@ -358,10 +412,10 @@ class SharedKvProposer:
         target = backend.folder
         self._check_target(target, check_fingerprint)
         self.graph = inspect_drafter_graph(session, folder, kv_heads=target.num_kv_heads, head_size=target.head_size)
-        if self.graph.float_dtype != backend.graph.kv_dtype:
+        if self.graph.float_dtype != backend.kv_dtype:
             raise DrafterError(
                 f"{folder.model_path}: the graph reads {self.graph.float_dtype} KV but {target.model_path} keeps "
-                f"{backend.graph.kv_dtype} KV"
+                f"{backend.kv_dtype} KV"
             )
         self._head_size = target.head_size
         arrays = backend.array_module
@@ -392,10 +446,10 @@ class SharedKvProposer:
     def _bind(self, name: str, array, shape: list[int], dtype: np.dtype) -> None:
         self._binding.bind_input(name, self._device, self._device_id, dtype, shape, self._arrays.ptr(array))
 
-    def _check_target(self, target, check_fingerprint: bool) -> None:
+    def _check_target(self, target: ModelFolder, check_fingerprint: bool) -> None:
         folder, backend = self.folder, self.backend
         where = f"drafter {folder.path} on target {target.path}"
-        if not getattr(backend, "hidden_size", 0):
+        if not backend.hidden_size:
             raise DrafterError(
                 f"{where}: the target graph {target.model_path} has no 'hidden_states' output, which a shared-KV "
                 "drafter reads; rebuild the folder with `ortspec convert` (it rebuilds folders made before) or with "
@@ -429,7 +483,7 @@ class SharedKvProposer:
     @classmethod
     def open(
         cls,
-        backend,
+        backend: SharedKvTarget,
         folder_or_path: DrafterFolder | str | os.PathLike[str],
         *,
         threads: int | None = 1,

@@ -1,16 +1,26 @@
-"""The decoder graph's interface, checked against its folder: :func:`inspect_graph` reads an ``InferenceSession``
+"""The decoder's ONNX graph: its interface checked against its folder, and the load-time rewrites.
+
+The interface, checked against its folder: :func:`inspect_graph` reads an ``InferenceSession``
 and a :class:`ModelFolder` and returns a :class:`DecoderGraph`, the names and dtypes of everything a pass binds,
 or raises ``ModelFileError`` (a ``ModelFolderError`` and a ``BackendError``) naming the model file, the tensor and
 what does not match ``genai_config.json``.
 
 :func:`read_graph_facts` reads what the session's interface does not show (the attention nodes' windows, the
 ``MatMulNBits`` accuracy levels) from the ONNX file itself (the graph only, not the weights), and
-:func:`rewritten_model` returns the graph with some of those attributes changed, for ``OrtBackend.from_folder``'s
-load-time rewrites (the weights stay in their external data files).
+:func:`rewritten_model` returns the graph with some of those attributes changed (the weights stay in their external
+data files). :func:`load_rewrites` decides, from a :class:`BackendConfig`, which rewrites ``OrtBackend.from_folder``
+applies:
+
+* **Sliding window.** A folder whose ``genai_config.json`` names a sliding window that its graph's attention nodes
+  ignore gets the window applied (``sliding_window="config"``, the default) or runs as written (``"graph"``); see
+  :func:`window_rewrites`.
+* **MatMulNBits accuracy.** ``matmul_accuracy_level`` sets every ``MatMulNBits`` node's accuracy level (1: float32
+  compute, which makes a quantized model's verify passes agree with its one-token decodes).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -19,7 +29,11 @@ from typing import Any
 import attrs
 import numpy as np
 
-from .folder import ModelFileError, ModelFolder, external_data_problem
+from ..base import BackendError
+from .config import BackendConfig
+from .folder import CONFIG_NAME, ModelFileError, ModelFolder, external_data_problem
+
+logger = logging.getLogger(__name__)
 
 # ONNX Runtime's type strings -> numpy dtypes, for the types this backend feeds or reads
 ORT_TYPES: dict[str, np.dtype] = {
@@ -361,3 +375,76 @@ def _set_int_attribute(onnx, node, name: str, value: int) -> None:
             attribute.i = int(value)
             return
     node.attribute.append(onnx.helper.make_attribute(name, int(value)))
+
+
+def window_rewrites(folder: ModelFolder, facts: GraphFacts, max_length: int, policy: str) -> dict[str, int]:
+    """The ``local_window_size`` to set per attention node (by its past-key input) so that the graph applies the
+    sliding window ``genai_config.json`` names: for every layer the config's ``sliding_window.layers`` lists
+    (every KV layer when it lists none) whose ``GroupQueryAttention`` node attends to everything. Empty when the
+    window cannot matter (``max_length`` <= the window) or ``policy`` is ``"graph"``. Raises ``BackendError``
+    when the graph sets a different window, or has no such node to set it on."""
+    window = folder.sliding_window
+    if window is None or policy == "graph" or max_length <= window:
+        return {}
+    config = folder.path / CONFIG_NAME
+    layers = folder.sliding_window_layers or folder.kv_layers
+    rewrites: dict[str, int] = {}
+    for layer in layers:
+        past_key = folder.past_key_pattern % layer
+        graph_window = facts.window_of(past_key)
+        if graph_window is None:
+            raise BackendError(
+                f"{config}: model.decoder.sliding_window.window_size = {window} (layer {layer}), but "
+                f"{folder.model_path} has no GroupQueryAttention node reading {past_key!r} to apply it to; pass "
+                f"sliding_window='graph' to run the graph as written, or max_length <= {window}"
+            )
+        if graph_window > 0 and graph_window != window:
+            raise BackendError(
+                f"{config}: model.decoder.sliding_window.window_size = {window}, but {folder.model_path}'s "
+                f"GroupQueryAttention on layer {layer} has local_window_size = {graph_window}; pass "
+                f"sliding_window='graph' to run the graph as written, or max_length <= {min(window, graph_window)}"
+            )
+        if graph_window <= 0:
+            rewrites[past_key] = window
+    if rewrites:
+        logger.warning(
+            "%s: model.decoder.sliding_window.window_size = %d, but %s's GroupQueryAttention nodes have "
+            "local_window_size = -1 (full attention) on %d layer(s); applying the window of %d at load "
+            "(sliding_window='graph' runs the graph as written)",
+            config,
+            window,
+            folder.model_path,
+            len(rewrites),
+            window,
+        )
+    return rewrites
+
+
+@attrs.frozen
+class LoadedGraph:
+    """What ``OrtBackend.from_folder`` read from the model file and changed in it: ``facts`` of the graph the
+    session runs, ``rewrites`` (each rewrite applied, in words; empty for the file as written) and
+    ``model_bytes`` (the rewritten model to open, None to open the file itself)."""
+
+    facts: GraphFacts
+    rewrites: tuple[str, ...] = ()
+    model_bytes: bytes | None = attrs.field(default=None, repr=False)
+
+
+def load_rewrites(folder: ModelFolder, config: BackendConfig) -> LoadedGraph:
+    """Read the folder's graph and apply the rewrites ``config`` asks for (``sliding_window``,
+    ``matmul_accuracy_level``) that change it; ``BackendError`` as :func:`window_rewrites`."""
+    facts = read_graph_facts(folder.model_path)
+    windows = window_rewrites(folder, facts, config.capacity(folder.context_length), config.sliding_window)
+    rewrites = [f"local_window_size={w} on the attention reading {name}" for name, w in windows.items()]
+    level = config.matmul_accuracy_level
+    levels = {found for (_, found) in facts.matmul_nbits}
+    set_level = level is not None and bool(levels) and levels != {level}
+    if set_level:
+        rewrites.append(f"MatMulNBits accuracy_level {sorted(levels)} -> {level}")
+    if not (windows or set_level):
+        return LoadedGraph(facts)
+    model_bytes, facts = rewritten_model(
+        folder.model_path, windows=windows, accuracy_level=level if set_level else None
+    )
+    return LoadedGraph(facts, tuple(rewrites), model_bytes)
