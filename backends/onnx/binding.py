@@ -31,6 +31,16 @@ from .arrays import ArrayModule
 from .model_graph import DecoderGraph
 
 
+def bind_input(binding, arrays: ArrayModule, name: str, dtype, shape: list[int], address: int) -> None:
+    """Bind graph input ``name`` (``shape`` of ``dtype``) to ``address`` on ``arrays``' device."""
+    binding.bind_input(name, arrays.device_type, arrays.device_id, dtype, shape, address)
+
+
+def bind_output(binding, arrays: ArrayModule, name: str, dtype, shape: list[int], address: int) -> None:
+    """Bind graph output ``name`` (``shape`` of ``dtype``) to ``address`` on ``arrays``' device."""
+    binding.bind_output(name, arrays.device_type, arrays.device_id, dtype, shape, address)
+
+
 class RowBuffers:
     """The buffers of a pass's rows, for up to ``capacity`` tokens: ``ids_host`` (and ``ids`` on the device),
     ``logits`` ``[capacity, vocab]`` in the graph's dtype, ``host_logits`` (the float32 host rows handed out: the
@@ -67,15 +77,11 @@ class RowBuffers:
         """Bind the per-row outputs of a pass of ``count`` tokens: the logits, and the hidden states when the graph
         has them."""
         arrays, graph = self._arrays, self._graph
-        device, device_id = arrays.device_type, arrays.device_id
-        binding.bind_output(
-            graph.logits_name, device, device_id, graph.logits_dtype, [1, count, self._vocab], arrays.ptr(self.logits)
-        )
+        shape = [1, count, self._vocab]
+        bind_output(binding, arrays, graph.logits_name, graph.logits_dtype, shape, arrays.ptr(self.logits))
         if graph.hidden_name:
             shape = [1, count, graph.hidden_size]
-            binding.bind_output(
-                graph.hidden_name, device, device_id, graph.hidden_dtype, shape, arrays.ptr(self.hidden)
-            )
+            bind_output(binding, arrays, graph.hidden_name, graph.hidden_dtype, shape, arrays.ptr(self.hidden))
 
     def host_row(self, row: int) -> np.ndarray:
         """Logits row ``row`` of the last pass as a float32 host ``[vocab]`` view (copied there on a device)."""
@@ -113,26 +119,17 @@ class DefaultBinding:
         return self.binding
 
     def bind_pass(self, rows: RowBuffers, tokens: np.ndarray, past: int) -> None:
-        """Bind the inputs and row outputs of a pass over ``tokens`` at position ``past`` (ids uploaded)."""
         binding, graph, arrays = self.binding, self._graph, self._arrays
-        device, device_id = arrays.device_type, arrays.device_id
         count = len(tokens)
         rows.ids_host[:count] = tokens
-        if device != "cpu":
+        if arrays.device_type != "cpu":
             arrays.upload(rows.ids[:count], rows.ids_host[:count])
-        binding.bind_input(graph.ids_name, device, device_id, graph.ids_dtype, [1, count], arrays.ptr(rows.ids))
+        bind_input(binding, arrays, graph.ids_name, graph.ids_dtype, [1, count], arrays.ptr(rows.ids))
         if graph.mask_name:
-            total = past + count
-            binding.bind_input(graph.mask_name, device, device_id, graph.mask_dtype, [1, total], arrays.ptr(self._mask))
+            bind_input(binding, arrays, graph.mask_name, graph.mask_dtype, [1, past + count], arrays.ptr(self._mask))
         if graph.position_name:
-            binding.bind_input(
-                graph.position_name,
-                device,
-                device_id,
-                graph.position_dtype,
-                [1, count],
-                arrays.ptr(self._positions) + past * np.dtype(graph.position_dtype).itemsize,
-            )
+            address = arrays.ptr(self._positions) + past * np.dtype(graph.position_dtype).itemsize
+            bind_input(binding, arrays, graph.position_name, graph.position_dtype, [1, count], address)
         rows.bind_outputs(binding, count)
 
 
@@ -182,20 +179,12 @@ class StaticBinding:
         """Bind the inputs of passes of ``count`` tokens to ``binding`` (which has the KV and the row outputs
         bound; ``ids``: the row buffers' device ids) and keep it as the width's :class:`StaticPass`."""
         arrays, graph = self._arrays, self._graph
-        device, device_id = arrays.device_type, arrays.device_id
-        binding.bind_input(graph.ids_name, device, device_id, graph.ids_dtype, [1, count], arrays.ptr(ids))
-        binding.bind_input(
-            graph.mask_name, device, device_id, graph.mask_dtype, [1, self._max_length], arrays.ptr(self.mask)
-        )
+        assert graph.mask_name is not None  # static_shapes_unsupported refuses a graph without one
+        bind_input(binding, arrays, graph.ids_name, graph.ids_dtype, [1, count], arrays.ptr(ids))
+        bind_input(binding, arrays, graph.mask_name, graph.mask_dtype, [1, self._max_length], arrays.ptr(self.mask))
         if graph.position_name:
-            binding.bind_input(
-                graph.position_name,
-                device,
-                device_id,
-                graph.position_dtype,
-                [1, count],
-                arrays.ptr(self._positions_fixed),
-            )
+            address = arrays.ptr(self._positions_fixed)
+            bind_input(binding, arrays, graph.position_name, graph.position_dtype, [1, count], address)
         found = StaticPass(count=count, binding=binding, run_options=run_options, graph_id=graph_id)
         self.passes[count] = found
         return found

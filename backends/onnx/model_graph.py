@@ -134,156 +134,187 @@ class DecoderGraph:
     hidden_size: int = 0
 
 
-def inspect_graph(session, folder: ModelFolder, facts: GraphFacts | None = None) -> DecoderGraph:
-    """Check that ``session`` declares what ``folder``'s config names, with shapes it states and dtypes this
-    backend can feed, and no input it does not know how to feed; return the names and dtypes. ``facts``: the
-    session's graph as :func:`read_graph_facts` reads it (default: read from ``folder.model_path``)."""
-    where = f"{folder.model_path}"
-    inputs = {arg.name: arg for arg in session.get_inputs()}
-    outputs = {arg.name: arg for arg in session.get_outputs()}
+class _Interface:
+    """A session's declared inputs and outputs, read against one folder: lookups that raise ``ModelFileError``
+    naming the model file, and ``fed``, the inputs a pass will bind."""
 
-    def dtype_of(arg, allowed, what):
+    def __init__(self, session, folder: ModelFolder) -> None:
+        self.folder = folder
+        self.where = f"{folder.model_path}"
+        self.inputs = {arg.name: arg for arg in session.get_inputs()}
+        self.outputs = {arg.name: arg for arg in session.get_outputs()}
+        self.fed: set[str] = set()
+
+    def fail(self, message: str) -> ModelFileError:
+        return ModelFileError(f"{self.where}: {message}")
+
+    def dtype_of(self, arg, allowed, what: str) -> np.dtype:
         dtype = ORT_TYPES.get(arg.type)
         if dtype is None or dtype not in allowed:
-            raise ModelFileError(
-                f"{where}: {what} {arg.name!r} has type {arg.type}; supported: " + ", ".join(str(a) for a in allowed)
+            raise self.fail(
+                f"{what} {arg.name!r} has type {arg.type}; supported: " + ", ".join(str(a) for a in allowed)
             )
         return dtype
 
-    def need(table, name, what):
+    def need(self, table: Mapping[str, Any], name: str, what: str) -> Any:
         if name not in table:
-            raise ModelFileError(
-                f"{where}: the graph has no {what} named {name!r} (genai_config.json names it); "
+            raise self.fail(
+                f"the graph has no {what} named {name!r} (genai_config.json names it); "
                 f"it declares {sorted(table)[:8]}{' ...' if len(table) > 8 else ''}"
             )
         return table[name]
 
-    fed: set[str] = set()
-    ids = need(inputs, folder.input_ids_name, "input")
-    ids_dtype = dtype_of(ids, INDEX_DTYPES, "input")
-    fed.add(ids.name)
+    def optional_index_input(self, name: str) -> tuple[str | None, np.dtype | None]:
+        """``(name, dtype)`` of an index input the graph may take (``(None, None)`` when it does not)."""
+        if name not in self.inputs:
+            return None, None
+        self.fed.add(name)
+        return name, self.dtype_of(self.inputs[name], INDEX_DTYPES, "input")
 
-    wanted_mask = folder.attention_mask_name or "attention_mask"
-    mask_name = wanted_mask if wanted_mask in inputs else None
-    mask_dtype = dtype_of(inputs[mask_name], INDEX_DTYPES, "input") if mask_name else None
-    wanted_position = folder.position_ids_name or "position_ids"
-    position_name = wanted_position if wanted_position in inputs else None
-    position_dtype = dtype_of(inputs[position_name], INDEX_DTYPES, "input") if position_name else None
-    fed.update(name for name in (mask_name, position_name) if name)
-    if mask_name is None and position_name is None:
-        raise ModelFileError(
-            f"{where}: the graph declares neither {wanted_mask!r} nor {wanted_position!r}, so this backend cannot "
-            "tell it the sequence length"
-        )
-
-    kv_dtype: np.dtype | None = None
-    kv_names = []
-    kv_layers = folder.kv_layers
-    for layer in kv_layers:
-        names = LayerKVNames(
-            past_key=folder.past_key_pattern % layer,
-            past_value=folder.past_value_pattern % layer,
-            present_key=folder.present_key_pattern % layer,
-            present_value=folder.present_value_pattern % layer,
-            layer=layer,
-        )
-        for name, table, what in (
-            (names.past_key, inputs, "input"),
-            (names.past_value, inputs, "input"),
-            (names.present_key, outputs, "output"),
-            (names.present_value, outputs, "output"),
-        ):
-            arg = need(table, name, what)
-            dtype = dtype_of(arg, FLOAT_DTYPES, what)
-            if kv_dtype is None:
-                kv_dtype = dtype
-            elif dtype != kv_dtype:
-                raise ModelFileError(f"{where}: {what} {arg.name!r} is {arg.type} but other KV tensors are {kv_dtype}")
-            shape = list(arg.shape)
-            if len(shape) != 4:
-                raise ModelFileError(
-                    f"{where}: {what} {arg.name!r} has rank {len(shape)}, expected 4 "
-                    "([batch, kv_heads, length, head_size])"
-                )
-            for axis, expected, label in (
-                (1, folder.num_kv_heads, "num_key_value_heads"),
-                (3, folder.head_size, "head_size"),
+    def kv(self) -> tuple[tuple[LayerKVNames, ...], np.dtype | None]:
+        """Each KV layer's tensors, checked: one float dtype, rank 4, the config's heads and head size."""
+        folder, inputs, outputs = self.folder, self.inputs, self.outputs
+        kv_dtype: np.dtype | None = None
+        kv_names = []
+        for layer in folder.kv_layers:
+            names = LayerKVNames(
+                past_key=folder.past_key_pattern % layer,
+                past_value=folder.past_value_pattern % layer,
+                present_key=folder.present_key_pattern % layer,
+                present_value=folder.present_value_pattern % layer,
+                layer=layer,
+            )
+            for name, table, what in (
+                (names.past_key, inputs, "input"),
+                (names.past_value, inputs, "input"),
+                (names.present_key, outputs, "output"),
+                (names.present_value, outputs, "output"),
             ):
-                if isinstance(shape[axis], int) and shape[axis] != expected:
-                    raise ModelFileError(
-                        f"{where}: {what} {arg.name!r} has dim {axis} = {shape[axis]} but genai_config.json "
-                        f"says {label} = {expected}"
+                arg = self.need(table, name, what)
+                dtype = self.dtype_of(arg, FLOAT_DTYPES, what)
+                if kv_dtype is None:
+                    kv_dtype = dtype
+                elif dtype != kv_dtype:
+                    raise self.fail(f"{what} {arg.name!r} is {arg.type} but other KV tensors are {kv_dtype}")
+                self._check_kv_shape(arg, what)
+                if table is inputs:
+                    self.fed.add(arg.name)
+            kv_names.append(names)
+        if (extra_layer := folder.past_key_pattern % folder.num_layers) in inputs:
+            raise self.fail(
+                f"the graph has more layers than genai_config.json's num_hidden_layers = {folder.num_layers} "
+                f"(it declares input {extra_layer!r})"
+            )
+        return tuple(kv_names), kv_dtype
+
+    def _check_kv_shape(self, arg, what: str) -> None:
+        shape = list(arg.shape)
+        if len(shape) != 4:
+            raise self.fail(
+                f"{what} {arg.name!r} has rank {len(shape)}, expected 4 ([batch, kv_heads, length, head_size])"
+            )
+        for axis, expected, label in (
+            (1, self.folder.num_kv_heads, "num_key_value_heads"),
+            (3, self.folder.head_size, "head_size"),
+        ):
+            if isinstance(shape[axis], int) and shape[axis] != expected:
+                raise self.fail(
+                    f"{what} {arg.name!r} has dim {axis} = {shape[axis]} but genai_config.json "
+                    f"says {label} = {expected}"
+                )
+
+    def states(self) -> tuple[StateNames, ...]:
+        """The recurrent states the folder's ``state_patterns`` name and the graph takes, checked."""
+        folder, inputs = self.folder, self.inputs
+        states = []
+        for kind, past_pattern, present_pattern in folder.state_patterns:
+            for layer in range(folder.num_layers):
+                past_name, present_name = past_pattern % layer, present_pattern % layer
+                if past_name not in inputs:
+                    continue
+                past = inputs[past_name]
+                present = self.need(self.outputs, present_name, "output")
+                dtype = self.dtype_of(past, FLOAT_DTYPES, "input")
+                if self.dtype_of(present, FLOAT_DTYPES, "output") != dtype:
+                    raise self.fail(f"state {past_name!r} is {past.type} but {present_name!r} is {present.type}")
+                shape = list(past.shape)[1:]
+                fixed = shape and all(isinstance(d, int) and d > 0 for d in shape)
+                if not fixed or list(present.shape)[1:] != shape:
+                    raise self.fail(
+                        f"state {past_name!r} has shape {list(past.shape)} and {present_name!r} "
+                        f"{list(present.shape)}; this backend needs [batch, fixed sizes...] for both"
                     )
-            if table is inputs:
-                fed.add(arg.name)
-        kv_names.append(names)
-    if (extra_layer := folder.past_key_pattern % folder.num_layers) in inputs:
-        raise ModelFileError(
-            f"{where}: the graph has more layers than genai_config.json's num_hidden_layers = {folder.num_layers} "
-            f"(it declares input {extra_layer!r})"
-        )
+                self.fed.add(past_name)
+                states.append(StateNames(layer, kind, past_name, present_name, tuple(int(d) for d in shape), dtype))
+        return tuple(states)
 
-    states = []
-    for kind, past_pattern, present_pattern in folder.state_patterns:
-        for layer in range(folder.num_layers):
-            past_name, present_name = past_pattern % layer, present_pattern % layer
-            if past_name not in inputs:
-                continue
-            past = inputs[past_name]
-            present = need(outputs, present_name, "output")
-            dtype = dtype_of(past, FLOAT_DTYPES, "input")
-            if dtype_of(present, FLOAT_DTYPES, "output") != dtype:
-                raise ModelFileError(
-                    f"{where}: state {past_name!r} is {past.type} but {present_name!r} is {present.type}"
-                )
-            shape = list(past.shape)[1:]
-            if not shape or not all(isinstance(d, int) and d > 0 for d in shape) or list(present.shape)[1:] != shape:
-                raise ModelFileError(
-                    f"{where}: state {past_name!r} has shape {list(past.shape)} and {present_name!r} "
-                    f"{list(present.shape)}; this backend needs [batch, fixed sizes...] for both"
-                )
-            fed.add(past_name)
-            states.append(StateNames(layer, kind, past_name, present_name, tuple(int(d) for d in shape), dtype))
+    def logits(self) -> tuple[str, np.dtype]:
+        folder = self.folder
+        logits = self.need(self.outputs, folder.logits_name, "output")
+        logits_dtype = self.dtype_of(logits, FLOAT_DTYPES, "output")
+        logits_shape = list(logits.shape)
+        if len(logits_shape) != 3:
+            raise self.fail(
+                f"output {logits.name!r} has rank {len(logits_shape)}, expected 3 ([batch, sequence, vocab])"
+            )
+        if isinstance(logits_shape[2], int) and logits_shape[2] != folder.vocab_size:
+            raise self.fail(
+                f"output {logits.name!r} has vocab dim {logits_shape[2]} but genai_config.json "
+                f"says vocab_size = {folder.vocab_size}"
+            )
+        return logits.name, logits_dtype
 
-    logits = need(outputs, folder.logits_name, "output")
-    logits_dtype = dtype_of(logits, FLOAT_DTYPES, "output")
-    logits_shape = list(logits.shape)
-    if len(logits_shape) != 3:
-        raise ModelFileError(
-            f"{where}: output {logits.name!r} has rank {len(logits_shape)}, expected 3 ([batch, sequence, vocab])"
-        )
-    if isinstance(logits_shape[2], int) and logits_shape[2] != folder.vocab_size:
-        raise ModelFileError(
-            f"{where}: output {logits.name!r} has vocab dim {logits_shape[2]} but genai_config.json "
-            f"says vocab_size = {folder.vocab_size}"
-        )
-
-    hidden_name, hidden_dtype, hidden_size = None, None, 0
-    hidden = outputs.get(folder.hidden_states_name)
-    if hidden is not None:
-        hidden_dtype = dtype_of(hidden, FLOAT_DTYPES, "output")
+    def hidden(self) -> tuple[str | None, np.dtype | None, int]:
+        """``(name, dtype, size)`` of the hidden-states output (``(None, None, 0)`` when the graph has none)."""
+        hidden = self.outputs.get(self.folder.hidden_states_name)
+        if hidden is None:
+            return None, None, 0
+        hidden_dtype = self.dtype_of(hidden, FLOAT_DTYPES, "output")
         hidden_shape = list(hidden.shape)
         if len(hidden_shape) != 3 or not isinstance(hidden_shape[2], int) or hidden_shape[2] < 1:
-            raise ModelFileError(
-                f"{where}: output {hidden.name!r} has shape {hidden_shape}; expected [batch, sequence, hidden] with "
+            raise self.fail(
+                f"output {hidden.name!r} has shape {hidden_shape}; expected [batch, sequence, hidden] with "
                 "a fixed hidden size"
             )
-        hidden_name, hidden_size = hidden.name, int(hidden_shape[2])
+        return hidden.name, hidden_dtype, int(hidden_shape[2])
 
-    extra = sorted(set(inputs) - fed)
-    if extra:
+    def check_all_fed(self) -> None:
+        extra = sorted(set(self.inputs) - self.fed)
+        if not extra:
+            return
         hint = ""
-        if any(name.startswith("past") for name in extra) and not folder.state_patterns:
+        if any(name.startswith("past") for name in extra) and not self.folder.state_patterns:
             hint = (
                 " (per-layer state inputs that genai_config.json does not name as past_<kind>_names, or layers "
                 "its layer_types does not mark as attention)"
             )
-        raise ModelFileError(
-            f"{where}: the graph declares inputs this backend does not know how to feed: {extra}{hint}"
-        )
+        raise self.fail(f"the graph declares inputs this backend does not know how to feed: {extra}{hint}")
 
+
+def inspect_graph(session, folder: ModelFolder, facts: GraphFacts | None = None) -> DecoderGraph:
+    """Check that ``session`` declares what ``folder``'s config names, with shapes it states and dtypes this
+    backend can feed, and no input it does not know how to feed; return the names and dtypes. ``facts``: the
+    session's graph as :func:`read_graph_facts` reads it (default: read from ``folder.model_path``)."""
+    interface = _Interface(session, folder)
+    ids = interface.need(interface.inputs, folder.input_ids_name, "input")
+    ids_dtype = interface.dtype_of(ids, INDEX_DTYPES, "input")
+    interface.fed.add(ids.name)
+    wanted_mask = folder.attention_mask_name or "attention_mask"
+    wanted_position = folder.position_ids_name or "position_ids"
+    mask_name, mask_dtype = interface.optional_index_input(wanted_mask)
+    position_name, position_dtype = interface.optional_index_input(wanted_position)
+    if mask_name is None and position_name is None:
+        raise interface.fail(
+            f"the graph declares neither {wanted_mask!r} nor {wanted_position!r}, so this backend cannot "
+            "tell it the sequence length"
+        )
+    kv_names, kv_dtype = interface.kv()
+    states = interface.states()
+    logits_name, logits_dtype = interface.logits()
+    hidden_name, hidden_dtype, hidden_size = interface.hidden()
+    interface.check_all_fed()
     if kv_dtype is None:
-        raise ModelFileError(f"{where}: the graph has no KV inputs (genai_config.json names no layers)")
+        raise interface.fail("the graph has no KV inputs (genai_config.json names no layers)")
     return DecoderGraph(
         ids_name=ids.name,
         ids_dtype=ids_dtype,
@@ -291,9 +322,9 @@ def inspect_graph(session, folder: ModelFolder, facts: GraphFacts | None = None)
         mask_dtype=mask_dtype,
         position_name=position_name,
         position_dtype=position_dtype,
-        kv_names=tuple(kv_names),
+        kv_names=kv_names,
         kv_dtype=kv_dtype,
-        logits_name=logits.name,
+        logits_name=logits_name,
         logits_dtype=logits_dtype,
         group_query_attention=(
             facts if facts is not None else read_graph_facts(folder.model_path)
