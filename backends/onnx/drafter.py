@@ -69,25 +69,18 @@ class SharedKvTarget(Protocol):
 
     @property
     def folder(self) -> ModelFolder: ...
-
     @property
     def provider(self) -> str: ...
-
     @property
     def device_id(self) -> int: ...
-
     @property
     def device_type(self) -> str: ...
-
     @property
     def array_module(self) -> ArrayModule: ...
-
     @property
     def vocab_size(self) -> int: ...
-
     @property
     def hidden_size(self) -> int: ...
-
     @property
     def kv_dtype(self) -> np.dtype: ...
 
@@ -142,6 +135,111 @@ class KvGroup:
         )
 
 
+class _Spec:
+    """The ``speculative`` section of a folder's ``drafter.json``, read with checks that raise ``DrafterError``
+    naming the file and the key."""
+
+    def __init__(self, folder: Path, meta_path: Path, raw: Any) -> None:
+        self.folder, self.meta_path, self.raw = folder, meta_path, raw
+        spec = raw.get("speculative") if isinstance(raw, Mapping) else None
+        if not isinstance(spec, Mapping):
+            raise self.fail("missing section 'speculative' (expected an object)")
+        self.spec: Mapping[str, Any] = spec
+
+    @classmethod
+    def read(cls, folder: Path) -> _Spec:
+        meta_path = folder / METADATA_NAME
+        if not meta_path.is_file():
+            raise DrafterError(f"drafter folder {folder} has no {METADATA_NAME}")
+        try:
+            raw = json.loads(meta_path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise DrafterError(f"{meta_path} is not valid JSON: {exc}") from exc
+        return cls(folder, meta_path, raw)
+
+    def fail(self, message: str) -> DrafterError:
+        return DrafterError(f"{self.meta_path}: {message}")
+
+    def integer(self, key: str, default: int | None = None) -> int:
+        value = self.spec.get(key, default)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise self.fail(f"speculative.{key} must be an integer >= 1, got {value!r}")
+        return value
+
+    def text(self, key: str, default: str | None = None) -> str:
+        value = self.spec.get(key, default)
+        if not isinstance(value, str) or not value:
+            raise self.fail(f"speculative.{key} must be a non-empty string, got {value!r}")
+        return value
+
+    def file(self, key: str) -> Path:
+        name = self.text(key)
+        target = self.folder / name
+        if not target.is_file():
+            raise self.fail(f"speculative.{key} names {name}, which is not a file in {self.folder}")
+        return target
+
+    def draft_to_target(self, vocab: int, target_vocab: int, embedding_path: Path) -> np.ndarray | None:
+        """The ``draft_to_target`` map (int64 ``[vocab]``, distinct ids in ``[0, target_vocab)``), or None for the
+        identity (then ``vocab`` must be the embedding table's ``target_vocab`` rows)."""
+        if self.spec.get("draft_to_target") is None:
+            if vocab != target_vocab:
+                raise self.fail(
+                    f"speculative.vocab_size = {vocab} differs from the {target_vocab} rows of {embedding_path.name} "
+                    "and there is no draft_to_target map"
+                )
+            return None
+        map_path = self.file("draft_to_target")
+        if map_path.stat().st_size != 8 * vocab:
+            raise self.fail(f"{map_path.name} holds {map_path.stat().st_size} bytes; expected {vocab} int64 ids")
+        mapping = np.fromfile(map_path, dtype="<i8").astype(np.int64)
+        if mapping.min() < 0 or mapping.max() >= target_vocab:
+            raise self.fail(f"{map_path.name} holds ids outside the target vocabulary [0, {target_vocab})")
+        if len(np.unique(mapping)) != len(mapping):
+            raise self.fail(f"{map_path.name} maps two draft ids to the same target id")
+        return mapping
+
+    def check_io(self) -> None:
+        """``speculative.io``: embeddings in, the target's KV shared, one input per KV head."""
+        io = self.spec.get("io", {})
+        if not isinstance(io, Mapping):
+            raise self.fail("speculative.io must be an object")
+        if io.get("sequence_source", "inputs_embeds") != "inputs_embeds":
+            raise self.fail(
+                f"speculative.io.sequence_source must be 'inputs_embeds', got {io.get('sequence_source')!r}"
+            )
+        if io.get("kv_ownership", "shared") != "shared":
+            raise self.fail(f"speculative.io.kv_ownership must be 'shared', got {io.get('kv_ownership')!r}")
+        if io.get("kv_layout", KV_LAYOUT) != KV_LAYOUT:
+            raise self.fail(
+                f"speculative.io.kv_layout is {io.get('kv_layout')!r}; ortspec binds the target's cache in place, "
+                f"which needs one input per KV head ('{KV_LAYOUT}')"
+            )
+
+    def groups(self) -> tuple[KvGroup, ...]:
+        """``speculative.shared_kv``: one :class:`KvGroup` per entry."""
+        raw_groups = self.spec.get("shared_kv")
+        if not isinstance(raw_groups, list) or not raw_groups:
+            raise self.fail("speculative.shared_kv must be a non-empty list of groups")
+        groups = []
+        for i, g in enumerate(raw_groups):
+            where = f"speculative.shared_kv[{i}]"
+            if not isinstance(g, Mapping) or not isinstance(g.get("name"), str) or not g["name"]:
+                raise self.fail(f"{where} must be an object with a non-empty 'name'")
+            layers = g.get("target_layers")
+            if (
+                not isinstance(layers, list)
+                or not layers
+                or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in layers)
+            ):
+                raise self.fail(f"{where}.target_layers must be a non-empty list of layer indices, got {layers!r}")
+            name = g["name"]
+            key_input = g.get("key_input") or f"shared_kv.{name}.key"
+            value_input = g.get("value_input") or f"shared_kv.{name}.value"
+            groups.append(KvGroup(name, tuple(layers), str(key_input), str(value_input)))
+        return tuple(groups)
+
+
 @attrs.frozen(eq=False)
 class DrafterFolder:
     """A validated drafter folder (see the module docstring); :meth:`load` makes one.
@@ -167,108 +265,27 @@ class DrafterFolder:
     def load(cls, path: str | os.PathLike[str]) -> DrafterFolder:
         """Read and validate ``path/drafter.json`` and the files it names (sizes, ids); ``DrafterError`` names the
         file and the key at fault."""
-        folder = Path(path).expanduser()
-        meta_path = folder / METADATA_NAME
-        if not meta_path.is_file():
-            raise DrafterError(f"drafter folder {folder} has no {METADATA_NAME}")
-        try:
-            raw = json.loads(meta_path.read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise DrafterError(f"{meta_path} is not valid JSON: {exc}") from exc
-
-        def fail(message: str) -> DrafterError:
-            return DrafterError(f"{meta_path}: {message}")
-
-        spec = raw.get("speculative") if isinstance(raw, Mapping) else None
-        if not isinstance(spec, Mapping):
-            raise fail("missing section 'speculative' (expected an object)")
-
-        def integer(key: str, default: int | None = None) -> int:
-            value = spec.get(key, default)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise fail(f"speculative.{key} must be an integer >= 1, got {value!r}")
-            return value
-
-        def text(key: str, default: str | None = None) -> str:
-            value = spec.get(key, default)
-            if not isinstance(value, str) or not value:
-                raise fail(f"speculative.{key} must be a non-empty string, got {value!r}")
-            return value
-
-        def file(key: str) -> Path:
-            name = text(key)
-            target = folder / name
-            if not target.is_file():
-                raise fail(f"speculative.{key} names {name}, which is not a file in {folder}")
-            return target
-
-        proposal = str(spec.get("proposal_type", spec.get("method", ""))).lower().replace("-", "_")
+        spec = _Spec.read(Path(path).expanduser())
+        fields = spec.spec
+        proposal = str(fields.get("proposal_type", fields.get("method", ""))).lower().replace("-", "_")
         if proposal != "shared_kv":
-            raise fail(f"speculative.proposal_type must be 'shared_kv', got {spec.get('proposal_type')!r}")
-        hidden = integer("backbone_hidden_size")
-        vocab = integer("vocab_size")
-        steps = integer("num_speculative_tokens", 4)
-        model_path = file("model")
-        embedding_path = file("input_embedding")
+            raise spec.fail(f"speculative.proposal_type must be 'shared_kv', got {fields.get('proposal_type')!r}")
+        hidden = spec.integer("backbone_hidden_size")
+        vocab = spec.integer("vocab_size")
+        steps = spec.integer("num_speculative_tokens", 4)
+        model_path = spec.file("model")
+        embedding_path = spec.file("input_embedding")
         size = embedding_path.stat().st_size
         if size % (4 * hidden):
-            raise fail(
+            raise spec.fail(
                 f"{embedding_path.name} holds {size} bytes, not a whole number of float32 rows of "
                 f"backbone_hidden_size = {hidden}"
             )
         target_vocab = size // (4 * hidden)
-
-        mapping = None
-        if spec.get("draft_to_target") is not None:
-            map_path = file("draft_to_target")
-            if map_path.stat().st_size != 8 * vocab:
-                raise fail(f"{map_path.name} holds {map_path.stat().st_size} bytes; expected {vocab} int64 ids")
-            mapping = np.fromfile(map_path, dtype="<i8").astype(np.int64)
-            if mapping.min() < 0 or mapping.max() >= target_vocab:
-                raise fail(f"{map_path.name} holds ids outside the target vocabulary [0, {target_vocab})")
-            if len(np.unique(mapping)) != len(mapping):
-                raise fail(f"{map_path.name} maps two draft ids to the same target id")
-        elif vocab != target_vocab:
-            raise fail(
-                f"speculative.vocab_size = {vocab} differs from the {target_vocab} rows of {embedding_path.name} "
-                "and there is no draft_to_target map"
-            )
-
-        io = spec.get("io", {})
-        if not isinstance(io, Mapping):
-            raise fail("speculative.io must be an object")
-        if io.get("sequence_source", "inputs_embeds") != "inputs_embeds":
-            raise fail(f"speculative.io.sequence_source must be 'inputs_embeds', got {io.get('sequence_source')!r}")
-        if io.get("kv_ownership", "shared") != "shared":
-            raise fail(f"speculative.io.kv_ownership must be 'shared', got {io.get('kv_ownership')!r}")
-        if io.get("kv_layout", KV_LAYOUT) != KV_LAYOUT:
-            raise fail(
-                f"speculative.io.kv_layout is {io.get('kv_layout')!r}; ortspec binds the target's cache in place, "
-                f"which needs one input per KV head ('{KV_LAYOUT}')"
-            )
-
-        raw_groups = spec.get("shared_kv")
-        if not isinstance(raw_groups, list) or not raw_groups:
-            raise fail("speculative.shared_kv must be a non-empty list of groups")
-        groups = []
-        for i, g in enumerate(raw_groups):
-            where = f"speculative.shared_kv[{i}]"
-            if not isinstance(g, Mapping) or not isinstance(g.get("name"), str) or not g["name"]:
-                raise fail(f"{where} must be an object with a non-empty 'name'")
-            layers = g.get("target_layers")
-            if (
-                not isinstance(layers, list)
-                or not layers
-                or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in layers)
-            ):
-                raise fail(f"{where}.target_layers must be a non-empty list of layer indices, got {layers!r}")
-            name = g["name"]
-            key_input = g.get("key_input") or f"shared_kv.{name}.key"
-            value_input = g.get("value_input") or f"shared_kv.{name}.value"
-            groups.append(KvGroup(name, tuple(layers), str(key_input), str(value_input)))
-
+        mapping = spec.draft_to_target(vocab, target_vocab, embedding_path)
+        spec.check_io()
         return cls(
-            path=folder,
+            path=spec.folder,
             model_path=model_path,
             embedding_path=embedding_path,
             num_speculative_tokens=steps,
@@ -276,10 +293,10 @@ class DrafterFolder:
             vocab_size=vocab,
             target_vocab=target_vocab,
             draft_to_target=mapping,
-            groups=tuple(groups),
-            logits_name=text("logits_output", "logits"),
-            projected_state_name=text("projected_state_output", "projected_state"),
-            metadata=raw,
+            groups=spec.groups(),
+            logits_name=spec.text("logits_output", "logits"),
+            projected_state_name=spec.text("projected_state_output", "projected_state"),
+            metadata=spec.raw,
         )
 
     def embedding(self) -> np.ndarray:
