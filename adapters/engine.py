@@ -27,7 +27,7 @@ import attrs
 from ortspec.adapters.cache import cache_root, find_drafter
 from ortspec.adapters.tokenizer import Tokenizer
 from ortspec.backends.base import Backend
-from ortspec.backends.onnx import ModelFolder, ModelFolderError
+from ortspec.backends.onnx import BackendConfig, ModelFolder, ModelFolderError
 from ortspec.core import (
     MAX_DRAFT,
     CostAwareWidth,
@@ -42,7 +42,7 @@ from ortspec.core import (
     check_prompt_fits,
     option,
 )
-from ortspec.core.checks import ArgumentError, check_int, ids_in_vocab
+from ortspec.core.checks import ArgumentError, ids_in_vocab
 from ortspec.driver import GenerateResult, Generation, StreamCallback
 
 Prompt = str | Sequence[int] | Sequence[Mapping[str, str]]
@@ -230,22 +230,21 @@ class Engine:
     def from_dir(
         cls,
         path: str | os.PathLike[str],
+        backend_config: BackendConfig | None = None,
         *,
-        provider: str = "cpu",
-        threads: int | None = None,
-        max_length: int | None = None,
         prefix_reuse: bool = False,
-        sliding_window: str = "config",
-        matmul_accuracy_level: int | None = None,
         drafter: str | os.PathLike[str] | bool | None = None,
     ) -> Engine:
         """Load an ONNX Runtime GenAI folder (``genai_config.json``, the model, ``tokenizer.json``).
 
-        ``provider``: ``"cpu"`` or ``"cuda"``; ``threads``: intra-op threads (default: physical cores);
-        ``max_length``: KV capacity in tokens (default: the config's context length); ``prefix_reuse``: see the
-        class docstring. ``sliding_window`` and ``matmul_accuracy_level``: the load-time rewrites of
-        ``OrtBackend.from_folder`` (``matmul_accuracy_level=1`` makes speculation exact on a quantized folder
-        built at the builder's default level 4; see docs/quantization-data.md). ``drafter``: a shared-KV drafter
+        ``backend_config``: how the model is opened, a :class:`~ortspec.backends.onnx.BackendConfig` (default:
+        ``BackendConfig()``: the CPU, physical cores, the config's context length): ``provider`` (``"cpu"`` or
+        ``"cuda"``), ``threads`` (intra-op), ``max_length`` (KV capacity in tokens), the fast CUDA path
+        (``static_shapes``, ``cuda_graphs``, ``graph_max_tokens``, ``array_module``, ``device_id``) and the
+        load-time rewrites ``sliding_window`` and ``matmul_accuracy_level`` (``matmul_accuracy_level=1`` makes
+        speculation exact on a quantized folder built at the builder's default level 4; see
+        docs/quantization-data.md); its fields are checked when it is made (``ValueError``). ``prefix_reuse``: see
+        the class docstring. ``drafter``: a shared-KV drafter
         folder to open (errors raise ``DrafterError``, a ``ValueError``), ``False`` for none, ``True`` for the one
         found beside the model (``DrafterError`` when there is none), or ``None`` (default) for that one if any
         (``ortspec.adapters.cache.find_drafter``: ``<model>/drafter`` or where ``ortspec train-drafter`` puts it; one
@@ -257,23 +256,10 @@ class Engine:
         from ortspec.backends.onnx import OrtBackend
         from ortspec.backends.onnx.drafter import DrafterError, SharedKvProposer
 
-        if threads is not None:
-            check_int("threads", threads, 1)
-        if max_length is not None:
-            check_int("max_length", max_length, 1)
-        if provider not in ("cpu", "cuda"):
-            raise ArgumentError("provider", f"provider must be 'cpu' or 'cuda', got {provider!r}")
         folder = ModelFolder.load(Path(path))
         tokenizer = Tokenizer.from_folder(folder.path)
         check_tokenizer_fits(folder, tokenizer)
-        backend = OrtBackend.from_folder(
-            folder,
-            provider=provider,
-            threads=threads,
-            max_length=max_length,
-            sliding_window=sliding_window,
-            matmul_accuracy_level=matmul_accuracy_level,
-        )
+        backend = OrtBackend.from_folder(folder, backend_config)
         proposer = None
         found = find_drafter(folder.path) if drafter in (None, True) else None
         if drafter not in (None, False, True):

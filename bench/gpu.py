@@ -254,8 +254,8 @@ def measure_mode(folder: str, provider: str, mode: str, cfg: argparse.Namespace,
     """Every measurement of one backend mode on one folder (see the module docstring)."""
     from bench.replay import PRICED_SETTINGS, price
     from ortspec import Options, PromptLookup, generate
-    from ortspec.backends.onnx import OrtBackend
-    from ortspec.backends.onnx.graphs import PhaseTimer
+    from ortspec.backends.onnx import BackendConfig, OrtBackend
+    from ortspec.backends.onnx.cuda_graphs import PhaseTimer
     from ortspec.costs import measure_pass_costs, measure_verify_drift, probe_ids
 
     out: dict[str, Any] = {"mode": mode}
@@ -263,10 +263,10 @@ def measure_mode(folder: str, provider: str, mode: str, cfg: argparse.Namespace,
     kwargs: dict[str, Any] = dict(MODES[mode])
     if provider == "cpu":
         kwargs["threads"] = cfg.threads
-    backend = OrtBackend.from_folder(folder, provider=provider, max_length=cfg.max_length, **kwargs)
+    backend = OrtBackend.from_folder(folder, BackendConfig(provider=provider, max_length=cfg.max_length, **kwargs))
     out["open_s"] = round(time.perf_counter() - t0, 3)
     out["backend"] = repr(backend)
-    out["array_module"] = getattr(backend._arrays, "name", None)
+    out["array_module"] = getattr(backend.array_module, "name", None)
     if backend.graphs is not None:
         t0 = time.perf_counter()
         out["graphs"] = backend.capture_graphs()

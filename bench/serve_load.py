@@ -45,6 +45,7 @@ from bench.machine import CpuContention, machine_info
 from bench.workloads import build_workloads
 from ortspec.adapters.engine import Engine
 from ortspec.adapters.tokenizer import Tokenizer
+from ortspec.backends.onnx import BackendConfig
 
 T = TypeVar("T")
 MODEL_NAME = "served"
@@ -124,7 +125,7 @@ def conversation(tokenizer: Tokenizer, source: str, tokens: int) -> list[dict[st
 def compute_references(model_dir: Path, prompts: list[Prompt], threads: int) -> dict[str, Any]:
     """Each prompt's plain greedy text (no speculation, no prefix reuse), in process, one prompt at a time with
     ``threads`` threads: also a baseline measured on the machine as it is now (seconds, tokens, tokens/s)."""
-    engine = Engine.from_dir(model_dir, threads=threads)
+    engine = Engine.from_dir(model_dir, BackendConfig(threads=threads))
     tokens = 0
     with CpuContention() as contention:
         for p in prompts:

@@ -118,6 +118,7 @@ from bench.workloads import Workload, build_workloads, describe_workloads, encod
 from ortspec.adapters.engine import Engine
 from ortspec.adapters.tokenizer import Tokenizer
 from ortspec.backends.base import Backend
+from ortspec.backends.onnx import BackendConfig
 from ortspec.costs import measure_pass_costs, probe_ids
 
 DEFAULT_OUT = Path(__file__).resolve().parent.parent / "docs" / "bench"
@@ -609,7 +610,7 @@ def run(cfg: SuiteConfig) -> dict[str, Any]:
     machine = machine_info()
     bandwidth = [measure_bandwidth(cfg)]
     log(f"bandwidth {bandwidth[0]['best_gb_s']} GB/s")
-    engine = Engine.from_dir(cfg.model_dir, threads=cfg.threads, max_length=cfg.max_length)
+    engine = Engine.from_dir(cfg.model_dir, BackendConfig(threads=cfg.threads, max_length=cfg.max_length))
     probe = cost_curve_ids(cfg, engine.backend, prompts)
     log(f"verify cost curve at {len(probe[0])} tokens, K = 0..{KMAX}, {cfg.cost_repeat} samples each")
     cost = measure_cost_curve(cfg, engine.backend, probe, "start", log)

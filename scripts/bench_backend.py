@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from ortspec.adapters.tools.convert import default_model_dir
-from ortspec.backends.onnx import OrtBackend, physical_cores
+from ortspec.backends.onnx import BackendConfig, OrtBackend, physical_cores
 
 
 def measure(b: OrtBackend, *, ks, runs: int, warmup: int, prompt_len: int, seed: int = 0) -> dict:
@@ -159,7 +159,7 @@ def sweep(
 
     def open_backend(opts):
         so = make_session_options(genai_session_options=mf.session_options, **{"threads": threads, **opts})
-        b = OrtBackend.from_folder(mf, session_options=so, max_length=max_length)
+        b = OrtBackend.from_folder(mf, BackendConfig(max_length=max_length), session_options=so)
         b.decode(toks[:p], 0)
         return b
 
@@ -215,7 +215,9 @@ def main(argv=None) -> int:
     results: dict = {"model": str(folder), "provider": args.provider, "threads": threads}
 
     kw = {"array_module": args.array_module} if args.provider == "cuda" else {}
-    b = OrtBackend.from_folder(folder, provider=args.provider, threads=threads, max_length=max_length, **kw)
+    b = OrtBackend.from_folder(
+        folder, BackendConfig(provider=args.provider, threads=threads, max_length=max_length, **kw)
+    )
     print(f"{b!r}, threads={threads}", flush=True)
     r = measure(b, ks=ks, runs=args.runs, warmup=args.warmup, prompt_len=args.prompt_len)
     results["timings"] = r

@@ -213,8 +213,9 @@ def measure(
     """Everything the module docstring lists, on ``model``; a dict of figures. Each timed run is made ``repeats``
     times (in turn: raw greedy, ortspec greedy, ortspec speculative), and each window keeps its least time."""
     from ortspec.adapters.engine import Engine
+    from ortspec.backends.onnx import BackendConfig
 
-    engine = Engine.from_dir(model, threads=1)
+    engine = Engine.from_dir(model, BackendConfig(threads=1))
     folder = engine.folder
     assert folder is not None
     prompt_ids = engine.prompt_ids(PROMPT)

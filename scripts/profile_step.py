@@ -22,7 +22,7 @@ import numpy as np
 
 from ortspec import Options, PromptLookup
 from ortspec.adapters.tools.convert import default_model_dir
-from ortspec.backends.onnx import OrtBackend, make_session_options
+from ortspec.backends.onnx import BackendConfig, OrtBackend, make_session_options
 from ortspec.core import DecodeState, check_draft, step
 
 
@@ -33,7 +33,7 @@ def _ort_profile(folder: Path, threads: int, ids: list[int], k: int, steps: int)
         so = make_session_options(threads=threads)
         so.enable_profiling = True
         so.profile_file_prefix = str(Path(tempfile.mkdtemp()) / "ortspec")
-        b = OrtBackend.from_folder(folder, threads=threads, session_options=so)
+        b = OrtBackend.from_folder(folder, BackendConfig(threads=threads), session_options=so)
         b.decode(ids, 0)
         base = b.current_len()
         feed = ids[-(width + 1) :]
@@ -60,7 +60,7 @@ def _ort_profile(folder: Path, threads: int, ids: list[int], k: int, steps: int)
 
 def _python_overhead(folder: Path, threads: int, ids: list[int], k: int, steps: int) -> dict[str, float]:
     """Median microseconds per step of: the backend call (session run + binding), the core step, the proposer."""
-    b = OrtBackend.from_folder(folder, threads=threads)
+    b = OrtBackend.from_folder(folder, BackendConfig(threads=threads))
     lookup = PromptLookup(max_draft=k)
     b.decode(ids[:-1], 0)
     state = DecodeState.start(ids, Options(max_tokens=10_000))

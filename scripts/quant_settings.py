@@ -45,7 +45,7 @@ from ortspec.adapters.tools.convert import (
     is_complete,
     prepare_smollm2_hf,
 )
-from ortspec.backends.onnx import OrtBackend
+from ortspec.backends.onnx import BackendConfig, OrtBackend
 from ortspec.costs import measure_pass_costs, measure_verify_drift, probe_ids
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -123,7 +123,9 @@ def measure(settings: list[Setting], args, *, real: bool, say) -> list[dict]:
     end_to_end = {}
     for label, folder, options, e2e_run in settings:
         end_to_end[label] = e2e_run
-        backend = OrtBackend.from_folder(folder, threads=threads, max_length=2048 if real else 256, **options)
+        backend = OrtBackend.from_folder(
+            folder, BackendConfig(threads=threads, max_length=2048 if real else 256, **options)
+        )
         tokenizer = Tokenizer.from_folder(folder)
         engine = Engine(backend, tokenizer, eos_token_ids=backend.folder.eos_token_ids, folder=backend.folder)
         engines.append((label, engine, options))

@@ -43,5 +43,6 @@ def real_model_dir() -> Path:
 @pytest.fixture(scope="session")
 def real_engine(real_model_dir):
     from ortspec.adapters.engine import Engine
+    from ortspec.backends.onnx import BackendConfig
 
-    return Engine.from_dir(real_model_dir, threads=2)
+    return Engine.from_dir(real_model_dir, BackendConfig(threads=2))

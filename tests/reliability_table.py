@@ -28,7 +28,7 @@ import attrs
 from ortspec import GenerationAborted, GenerationError, ProposerError
 from ortspec.adapters.engine import Engine, GenerationSuperseded
 from ortspec.backends.base import BackendError
-from ortspec.backends.onnx import ModelFileError, ModelFolderError
+from ortspec.backends.onnx import BackendConfig, ModelFileError, ModelFolderError
 from ortspec.backends.onnx.drafter import DrafterError
 
 PROMPT_IDS = [17, 42, 99, 7, 250, 17, 42, 99]  # token ids: the same on every machine, whatever the tokenizer
@@ -168,8 +168,9 @@ def callback_raises(lab: Lab, error: BaseException) -> Any:
     return lab.engine.generate_stream(PROMPT_IDS, callback, max_tokens=12, ignore_eos=True)
 
 
-def load(folder: Path, **kwargs: Any) -> Engine:
-    return Engine.from_dir(folder, **{"threads": 1, **kwargs})
+def load(folder: Path, backend: dict[str, Any] | None = None, **kwargs: Any) -> Engine:
+    """``Engine.from_dir(folder, BackendConfig(threads=1, **backend), **kwargs)``."""
+    return Engine.from_dir(folder, BackendConfig(**{"threads": 1, **(backend or {})}), **kwargs)
 
 
 def tokenizer_of_size(lab: Lab, name: str, size: int, eos: int | None = None) -> Path:
@@ -307,11 +308,12 @@ CASES: tuple[Case, ...] = (
          lambda lab: load(lab.model, drafter=lab.scratch), DrafterError, "drafter.json"),
     Case(A, "`generate_stream(prompt, None)`", lambda lab: lab.engine.generate_stream(PROMPT_IDS, None), ValueError,
          "callback must be callable"),
-    Case(A, "`Engine.from_dir(threads=0)`", lambda lab: load(lab.model, threads=0), ValueError, "threads"),
-    Case(A, "`Engine.from_dir(max_length=0)`", lambda lab: load(lab.model, max_length=0), ValueError, "max_length"),
-    Case(A, "`Engine.from_dir(max_length=100000)` (context 256)", lambda lab: load(lab.model, max_length=100000),
-         ValueError, "max_length must be in [1, 256]"),
-    Case(A, '`Engine.from_dir(provider="tpu")`', lambda lab: load(lab.model, provider="tpu"), ValueError,
+    Case(A, "`BackendConfig(threads=0)`", lambda lab: load(lab.model, {"threads": 0}), ValueError, "threads"),
+    Case(A, "`BackendConfig(max_length=0)`", lambda lab: load(lab.model, {"max_length": 0}), ValueError,
+         "max_length"),
+    Case(A, "`Engine.from_dir(path, BackendConfig(max_length=100000))` (context 256)",
+         lambda lab: load(lab.model, {"max_length": 100000}), ValueError, "max_length must be in [1, 256]"),
+    Case(A, '`BackendConfig(provider="tpu")`', lambda lab: load(lab.model, {"provider": "tpu"}), ValueError,
          "provider"),
     # proposers: the generation started, so GenerationError (with .partial) caused by ProposerError
     Case(P, "proposer returns id 384 (outside the vocabulary)",

@@ -24,7 +24,7 @@ import pytest
 
 from ortspec import Options, generate
 from ortspec.backends.base import BackendError
-from ortspec.backends.onnx import ModelFolder, OrtBackend
+from ortspec.backends.onnx import BackendConfig, ModelFolder, OrtBackend
 from ortspec.costs import measure_verify_drift, probe_ids
 
 pytestmark = pytest.mark.skipif(
@@ -91,7 +91,7 @@ def test_hybrid_folder_names_its_states_and_kv_layers(arch_root):
     assert folder.layer_types == ("conv", "full_attention", "conv")
     assert folder.kv_layers == (1,)
     assert folder.state_patterns == (("conv", "past.%d.conv", "present.%d.conv"),)
-    backend = OrtBackend.from_folder(folder, threads=1)
+    backend = OrtBackend.from_folder(folder, BackendConfig(threads=1))
     assert backend.stateful
     assert [(s.layer, s.kind, s.past) for s in backend.graph.states] == [
         (0, "conv", "past.0.conv"),
@@ -102,7 +102,7 @@ def test_hybrid_folder_names_its_states_and_kv_layers(arch_root):
 
 def test_recurrent_state_rewinds_like_a_fresh_backend(arch_root):
     path = _build(arch_root, "lfm2")
-    b = OrtBackend.from_folder(path, threads=1)
+    b = OrtBackend.from_folder(path, BackendConfig(threads=1))
     toks = _tokens(40, b.vocab_size, seed=3)
     b.decode(toks[:20], 0)
     rows = b.decode_verify(toks[20:28], 20).copy()
@@ -111,7 +111,7 @@ def test_recurrent_state_rewinds_like_a_fresh_backend(arch_root):
     assert float(np.abs(rows - seq).max()) <= ROW_TOL
 
     def fresh(n: int) -> np.ndarray:
-        return OrtBackend.from_folder(path, threads=1).decode(toks[:n], 0).copy()
+        return OrtBackend.from_folder(path, BackendConfig(threads=1)).decode(toks[:n], 0).copy()
 
     b.rewind(24)  # into the last pass (a one-token decode): restore, replay
     assert b.current_len() == 24
@@ -133,14 +133,14 @@ def test_a_hybrid_config_without_state_names_is_refused_clearly(arch_root, tmp_p
     del cfg["model"]["decoder"]["outputs"]["present_conv_names"]
     path.write_text(json.dumps(cfg))
     with pytest.raises(BackendError, match=r"past\.0\.conv.*past_<kind>_names"):
-        OrtBackend.from_folder(broken, threads=1)
+        OrtBackend.from_folder(broken, BackendConfig(threads=1))
 
 
 def test_engine_speculates_on_a_hybrid_folder(arch_root):
     from ortspec.adapters.engine import Engine
     from tests.support.conformance import GreedyReplay
 
-    engine = Engine.from_dir(_build(arch_root, "lfm2"), threads=1)
+    engine = Engine.from_dir(_build(arch_root, "lfm2"), BackendConfig(threads=1))
     prompt = "the quick brown fox jumps over the lazy dog. the quick brown fox"
     greedy = engine.generate(prompt, max_tokens=32, ignore_eos=True)
     ids = engine.tokenize(prompt)
@@ -159,12 +159,12 @@ def test_a_window_the_graph_ignores_is_applied_and_named(arch_root, caplog):
     folder = ModelFolder.load(path)
     assert folder.sliding_window == 32 and folder.sliding_window_layers == ()
     with caplog.at_level(logging.WARNING, logger="ortspec.backends.onnx"):
-        applied = OrtBackend.from_folder(path, threads=1)
+        applied = OrtBackend.from_folder(path, BackendConfig(threads=1))
     message = " ".join(r.getMessage() for r in caplog.records)
     assert "genai_config.json" in message and "window_size = 32" in message and "local_window_size = -1" in message
     assert len(applied.rewrites) == 2
-    as_written = OrtBackend.from_folder(path, threads=1, sliding_window="graph")
-    short = OrtBackend.from_folder(path, threads=1, max_length=32)  # the window cannot matter
+    as_written = OrtBackend.from_folder(path, BackendConfig(threads=1, sliding_window="graph"))
+    short = OrtBackend.from_folder(path, BackendConfig(threads=1, max_length=32))  # the window cannot matter
     assert not as_written.rewrites and not short.rewrites
     prompt = _prompt(path)
     options = Options(max_tokens=40)
@@ -181,15 +181,15 @@ def test_a_window_that_contradicts_the_graph_is_refused(arch_root, tmp_path):
     cfg["model"]["decoder"]["sliding_window"]["window_size"] = 16
     path.write_text(json.dumps(cfg))
     with pytest.raises(BackendError, match=r"genai_config.json.*window_size = 16.*local_window_size = 32"):
-        OrtBackend.from_folder(conflicting, threads=1)
-    assert OrtBackend.from_folder(conflicting, threads=1, sliding_window="graph").rewrites == ()
+        OrtBackend.from_folder(conflicting, BackendConfig(threads=1))
+    assert OrtBackend.from_folder(conflicting, BackendConfig(threads=1, sliding_window="graph")).rewrites == ()
     with pytest.raises(ValueError, match="sliding_window"):
-        OrtBackend.from_folder(conflicting, threads=1, sliding_window="both")
+        OrtBackend.from_folder(conflicting, BackendConfig(threads=1, sliding_window="both"))
 
 
 def test_a_sliding_window_cache_layer_rewinds_past_the_window(arch_root):
     path = _build(arch_root, "gemma2")
-    b = OrtBackend.from_folder(path, threads=1)
+    b = OrtBackend.from_folder(path, BackendConfig(threads=1))
     toks = _tokens(120, b.vocab_size, seed=11)
     b.decode(toks[:90], 0)
     rows = b.decode_verify(toks[90:106], 90).copy()
@@ -198,7 +198,7 @@ def test_a_sliding_window_cache_layer_rewinds_past_the_window(arch_root):
     assert float(np.abs(rows - seq).max()) <= ROW_TOL
     b.rewind(50)
     again = b.decode(toks[50:100], 50).copy()
-    fresh = OrtBackend.from_folder(path, threads=1).decode(toks[:100], 0)
+    fresh = OrtBackend.from_folder(path, BackendConfig(threads=1)).decode(toks[:100], 0)
     assert float(np.abs(again - fresh).max()) <= ROW_TOL
 
 
@@ -209,8 +209,8 @@ def test_a_sliding_window_cache_layer_rewinds_past_the_window(arch_root):
 def test_matmul_accuracy_level_one_makes_verify_agree_with_decodes(arch_root):
     """hidden 256: large enough for the int8-activation kernels of level 4 (hidden 64 takes another path)."""
     path = _build(arch_root, "llama", "int4", hidden=256)
-    built = OrtBackend.from_folder(path, threads=1)
-    exact = OrtBackend.from_folder(path, threads=1, matmul_accuracy_level=1)
+    built = OrtBackend.from_folder(path, BackendConfig(threads=1))
+    exact = OrtBackend.from_folder(path, BackendConfig(threads=1, matmul_accuracy_level=1))
     assert built.rewrites == ()
     assert exact.rewrites and "accuracy_level [4] -> 1" in exact.rewrites[0]
     ids = probe_ids(built.vocab_size, 60 + 27)
@@ -219,19 +219,19 @@ def test_matmul_accuracy_level_one_makes_verify_agree_with_decodes(arch_root):
     print(f"[verify drift] int4 level 4: {drift_built:.3g}; level 1: {drift_exact:.3g}")
     assert drift_built > 1e-3
     assert drift_exact <= ROW_TOL
-    unchanged = OrtBackend.from_folder(path, threads=1, matmul_accuracy_level=4)
+    unchanged = OrtBackend.from_folder(path, BackendConfig(threads=1, matmul_accuracy_level=4))
     assert unchanged.rewrites == ()
     with pytest.raises(ValueError, match="matmul_accuracy_level"):
-        OrtBackend.from_folder(path, threads=1, matmul_accuracy_level=7)
+        OrtBackend.from_folder(path, BackendConfig(threads=1, matmul_accuracy_level=7))
 
 
 def test_a_folder_built_at_level_one_is_exact_as_is(arch_root, tmp_path):
-    from ortspec.backends.onnx.graph import read_graph_facts
+    from ortspec.backends.onnx.model_graph import read_graph_facts
     from tests.support.architectures import make_tiny_arch_model
 
     path = make_tiny_arch_model(tmp_path / "int4-level1", "llama", "int4", hidden=256, accuracy_level=1)
     assert dict(read_graph_facts(path / "model.onnx").matmul_nbits) == {(4, 1): 11}
-    b = OrtBackend.from_folder(path, threads=1)
+    b = OrtBackend.from_folder(path, BackendConfig(threads=1))
     ids = probe_ids(b.vocab_size, 60 + 27)
     assert measure_verify_drift(b, ids[:60], ids[60:]) <= ROW_TOL
 
@@ -239,10 +239,12 @@ def test_a_folder_built_at_level_one_is_exact_as_is(arch_root, tmp_path):
 def test_engine_warning_names_the_exact_setting(arch_root):
     from ortspec.adapters.engine import Engine
 
-    engine = Engine.from_dir(_build(arch_root, "llama", "int4", hidden=256), threads=1)
+    engine = Engine.from_dir(_build(arch_root, "llama", "int4", hidden=256), BackendConfig(threads=1))
     with pytest.warns(RuntimeWarning, match="matmul_accuracy_level=1"):
         engine.generate("abc abc abc", max_tokens=4, speculative="prompt-lookup", draft_width=2)
-    exact = Engine.from_dir(_build(arch_root, "llama", "int4", hidden=256), threads=1, matmul_accuracy_level=1)
+    exact = Engine.from_dir(
+        _build(arch_root, "llama", "int4", hidden=256), BackendConfig(threads=1, matmul_accuracy_level=1)
+    )
     assert exact.verify_drift() <= ROW_TOL
 
 

@@ -18,7 +18,7 @@ onnx = pytest.importorskip("onnx")
 
 from ortspec.adapters.tools.drafter_graph import DRAFTER_METADATA  # noqa: E402
 from ortspec.backends.base import BackendError, HiddenStates  # noqa: E402
-from ortspec.backends.onnx import OrtBackend  # noqa: E402
+from ortspec.backends.onnx import BackendConfig, OrtBackend  # noqa: E402
 from ortspec.backends.onnx.drafter import DrafterError, DrafterFolder, SharedKvProposer  # noqa: E402
 from tests.support.drafters import make_random_drafter  # noqa: E402
 
@@ -36,7 +36,7 @@ def full_vocab_drafter_dir(tiny_model_dir, tmp_path_factory) -> Path:
 
 @pytest.fixture()
 def backend(tiny_model_dir) -> OrtBackend:
-    return OrtBackend.from_folder(tiny_model_dir, threads=1, max_length=128)
+    return OrtBackend.from_folder(tiny_model_dir, BackendConfig(threads=1, max_length=128))
 
 
 def prompt_ids(n: int, vocab: int, seed: int = 0) -> list[int]:
@@ -108,7 +108,7 @@ class ReferenceHead:
 
 def live_kv(backend: OrtBackend, layer: int) -> tuple[np.ndarray, np.ndarray]:
     n = backend.current_len()
-    return backend._keys[layer][0, :, :n].astype(np.float64), backend._values[layer][0, :, :n].astype(np.float64)
+    return backend.kv.keys[layer][0, :, :n].astype(np.float64), backend.kv.values[layer][0, :, :n].astype(np.float64)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -146,7 +146,7 @@ def test_kv_pointer_addresses_each_heads_first_positions(backend):
     backend.decode(prompt_ids(10, backend.vocab_size), 0)
     head_size = backend.folder.head_size
     for layer in range(backend.folder.num_layers):
-        for which, buffers in (("key", backend._keys), ("value", backend._values)):
+        for which, buffers in (("key", backend.kv.keys), ("value", backend.kv.values)):
             for head in range(backend.folder.num_kv_heads):
                 raw = (ctypes.c_float * (10 * head_size)).from_address(backend.kv_pointer(layer, which, head))
                 got = np.frombuffer(raw, np.float32).reshape(10, head_size)
@@ -168,7 +168,7 @@ def test_a_folder_without_hidden_states_is_refused_clearly(no_hidden_model_dir, 
     from ortspec.adapters.tools.convert import has_hidden_states, is_complete
 
     assert not has_hidden_states(no_hidden_model_dir / "model.onnx") and not is_complete(no_hidden_model_dir)
-    backend = OrtBackend.from_folder(no_hidden_model_dir, threads=1, max_length=64)
+    backend = OrtBackend.from_folder(no_hidden_model_dir, BackendConfig(threads=1, max_length=64))
     assert backend.hidden_size == 0
     backend.decode([1, 2, 3], 0)
     with pytest.raises(BackendError, match="include_hidden_states"):
@@ -209,7 +209,7 @@ def test_the_drafter_reads_the_cache_in_place(drafter_dir, backend):
     promised_state(backend, context)
     before = proposer.propose(context, 4)
     rng = np.random.default_rng(0)
-    for buffer in (backend._keys[layer], backend._values[layer]):
+    for buffer in (backend.kv.keys[layer], backend.kv.values[layer]):
         buffer[0, :, :29] = rng.standard_normal(buffer[0, :, :29].shape).astype(np.float32) * 3
     after = proposer.propose(context, 4)
     keys, values = live_kv(backend, layer)
@@ -240,7 +240,7 @@ def test_a_rejected_draft_costs_nothing(drafter_dir, backend):
     pick = int(np.argmax(rows[0]))
     backend.rewind(base + 1)  # accept nothing: keep the pending token, drop the draft
     after = proposer.propose([*context, pick], 4)
-    fresh_backend = OrtBackend.from_folder(backend.folder, threads=1, max_length=128)
+    fresh_backend = OrtBackend.from_folder(backend.folder, BackendConfig(threads=1, max_length=128))
     promised_state(fresh_backend, [*context, pick])
     assert after == SharedKvProposer.open(fresh_backend, drafter_dir).propose([*context, pick], 4)
     assert not hasattr(proposer, "rewind")
@@ -352,7 +352,7 @@ def test_graph_errors_name_the_graph_and_tensor(tiny_model_dir, drafter_dir, tmp
 def engine(tiny_model_dir, drafter_dir):
     from ortspec.adapters.engine import Engine
 
-    return Engine.from_dir(tiny_model_dir, threads=1, max_length=256, drafter=drafter_dir)
+    return Engine.from_dir(tiny_model_dir, BackendConfig(threads=1, max_length=256), drafter=drafter_dir)
 
 
 @pytest.mark.parametrize("speculative", ["shared-kv", "auto"])
@@ -374,19 +374,19 @@ def test_engine_finds_the_drafter_beside_the_model(tiny_model_dir, drafter_dir, 
 
     model = tmp_path / "model"
     shutil.copytree(tiny_model_dir, model)
-    assert Engine.from_dir(model, threads=1).drafter is None
+    assert Engine.from_dir(model, BackendConfig(threads=1)).drafter is None
     with pytest.raises(ValueError, match="speculative='shared-kv' needs a drafter"):
-        Engine.from_dir(model, threads=1).generate("hi", max_tokens=2, speculative="shared-kv")
+        Engine.from_dir(model, BackendConfig(threads=1)).generate("hi", max_tokens=2, speculative="shared-kv")
     shutil.copytree(drafter_dir, model / "drafter")
-    found = Engine.from_dir(model, threads=1)
+    found = Engine.from_dir(model, BackendConfig(threads=1))
     assert isinstance(found.drafter, SharedKvProposer) and found.drafter.folder.path == model / "drafter"
-    assert Engine.from_dir(model, threads=1, drafter=False).drafter is None
+    assert Engine.from_dir(model, BackendConfig(threads=1), drafter=False).drafter is None
 
 
 def test_draft_cost_is_measured_and_the_backend_left_reset(tiny_model_dir, drafter_dir):
     from ortspec.costs import measure_draft_cost, probe_ids
 
-    backend = OrtBackend.from_folder(tiny_model_dir, threads=1, max_length=128)
+    backend = OrtBackend.from_folder(tiny_model_dir, BackendConfig(threads=1, max_length=128))
     proposer = SharedKvProposer.open(backend, drafter_dir)
     result = measure_draft_cost(backend, proposer, probe_ids(backend.vocab_size, 50), width=3, repeats=3)
     assert result["tokens"] == 3 and result["step_s"] > 0 and result["decode_step_s"] > 0
@@ -409,7 +409,7 @@ def test_batched_target_data_equals_the_backend(tiny_model_dir):
     runner = TargetRunner(folder, 1, threads=1)
     prompts = [prompt_ids(9, folder.vocab_size, seed=s) for s in range(3)]
     records = runner.run(prompts, 12, eos=[0])
-    backend = OrtBackend.from_folder(folder, threads=1, max_length=64)
+    backend = OrtBackend.from_folder(folder, BackendConfig(threads=1, max_length=64))
     for prompt, record in zip(prompts, records, strict=True):
         assert record.prompt_len == 9 and list(record.tokens[:9]) == prompt
         backend.reset()
@@ -418,8 +418,8 @@ def test_batched_target_data_equals_the_backend(tiny_model_dir):
         assert np.array_equal(rows.argmax(1), record.labels)
         assert np.array_equal(record.labels[8:-1], record.tokens[9:])  # greedy from the last prompt token on
         np.testing.assert_allclose(record.hidden, np.stack([backend.hidden_at(i) for i in range(n)]), atol=1e-4)
-        np.testing.assert_allclose(record.keys, backend._keys[1][0, :, :n], atol=1e-4)
-        np.testing.assert_allclose(record.values, backend._values[1][0, :, :n], atol=1e-4)
+        np.testing.assert_allclose(record.keys, backend.kv.keys[1][0, :, :n], atol=1e-4)
+        np.testing.assert_allclose(record.values, backend.kv.values[1][0, :, :n], atol=1e-4)
 
 
 def test_train_drafter_writes_a_valid_folder(tiny_model_dir, tmp_path):
@@ -435,7 +435,7 @@ def test_train_drafter_writes_a_valid_folder(tiny_model_dir, tmp_path):
     assert check["fp32"]["picks_agree"] == check["fp32"]["checked"] > 0  # the graph computes the torch head
     assert check["weights"] == "int8" and check["bytes"] < check["bytes_fp32"] / 2  # then its weights are int8
     assert check["int8"]["checked"] == check["fp32"]["checked"] and check["int8"]["max_logit_diff"] < 1.0
-    backend = OrtBackend.from_folder(tiny_model_dir, threads=1, max_length=128)
+    backend = OrtBackend.from_folder(tiny_model_dir, BackendConfig(threads=1, max_length=128))
     context = prompt_ids(20, backend.vocab_size)
     promised_state(backend, context)
     assert len(SharedKvProposer.open(backend, folder).propose(context, 3)) == 3

@@ -11,14 +11,14 @@ import pytest
 from ortspec import FinishReason, GenerationAborted, GenerationError, PromptLookup
 from ortspec.adapters.cli.main import main as cli_main
 from ortspec.adapters.engine import Engine, GenerationSuperseded
-from ortspec.backends.onnx import ModelFolderError
+from ortspec.backends.onnx import BackendConfig, ModelFolderError
 from ortspec.core.checks import ArgumentError
 from tests.support.conformance import GreedyReplay
 
 
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir):
-    return Engine.from_dir(tiny_model_dir, threads=1)
+    return Engine.from_dir(tiny_model_dir, BackendConfig(threads=1))
 
 
 def test_generate_greedy_and_speculative_agree(engine):
@@ -222,7 +222,7 @@ def test_verify_drift_is_measured_and_warned_about(engine, tiny_model_dir):
             return self.inner.decode_verify(tokens, base) + 0.25
 
     drifting = Engine(
-        Drifting(OrtBackend.from_folder(tiny_model_dir, threads=1)),
+        Drifting(OrtBackend.from_folder(tiny_model_dir, BackendConfig(threads=1))),
         engine.tokenizer,
         eos_token_ids=engine.eos_token_ids,
     )
@@ -276,7 +276,7 @@ def test_an_iterator_superseded_by_another_generation_raises(engine):
 def test_separate_engines_in_threads_run_in_parallel_correctly(tiny_model_dir):
     import threading
 
-    engines = [Engine.from_dir(tiny_model_dir, threads=1) for _ in range(2)]
+    engines = [Engine.from_dir(tiny_model_dir, BackendConfig(threads=1)) for _ in range(2)]
     want = engines[0].generate("the quick brown fox", max_tokens=32, ignore_eos=True).token_ids
     results: list[tuple[int, ...]] = []
 
@@ -293,8 +293,8 @@ def test_separate_engines_in_threads_run_in_parallel_correctly(tiny_model_dir):
 
 
 def test_prefix_reuse_prefills_only_the_new_tokens_and_changes_nothing(tiny_model_dir):
-    fresh = Engine.from_dir(tiny_model_dir, threads=1)
-    reuse = Engine.from_dir(tiny_model_dir, threads=1, prefix_reuse=True)
+    fresh = Engine.from_dir(tiny_model_dir, BackendConfig(threads=1))
+    reuse = Engine.from_dir(tiny_model_dir, BackendConfig(threads=1), prefix_reuse=True)
     reuse.verify_drift(), reuse.pass_costs()  # measured once; a measurement takes the backend (and its KV)
     turn1 = [{"role": "user", "content": "tell me about the quick brown fox"}]
     r1 = reuse.generate(turn1, max_tokens=20, ignore_eos=True)

@@ -1,6 +1,6 @@
 """The fast CUDA path's parts that run on a CPU, and its CUDA checks (marked ``cuda``, skipped without a GPU).
 
-On the CPU: the static-shape binding (``OrtBackend(static_shapes=True)``: mask ``[1, max_length]``, the length in
+On the CPU: the static-shape binding (``BackendConfig(static_shapes=True)``: mask ``[1, max_length]``, the length in
 its values) gives the logits of the default binding bit for bit, passes of one width keep one binding and fixed
 addresses, the graph-per-width bookkeeping and the eager fallback behave on a recording fake session, the timing
 hook adds up, and a decode loop allocates nothing vocab-sized per step. Self-contained (no conftest fixtures), so
@@ -19,9 +19,9 @@ import pytest
 
 from ortspec import Options, PromptLookup, generate
 from ortspec.backends.base import BackendError
-from ortspec.backends.onnx import OrtBackend
+from ortspec.backends.onnx import BackendConfig, OrtBackend
 from ortspec.backends.onnx.arrays import ConversionBuffer, HostArrays
-from ortspec.backends.onnx.graphs import EAGER, ORT_WARMUP_RUNS, GraphBook, PhaseTimer
+from ortspec.backends.onnx.cuda_graphs import EAGER, ORT_WARMUP_RUNS, GraphBook, PhaseTimer
 
 
 def _have(*modules: str) -> bool:
@@ -86,8 +86,8 @@ def _passes(b: OrtBackend, toks: list[int]) -> list[np.ndarray]:
 @pytest.mark.parametrize("which", ["fp32", "fp16"])
 def test_static_shapes_give_the_default_bindings_logits_bit_for_bit(which, fp32_dir, fp16_dir):
     folder = fp32_dir if which == "fp32" else fp16_dir
-    default = OrtBackend.from_folder(folder, threads=1, prefill_chunk=8)
-    static = OrtBackend.from_folder(folder, threads=1, prefill_chunk=8, static_shapes=True)
+    default = OrtBackend.from_folder(folder, BackendConfig(threads=1, prefill_chunk=8))
+    static = OrtBackend.from_folder(folder, BackendConfig(threads=1, prefill_chunk=8, static_shapes=True))
     assert static.static_shapes and not default.static_shapes and not static.stream_ordered
     toks = _tokens(60, default.vocab_size, seed=3)
     for a, b in zip(_passes(default, toks), _passes(static, toks), strict=True):
@@ -96,8 +96,8 @@ def test_static_shapes_give_the_default_bindings_logits_bit_for_bit(which, fp32_
 
 
 def test_static_shapes_generation_equals_default(fp32_dir):
-    default = OrtBackend.from_folder(fp32_dir, threads=1)
-    static = OrtBackend.from_folder(fp32_dir, threads=1, static_shapes=True)
+    default = OrtBackend.from_folder(fp32_dir, BackendConfig(threads=1))
+    static = OrtBackend.from_folder(fp32_dir, BackendConfig(threads=1, static_shapes=True))
     prompt = _tokens(12, default.vocab_size, seed=5) * 3
     options = Options(max_tokens=40)
     greedy = generate(default, prompt, options)
@@ -107,28 +107,23 @@ def test_static_shapes_generation_equals_default(fp32_dir):
 
 
 def test_static_passes_keep_one_binding_and_fixed_addresses(fp32_dir):
-    b = OrtBackend.from_folder(fp32_dir, threads=1, static_shapes=True)
+    b = OrtBackend.from_folder(fp32_dir, BackendConfig(threads=1, static_shapes=True))
     toks = _tokens(40, b.vocab_size, seed=7)
     b.decode(toks[:10], 0)
     b.decode_verify(toks[10:14], 10)
-    first = {count: (p.binding, p.run_options) for count, p in b._passes.items()}
-    ids_at, logits_at, mask_at = (
-        b._arrays.ptr(b._ids),
-        b._arrays.ptr(b._logits),
-        b._arrays.ptr(b._static_mask),
-    )
+    static = b.static_binding
+    assert static is not None
+    first = {count: (p.binding, p.run_options) for count, p in static.passes.items()}
+    ptr = b.array_module.ptr
+    ids_at, logits_at, mask_at = ptr(b.rows.ids), ptr(b.rows.logits), ptr(static.mask)
     b.rewind(10)
     b.decode_verify(toks[10:14], 10)
     b.decode(toks[14:24], 14)
-    assert {c: (p.binding, p.run_options) for c, p in b._passes.items() if c in first} == first
-    assert (b._arrays.ptr(b._ids), b._arrays.ptr(b._logits), b._arrays.ptr(b._static_mask)) == (
-        ids_at,
-        logits_at,
-        mask_at,
-    )
+    assert {c: (p.binding, p.run_options) for c, p in static.passes.items() if c in first} == first
+    assert (ptr(b.rows.ids), ptr(b.rows.logits), ptr(static.mask)) == (ids_at, logits_at, mask_at)
     # the mask holds ones up to the length of the last pass, zeros after
-    mask = np.asarray(b._static_mask)
-    assert mask[:24].all() and not mask[24:].any() and b._mask_ones == 24
+    mask = np.asarray(static.mask)
+    assert mask[:24].all() and not mask[24:].any() and static.mask_ones == 24
     b.rewind(5)
     b.decode(toks[5:6], 5)
     assert mask[:6].all() and not mask[6:].any()
@@ -136,9 +131,9 @@ def test_static_passes_keep_one_binding_and_fixed_addresses(fp32_dir):
 
 def test_static_shapes_refused_where_the_graph_cannot_take_them(fp32_dir):
     with pytest.raises(BackendError, match="static shapes are not possible.*shared past/present buffer"):
-        OrtBackend.from_folder(fp32_dir, threads=1, share_buffer=False, static_shapes=True)
+        OrtBackend.from_folder(fp32_dir, BackendConfig(threads=1, share_buffer=False, static_shapes=True))
     with pytest.raises(ValueError, match="cuda_graphs=True needs provider='cuda'"):
-        OrtBackend.from_folder(fp32_dir, threads=1, cuda_graphs=True)
+        OrtBackend.from_folder(fp32_dir, BackendConfig(threads=1, cuda_graphs=True))
 
 
 # -------------------------------------------------------------------------------------------------------------
@@ -186,35 +181,30 @@ class RecordingSession:
 
 
 def _graph_backend(folder: Path, fail_capture_of: int | None = None) -> tuple[OrtBackend, RecordingSession, list]:
-    plain = OrtBackend.from_folder(folder, threads=1)
+    plain = OrtBackend.from_folder(folder, BackendConfig(threads=1))
     session = RecordingSession(plain.session, fail_capture_of)
     reopened: list = []
 
     def reopen():
-        fresh = OrtBackend.from_folder(folder, threads=1).session
+        fresh = OrtBackend.from_folder(folder, BackendConfig(threads=1)).session
         reopened.append(fresh)
         return fresh
 
-    b = OrtBackend(
-        session,
-        plain.folder,
-        prefill_chunk=16,
-        cuda_graphs=True,
-        graph_max_tokens=5,
-        reopen_session=reopen,
-    )
+    # a CUDA configuration on host arrays: the graph bookkeeping and the eager fallback, run on the CPU
+    config = BackendConfig(provider="cuda", prefill_chunk=16, cuda_graphs=True, graph_max_tokens=5)
+    b = OrtBackend(session, plain.folder, config, arrays=HostArrays(), reopen_session=reopen)
     return b, session, reopened
 
 
 def test_graph_ids_per_width_and_capture_up_front(fp32_dir):
     b, session, reopened = _graph_backend(fp32_dir)
-    assert b.static_shapes and b.graphs is not None and b._rows >= 16
+    assert b.static_shapes and b.graphs is not None and b.rows.capacity >= 16
     summary = b.capture_graphs()
     assert summary["enabled"] and summary["captured_widths"] == [1, 2, 3, 4, 5]
     assert session.runs == {w: ORT_WARMUP_RUNS + 1 for w in range(1, 6)} and b.current_len() == 0
     session.graph_ids.clear()
     toks = _tokens(40, b.vocab_size, seed=11)
-    reference = OrtBackend.from_folder(fp32_dir, threads=1, prefill_chunk=16)
+    reference = OrtBackend.from_folder(fp32_dir, BackendConfig(threads=1, prefill_chunk=16))
     assert np.array_equal(b.decode(toks[:20], 0), reference.decode(toks[:20], 0))  # chunks of 16 and 4
     assert session.graph_ids == [EAGER, 4]
     for width in (1, 3, 5, 6):
@@ -229,7 +219,7 @@ def test_graph_ids_per_width_and_capture_up_front(fp32_dir):
 
 def test_a_failed_capture_falls_back_to_eager_and_the_rows_stay_right(fp32_dir, caplog):
     b, session, reopened = _graph_backend(fp32_dir, fail_capture_of=2)
-    reference = OrtBackend.from_folder(fp32_dir, threads=1, prefill_chunk=16)
+    reference = OrtBackend.from_folder(fp32_dir, BackendConfig(threads=1, prefill_chunk=16))
     toks = _tokens(40, b.vocab_size, seed=13)
     assert np.array_equal(b.decode(toks[:12], 0), reference.decode(toks[:12], 0))
     for _ in range(ORT_WARMUP_RUNS + 2):  # the third run of width 2 would capture: it fails, the backend reopens
@@ -260,7 +250,7 @@ def test_growing_the_logits_buffer_gives_up_graphs_first(fp32_dir):
 
 
 def test_phase_timer_adds_up_each_pass(fp32_dir):
-    b = OrtBackend.from_folder(fp32_dir, threads=1, static_shapes=True)
+    b = OrtBackend.from_folder(fp32_dir, BackendConfig(threads=1, static_shapes=True))
     timer = PhaseTimer()
     b.timer = timer
     toks = _tokens(20, b.vocab_size, seed=23)
@@ -293,7 +283,7 @@ def test_conversion_buffer_grows_only_for_more_rows():
 
 @pytest.mark.parametrize("static", [False, True])
 def test_a_decode_loop_allocates_nothing_vocab_sized_per_step(wide_dir, static):
-    b = OrtBackend.from_folder(wide_dir, threads=1, static_shapes=static)
+    b = OrtBackend.from_folder(wide_dir, BackendConfig(threads=1, static_shapes=static))
     row_bytes = b.vocab_size * 4
     toks = _tokens(80, b.vocab_size, seed=29)
     b.decode(toks[:16], 0)
@@ -360,12 +350,14 @@ def _cuda_array_modules() -> list[str]:
 @pytest.mark.cuda
 @pytest.mark.parametrize("array_module", _cuda_array_modules())
 def test_cuda_static_and_graphs_match_the_default_path(cuda_dir, array_module):
-    default = OrtBackend.from_folder(cuda_dir, provider="cuda", array_module=array_module, prefill_chunk=8)
+    default = OrtBackend.from_folder(
+        cuda_dir, BackendConfig(provider="cuda", array_module=array_module, prefill_chunk=8)
+    )
     static = OrtBackend.from_folder(
-        cuda_dir, provider="cuda", array_module=array_module, prefill_chunk=8, static_shapes=True
+        cuda_dir, BackendConfig(provider="cuda", array_module=array_module, prefill_chunk=8, static_shapes=True)
     )
     graphs = OrtBackend.from_folder(
-        cuda_dir, provider="cuda", array_module=array_module, prefill_chunk=8, cuda_graphs=True
+        cuda_dir, BackendConfig(provider="cuda", array_module=array_module, prefill_chunk=8, cuda_graphs=True)
     )
     assert static.stream_ordered and graphs.stream_ordered and graphs.graphs is not None
     summary = graphs.capture_graphs()
@@ -386,13 +378,13 @@ def test_cuda_static_and_graphs_match_the_default_path(cuda_dir, array_module):
 
 @pytest.mark.cuda
 def test_cuda_graphs_speculative_equals_greedy_via_device_picks(cuda_dir):
-    b = OrtBackend.from_folder(cuda_dir, provider="cuda", cuda_graphs=True)
+    b = OrtBackend.from_folder(cuda_dir, BackendConfig(provider="cuda", cuda_graphs=True))
     b.capture_graphs()
     prompt = _tokens(12, b.vocab_size, seed=3) * 3
     options = Options(max_tokens=48)
     greedy = generate(b, prompt, options)
     spec = generate(b, prompt, options, PromptLookup(ngram=3, max_draft=6), draft_width=6)
-    eager = generate(OrtBackend.from_folder(cuda_dir, provider="cuda"), prompt, options)
+    eager = generate(OrtBackend.from_folder(cuda_dir, BackendConfig(provider="cuda")), prompt, options)
     assert spec.token_ids == greedy.token_ids
     print(
         f"graphs: {b.graphs.summary() if b.graphs else None}; eager greedy agreement: "

@@ -19,6 +19,7 @@ import pytest
 from ortspec import GenerationError
 from ortspec.adapters.engine import Engine
 from ortspec.backends.base import BackendError
+from ortspec.backends.onnx import BackendConfig
 from tests.support.conformance import GreedyReplay
 
 PROMPT = "the quick brown fox jumps over the lazy dog. the quick brown fox"
@@ -50,8 +51,8 @@ class FailingSession:
 
 @pytest.fixture(scope="module")
 def engines(tiny_model_dir):
-    plain = Engine.from_dir(tiny_model_dir, threads=1)
-    reuse = Engine.from_dir(tiny_model_dir, threads=1, prefix_reuse=True)
+    plain = Engine.from_dir(tiny_model_dir, BackendConfig(threads=1))
+    reuse = Engine.from_dir(tiny_model_dir, BackendConfig(threads=1), prefix_reuse=True)
     for engine in (plain, reuse):
         engine.verify_drift()  # measured before the first speculative run, so that run counts only its own passes
     return plain, reuse
@@ -196,14 +197,18 @@ def test_a_real_sigint_at_any_moment_leaves_the_engine_usable(engines, greedy):
 
 
 def test_onnxruntime_log_lines_go_to_python_logging_not_stderr(tiny_model_dir, tmp_path, capfd, caplog):
-    """A kernel failure makes onnxruntime log an error: it arrives as a record on ``ortspec.onnxruntime`` (no
-    ANSI colour codes) and nothing reaches the process's stderr; the exception says what failed."""
+    """Once the application routes onnxruntime's log (``route_onnxruntime_logging``, as the command line and the
+    server do at start-up), a kernel failure's error arrives as a record on ``ortspec.onnxruntime`` (no ANSI
+    colour codes) and nothing reaches the process's stderr; the exception says what failed."""
+    from ortspec.backends.onnx import route_onnxruntime_logging
+
+    assert route_onnxruntime_logging()
     folder = tmp_path / "longer-config"
     shutil.copytree(tiny_model_dir, folder)
     config = json.loads((folder / "genai_config.json").read_text())
     config["model"]["context_length"] = 1024  # the graph's rotary tables hold 256 positions
     (folder / "genai_config.json").write_text(json.dumps(config))
-    engine = Engine.from_dir(folder, threads=1)
+    engine = Engine.from_dir(folder, BackendConfig(threads=1))
     capfd.readouterr()
     with caplog.at_level(logging.WARNING, logger="ortspec.onnxruntime"):
         with pytest.raises(GenerationError) as info:

@@ -11,6 +11,7 @@ import pytest
 from ortspec.adapters.engine import Engine
 from ortspec.backends.base import BackendError
 from ortspec.backends.fake import FakeBackend, FakeModel
+from ortspec.backends.onnx import BackendConfig
 from ortspec.costs import cached_measurement, cached_pass_costs, cached_verify_drift, drift_probe, pass_cost_probe
 
 
@@ -33,7 +34,7 @@ def cache(tmp_path, monkeypatch):
 
 
 def test_drift_and_costs_are_measured_once_and_read_from_one_file(tiny_model_dir, cache):
-    first = Engine.from_dir(tiny_model_dir, threads=1)
+    first = Engine.from_dir(tiny_model_dir, BackendConfig(threads=1))
     first.generate("abc abc abc", max_tokens=4, speculative="prompt-lookup")  # measures both
     files = list((cache / "measurements").glob("*.json"))
     assert files == [first.measurement_file()]
@@ -41,14 +42,14 @@ def test_drift_and_costs_are_measured_once_and_read_from_one_file(tiny_model_dir
     assert set(records) == {"verify_drift", "pass_costs"}
     assert records["pass_costs"]["params"]["kmax"] == 16 and len(records["pass_costs"]["result"]["curve"]) == 17
 
-    second = Engine.from_dir(tiny_model_dir, threads=1)  # a new process would see the same: a new Engine
+    second = Engine.from_dir(tiny_model_dir, BackendConfig(threads=1))  # a new process would see the same: a new Engine
     counter = CountingSession(second.backend.session)
     second.backend.session = counter
     result = second.generate("abc abc abc", max_tokens=4, speculative="prompt-lookup")
     assert counter.runs == result.stats.steps  # only the generation's own passes: nothing was measured
     assert second.verify_drift() == first.verify_drift() and second.pass_costs() == first.pass_costs()
 
-    other_threads = Engine.from_dir(tiny_model_dir, threads=2)
+    other_threads = Engine.from_dir(tiny_model_dir, BackendConfig(threads=2))
     assert other_threads.measurement_file() != first.measurement_file()
 
 
@@ -68,7 +69,7 @@ def test_probes_fit_any_capacity(capacity):
 
 
 def test_a_small_max_length_measures_and_generates(tiny_model_dir, cache):
-    engine = Engine.from_dir(tiny_model_dir, threads=1, max_length=5)
+    engine = Engine.from_dir(tiny_model_dir, BackendConfig(threads=1, max_length=5))
     result = engine.generate([5, 6], max_tokens=8, speculative="prompt-lookup")
     assert len(result.token_ids) == 3 and result.finish_reason == "context_full"
     with pytest.raises(ValueError, match=r"the prompt has \d+ tokens but the context holds 5 \(max_length"):
@@ -76,7 +77,7 @@ def test_a_small_max_length_measures_and_generates(tiny_model_dir, cache):
 
 
 def test_input_errors_come_before_any_measurement(tiny_model_dir, cache):
-    engine = Engine.from_dir(tiny_model_dir, threads=1, max_length=8)
+    engine = Engine.from_dir(tiny_model_dir, BackendConfig(threads=1, max_length=8))
     counter = CountingSession(engine.backend.session)
     engine.backend.session = counter
     for call in (
@@ -90,7 +91,7 @@ def test_input_errors_come_before_any_measurement(tiny_model_dir, cache):
 
 
 def test_a_failing_measurement_says_what_was_measured(tiny_model_dir, cache):
-    engine = Engine.from_dir(tiny_model_dir, threads=1)
+    engine = Engine.from_dir(tiny_model_dir, BackendConfig(threads=1))
 
     class Broken:
         def run_with_iobinding(self, *args):

@@ -20,7 +20,14 @@ import pytest
 
 from ortspec.adapters.tools.convert import default_model_dir, is_complete
 from ortspec.backends.base import Backend, BackendError
-from ortspec.backends.onnx import ModelFolder, ModelFolderError, OrtBackend, argmax_margin, physical_cores
+from ortspec.backends.onnx import (
+    BackendConfig,
+    ModelFolder,
+    ModelFolderError,
+    OrtBackend,
+    argmax_margin,
+    physical_cores,
+)
 from ortspec.backends.onnx.arrays import torch_argmax_margin, xp_argmax_margin
 from tests.support.models import make_tiny_model
 
@@ -50,7 +57,7 @@ def tiny16_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture
 def backend(tiny_dir) -> OrtBackend:
-    return OrtBackend.from_folder(tiny_dir, threads=1)
+    return OrtBackend.from_folder(tiny_dir, BackendConfig(threads=1))
 
 
 def _tokens(n: int, vocab: int, seed: int = 0) -> list[int]:
@@ -157,17 +164,17 @@ def test_backend_rejects_a_config_that_does_not_match_the_graph(tiny_dir, tmp_pa
     wrong = _copy_folder(tiny_dir, tmp_path / "wrong_names")
     _edit_config(wrong, lambda c: c["model"]["decoder"]["outputs"].__setitem__("present_key_names", "kv.%d.k"))
     with pytest.raises(BackendError, match="kv.0.k"):
-        OrtBackend.from_folder(wrong, threads=1)
+        OrtBackend.from_folder(wrong, BackendConfig(threads=1))
 
     heads = _copy_folder(tiny_dir, tmp_path / "wrong_heads")
     _edit_config(heads, lambda c: c["model"]["decoder"].__setitem__("num_key_value_heads", 4))
     with pytest.raises(BackendError, match="num_key_value_heads"):
-        OrtBackend.from_folder(heads, threads=1)
+        OrtBackend.from_folder(heads, BackendConfig(threads=1))
 
     layers = _copy_folder(tiny_dir, tmp_path / "fewer_layers")
     _edit_config(layers, lambda c: c["model"]["decoder"].__setitem__("num_hidden_layers", 1))
     with pytest.raises(BackendError, match="inputs this backend does not know how to feed|more layers"):
-        OrtBackend.from_folder(layers, threads=1)
+        OrtBackend.from_folder(layers, BackendConfig(threads=1))
 
 
 # -------------------------------------------------------------------------------------------------------------
@@ -179,13 +186,13 @@ def test_protocol_shape_and_defaults(tiny_dir, backend):
     assert backend.vocab_size == 384 and backend.max_length == 256 and backend.current_len() == 0
     assert backend.share_buffer
     assert backend.session.get_session_options().intra_op_num_threads == 1
-    default = OrtBackend.from_folder(tiny_dir, max_length=64)
+    default = OrtBackend.from_folder(tiny_dir, BackendConfig(max_length=64))
     assert default.session.get_session_options().intra_op_num_threads == physical_cores()
     assert default.max_length == 64
     with pytest.raises(ValueError, match="max_length"):
-        OrtBackend.from_folder(tiny_dir, max_length=257)
+        OrtBackend.from_folder(tiny_dir, BackendConfig(max_length=257))
     with pytest.raises(ValueError, match="provider"):
-        OrtBackend.from_folder(tiny_dir, provider="tpu")
+        OrtBackend.from_folder(tiny_dir, BackendConfig(provider="tpu"))
 
 
 def test_decode_returns_last_row_of_a_reusable_float32_buffer(backend):
@@ -232,7 +239,7 @@ def test_rewind_then_decode_equals_a_fresh_decode(tiny_dir, backend, record_prop
     backend.rewind(12)
     assert backend.current_len() == 12
     after = backend.decode(toks[12:15], 12).copy()
-    fresh = OrtBackend.from_folder(tiny_dir, threads=1)
+    fresh = OrtBackend.from_folder(tiny_dir, BackendConfig(threads=1))
     expect = fresh.decode(toks[:15], 0)
     diff = float(np.abs(after - expect).max())
     _record("rewind_vs_fresh", diff, record_property)
@@ -245,7 +252,7 @@ def test_rewind_then_decode_equals_a_fresh_decode(tiny_dir, backend, record_prop
 
 
 def test_contract_violations_raise_and_leave_the_cache_usable(tiny_dir):
-    b = OrtBackend.from_folder(tiny_dir, threads=1, max_length=16)
+    b = OrtBackend.from_folder(tiny_dir, BackendConfig(threads=1, max_length=16))
     toks = _tokens(20, b.vocab_size, seed=5)
     b.decode(toks[:10], 0)
     bad_calls = [
@@ -271,15 +278,15 @@ def test_contract_violations_raise_and_leave_the_cache_usable(tiny_dir):
     assert b.current_len() == 16
     with pytest.raises(BackendError, match="capacity"):
         b.decode([1], 16)
-    fresh = OrtBackend.from_folder(tiny_dir, threads=1, max_length=16)
+    fresh = OrtBackend.from_folder(tiny_dir, BackendConfig(threads=1, max_length=16))
     fresh.decode(toks[:10], 0)
     assert np.abs(rows - fresh.decode_verify(toks[10:16], 10)).max() <= ROW_TOL
 
 
 def test_chunked_prefill_equals_unchunked(tiny_dir, record_property):
     toks = _tokens(100, 384, seed=11)
-    whole = OrtBackend.from_folder(tiny_dir, threads=1)
-    chunked = OrtBackend.from_folder(tiny_dir, threads=1, prefill_chunk=7)
+    whole = OrtBackend.from_folder(tiny_dir, BackendConfig(threads=1))
+    chunked = OrtBackend.from_folder(tiny_dir, BackendConfig(threads=1, prefill_chunk=7))
     a = whole.decode(toks[:90], 0).copy()
     b = chunked.decode(toks[:90], 0).copy()
     diff = float(np.abs(a - b).max())
@@ -385,10 +392,10 @@ def test_torch_argmax_margin_on_cpu_matches_argmax_margin(vocab, dtype):
 
 def test_grow_copy_path_equals_shared_buffers(tiny_dir, caplog, record_property):
     with caplog.at_level("WARNING", logger="ortspec.backends.onnx"):
-        copy = OrtBackend.from_folder(tiny_dir, threads=1, share_buffer=False)
+        copy = OrtBackend.from_folder(tiny_dir, BackendConfig(threads=1, share_buffer=False))
     assert not copy.share_buffer
     assert sum("grow/copy" in r.getMessage() for r in caplog.records) == 1
-    shared = OrtBackend.from_folder(tiny_dir, threads=1)
+    shared = OrtBackend.from_folder(tiny_dir, BackendConfig(threads=1))
     toks = _tokens(40, 384, seed=17)
     diffs = []
     for b in (copy, shared):
@@ -406,7 +413,7 @@ def test_grow_copy_path_equals_shared_buffers(tiny_dir, caplog, record_property)
 
 
 def test_float16_kv_model_on_cpu(tiny16_dir, record_property):
-    b = OrtBackend.from_folder(tiny16_dir, threads=1)
+    b = OrtBackend.from_folder(tiny16_dir, BackendConfig(threads=1))
     assert b.share_buffer and str(b.graph.kv_dtype) == "float16"
     toks = _tokens(20, b.vocab_size, seed=19)
     b.decode(toks[:8], 0)
@@ -480,7 +487,7 @@ def _array_modules() -> list[str]:
 @pytest.mark.parametrize("array_module", _array_modules())
 def test_cuda_rows_rewind_and_argmax(cuda_dir, array_module, record_property):
     try:
-        b = OrtBackend.from_folder(cuda_dir, provider="cuda", array_module=array_module)
+        b = OrtBackend.from_folder(cuda_dir, BackendConfig(provider="cuda", array_module=array_module))
     except BackendError as exc:
         if "needs CuPy" in str(exc):
             pytest.skip(str(exc))
@@ -503,11 +510,13 @@ def test_cuda_rows_rewind_and_argmax(cuda_dir, array_module, record_property):
     # rewind, then the same prefix again matches a fresh backend
     b.rewind(20)
     again = b.decode(toks[20:40], 20).copy()
-    fresh = OrtBackend.from_folder(cuda_dir, provider="cuda", array_module=array_module)
+    fresh = OrtBackend.from_folder(cuda_dir, BackendConfig(provider="cuda", array_module=array_module))
     np.testing.assert_allclose(again, fresh.decode(toks[:40], 0), atol=3e-2, rtol=0)
     np.testing.assert_allclose(again, last, atol=3e-2, rtol=0)
     # chunked prefill and errors
-    chunked = OrtBackend.from_folder(cuda_dir, provider="cuda", array_module=array_module, prefill_chunk=9)
+    chunked = OrtBackend.from_folder(
+        cuda_dir, BackendConfig(provider="cuda", array_module=array_module, prefill_chunk=9)
+    )
     np.testing.assert_allclose(chunked.decode(toks[:40], 0), last, atol=3e-2, rtol=0)
     with pytest.raises(BackendError):
         chunked.decode([b.vocab_size], 40)
@@ -515,7 +524,7 @@ def test_cuda_rows_rewind_and_argmax(cuda_dir, array_module, record_property):
         chunked.decode([1], 39)
     assert chunked.current_len() == 40
     # and the CPU backend on the same folder agrees
-    cpu = OrtBackend.from_folder(cuda_dir, provider="cpu")
+    cpu = OrtBackend.from_folder(cuda_dir, BackendConfig(provider="cpu"))
     cpu.decode(toks[:40], 0)
     cpu_rows = cpu.decode_verify(toks[40:50], 40)
     diff_cpu = float(np.abs(cpu_rows - rows).max())
@@ -568,8 +577,8 @@ def test_cuda_argmax_margin_non_finite_rows(cuda_dir, array_module, dtype, vocab
 @pytest.mark.cuda
 def test_cuda_grow_copy_path(cuda_dir):
     arr = _array_modules()[0]
-    shared = OrtBackend.from_folder(cuda_dir, provider="cuda", array_module=arr)
-    copy = OrtBackend.from_folder(cuda_dir, provider="cuda", array_module=arr, share_buffer=False)
+    shared = OrtBackend.from_folder(cuda_dir, BackendConfig(provider="cuda", array_module=arr))
+    copy = OrtBackend.from_folder(cuda_dir, BackendConfig(provider="cuda", array_module=arr, share_buffer=False))
     toks = _tokens(30, shared.vocab_size, seed=29)
     for b in (shared, copy):
         b.decode(toks[:20], 0)
@@ -583,7 +592,7 @@ def test_cuda_provider_errors_clearly_without_cuda(tiny_dir):
     if _cuda_ready() is None:
         pytest.skip("this machine has CUDA")
     with pytest.raises(BackendError, match="CUDA|CuPy"):
-        OrtBackend.from_folder(tiny_dir, provider="cuda")
+        OrtBackend.from_folder(tiny_dir, BackendConfig(provider="cuda"))
 
 
 # -------------------------------------------------------------------------------------------------------------
@@ -595,7 +604,7 @@ def test_real_model_rows_and_greedy_match_onnxruntime_genai(record_property):
     folder = default_model_dir("fp32")
     if not is_complete(folder):
         pytest.skip(f"no converted SmolLM2 at {folder} (ortspec convert)")
-    b = OrtBackend.from_folder(folder, max_length=512)
+    b = OrtBackend.from_folder(folder, BackendConfig(max_length=512))
     assert b.vocab_size == 49152
     from tokenizers import Tokenizer
 
@@ -640,7 +649,7 @@ def test_cuda_engine_speculative_equals_greedy_via_device_accept(cuda_dir, recor
     folder is recorded, not asserted (fp16 kernels differ between providers)."""
     from ortspec import Options, PromptLookup, generate
 
-    cuda = OrtBackend.from_folder(cuda_dir, provider="cuda")
+    cuda = OrtBackend.from_folder(cuda_dir, BackendConfig(provider="cuda"))
     assert cuda.picks_on_device
     calls = {"verify_picks": 0}
     original = cuda.verify_picks
@@ -659,7 +668,9 @@ def test_cuda_engine_speculative_equals_greedy_via_device_accept(cuda_dir, recor
     assert spec.stats.steps <= greedy.stats.steps
     guarded = generate(cuda, prompt, Options(max_tokens=48, tie_margin=1e-3), PromptLookup(), draft_width=6)
     assert guarded.token_ids == greedy.token_ids
-    cpu_ids = generate(OrtBackend.from_folder(cuda_dir, provider="cpu", threads=2), prompt, options).token_ids
+    cpu_ids = generate(
+        OrtBackend.from_folder(cuda_dir, BackendConfig(provider="cpu", threads=2)), prompt, options
+    ).token_ids
     same = sum(a == b for a, b in zip(cpu_ids, greedy.token_ids, strict=False))
     print(f"CUDA vs CPU greedy: {same}/{len(greedy.token_ids)} tokens agree")
     record_property("cuda_vs_cpu_greedy_agreement", f"{same}/{len(greedy.token_ids)}")

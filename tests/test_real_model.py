@@ -128,11 +128,12 @@ def int4_engine():
     builds), when it is in the cache (``scripts/quant_settings.py`` or that command builds it)."""
     from ortspec.adapters.engine import Engine
     from ortspec.adapters.tools.convert import default_model_dir, is_complete
+    from ortspec.backends.onnx import BackendConfig
 
     folder = default_model_dir("int4")
     if not is_complete(folder):
         pytest.skip(f"no int4 model at {folder} (ortspec convert --precision int4)")
-    return Engine.from_dir(folder, threads=2)
+    return Engine.from_dir(folder, BackendConfig(threads=2))
 
 
 def test_int4_at_level_one_is_exact(int4_engine):

@@ -13,6 +13,7 @@ import pytest
 from reliability_table import BEGIN, CASES, END, Lab, Outcome, render, replace_section, run_case, section_of
 
 from ortspec.adapters.engine import Engine
+from ortspec.backends.onnx import BackendConfig
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "reliability.md"
 _OUTCOMES: dict[int, Outcome] = {}
@@ -21,7 +22,7 @@ _OUTCOMES: dict[int, Outcome] = {}
 @pytest.fixture(scope="module")
 def lab(tiny_model_dir, tmp_path_factory) -> Lab:
     lab = Lab(model=tiny_model_dir, scratch=tmp_path_factory.mktemp("reliability"),
-              engine=Engine.from_dir(tiny_model_dir, threads=1))  # fmt: skip
+              engine=Engine.from_dir(tiny_model_dir, BackendConfig(threads=1)))  # fmt: skip
     lab.baseline = lab.generate().token_ids
     return lab
 

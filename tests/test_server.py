@@ -29,6 +29,7 @@ from ortspec.adapters.engine import Engine  # noqa: E402
 from ortspec.adapters.serve.app import create_app  # noqa: E402
 from ortspec.adapters.serve.run import load_engines, serve_in_thread  # noqa: E402
 from ortspec.adapters.serve.settings import ServerSettings  # noqa: E402
+from ortspec.backends.onnx import BackendConfig  # noqa: E402
 
 MODEL = "tiny"
 CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "the quick brown fox jumps over"}]
@@ -37,7 +38,7 @@ CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": 
 @pytest.fixture(scope="module")
 def reference(tiny_model_dir):
     """A plain Engine (no prefix reuse): what the server must reproduce."""
-    return Engine.from_dir(tiny_model_dir, threads=1)
+    return Engine.from_dir(tiny_model_dir, BackendConfig(threads=1))
 
 
 @pytest.fixture(scope="module")
@@ -450,7 +451,7 @@ def _idle(pool) -> bool:
 @pytest.fixture(scope="module")
 def gated_server(tiny_model_dir):
     """One worker, one queue slot, a gated backend and a manual clock."""
-    base = Engine.from_dir(tiny_model_dir, threads=1)
+    base = Engine.from_dir(tiny_model_dir, BackendConfig(threads=1))
     backend = GatedBackend(base.backend)
     engine = Engine(backend, base.tokenizer, eos_token_ids=(), folder=base.folder, prefix_reuse=True)
     clock = ManualClock()

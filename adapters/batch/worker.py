@@ -56,15 +56,14 @@ class BatchWorker:
     def __init__(self, model_dir: str | os.PathLike[str], settings: WorkerSettings, *, name: str = "worker") -> None:
         from ortspec.adapters.cache import cache_root
         from ortspec.adapters.engine import Engine
+        from ortspec.backends.onnx import BackendConfig
 
         t0 = time.perf_counter()
         self.name = name
         self.defaults = dict(settings.defaults)
         self.engine = Engine.from_dir(
             model_dir,
-            provider=settings.provider,
-            threads=settings.threads,
-            max_length=settings.max_length,
+            BackendConfig(provider=settings.provider, threads=settings.threads, max_length=settings.max_length),
             drafter=False,
         )  # prompt lookup only: batch workers open no shared-KV drafter (docs/drafter.md)
         if self.defaults.get("speculative") is not None:

@@ -31,14 +31,17 @@ def model_dir(args: argparse.Namespace) -> Path:
 def engine(args: argparse.Namespace):
     """The Engine the ``model`` option group describes."""
     from ortspec.adapters.engine import Engine
+    from ortspec.backends.onnx import BackendConfig
 
     return Engine.from_dir(
         model_dir(args),
-        provider=args.provider,
-        threads=args.threads,
-        max_length=args.max_length,
-        sliding_window=args.sliding_window,
-        matmul_accuracy_level=args.matmul_accuracy_level,
+        BackendConfig(
+            provider=args.provider,
+            threads=args.threads,
+            max_length=args.max_length,
+            sliding_window=args.sliding_window,
+            matmul_accuracy_level=args.matmul_accuracy_level,
+        ),
         drafter=False if args.drafter == "none" else args.drafter,
     )
 

@@ -37,8 +37,10 @@ def main(argv: list[str] | None = None) -> int:
     differ); 2 for bad input (arguments, prompt, model folder); 130 when interrupted (Ctrl-C)."""
     from ortspec.adapters.tools.convert import ConversionError
     from ortspec.backends.base import BackendError
+    from ortspec.backends.onnx import route_onnxruntime_logging
     from ortspec.driver import GenerationError
 
+    route_onnxruntime_logging()  # onnxruntime's own log lines go to Python logging (ortspec.onnxruntime)
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
     if unknown:

@@ -43,6 +43,7 @@ from ortspec.adapters.serve.models import (
 from ortspec.adapters.serve.pool import Clock, Failed, Finished, RequestGeneration, WorkerPool
 from ortspec.adapters.serve.responses import LogprobFormatter, ResponseShape, ortspec_stats
 from ortspec.adapters.serve.settings import ServerSettings
+from ortspec.backends.onnx import route_onnxruntime_logging
 from ortspec.core.state import Commit, TokenLogprob
 from ortspec.driver import GenerateResult
 
@@ -272,6 +273,7 @@ def create_app(engines: Sequence[Engine], settings: ServerSettings, *, clock: Cl
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        route_onnxruntime_logging()  # onnxruntime's own log lines go to Python logging (ortspec.onnxruntime)
         if settings.measure_at_startup:
             await run_in_threadpool(pool.measure)
         yield

@@ -18,6 +18,7 @@ from fastapi import FastAPI
 from ortspec.adapters.engine import Engine
 from ortspec.adapters.serve.app import create_app
 from ortspec.adapters.serve.settings import ServerSettings
+from ortspec.backends.onnx import BackendConfig
 
 
 def default_threads(workers: int) -> int:
@@ -45,12 +46,14 @@ def load_engines(
     return [
         Engine.from_dir(
             model_dir,
-            provider=provider,
-            threads=threads,
-            max_length=max_length,
+            BackendConfig(
+                provider=provider,
+                threads=threads,
+                max_length=max_length,
+                sliding_window=sliding_window,
+                matmul_accuracy_level=matmul_accuracy_level,
+            ),
             prefix_reuse=prefix_reuse,
-            sliding_window=sliding_window,
-            matmul_accuracy_level=matmul_accuracy_level,
             drafter=False,
         )
         for _ in range(workers)

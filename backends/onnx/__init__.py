@@ -1,17 +1,23 @@
 """The ONNX Runtime backend: ``OrtBackend`` on a folder written by the onnxruntime-genai model builder.
 
-Its parts, each knowing only its own concern: ``folder`` (reading and validating the model folder), ``session``
-(session options and opening the session), ``graph`` (checking the graph against the folder), ``arrays`` (device
-buffers and the argmax/margin reductions) and ``backend`` (``OrtBackend``, the protocol on top of them).
+Its parts, each knowing only its own concern: ``config`` (``BackendConfig``: how a folder is opened), ``folder``
+(reading and validating the model folder), ``session`` (session options, opening the session, routing
+onnxruntime's log), ``model_graph`` (checking the graph against the folder; the load-time rewrites), ``arrays``
+(device buffers and the argmax/margin reductions), ``kv`` (the KV store), ``binding`` (the IO bindings: default
+and static-shape), ``recurrent`` (hybrid models' recurrent states), ``cuda_graphs`` (CUDA graphs per pass width,
+the phase timer) and ``backend`` (``OrtBackend``, the protocol composed from them); ``drafter`` (the shared-KV
+drafter, which reads an ``OrtBackend`` through its ``SharedKvTarget`` protocol).
 """
 
 from .arrays import argmax_margin
-from .backend import DEFAULT_PREFILL_CHUNK, OrtBackend
+from .backend import OrtBackend
+from .config import DEFAULT_PREFILL_CHUNK, BackendConfig
 from .folder import ModelFileError, ModelFolder, ModelFolderError
-from .session import make_session_options, physical_cores
+from .session import make_session_options, physical_cores, route_onnxruntime_logging
 
 __all__ = [
     "DEFAULT_PREFILL_CHUNK",
+    "BackendConfig",
     "ModelFileError",
     "ModelFolder",
     "ModelFolderError",
@@ -19,4 +25,5 @@ __all__ = [
     "argmax_margin",
     "make_session_options",
     "physical_cores",
+    "route_onnxruntime_logging",
 ]

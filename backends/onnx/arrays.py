@@ -79,7 +79,7 @@ class ArrayModule(Protocol):
         """The picks contract (module docstring) on ``rows`` ``[count, vocab]``, returned as host arrays."""
         ...
 
-    # The stream-ordered path (``OrtBackend(static_shapes=True)`` on CUDA): ONNX Runtime runs on this module's
+    # The stream-ordered path (``BackendConfig(static_shapes=True)`` on CUDA): ONNX Runtime runs on this module's
     # stream, so the copies below need no host synchronisation to be ordered with its runs.
     def own_stream(self) -> int | None:
         """Make a new stream this module enqueues its work on from now on; return its handle (None on the host,

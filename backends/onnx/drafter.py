@@ -26,6 +26,9 @@ hidden state)``, queries at the fixed position ``current_len()`` (the pending to
 logits (mapped to a target id), and feeds ``(that pick, its projected_state)`` to the next step; every pick is a
 draft token. The drafter owns no KV, so a rejected draft costs nothing to undo.
 
+**The target** is anything with the :class:`SharedKvTarget` protocol (``OrtBackend`` has it): the drafter reads
+the target's committed length, its hidden-state row and the address of each KV head through it, and nothing else.
+
 Errors: a folder or graph that breaks the contract raises ``DrafterError`` naming the file and the key or tensor.
 """
 
@@ -36,13 +39,15 @@ import json
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import attrs
 import numpy as np
 
 from ..base import BackendError
-from .graph import FLOAT_DTYPES, ORT_TYPES
+from .arrays import ArrayModule
+from .folder import ModelFolder
+from .model_graph import FLOAT_DTYPES, ORT_TYPES
 from .session import execution_providers, make_session_options, open_session
 
 METADATA_NAME = "drafter.json"
@@ -51,6 +56,47 @@ KV_LAYOUT = "per_kv_head"
 
 class DrafterError(ValueError):
     """A drafter folder or graph breaks the shared-KV contract, or does not fit the target it is used with."""
+
+
+class SharedKvTarget(Protocol):
+    """What a shared-KV drafter reads from its target backend (``OrtBackend`` is one), in place on the target's
+    device: the buffers stay the target's, the drafter never writes them.
+
+    ``folder``: the target's model folder (its path, layers, KV heads and head size); ``provider`` and
+    ``device_id``: where the drafter's session runs; ``array_module`` and ``device_type``: the target's buffers'
+    array module and IO-binding device; ``vocab_size``, ``hidden_size`` (0: no hidden states) and ``kv_dtype``: the
+    shapes and type the drafter's graph must match."""
+
+    @property
+    def folder(self) -> ModelFolder: ...
+    @property
+    def provider(self) -> str: ...
+    @property
+    def device_id(self) -> int: ...
+    @property
+    def device_type(self) -> str: ...
+    @property
+    def array_module(self) -> ArrayModule: ...
+    @property
+    def vocab_size(self) -> int: ...
+    @property
+    def hidden_size(self) -> int: ...
+    @property
+    def kv_dtype(self) -> np.dtype: ...
+
+    def current_len(self) -> int:
+        """The committed KV length (positions ``[0, current_len())`` are resident)."""
+        ...
+
+    def hidden_row(self, position: int) -> Any:
+        """The final hidden state at ``position`` (a position of the last pass), ``[hidden_size]`` on the target's
+        device, valid until the target's next call."""
+        ...
+
+    def kv_pointer(self, layer: int, which: str, head: int) -> int:
+        """The device address of KV head ``head`` of ``layer`` (``which``: ``"key"`` or ``"value"``) at position 0;
+        its first ``current_len()`` positions are contiguous ``[head_size]`` rows of ``kv_dtype``."""
+        ...
 
 
 def target_fingerprint(folder: str | os.PathLike[str]) -> dict[str, Any]:
@@ -89,6 +135,111 @@ class KvGroup:
         )
 
 
+class _Spec:
+    """The ``speculative`` section of a folder's ``drafter.json``, read with checks that raise ``DrafterError``
+    naming the file and the key."""
+
+    def __init__(self, folder: Path, meta_path: Path, raw: Any) -> None:
+        self.folder, self.meta_path, self.raw = folder, meta_path, raw
+        spec = raw.get("speculative") if isinstance(raw, Mapping) else None
+        if not isinstance(spec, Mapping):
+            raise self.fail("missing section 'speculative' (expected an object)")
+        self.spec: Mapping[str, Any] = spec
+
+    @classmethod
+    def read(cls, folder: Path) -> _Spec:
+        meta_path = folder / METADATA_NAME
+        if not meta_path.is_file():
+            raise DrafterError(f"drafter folder {folder} has no {METADATA_NAME}")
+        try:
+            raw = json.loads(meta_path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise DrafterError(f"{meta_path} is not valid JSON: {exc}") from exc
+        return cls(folder, meta_path, raw)
+
+    def fail(self, message: str) -> DrafterError:
+        return DrafterError(f"{self.meta_path}: {message}")
+
+    def integer(self, key: str, default: int | None = None) -> int:
+        value = self.spec.get(key, default)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise self.fail(f"speculative.{key} must be an integer >= 1, got {value!r}")
+        return value
+
+    def text(self, key: str, default: str | None = None) -> str:
+        value = self.spec.get(key, default)
+        if not isinstance(value, str) or not value:
+            raise self.fail(f"speculative.{key} must be a non-empty string, got {value!r}")
+        return value
+
+    def file(self, key: str) -> Path:
+        name = self.text(key)
+        target = self.folder / name
+        if not target.is_file():
+            raise self.fail(f"speculative.{key} names {name}, which is not a file in {self.folder}")
+        return target
+
+    def draft_to_target(self, vocab: int, target_vocab: int, embedding_path: Path) -> np.ndarray | None:
+        """The ``draft_to_target`` map (int64 ``[vocab]``, distinct ids in ``[0, target_vocab)``), or None for the
+        identity (then ``vocab`` must be the embedding table's ``target_vocab`` rows)."""
+        if self.spec.get("draft_to_target") is None:
+            if vocab != target_vocab:
+                raise self.fail(
+                    f"speculative.vocab_size = {vocab} differs from the {target_vocab} rows of {embedding_path.name} "
+                    "and there is no draft_to_target map"
+                )
+            return None
+        map_path = self.file("draft_to_target")
+        if map_path.stat().st_size != 8 * vocab:
+            raise self.fail(f"{map_path.name} holds {map_path.stat().st_size} bytes; expected {vocab} int64 ids")
+        mapping = np.fromfile(map_path, dtype="<i8").astype(np.int64)
+        if mapping.min() < 0 or mapping.max() >= target_vocab:
+            raise self.fail(f"{map_path.name} holds ids outside the target vocabulary [0, {target_vocab})")
+        if len(np.unique(mapping)) != len(mapping):
+            raise self.fail(f"{map_path.name} maps two draft ids to the same target id")
+        return mapping
+
+    def check_io(self) -> None:
+        """``speculative.io``: embeddings in, the target's KV shared, one input per KV head."""
+        io = self.spec.get("io", {})
+        if not isinstance(io, Mapping):
+            raise self.fail("speculative.io must be an object")
+        if io.get("sequence_source", "inputs_embeds") != "inputs_embeds":
+            raise self.fail(
+                f"speculative.io.sequence_source must be 'inputs_embeds', got {io.get('sequence_source')!r}"
+            )
+        if io.get("kv_ownership", "shared") != "shared":
+            raise self.fail(f"speculative.io.kv_ownership must be 'shared', got {io.get('kv_ownership')!r}")
+        if io.get("kv_layout", KV_LAYOUT) != KV_LAYOUT:
+            raise self.fail(
+                f"speculative.io.kv_layout is {io.get('kv_layout')!r}; ortspec binds the target's cache in place, "
+                f"which needs one input per KV head ('{KV_LAYOUT}')"
+            )
+
+    def groups(self) -> tuple[KvGroup, ...]:
+        """``speculative.shared_kv``: one :class:`KvGroup` per entry."""
+        raw_groups = self.spec.get("shared_kv")
+        if not isinstance(raw_groups, list) or not raw_groups:
+            raise self.fail("speculative.shared_kv must be a non-empty list of groups")
+        groups = []
+        for i, g in enumerate(raw_groups):
+            where = f"speculative.shared_kv[{i}]"
+            if not isinstance(g, Mapping) or not isinstance(g.get("name"), str) or not g["name"]:
+                raise self.fail(f"{where} must be an object with a non-empty 'name'")
+            layers = g.get("target_layers")
+            if (
+                not isinstance(layers, list)
+                or not layers
+                or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in layers)
+            ):
+                raise self.fail(f"{where}.target_layers must be a non-empty list of layer indices, got {layers!r}")
+            name = g["name"]
+            key_input = g.get("key_input") or f"shared_kv.{name}.key"
+            value_input = g.get("value_input") or f"shared_kv.{name}.value"
+            groups.append(KvGroup(name, tuple(layers), str(key_input), str(value_input)))
+        return tuple(groups)
+
+
 @attrs.frozen(eq=False)
 class DrafterFolder:
     """A validated drafter folder (see the module docstring); :meth:`load` makes one.
@@ -114,108 +265,27 @@ class DrafterFolder:
     def load(cls, path: str | os.PathLike[str]) -> DrafterFolder:
         """Read and validate ``path/drafter.json`` and the files it names (sizes, ids); ``DrafterError`` names the
         file and the key at fault."""
-        folder = Path(path).expanduser()
-        meta_path = folder / METADATA_NAME
-        if not meta_path.is_file():
-            raise DrafterError(f"drafter folder {folder} has no {METADATA_NAME}")
-        try:
-            raw = json.loads(meta_path.read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise DrafterError(f"{meta_path} is not valid JSON: {exc}") from exc
-
-        def fail(message: str) -> DrafterError:
-            return DrafterError(f"{meta_path}: {message}")
-
-        spec = raw.get("speculative") if isinstance(raw, Mapping) else None
-        if not isinstance(spec, Mapping):
-            raise fail("missing section 'speculative' (expected an object)")
-
-        def integer(key: str, default: int | None = None) -> int:
-            value = spec.get(key, default)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise fail(f"speculative.{key} must be an integer >= 1, got {value!r}")
-            return value
-
-        def text(key: str, default: str | None = None) -> str:
-            value = spec.get(key, default)
-            if not isinstance(value, str) or not value:
-                raise fail(f"speculative.{key} must be a non-empty string, got {value!r}")
-            return value
-
-        def file(key: str) -> Path:
-            name = text(key)
-            target = folder / name
-            if not target.is_file():
-                raise fail(f"speculative.{key} names {name}, which is not a file in {folder}")
-            return target
-
-        proposal = str(spec.get("proposal_type", spec.get("method", ""))).lower().replace("-", "_")
+        spec = _Spec.read(Path(path).expanduser())
+        fields = spec.spec
+        proposal = str(fields.get("proposal_type", fields.get("method", ""))).lower().replace("-", "_")
         if proposal != "shared_kv":
-            raise fail(f"speculative.proposal_type must be 'shared_kv', got {spec.get('proposal_type')!r}")
-        hidden = integer("backbone_hidden_size")
-        vocab = integer("vocab_size")
-        steps = integer("num_speculative_tokens", 4)
-        model_path = file("model")
-        embedding_path = file("input_embedding")
+            raise spec.fail(f"speculative.proposal_type must be 'shared_kv', got {fields.get('proposal_type')!r}")
+        hidden = spec.integer("backbone_hidden_size")
+        vocab = spec.integer("vocab_size")
+        steps = spec.integer("num_speculative_tokens", 4)
+        model_path = spec.file("model")
+        embedding_path = spec.file("input_embedding")
         size = embedding_path.stat().st_size
         if size % (4 * hidden):
-            raise fail(
+            raise spec.fail(
                 f"{embedding_path.name} holds {size} bytes, not a whole number of float32 rows of "
                 f"backbone_hidden_size = {hidden}"
             )
         target_vocab = size // (4 * hidden)
-
-        mapping = None
-        if spec.get("draft_to_target") is not None:
-            map_path = file("draft_to_target")
-            if map_path.stat().st_size != 8 * vocab:
-                raise fail(f"{map_path.name} holds {map_path.stat().st_size} bytes; expected {vocab} int64 ids")
-            mapping = np.fromfile(map_path, dtype="<i8").astype(np.int64)
-            if mapping.min() < 0 or mapping.max() >= target_vocab:
-                raise fail(f"{map_path.name} holds ids outside the target vocabulary [0, {target_vocab})")
-            if len(np.unique(mapping)) != len(mapping):
-                raise fail(f"{map_path.name} maps two draft ids to the same target id")
-        elif vocab != target_vocab:
-            raise fail(
-                f"speculative.vocab_size = {vocab} differs from the {target_vocab} rows of {embedding_path.name} "
-                "and there is no draft_to_target map"
-            )
-
-        io = spec.get("io", {})
-        if not isinstance(io, Mapping):
-            raise fail("speculative.io must be an object")
-        if io.get("sequence_source", "inputs_embeds") != "inputs_embeds":
-            raise fail(f"speculative.io.sequence_source must be 'inputs_embeds', got {io.get('sequence_source')!r}")
-        if io.get("kv_ownership", "shared") != "shared":
-            raise fail(f"speculative.io.kv_ownership must be 'shared', got {io.get('kv_ownership')!r}")
-        if io.get("kv_layout", KV_LAYOUT) != KV_LAYOUT:
-            raise fail(
-                f"speculative.io.kv_layout is {io.get('kv_layout')!r}; ortspec binds the target's cache in place, "
-                f"which needs one input per KV head ('{KV_LAYOUT}')"
-            )
-
-        raw_groups = spec.get("shared_kv")
-        if not isinstance(raw_groups, list) or not raw_groups:
-            raise fail("speculative.shared_kv must be a non-empty list of groups")
-        groups = []
-        for i, g in enumerate(raw_groups):
-            where = f"speculative.shared_kv[{i}]"
-            if not isinstance(g, Mapping) or not isinstance(g.get("name"), str) or not g["name"]:
-                raise fail(f"{where} must be an object with a non-empty 'name'")
-            layers = g.get("target_layers")
-            if (
-                not isinstance(layers, list)
-                or not layers
-                or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in layers)
-            ):
-                raise fail(f"{where}.target_layers must be a non-empty list of layer indices, got {layers!r}")
-            name = g["name"]
-            key_input = g.get("key_input") or f"shared_kv.{name}.key"
-            value_input = g.get("value_input") or f"shared_kv.{name}.value"
-            groups.append(KvGroup(name, tuple(layers), str(key_input), str(value_input)))
-
+        mapping = spec.draft_to_target(vocab, target_vocab, embedding_path)
+        spec.check_io()
         return cls(
-            path=folder,
+            path=spec.folder,
             model_path=model_path,
             embedding_path=embedding_path,
             num_speculative_tokens=steps,
@@ -223,10 +293,10 @@ class DrafterFolder:
             vocab_size=vocab,
             target_vocab=target_vocab,
             draft_to_target=mapping,
-            groups=tuple(groups),
-            logits_name=text("logits_output", "logits"),
-            projected_state_name=text("projected_state_output", "projected_state"),
-            metadata=raw,
+            groups=spec.groups(),
+            logits_name=spec.text("logits_output", "logits"),
+            projected_state_name=spec.text("projected_state_output", "projected_state"),
+            metadata=spec.raw,
         )
 
     def embedding(self) -> np.ndarray:
@@ -326,8 +396,9 @@ def inspect_drafter_graph(session, folder: DrafterFolder, *, kv_heads: int, head
 
 
 class SharedKvProposer:
-    """A shared-KV draft head bound to one ``OrtBackend`` (the ``Proposer`` the driver calls): it reads the
-    backend's ``current_len()``, its last hidden state and the KV buffers of the layers its groups name, in place.
+    """A shared-KV draft head bound to one target backend (a :class:`SharedKvTarget`; the ``Proposer`` the driver
+    calls): it reads the backend's ``current_len()``, its last hidden state and the KV buffers of the layers its
+    groups name, in place.
 
     Made by :meth:`open`. ``max_draft``: the most tokens one ``propose`` drafts (default: the folder's
     ``num_speculative_tokens``). ``stop_below``: a pick whose probability under the head's softmax is below this
@@ -338,7 +409,7 @@ class SharedKvProposer:
 
     def __init__(
         self,
-        backend,
+        backend: SharedKvTarget,
         folder: DrafterFolder,
         session,
         *,
@@ -358,10 +429,10 @@ class SharedKvProposer:
         target = backend.folder
         self._check_target(target, check_fingerprint)
         self.graph = inspect_drafter_graph(session, folder, kv_heads=target.num_kv_heads, head_size=target.head_size)
-        if self.graph.float_dtype != backend.graph.kv_dtype:
+        if self.graph.float_dtype != backend.kv_dtype:
             raise DrafterError(
                 f"{folder.model_path}: the graph reads {self.graph.float_dtype} KV but {target.model_path} keeps "
-                f"{backend.graph.kv_dtype} KV"
+                f"{backend.kv_dtype} KV"
             )
         self._head_size = target.head_size
         arrays = backend.array_module
@@ -392,10 +463,10 @@ class SharedKvProposer:
     def _bind(self, name: str, array, shape: list[int], dtype: np.dtype) -> None:
         self._binding.bind_input(name, self._device, self._device_id, dtype, shape, self._arrays.ptr(array))
 
-    def _check_target(self, target, check_fingerprint: bool) -> None:
+    def _check_target(self, target: ModelFolder, check_fingerprint: bool) -> None:
         folder, backend = self.folder, self.backend
         where = f"drafter {folder.path} on target {target.path}"
-        if not getattr(backend, "hidden_size", 0):
+        if not backend.hidden_size:
             raise DrafterError(
                 f"{where}: the target graph {target.model_path} has no 'hidden_states' output, which a shared-KV "
                 "drafter reads; rebuild the folder with `ortspec convert` (it rebuilds folders made before) or with "
@@ -429,7 +500,7 @@ class SharedKvProposer:
     @classmethod
     def open(
         cls,
-        backend,
+        backend: SharedKvTarget,
         folder_or_path: DrafterFolder | str | os.PathLike[str],
         *,
         threads: int | None = 1,

@@ -113,69 +113,21 @@ class ModelFolder:
     def from_config(cls, folder: Path, raw: Any) -> ModelFolder:
         """Validate ``raw`` (the parsed ``genai_config.json`` of ``folder``) and check that the decoder and
         tokenizer files exist; ``ModelFolderError`` names the file and the key at fault."""
-        config_path = folder / CONFIG_NAME
-
-        def fail(message: str) -> ModelFolderError:
-            return ModelFolderError(f"{config_path}: {message}")
-
-        def section(parent: Any, key: str, where: str) -> Mapping[str, Any]:
-            value = parent.get(key) if isinstance(parent, Mapping) else None
-            if not isinstance(value, Mapping):
-                raise fail(f"missing or malformed section {where}{key!r} (expected an object)")
-            return value
-
-        def optional_int(parent: Mapping[str, Any], key: str, where: str, *, minimum: int | None = 1) -> int | None:
-            if key not in parent or parent[key] is None:
-                return None
-            value = parent[key]
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise fail(f"{where}{key} must be an integer, got {value!r}")
-            if minimum is not None and value < minimum:
-                raise fail(f"{where}{key} must be >= {minimum}, got {value}")
-            return value
-
-        def integer(parent: Mapping[str, Any], key: str, where: str, *, minimum: int | None = 1) -> int:
-            value = optional_int(parent, key, where, minimum=minimum)
-            if value is None:
-                raise fail(f"missing {where}{key}")
-            return value
-
-        def optional_name(
-            parent: Mapping[str, Any], key: str, where: str, default: str | None, *, pattern: bool = False
-        ) -> str | None:
-            value = parent.get(key, default)
-            if value is None:
-                return None
-            if not isinstance(value, str) or not value:
-                raise fail(f"{where}{key} must be a non-empty string, got {value!r}")
-            if pattern:
-                try:
-                    layer0, layer1 = value % 0, value % 1
-                except (TypeError, ValueError) as exc:
-                    raise fail(f"{where}{key} must be a name pattern with one %d, got {value!r}") from exc
-                if layer0 == layer1:
-                    raise fail(f"{where}{key} must be a name pattern with one %d, got {value!r}")
-            return value
-
-        def name(parent: Mapping[str, Any], key: str, where: str, default: str, *, pattern: bool = False) -> str:
-            value = optional_name(parent, key, where, default, pattern=pattern)
-            assert value is not None  # a default is given
-            return value
-
+        r = _ConfigReader(folder / CONFIG_NAME)
         if not isinstance(raw, Mapping):
-            raise fail("the top level must be a JSON object")
-        model = section(raw, "model", "")
+            raise r.fail("the top level must be a JSON object")
+        model = r.section(raw, "model", "")
         decoder_key = "model.decoder."
-        decoder = section(model, "decoder", "model.")
-        inputs = section(decoder, "inputs", decoder_key)
-        outputs = section(decoder, "outputs", decoder_key)
+        decoder = r.section(model, "decoder", "model.")
+        inputs = r.section(decoder, "inputs", decoder_key)
+        outputs = r.section(decoder, "outputs", decoder_key)
         search = raw.get("search", {})
         if not isinstance(search, Mapping):
-            raise fail("section 'search' must be an object")
+            raise r.fail("section 'search' must be an object")
 
-        filename = optional_name(decoder, "filename", decoder_key, None)
+        filename = r.optional_name(decoder, "filename", decoder_key, None)
         if filename is None:
-            raise fail(f"missing {decoder_key}filename")
+            raise r.fail(f"missing {decoder_key}filename")
         model_path = folder / filename
         if not model_path.is_file():
             raise ModelFolderError(
@@ -185,97 +137,42 @@ class ModelFolder:
         if not tokenizer_path.is_file():
             raise ModelFolderError(f"model folder {folder} lacks {TOKENIZER_NAME}")
 
-        eos = model.get("eos_token_id")
-        if isinstance(eos, bool) or eos is None:
-            raise fail("missing model.eos_token_id")
-        eos_ids = [eos] if isinstance(eos, int) else eos
-        if (
-            not isinstance(eos_ids, list)
-            or not eos_ids
-            or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in eos_ids)
-        ):
-            raise fail(f"model.eos_token_id must be an id or a non-empty list of ids, got {eos!r}")
-
-        num_heads = integer(decoder, "num_attention_heads", decoder_key)
-        num_kv_heads = optional_int(decoder, "num_key_value_heads", decoder_key) or num_heads
-        hidden_size = optional_int(decoder, "hidden_size", decoder_key)
-        head_size = optional_int(decoder, "head_size", decoder_key)
-        if head_size is None:
-            if hidden_size is None:
-                raise fail(f"missing {decoder_key}head_size (and no {decoder_key}hidden_size to derive it from)")
-            head_size = hidden_size // num_heads
-        if num_heads % num_kv_heads:
-            raise fail(
-                f"{decoder_key}num_attention_heads={num_heads} is not a multiple of num_key_value_heads={num_kv_heads}"
-            )
-        vocab_size = integer(model, "vocab_size", "model.")
+        eos_ids = r.eos_ids(model)
+        num_heads, num_kv_heads, head_size = r.heads(decoder, decoder_key)
+        vocab_size = r.integer(model, "vocab_size", "model.")
         for token_id in eos_ids:
             if token_id >= vocab_size:
-                raise fail(f"model.eos_token_id {token_id} is outside the vocabulary of {vocab_size}")
+                raise r.fail(f"model.eos_token_id {token_id} is outside the vocabulary of {vocab_size}")
 
         session_options = decoder.get("session_options", {})
         if not isinstance(session_options, Mapping):
-            raise fail(f"{decoder_key}session_options must be an object")
+            raise r.fail(f"{decoder_key}session_options must be an object")
         if not isinstance(session_options.get("provider_options", []), list):
-            raise fail(f"{decoder_key}session_options.provider_options must be a list")
+            raise r.fail(f"{decoder_key}session_options.provider_options must be a list")
         share_buffer = search.get("past_present_share_buffer", False)
         if not isinstance(share_buffer, bool):
-            raise fail(f"search.past_present_share_buffer must be true or false, got {share_buffer!r}")
+            raise r.fail(f"search.past_present_share_buffer must be true or false, got {share_buffer!r}")
 
-        context_length = integer(model, "context_length", "model.")
-        num_layers = integer(decoder, "num_hidden_layers", decoder_key)
+        context_length = r.integer(model, "context_length", "model.")
+        num_layers = r.integer(decoder, "num_hidden_layers", decoder_key)
         # Keys the builder writes that this backend does not read are still checked, so that a malformed
         # config is refused whichever reader meets it.
-        optional_int(model, "bos_token_id", "model.", minimum=0)
-        optional_int(model, "pad_token_id", "model.", minimum=0)
+        r.optional_int(model, "bos_token_id", "model.", minimum=0)
+        r.optional_int(model, "pad_token_id", "model.", minimum=0)
         in_inputs, in_outputs = decoder_key + "inputs.", decoder_key + "outputs."
-        input_ids_name = name(inputs, "input_ids", in_inputs, "input_ids")
-        attention_mask_name = optional_name(inputs, "attention_mask", in_inputs, None)
-        position_ids_name = optional_name(inputs, "position_ids", in_inputs, None)
-        past_key_pattern = name(inputs, "past_key_names", in_inputs, "past_key_values.%d.key", pattern=True)
-        past_value_pattern = name(inputs, "past_value_names", in_inputs, "past_key_values.%d.value", pattern=True)
-        logits_name = name(outputs, "logits", in_outputs, "logits")
-        present_key_pattern = name(outputs, "present_key_names", in_outputs, "present.%d.key", pattern=True)
-        present_value_pattern = name(outputs, "present_value_names", in_outputs, "present.%d.value", pattern=True)
-        hidden_states_name = name(outputs, "hidden_states", in_outputs, "hidden_states")
-        optional_int(search, "max_length", "search.")  # checked, not read (see above)
-
-        layer_types = decoder.get("layer_types")
-        if layer_types is not None:
-            if not isinstance(layer_types, list) or not all(isinstance(t, str) and t for t in layer_types):
-                raise fail(f"{decoder_key}layer_types must be a list of strings, got {layer_types!r}")
-            if len(layer_types) != num_layers:
-                raise fail(
-                    f"{decoder_key}layer_types has {len(layer_types)} entries but num_hidden_layers = {num_layers}"
-                )
-        # recurrent states: every past_<kind>_names input besides key/value, paired with present_<kind>_names
-        state_patterns = []
-        for key in inputs:
-            if not (key.startswith("past_") and key.endswith("_names")) or key in (
-                "past_key_names",
-                "past_value_names",
-            ):
-                continue
-            kind = key[len("past_") : -len("_names")]
-            past = name(inputs, key, in_inputs, "", pattern=True)
-            if f"present_{kind}_names" not in outputs:
-                raise fail(f"{in_inputs}{key} names a state with no {in_outputs}present_{kind}_names")
-            present = name(outputs, f"present_{kind}_names", in_outputs, "", pattern=True)
-            state_patterns.append((kind, past, present))
-
-        sliding_window: int | None = None
-        sliding_layers: tuple[int, ...] = ()
-        if decoder.get("sliding_window") is not None:
-            window_section = section(decoder, "sliding_window", decoder_key)
-            window_key = decoder_key + "sliding_window."
-            sliding_window = optional_int(window_section, "window_size", window_key)
-            listed = window_section.get("layers", [])
-            if not isinstance(listed, list) or not all(
-                isinstance(i, int) and not isinstance(i, bool) and 0 <= i < num_layers for i in listed
-            ):
-                raise fail(f"{window_key}layers must be a list of layer indices below {num_layers}, got {listed!r}")
-            sliding_layers = tuple(listed)
-
+        input_ids_name = r.name(inputs, "input_ids", in_inputs, "input_ids")
+        attention_mask_name = r.optional_name(inputs, "attention_mask", in_inputs, None)
+        position_ids_name = r.optional_name(inputs, "position_ids", in_inputs, None)
+        past_key_pattern = r.name(inputs, "past_key_names", in_inputs, "past_key_values.%d.key", pattern=True)
+        past_value_pattern = r.name(inputs, "past_value_names", in_inputs, "past_key_values.%d.value", pattern=True)
+        logits_name = r.name(outputs, "logits", in_outputs, "logits")
+        present_key_pattern = r.name(outputs, "present_key_names", in_outputs, "present.%d.key", pattern=True)
+        present_value_pattern = r.name(outputs, "present_value_names", in_outputs, "present.%d.value", pattern=True)
+        hidden_states_name = r.name(outputs, "hidden_states", in_outputs, "hidden_states")
+        r.optional_int(search, "max_length", "search.")  # checked, not read (see above)
+        layer_types = r.layer_types(decoder, decoder_key, num_layers)
+        state_patterns = r.state_patterns(inputs, outputs, in_inputs, in_outputs)
+        sliding_window, sliding_layers = r.sliding_window(decoder, decoder_key, num_layers)
         return cls(
             path=folder,
             model_path=model_path,
@@ -298,11 +195,143 @@ class ModelFolder:
             hidden_states_name=hidden_states_name,
             past_present_share_buffer=share_buffer,
             session_options={key: value for key, value in session_options.items() if key != "provider_options"},
-            layer_types=tuple(layer_types) if layer_types is not None else None,
-            state_patterns=tuple(state_patterns),
+            layer_types=layer_types,
+            state_patterns=state_patterns,
             sliding_window=sliding_window,
             sliding_window_layers=sliding_layers,
         )
+
+
+class _ConfigReader:
+    """Reads the fields of one ``genai_config.json`` with checks that raise ``ModelFolderError`` naming the file and
+    the key (``where`` is the dotted path of the section a key is in)."""
+
+    def __init__(self, config_path: Path) -> None:
+        self.config_path = config_path
+
+    def fail(self, message: str) -> ModelFolderError:
+        return ModelFolderError(f"{self.config_path}: {message}")
+
+    def section(self, parent: Any, key: str, where: str) -> Mapping[str, Any]:
+        value = parent.get(key) if isinstance(parent, Mapping) else None
+        if not isinstance(value, Mapping):
+            raise self.fail(f"missing or malformed section {where}{key!r} (expected an object)")
+        return value
+
+    def optional_int(self, parent: Mapping[str, Any], key: str, where: str, *, minimum: int | None = 1) -> int | None:
+        if key not in parent or parent[key] is None:
+            return None
+        value = parent[key]
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise self.fail(f"{where}{key} must be an integer, got {value!r}")
+        if minimum is not None and value < minimum:
+            raise self.fail(f"{where}{key} must be >= {minimum}, got {value}")
+        return value
+
+    def integer(self, parent: Mapping[str, Any], key: str, where: str, *, minimum: int | None = 1) -> int:
+        value = self.optional_int(parent, key, where, minimum=minimum)
+        if value is None:
+            raise self.fail(f"missing {where}{key}")
+        return value
+
+    def optional_name(
+        self, parent: Mapping[str, Any], key: str, where: str, default: str | None, *, pattern: bool = False
+    ) -> str | None:
+        value = parent.get(key, default)
+        if value is None:
+            return None
+        if not isinstance(value, str) or not value:
+            raise self.fail(f"{where}{key} must be a non-empty string, got {value!r}")
+        if pattern:
+            try:
+                layer0, layer1 = value % 0, value % 1
+            except (TypeError, ValueError) as exc:
+                raise self.fail(f"{where}{key} must be a name pattern with one %d, got {value!r}") from exc
+            if layer0 == layer1:
+                raise self.fail(f"{where}{key} must be a name pattern with one %d, got {value!r}")
+        return value
+
+    def name(self, parent: Mapping[str, Any], key: str, where: str, default: str, *, pattern: bool = False) -> str:
+        value = self.optional_name(parent, key, where, default, pattern=pattern)
+        assert value is not None  # a default is given
+        return value
+
+    def eos_ids(self, model: Mapping[str, Any]) -> list[int]:
+        eos = model.get("eos_token_id")
+        if isinstance(eos, bool) or eos is None:
+            raise self.fail("missing model.eos_token_id")
+        eos_ids = [eos] if isinstance(eos, int) else eos
+        if (
+            not isinstance(eos_ids, list)
+            or not eos_ids
+            or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in eos_ids)
+        ):
+            raise self.fail(f"model.eos_token_id must be an id or a non-empty list of ids, got {eos!r}")
+        return eos_ids
+
+    def heads(self, decoder: Mapping[str, Any], decoder_key: str) -> tuple[int, int, int]:
+        """``(num_attention_heads, num_key_value_heads, head_size)``."""
+        num_heads = self.integer(decoder, "num_attention_heads", decoder_key)
+        num_kv_heads = self.optional_int(decoder, "num_key_value_heads", decoder_key) or num_heads
+        hidden_size = self.optional_int(decoder, "hidden_size", decoder_key)
+        head_size = self.optional_int(decoder, "head_size", decoder_key)
+        if head_size is None:
+            if hidden_size is None:
+                raise self.fail(f"missing {decoder_key}head_size (and no {decoder_key}hidden_size to derive it from)")
+            head_size = hidden_size // num_heads
+        if num_heads % num_kv_heads:
+            raise self.fail(
+                f"{decoder_key}num_attention_heads={num_heads} is not a multiple of num_key_value_heads={num_kv_heads}"
+            )
+        return num_heads, num_kv_heads, head_size
+
+    def layer_types(self, decoder: Mapping[str, Any], decoder_key: str, num_layers: int) -> tuple[str, ...] | None:
+        layer_types = decoder.get("layer_types")
+        if layer_types is None:
+            return None
+        if not isinstance(layer_types, list) or not all(isinstance(t, str) and t for t in layer_types):
+            raise self.fail(f"{decoder_key}layer_types must be a list of strings, got {layer_types!r}")
+        if len(layer_types) != num_layers:
+            raise self.fail(
+                f"{decoder_key}layer_types has {len(layer_types)} entries but num_hidden_layers = {num_layers}"
+            )
+        return tuple(layer_types)
+
+    def state_patterns(
+        self, inputs: Mapping[str, Any], outputs: Mapping[str, Any], in_inputs: str, in_outputs: str
+    ) -> tuple[tuple[str, str, str], ...]:
+        """Recurrent states: every ``past_<kind>_names`` input besides key/value, paired with
+        ``present_<kind>_names``, as ``(kind, past pattern, present pattern)``."""
+        state_patterns = []
+        for key in inputs:
+            if not (key.startswith("past_") and key.endswith("_names")) or key in (
+                "past_key_names",
+                "past_value_names",
+            ):
+                continue
+            kind = key[len("past_") : -len("_names")]
+            past = self.name(inputs, key, in_inputs, "", pattern=True)
+            if f"present_{kind}_names" not in outputs:
+                raise self.fail(f"{in_inputs}{key} names a state with no {in_outputs}present_{kind}_names")
+            present = self.name(outputs, f"present_{kind}_names", in_outputs, "", pattern=True)
+            state_patterns.append((kind, past, present))
+        return tuple(state_patterns)
+
+    def sliding_window(
+        self, decoder: Mapping[str, Any], decoder_key: str, num_layers: int
+    ) -> tuple[int | None, tuple[int, ...]]:
+        """``(window_size, layers)`` of ``sliding_window`` (``(None, ())`` without one)."""
+        if decoder.get("sliding_window") is None:
+            return None, ()
+        window_section = self.section(decoder, "sliding_window", decoder_key)
+        window_key = decoder_key + "sliding_window."
+        window = self.optional_int(window_section, "window_size", window_key)
+        listed = window_section.get("layers", [])
+        if not isinstance(listed, list) or not all(
+            isinstance(i, int) and not isinstance(i, bool) and 0 <= i < num_layers for i in listed
+        ):
+            raise self.fail(f"{window_key}layers must be a list of layer indices below {num_layers}, got {listed!r}")
+        return window, tuple(listed)
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -4,11 +4,13 @@
 ``onnxruntime`` is imported inside the functions, so importing this module stays cheap.
 
 Logging: left alone, onnxruntime writes its own ANSI-coloured lines to stderr (e.g. a kernel's error when a run
-fails, beside the exception that already says it). :func:`route_onnxruntime_logging` (called before the first
-session opens) sends them to the Python logger ``ortspec.onnxruntime`` instead, at the matching level, where the
-application decides what to show; that logger has a ``NullHandler``, so nothing reaches stderr unless logging
-is configured. Messages from onnxruntime's own worker threads still go to its stderr sink (its callback only runs
-on Python threads); ortspec runs sessions with one inter-op thread and logs at error level, which they do not use.
+fails, beside the exception that already says it). Opening a session changes nothing process-wide: an application
+that wants those lines in Python's logging calls :func:`route_onnxruntime_logging` once at start-up (the
+``ortspec`` command and ``ortspec serve`` do), which sends them to the Python logger ``ortspec.onnxruntime``, at
+the matching level, where the application decides what to show; that logger has a ``NullHandler``, so nothing
+reaches stderr unless logging is configured. Messages from onnxruntime's own worker threads still go to its
+stderr sink (its callback only runs on Python threads); ortspec runs sessions with one inter-op thread and logs
+at error level, which they do not use.
 """
 
 from __future__ import annotations
@@ -42,6 +44,14 @@ GRAPH_OPTIMIZATION_LEVELS = {
     "layout": "ORT_ENABLE_LAYOUT",
     "all": "ORT_ENABLE_ALL",
 }
+
+
+def check_graph_optimization_level(level: str) -> str:
+    """``level`` in lower case; ``ValueError`` unless it is one of :data:`GRAPH_OPTIMIZATION_LEVELS`."""
+    lowered = level.lower() if isinstance(level, str) else level
+    if lowered not in GRAPH_OPTIMIZATION_LEVELS:
+        raise ValueError(f"graph_optimization_level must be one of {sorted(GRAPH_OPTIMIZATION_LEVELS)}, got {level!r}")
+    return lowered
 
 
 def physical_cores() -> int:
@@ -123,12 +133,7 @@ def make_session_options(
         inter_op_threads = int(genai.get("inter_op_num_threads") or 1)
     options.inter_op_num_threads = int(inter_op_threads)
     options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
-    level = graph_optimization_level.lower()
-    if level not in GRAPH_OPTIMIZATION_LEVELS:
-        raise ValueError(
-            f"graph_optimization_level must be one of {sorted(GRAPH_OPTIMIZATION_LEVELS)}, "
-            f"got {graph_optimization_level!r}"
-        )
+    level = check_graph_optimization_level(graph_optimization_level)
     level_enum = getattr(ort.GraphOptimizationLevel, GRAPH_OPTIMIZATION_LEVELS[level], None)
     if level_enum is None:  # older onnxruntime without ORT_ENABLE_LAYOUT
         level_enum = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
@@ -158,7 +163,8 @@ def _log_from_onnxruntime(severity: int, category: str, logid: str, code_locatio
 
 def route_onnxruntime_logging() -> bool:
     """Send onnxruntime's log messages to the Python logger ``ortspec.onnxruntime`` (see the module docstring),
-    at warning severity and above. Once per process: an application that installs its own callback afterwards
+    at warning severity and above: a process-wide setting, for an application's start-up (call it before the
+    first session opens). Once per process: an application that installs its own callback afterwards
     (``onnxruntime.set_default_logger_callback``) keeps it. Returns False when this onnxruntime has no logging
     callback (older versions); its messages then go to stderr as before."""
     global _logging_routed
@@ -216,7 +222,7 @@ def execution_providers(provider: str, device_id: int, cuda_options: Mapping[str
 def cuda_provider_options(*, stream: int | None = None, cuda_graphs: bool = False) -> dict[str, str]:
     """CUDA provider options of the stream-ordered path: ``user_compute_stream`` (ONNX Runtime runs its kernels on
     that stream, the one the backend's array module enqueues its copies on, so neither side waits for the other
-    on the host) and ``enable_cuda_graph`` (captured graphs per ``gpu_graph_id``; see ``graphs.py``). Not yet run
+    on the host) and ``enable_cuda_graph`` (captured graphs per ``gpu_graph_id``; see ``cuda_graphs.py``). Not yet run
     on a GPU."""
     options: dict[str, str] = {}
     if stream is not None:
@@ -238,7 +244,6 @@ def open_session(model_path: Path, *, providers: list, session_options, model_by
     ``providers`` asks for CUDA and the session did not get it (its CUDA libraries failed to load)."""
     import onnxruntime as ort
 
-    route_onnxruntime_logging()
     try:
         if model_bytes is None:
             session = ort.InferenceSession(str(model_path), sess_options=session_options, providers=providers)

@@ -26,7 +26,7 @@ from typing import Any
 import attrs
 import numpy as np
 
-from ortspec.backends.onnx import ModelFolder, OrtBackend
+from ortspec.backends.onnx import BackendConfig, ModelFolder, OrtBackend
 from ortspec.core import Options, PromptLookup
 from ortspec.driver import generate
 
@@ -187,7 +187,7 @@ def check_folder(
     started = time.perf_counter()
     path = Path(folder)
     try:
-        backend = OrtBackend.from_folder(path, threads=threads, **dict(backend_options or {}))
+        backend = OrtBackend.from_folder(path, BackendConfig(threads=threads, **dict(backend_options or {})))
     except Exception as exc:  # noqa: BLE001 - the report says why
         return FolderReport(path, load_error=f"{type(exc).__name__}: {exc}", seconds=time.perf_counter() - started)
     eos = frozenset(backend.folder.eos_token_ids)

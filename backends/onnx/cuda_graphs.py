@@ -1,5 +1,14 @@
-"""CUDA graphs per pass width, and the per-phase timing hook: the bookkeeping behind ``OrtBackend``'s fast CUDA
-path, kept apart from the device so that it is tested on the CPU.
+"""CUDA graphs per pass width, opening a session that captures them, and the per-phase timing hook: the
+bookkeeping behind ``OrtBackend``'s fast CUDA path, kept apart from the device so that it is tested on the CPU.
+
+``cuda_graphs=True`` (CUDA only, off by default; implies static shapes) opens the session with
+``enable_cuda_graph=1`` on the array module's own stream (:func:`open_stream_ordered`) and gives each pass width of
+up to ``graph_max_tokens`` tokens (the pending token plus up to 16 draft tokens by default) its own graph id;
+greedy steps are width 1. Wider passes (prefill chunks) run eagerly. ``OrtBackend.capture_graphs`` warms up and
+captures every width up front. When ONNX Runtime refuses graph capture for the session, or a run with a graph id
+fails, the backend logs why, reopens its session without graphs (same buffers, same stream) and carries on
+eagerly. **The static-shape and graph paths on CUDA are written but not yet run on a GPU** (see
+``scripts/gpu_check.sh``).
 
 **Graphs.** ONNX Runtime's CUDA execution provider captures a CUDA graph of a whole ``run`` when the session is
 opened with the provider option ``enable_cuda_graph=1`` and the run carries the run-config entry ``gpu_graph_id``:
@@ -20,8 +29,19 @@ pass width. ``OrtBackend.timer`` is None unless one is set, and then costs nothi
 
 from __future__ import annotations
 
+import logging
 from collections import defaultdict
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
+
+import attrs
+
+from ..base import BackendError
+from .arrays import ArrayModule, cuda_arrays
+from .session import cuda_provider_options, execution_providers, open_session
+
+logger = logging.getLogger(__name__)
 
 # The CUDA execution provider's ordinary runs per graph id before it captures (min_num_runs_before_cuda_graph_capture_
 # in onnxruntime/core/providers/cuda/cuda_execution_provider.h: 2 in recent sources, 1 in older ones); the run after
@@ -120,3 +140,39 @@ class PhaseTimer:
         out = {phase: (totals.get(phase, 0.0) / count if count else 0.0) for phase in PHASES}
         out["total"] = sum(out[phase] for phase in PHASES)
         return out
+
+
+@attrs.frozen
+class StreamOrderedSession:
+    """A CUDA session running on ``arrays``' own stream: ``reopen`` opens it again without CUDA graphs (None when
+    it has none to give up), ``refused`` says why ONNX Runtime refused graph capture (None: it did not)."""
+
+    session: Any
+    arrays: ArrayModule
+    reopen: Callable[[], Any] | None
+    refused: str | None
+
+
+def open_stream_ordered(
+    model_path: Path, *, device_id: int, array_module: str, graphs: bool, session_options, model_bytes: bytes | None
+) -> StreamOrderedSession:
+    """Open ``model_path`` (or its rewrite ``model_bytes``) on CUDA device ``device_id`` with a new array module
+    (``array_module``: ``"cupy"``, ``"torch"`` or ``"auto"``) whose own stream becomes ONNX Runtime's compute stream;
+    with ``graphs``, with CUDA graph capture, falling back to a session without it (logged) when refused."""
+    arrays = cuda_arrays(device_id, array_module)
+    stream = arrays.own_stream()
+
+    def open_cuda(with_graphs: bool):
+        providers = execution_providers(
+            "cuda", device_id, cuda_provider_options(stream=stream, cuda_graphs=with_graphs)
+        )
+        return open_session(model_path, providers=providers, session_options=session_options, model_bytes=model_bytes)
+
+    if not graphs:
+        return StreamOrderedSession(open_cuda(False), arrays, None, None)
+    try:
+        return StreamOrderedSession(open_cuda(True), arrays, lambda: open_cuda(False), None)
+    except BackendError as exc:  # e.g. "cannot use the graph capture feature": nodes off the CUDA EP
+        refused = str(exc)
+        logger.warning("OrtBackend: CUDA graphs refused (%s); running eagerly", refused.splitlines()[0])
+        return StreamOrderedSession(open_cuda(False), arrays, lambda: open_cuda(False), refused)
