@@ -76,30 +76,25 @@ def option(
     validator: Callable[[Any, Any, Any], None] | None = None,
 ) -> Any:
     """An attrs field declaring one generation option: its default, help and bounds (see the module docstring).
-    ``None`` (a JSON null, an unset flag) given for an option whose default is not None means the default."""
-    if default is not None:
-        convert = converter
 
-        def none_is_default(value: Any) -> Any:
-            if value is None:
-                return default
-            return convert(value) if convert is not None else value
+    ``None`` (a JSON null, an unset flag) given for an option whose default is not None means the default. The
+    value is converted (``converter``), then checked (``bounds``, then ``validator(instance, field, value)``) as the
+    field is set, so a value with several bad options names the first declared one."""
 
-        converter = none_is_default
-    validators: list[Callable[[Any, Any, Any], None]] = []
-    if bounds is not None:
-        checked = bounds
+    def convert(value: Any, instance: Any, field: attrs.Attribute) -> Any:
+        if value is None and default is not None:
+            value = default
+        elif converter is not None:
+            value = converter(value)
+        if bounds is not None:
+            bounds.check(field.name, value)
+        if validator is not None:
+            validator(instance, field, value)
+        return value
 
-        def check_bounds(instance: Any, attribute: Any, value: Any) -> None:
-            checked.check(attribute.name, value)
-
-        validators.append(check_bounds)
-    if validator is not None:
-        validators.append(validator)
     return attrs.field(
         default=default,
-        converter=converter,
-        validator=validators or None,
+        converter=attrs.Converter(convert, takes_self=True, takes_field=True),  # type: ignore[call-overload]
         metadata={_SPEC: OptionSpec(help=help, bounds=bounds)},
     )
 
