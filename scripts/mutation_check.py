@@ -1,14 +1,21 @@
-"""Show that the property suite catches a broken core or driver: apply one deliberate bug at a time to a staged
-copy of the package, run ``property_tests/`` against it, and report which test caught it (every one must be).
+"""Show that the tests catch a broken core, driver, server router or batch runner: apply one deliberate bug (a
+mutant) at a time to a staged copy of the package, run the unit tests (``tests/``) and the property suite
+(``property_tests/``) against it, and report which test caught it (every one must be).
 
     python scripts/mutation_check.py            # every mutant
-    python scripts/mutation_check.py --list
+    python scripts/mutation_check.py --list     # names, files and the tests each one runs
     python scripts/mutation_check.py tie-guard-off lookup-oldest-match
 
-Each mutant first runs against the quick Hypothesis profile (5% of the examples); one that survives runs again
-with the ci profile's example counts (shrinking off: only the verdict matters), so caught mutants cost seconds and
-the run stays within minutes. Exit status 0 only if every mutant was caught. The working tree is never modified.
-CI runs this after the test suite (``.ci/run``).
+A mutant is caught when any test fails. For each one, pytest runs with ``-x`` over the unit test files of the
+mutated module (``UNIT_TESTS``, the fast targeted ones first), then, for the core and the driver, the property
+suite, all under the quick Hypothesis profile (5% of the examples); a core or driver mutant that survives runs the
+property suite again with the ci profile's example counts (shrinking off: only the verdict matters). So a caught
+mutant costs seconds. Before the mutants, the same tests run once on the unmodified copy (``--no-baseline`` skips
+it): a test that fails there would "catch" every mutant. Exit status 0 only if every mutant was caught. The
+working tree is never modified. CI runs this after the test suite (``.ci/run``).
+
+The table is data: each mutant names a file, an exact snippet found once in it (one line where possible) and its
+replacement. When code moves, re-point the file (and ``UNIT_TESTS``); when a snippet changes, re-cut the mutant.
 """
 
 from __future__ import annotations
@@ -22,148 +29,399 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 ROOT = Path(__file__).resolve().parent.parent
 
-# name -> (file, text to replace, replacement): each one a bug that other engines have shipped, or that an earlier
-# version of the suite let through. Files are paths in the repository.
-MUTANTS: dict[str, tuple[str, str, str]] = {
-    "commit-past-eos": (
-        "core/state.py",
-        "        if finish is not None:\n            break\n",
-        "        if finish is not None and finish is not FinishReason.EOS_TOKEN:\n            break\n",
-    ),
-    "eos-does-not-end": (
-        "core/state.py",
-        "        if eos:\n            finish = FinishReason.EOS_TOKEN\n",
-        "        if eos and False:\n            finish = FinishReason.EOS_TOKEN\n",
-    ),
-    "rewind-off-by-one": (
-        "core/state.py",
-        "return new_state, tuple(commits), new_state.kv_len",
-        "return new_state, tuple(commits), new_state.kv_len + 1",
-    ),
-    "budget-overshoot": (
-        "core/state.py",
-        "budget = state.options.max_tokens - len(state.generated_tokens) - 1",
-        "budget = state.options.max_tokens - len(state.generated_tokens)",
-    ),
-    "max-tokens-overshoot": (
-        "core/state.py",
-        "if len(generated) >= opts.max_tokens:",
-        "if len(generated) > opts.max_tokens:",
-    ),
-    "accept-without-check": (
+PROPERTY_TESTS = ("property_tests/test_prompt_lookup.py", "property_tests/test_equivalence.py")
+
+# The unit test files that exercise each module, the fastest and most targeted first; a mutant may name its own.
+# Modules of the core and the driver are also checked by the property suite (PROPERTY_CHECKED).
+UNIT_TESTS: dict[str, tuple[str, ...]] = {
+    "core/state.py": ("tests/test_commit_rules.py", "tests/test_core_rules.py", "tests/test_driver.py"),
+    "core/sampling.py": ("tests/test_sampling_rules.py", "tests/test_sampling.py", "tests/test_core_rules.py"),
+    "core/proposers.py": ("tests/test_proposers.py",),
+    "ortspec/driver.py": ("tests/test_driver.py",),
+    # moves to adapters/serve/pool.py (issue 18): re-point the server-routing-* mutants with it
+    "adapters/serve/pool.py": ("tests/test_server_routing.py", "tests/test_server.py"),
+    # moves to adapters/batch/ (issue 18): re-point the batch-resume-* mutants with it
+    "adapters/batch/run.py": ("tests/test_batch_resume.py", "tests/test_batch.py"),
+    "adapters/batch/output.py": ("tests/test_batch_resume.py", "tests/test_batch.py"),
+    "adapters/batch/records.py": ("tests/test_batch_resume.py", "tests/test_batch.py"),
+    "core/tokens.py": ("tests/test_shared_sequence.py", "tests/test_proposers.py"),
+}
+PROPERTY_CHECKED = ("core/", "ortspec/")
+
+
+class Mutant(NamedTuple):
+    """One deliberate bug: in ``file`` (a path in the repository), ``old`` (found exactly once) becomes ``new``.
+    ``tests``: the unit test paths to run (default: ``UNIT_TESTS[file]``)."""
+
+    file: str
+    old: str
+    new: str
+    tests: tuple[str, ...] = ()
+
+    @property
+    def unit_tests(self) -> tuple[str, ...]:
+        return self.tests or UNIT_TESTS[self.file]
+
+    @property
+    def property_tests(self) -> tuple[str, ...]:
+        return PROPERTY_TESTS if self.file.startswith(PROPERTY_CHECKED) else ()
+
+
+# Each one a bug that other engines have shipped, or that an earlier version of the tests let through.
+MUTANTS: dict[str, Mutant] = {
+    # -- accepting draft tokens, the KV length, the draft budget --------------------------------------------------
+    "accept-without-check": Mutant(
         "core/state.py",
         "candidates[-1] == draft[len(candidates) - 1]",
         "candidates[-1] >= 0",
     ),
-    "stop-only-at-block-end": (
+    "rewind-off-by-one": Mutant(
         "core/state.py",
-        "        elif (stop := text.find_stop()) is not None:",
-        "        elif i == len(candidates) - 1 and (stop := text.find_stop()) is not None:",
+        "return StepOutcome(new_state, tuple(commits), new_state.kv_len, committed_draft)",
+        "return StepOutcome(new_state, tuple(commits), new_state.kv_len + 1, committed_draft)",
     ),
-    "first-listed-stop-string-wins": (
+    "budget-overshoot": Mutant(
         "core/state.py",
-        "if at >= 0 and (best is None or (at + len(s), at) < best[:2]):",
-        "if at >= 0 and best is None:",
+        "budget = state.options.max_tokens - len(state.generated_tokens) - 1",
+        "budget = state.options.max_tokens - len(state.generated_tokens)",
     ),
-    "context-limit-ignored-mid-block": (
-        "core/state.py",
-        "budget = min(budget, limit - state.context_len - 1)",
-        "budget = min(budget, limit - state.context_len + 1)",
-    ),
-    "ties-to-highest-id": (
+    "ties-to-highest-id": Mutant(
         "core/sampling.py",
         "best = int(np.argmax(z))",
         "best = int(len(z) - 1 - np.argmax(z[::-1]))",
     ),
-    "tie-guard-off": (
+    "tie-guard-off": Mutant(
         "core/state.py",
         "if k and opts.tie_margin > 0:",
         "if False:",
     ),
-    "logprobs-not-normalised": (
-        "core/sampling.py",
-        "return float(x[token] - lse), tuple(",
-        "return float(x[token] - m), tuple(",
+    # -- EOS and the token budget ---------------------------------------------------------------------------------
+    "commit-past-eos": Mutant(
+        "core/state.py",
+        "        if finish is not None:\n            break\n",
+        "        if finish is not None and finish is not FinishReason.EOS_TOKEN:\n            break\n",
     ),
-    "partial-text-includes-undelivered": (
+    "eos-does-not-end": Mutant(
+        "core/state.py",
+        "        if eos:\n            finish = FinishReason.EOS_TOKEN\n",
+        "        if eos and False:\n            finish = FinishReason.EOS_TOKEN\n",
+    ),
+    "max-tokens-overshoot": Mutant(
+        "core/state.py",
+        "if len(generated) >= opts.max_tokens:",
+        "if len(generated) > opts.max_tokens:",
+    ),
+    # -- stop token sequences (checked after EOS, before stop strings; the first listed that matches) ------------
+    "stop-sequence-outranks-eos": Mutant(
+        "core/state.py",
+        "eos = token in opts.eos_token_ids\n",
+        "eos = token in opts.eos_token_ids and not _matched_stop_sequence(generated, opts.stop_token_sequences)\n",
+    ),
+    "stop-sequence-needs-a-longer-output": Mutant(
+        "core/state.py",
+        "if len(generated) >= n and tuple(generated[-n:]) == seq:",
+        "if len(generated) > n and tuple(generated[-n:]) == seq:",
+    ),
+    "stop-sequence-spans-the-prompt": Mutant(
+        "core/state.py",
+        "_matched_stop_sequence(generated, opts.stop_token_sequences)",
+        "_matched_stop_sequence(generated.with_head(state.prompt_tokens), opts.stop_token_sequences)",
+    ),
+    "stop-sequence-last-listed-wins": Mutant(
+        "core/state.py",
+        "    for seq in sequences:\n",
+        "    for seq in reversed(sequences):\n",
+    ),
+    "stop-sequence-only-at-block-end": Mutant(
+        "core/state.py",
+        "seq = None if eos else _matched_stop_sequence(",
+        "seq = None if eos or i < len(candidates) - 1 else _matched_stop_sequence(",
+    ),
+    # -- stop strings ---------------------------------------------------------------------------------------------
+    "stop-only-at-block-end": Mutant(
+        "core/state.py",
+        "        elif (stop := text.find_stop()) is not None:",
+        "        elif i == len(candidates) - 1 and (stop := text.find_stop()) is not None:",
+    ),
+    "first-listed-stop-string-wins": Mutant(
+        "core/state.py",
+        "if at >= 0 and (best is None or (at + len(s), at) < best[:2]):",
+        "if at >= 0 and best is None:",
+    ),
+    "stop-string-search-misses-token-boundaries": Mutant(
+        "core/state.py",
+        "start = max(0, self.checked - self.longest_stop + 1)",
+        "start = self.checked",
+    ),
+    # -- streamed text: hold-back, partial characters, the final flush --------------------------------------------
+    "stream-no-hold-back": Mutant(
+        "core/state.py",
+        "end = len(self.text) if final else len(self.text) - self._held_back()",
+        "end = len(self.text)",
+    ),
+    "stream-held-back-text-never-released": Mutant(
+        "core/state.py",
+        "end = len(self.text) if final else len(self.text) - self._held_back()",
+        "end = len(self.text) - self._held_back()",
+    ),
+    "stream-hold-back-only-first-stop-string": Mutant(
+        "core/state.py",
+        "        for s in self.stop_strings:\n            for n in range(",
+        "        for s in self.stop_strings[:1]:\n            for n in range(",
+    ),
+    "stream-hold-back-shortest-prefix": Mutant(
+        "core/state.py",
+        "for n in range(min(len(s) - 1, len(tail)), best, -1):",
+        "for n in range(best + 1, min(len(s) - 1, len(tail)) + 1):",
+    ),
+    "partial-character-not-waited-for": Mutant(
+        "core/state.py",
+        "if len(full) > len(prefix) and (flush or not full.endswith(_REPLACEMENT_CHAR)):",
+        "if len(full) > len(prefix):",
+    ),
+    "partial-character-dropped-at-finish": Mutant(
+        "core/state.py",
+        "text.add(generated, flush=eos or seq is not None or bound is not None)",
+        "text.add(generated, flush=False)",
+    ),
+    "detokenize-without-left-context": Mutant(
+        "core/state.py",
+        "self.detok_start, self.detok_end = self.detok_end, len(generated)",
+        "self.detok_start, self.detok_end = len(generated), len(generated)",
+    ),
+    "partial-text-includes-undelivered": Mutant(
         "core/state.py",
         "        text=state.text[:streamed],\n",
         "        text=state.text,\n",
     ),
-    "sampling-same-position-for-every-row": (
+    # -- the context limit (max_context or the KV capacity, whichever is smaller) ---------------------------------
+    "context-limit-ignored-mid-block": Mutant(
+        "core/state.py",
+        "budget = min(budget, limit - state.context_len - 1)",
+        "budget = min(budget, limit - state.context_len + 1)",
+    ),
+    "context-full-one-token-late": Mutant(
+        "core/state.py",
+        "elif limit is not None and len(state.prompt_tokens) + len(generated) >= limit:",
+        "elif limit is not None and len(state.prompt_tokens) + len(generated) > limit:",
+    ),
+    "context-full-counts-only-generated": Mutant(
+        "core/state.py",
+        "elif limit is not None and len(state.prompt_tokens) + len(generated) >= limit:",
+        "elif limit is not None and len(generated) >= limit:",
+    ),
+    "context-limit-ignores-capacity": Mutant(
+        "core/state.py",
+        "bounds = [b for b in (self.options.max_context, self.capacity) if b is not None]",
+        "bounds = [b for b in (self.options.max_context,) if b is not None]",
+    ),
+    "draft-budget-ignores-capacity": Mutant(
+        "core/state.py",
+        "    limit = state.context_limit\n    if limit is not None:\n        budget = min(",
+        "    limit = state.options.max_context\n    if limit is not None:\n        budget = min(",
+    ),
+    # -- logprobs -------------------------------------------------------------------------------------------------
+    "logprobs-not-normalised": Mutant(
+        "core/sampling.py",
+        "return float(x[token] - lse), tuple(",
+        "return float(x[token] - m), tuple(",
+    ),
+    # -- sampling: the draw, the filters, temperature -------------------------------------------------------------
+    "sampling-same-position-for-every-row": Mutant(
         "core/sampling.py",
         "uniform(_seed(s), self.first_index + i)",
         "uniform(_seed(s), self.first_index)",
     ),
-    "penalties-ignore-the-draft-prefix": (
+    "temperature-multiplies": Mutant(
+        "core/sampling.py",
+        "p = np.exp((z[ids] - zmax) / np.float32(t))",
+        "p = np.exp((z[ids] - zmax) * np.float32(t))",
+    ),
+    "top-k-keeps-one-more": Mutant(
+        "core/sampling.py",
+        "chosen = order[:k]",
+        "chosen = order[: k + 1]",
+    ),
+    "top-k-ties-to-highest-id": Mutant(
+        "core/sampling.py",
+        "order = cand[np.lexsort((cand, -z[cand]))]",
+        "order = cand[np.lexsort((-cand, -z[cand]))]",
+    ),
+    "top-p-drops-the-crossing-token": Mutant(
+        "core/sampling.py",
+        'n = min(int(np.searchsorted(running, goal, side="left")) + 1, len(order))',
+        'n = max(1, min(int(np.searchsorted(running, goal, side="left")), len(order)))',
+    ),
+    "top-p-of-unnormalised-mass": Mutant(
+        "core/sampling.py",
+        "goal = top_p * total",
+        "goal = top_p",
+    ),
+    "min-p-of-normalised-probability": Mutant(
+        "core/sampling.py",
+        "keep = p >= s.min_p",
+        "keep = p / p.sum() >= s.min_p",
+    ),
+    # -- penalties and logit bias ---------------------------------------------------------------------------------
+    "penalties-ignore-the-draft-prefix": Mutant(
         "core/sampling.py",
         "z = self.processed(row, drafted) if s.processes else np.asarray(row)",
         "z = self.processed(row, ()) if s.processes else np.asarray(row)",
     ),
-    "lookup-oldest-match": (
+    "repetition-penalty-divides-negative-logits": Mutant(
+        "core/sampling.py",
+        "z[ids] = np.where(v > 0, v / rp, v * rp)",
+        "z[ids] = v / rp",
+    ),
+    "repetition-penalty-ignores-the-prompt": Mutant(
+        "core/sampling.py",
+        "self._rep_ids = np.unique(np.asarray([*prompt, *generated], dtype=np.int64))",
+        "self._rep_ids = np.unique(np.asarray([*generated], dtype=np.int64))",
+    ),
+    "presence-penalty-per-occurrence": Mutant(
+        "core/sampling.py",
+        "counts.astype(np.float32) * np.float32(s.frequency_penalty) + np.float32(s.presence_penalty)",
+        "counts.astype(np.float32) * np.float32(s.frequency_penalty + s.presence_penalty)",
+    ),
+    "frequency-penalty-counts-the-prompt": Mutant(
+        "core/sampling.py",
+        "np.unique(np.asarray(generated, dtype=np.int64), return_counts=True)",
+        "np.unique(np.asarray([*prompt, *generated], dtype=np.int64), return_counts=True)",
+    ),
+    "logit-bias-replaces-the-logit": Mutant(
+        "core/sampling.py",
+        "z[self._bias_ids] += self._bias",
+        "z[self._bias_ids] = self._bias",
+    ),
+    "logit-bias-alone-is-plain-greedy": Mutant(
+        "core/sampling.py",
+        "            or bool(self.logit_bias)\n",
+        "",
+    ),
+    # -- prompt lookup --------------------------------------------------------------------------------------------
+    "lookup-oldest-match": Mutant(
         "core/proposers.py",
         "while (at := data.rfind(needle, 0, end)) >= 0:",
         "while (at := data.find(needle, 0, end)) >= 0:",
     ),
-    "lookup-unaligned-match": (
+    "lookup-unaligned-match": Mutant(
         "core/proposers.py",
         "if at % 4 == 0:",
         "if True:",
     ),
-    "lookup-index-keeps-oldest": (
+    "lookup-index-keeps-oldest": Mutant(
         "core/proposers.py",
-        "table[_ngram_key(tokens[first - low : end + 1 - low])] = end + 1",
-        "table.setdefault(_ngram_key(tokens[first - low : end + 1 - low]), end + 1)",
+        "return positions[i] if i >= 0 else None",
+        "return positions[0] if i >= 0 else None",
     ),
-    "lookup-index-includes-last-token": (
+    "lookup-index-includes-last-token": Mutant(
         "core/proposers.py",
-        "usable = len(head) + n - 1  # n-grams must end before the last token",
-        "usable = len(head) + n",
+        "i = bisect_right(positions, context_len - 1) - 1",
+        "i = bisect_right(positions, context_len) - 1",
     ),
-    "driver-wrong-width-feedback": (
+    "shared-extends-an-older-value-in-place": Mutant(
+        "core/tokens.py",
+        "if len(store.items) == n:  # nobody appended past this value: append in place",
+        "if True:",
+    ),
+    # -- the driver -----------------------------------------------------------------------------------------------
+    "driver-wrong-width-feedback": Mutant(
         "ortspec/driver.py",
-        "self._policy = self._policy.observe(len(draft), new_state.stats.accepted_tokens - state.stats.accepted_tokens)",  # noqa: E501
+        "self._policy = self._policy.observe(len(draft), outcome.accepted)",
         "self._policy = self._policy.observe(len(draft), len(draft))",
     ),
-    "driver-skips-rewind": (
+    "driver-skips-rewind": Mutant(
         "ortspec/driver.py",
-        "        backend.rewind(rewind_to)\n        self._policy",
+        "        backend.rewind(outcome.rewind_to)\n        self._policy",
         "        self._policy",
     ),
-    "driver-drops-device-margins": (
+    "driver-drops-device-margins": Mutant(
         "ortspec/driver.py",
-        "state, picks, draft, vocab_size=backend.vocab_size, margins=margins",
-        "state, picks, draft, vocab_size=backend.vocab_size, margins=None",
+        "outcome = step_from_picks(state, picks, draft, vocab_size=backend.vocab_size, margins=margins)",
+        "outcome = step_from_picks(state, picks, draft, vocab_size=backend.vocab_size, margins=None)",
+    ),
+    # -- the server's routing by longest cached prefix (adapters/serve/pool.py) ----------------------------------
+    "server-routing-first-idle-worker": Mutant(
+        "adapters/serve/pool.py",
+        "        return max(idle, key=score)",
+        "        return idle[0]",
+    ),
+    "server-routing-ignores-the-shared-prefix": Mutant(
+        "adapters/serve/pool.py",
+        "return 2 * shared - len(w.resident), -w.last_used",
+        "return -len(w.resident), -w.last_used",
+    ),
+    "server-routing-ignores-the-kv-it-drops": Mutant(
+        "adapters/serve/pool.py",
+        "return 2 * shared - len(w.resident), -w.last_used",
+        "return shared, -w.last_used",
+    ),
+    "server-routing-most-recently-used-on-ties": Mutant(
+        "adapters/serve/pool.py",
+        "return 2 * shared - len(w.resident), -w.last_used",
+        "return 2 * shared - len(w.resident), w.last_used",
+    ),
+    # -- the batch runner's resume (adapters/batch/) ------------------------------------------------------------
+    "batch-resume-reruns-done-records": Mutant(
+        "adapters/batch/run.py",
+        "todo = [t for t in tasks if t.key not in state.done]",
+        "todo = list(tasks)",
+    ),
+    "batch-resume-rewrites-bad-input-lines": Mutant(
+        "adapters/batch/run.py",
+        'bad_todo = [e for e in bad if record_key(e["id"], e["line"]) not in state.done]',
+        "bad_todo = list(bad)",
+    ),
+    "batch-resume-keeps-a-partial-line": Mutant(
+        "adapters/batch/output.py",
+        "if tail or (retry_errors and state.errors):",
+        "if retry_errors and state.errors:",
+    ),
+    "batch-resume-retries-errors-unasked": Mutant(
+        "adapters/batch/run.py",
+        "state = prepare_output(job.output_path, retry_errors=job.retry_errors)",
+        "state = prepare_output(job.output_path, retry_errors=True)",
+    ),
+    "batch-resume-confuses-1-and-quoted-1": Mutant(
+        "adapters/batch/records.py",
+        'return f"#line {line}" if record_id is None else json.dumps(record_id, ensure_ascii=False)',
+        'return f"#line {line}" if record_id is None else str(record_id)',
     ),
 }
 
-TEST_FILES = ("property_tests/test_prompt_lookup.py", "property_tests/test_equivalence.py")
 
-
-def stage(tmp: Path, mutant: tuple[str, str, str]) -> Path:
-    """A copy of the package laid out as installed (ortspec/, ortspec/core, ...) with one mutation applied, and
-    the property tests beside it. Returns the folder to put on PYTHONPATH."""
+def stage(tmp: Path, mutant: Mutant | None) -> Path:
+    """A copy of the package laid out as installed (ortspec/, ortspec/core, ...) with ``mutant`` applied (none for
+    the baseline), and the tests beside it. Returns the folder to put on PYTHONPATH."""
     site = tmp / "site"
     pkg = site / "ortspec"
     ignore = shutil.ignore_patterns("__pycache__")
     shutil.copytree(ROOT / "ortspec", pkg, ignore=ignore)
     for sub in ("core", "backends", "adapters"):
         shutil.copytree(ROOT / sub, pkg / sub, ignore=ignore)
-    shutil.copytree(ROOT / "property_tests", tmp / "property_tests", ignore=ignore)
-    filename, old, new = mutant
-    path = site / filename if filename.startswith("ortspec/") else pkg / filename
-    text = path.read_text()
-    if text.count(old) != 1:
-        raise SystemExit(f"mutation anchor not found exactly once in {filename}: {old!r}")
-    path.write_text(text.replace(old, new))
+    for sub in ("tests", "property_tests", "bench"):  # some tests drive bench/ scripts
+        shutil.copytree(ROOT / sub, tmp / sub, ignore=ignore)
+    shutil.copy(ROOT / "pyproject.toml", tmp / "pyproject.toml")  # markers and pytest options
+    if mutant is not None:
+        path = site / mutant.file if mutant.file.startswith("ortspec/") else pkg / mutant.file
+        text = path.read_text()
+        if text.count(mutant.old) != 1:
+            raise SystemExit(f"mutation anchor not found exactly once in {mutant.file}: {mutant.old!r}")
+        path.write_text(text.replace(mutant.old, mutant.new))
     return site
 
 
-def run_suite(tmp: Path, site: Path, profile: str) -> tuple[str | None, str]:
-    """Run the property tests against the staged package; return (the first failing test or None, a summary)."""
+class Verdict(NamedTuple):
+    caught_by: str | None  # the first failing test (node id), or None
+    summary: str  # pytest's last line
+
+
+def run_tests(tmp: Path, site: Path, paths: tuple[str, ...], profile: str) -> Verdict:
+    """Run ``paths`` with ``-x`` against the staged package under Hypothesis ``profile``."""
     env = dict(os.environ, PYTHONPATH=str(site), HYPOTHESIS_PROFILE=profile)
     probe = subprocess.run(
         [sys.executable, "-c", "import ortspec.core.state as s; print(s.__file__)"],
@@ -171,43 +429,77 @@ def run_suite(tmp: Path, site: Path, profile: str) -> tuple[str | None, str]:
     )  # fmt: skip
     if not probe.stdout.strip().startswith(str(site)):  # the editable install must not shadow the staged copy
         raise SystemExit(f"staged package not imported first: {probe.stdout or probe.stderr}")
-    cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-rf", "-p", "no:cacheprovider", *TEST_FILES]
+    missing = [p for p in paths if not (tmp / p.split("::")[0]).exists()]
+    if missing:
+        raise SystemExit(f"test paths not found: {missing}; re-point UNIT_TESTS or the mutant")
+    # The real model's tests are left out: minutes each, and the fake and tiny models reach every rule.
+    cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-rfE", "-p", "no:cacheprovider", "-m", "not real_model", *paths]
     proc = subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True)
-    failed = re.search(r"^FAILED (\S+)", proc.stdout, re.MULTILINE)
+    failed = re.search(r"^(?:FAILED|ERROR) (\S+)", proc.stdout, re.MULTILINE)
     lines = proc.stdout.strip().splitlines()
-    return (failed.group(1) if failed else None), (lines[-1] if lines else proc.stderr[-200:])
+    summary = lines[-1] if lines else proc.stderr.strip()[-200:]
+    if failed is None and proc.returncode not in (0, 5):  # 5: nothing collected
+        summary = f"exit status {proc.returncode}: {summary}"
+    return Verdict(failed.group(1) if failed else None, summary)
+
+
+def check(name: str, mutant: Mutant, *, full: bool = True) -> tuple[Verdict, str]:
+    """Stage ``mutant`` and run its tests: the unit tests and (core, driver) the property suite under the quick
+    profile, then, if nothing failed and ``full``, the property suite with the full example counts. Returns the
+    verdict and the round that decided it."""
+    with tempfile.TemporaryDirectory(prefix=f"ortspec-mutant-{name}-") as tmp_str:
+        tmp = Path(tmp_str)
+        site = stage(tmp, mutant)
+        verdict = run_tests(tmp, site, (*mutant.unit_tests, *mutant.property_tests), "quick")
+        if verdict.caught_by or not mutant.property_tests or not full:
+            return verdict, "quick"
+        return run_tests(tmp, site, mutant.property_tests, "mutation"), "full"
+
+
+def baseline(names: list[str]) -> Verdict:
+    """The selected mutants' tests on the unmodified package, quick profile: every one must pass."""
+    paths = list(dict.fromkeys(p for n in names for p in MUTANTS[n].unit_tests))
+    paths += list(dict.fromkeys(p for n in names for p in MUTANTS[n].property_tests))
+    with tempfile.TemporaryDirectory(prefix="ortspec-mutant-baseline-") as tmp_str:
+        tmp = Path(tmp_str)
+        return run_tests(tmp, stage(tmp, None), tuple(paths), "quick")
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--list", action="store_true", help="list the mutants and exit")
+    parser.add_argument("--no-baseline", action="store_true", help="skip the run on the unmodified package")
+    parser.add_argument("--quick", action="store_true", help="the quick round only (a survivor there is missed)")
     parser.add_argument("mutants", nargs="*", help="names (default: all)")
     args = parser.parse_args()
     if args.list:
-        print("\n".join(MUTANTS))
+        for name, m in MUTANTS.items():
+            print(f"{name:48s} {m.file:20s} {' '.join(m.unit_tests + m.property_tests)}")
         return 0
     names = args.mutants or list(MUTANTS)
     unknown = [n for n in names if n not in MUTANTS]
     if unknown:
         raise SystemExit(f"unknown mutants: {unknown}; --list shows them")
-    missed = []
     t_all = time.perf_counter()
+    if not args.no_baseline:
+        t0 = time.perf_counter()
+        base = baseline(names)
+        print(f"baseline (no mutant) {time.perf_counter() - t0:6.1f} s  {base.summary}", flush=True)
+        if base.caught_by or "passed" not in base.summary:
+            print(f"the tests fail without a mutant ({base.caught_by or base.summary}): fix them first")
+            return 2
+    missed = []
     for name in names:
         t0 = time.perf_counter()
-        with tempfile.TemporaryDirectory(prefix="ortspec-mutant-") as tmp_str:
-            tmp = Path(tmp_str)
-            site = stage(tmp, MUTANTS[name])
-            for profile in ("quick", "mutation"):
-                caught_by, summary = run_suite(tmp, site, profile)
-                if caught_by:
-                    break
-        verdict = f"CAUGHT by {caught_by} ({profile} profile)" if caught_by else f"MISSED ({summary})"
-        print(f"{'CAUGHT' if caught_by else 'MISSED'}  {name:36s} {time.perf_counter() - t0:6.1f} s  {verdict}",
-              flush=True)  # fmt: skip
-        if not caught_by:
+        verdict, round_ = check(name, MUTANTS[name], full=not args.quick)
+        if verdict.caught_by:
+            outcome = f"CAUGHT  {name:48s} {time.perf_counter() - t0:6.1f} s  by {verdict.caught_by} ({round_} run)"
+        else:
+            outcome = f"MISSED  {name:48s} {time.perf_counter() - t0:6.1f} s  ({verdict.summary})"
             missed.append(name)
-    print(f"{len(names) - len(missed)}/{len(names)} mutants caught by the property suite "
-          f"in {time.perf_counter() - t_all:.0f} s")  # fmt: skip
+        print(outcome, flush=True)
+    print(f"{len(names) - len(missed)}/{len(names)} mutants caught by the unit tests and the property suite "
+          f"in {time.perf_counter() - t_all:.0f} s" + (f"; missed: {', '.join(missed)}" if missed else ""))  # fmt: skip
     return 1 if missed else 0
 
 
