@@ -39,7 +39,7 @@ from bench.workloads import build_workloads, describe_workloads, encode_chat
 from ortspec.adapters.batch import BatchJob, run_batch
 from ortspec.adapters.batch.output import OutputWriter
 from ortspec.adapters.batch.worker import BatchWorker, WorkerSettings
-from ortspec.adapters.tokenizer import Tokenizer
+from ortspec.adapters.engine.tokenizer import Tokenizer
 from ortspec.core import PromptLookup
 
 CONFIGS = ("embedded 1x2", "embedded 2x1", "ray 1x2", "ray 2x1")

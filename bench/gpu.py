@@ -11,8 +11,8 @@ static shapes, stream-ordered on CUDA; ``graphs`` = static shapes + one CUDA gra
 
 * **greedy** tokens per second through the real driver (``ortspec.generate``, no proposer): decode phase (after the
   first token) and end to end, median of ``--repeats`` runs of ``--new-tokens`` after a ``--prompt-tokens`` prompt;
-* the **verify(K)/decode cost curve**, K = 0..16 (``ortspec.costs.measure_pass_costs``; on CUDA with device picks,
-  the pass the driver makes there);
+* the **verify(K)/decode cost curve**, K = 0..16 (``measure_pass_costs`` in ``ortspec.adapters.engine.measurements``;
+  on CUDA with device picks, the pass the driver makes there);
 * **time per pass** split into host work, session run, explicit syncs and read-back (``OrtBackend.timer``, a
   ``PhaseTimer``), for greedy steps (width 1) and 9-token verify passes, and the driver's own time per step;
 * **speculative == greedy** on the device: drafts from the greedy output with every 4th drafted token wrong (so
@@ -254,9 +254,9 @@ def measure_mode(folder: str, provider: str, mode: str, cfg: argparse.Namespace,
     """Every measurement of one backend mode on one folder (see the module docstring)."""
     from bench.replay import PRICED_SETTINGS, price
     from ortspec import Options, PromptLookup, generate
+    from ortspec.adapters.engine.measurements import measure_pass_costs, measure_verify_drift, probe_ids
     from ortspec.backends.onnx import BackendConfig, OrtBackend
     from ortspec.backends.onnx.cuda_graphs import PhaseTimer
-    from ortspec.costs import measure_pass_costs, measure_verify_drift, probe_ids
 
     out: dict[str, Any] = {"mode": mode}
     t0 = time.perf_counter()

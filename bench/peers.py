@@ -58,8 +58,8 @@ from typing import Any
 
 import numpy as np
 
-from ortspec.adapters.cache import cache_root as ortspec_cache_root
-from ortspec.adapters.tokenizer import Tokenizer
+from ortspec.adapters.engine.cache import cache_root as ortspec_cache_root
+from ortspec.adapters.engine.tokenizer import Tokenizer
 from ortspec.backends.onnx import ModelFolder
 from ortspec.driver import decode_rate
 
@@ -386,7 +386,7 @@ def patch_for_onnx_genai(
     graph proto is rewritten; the external weight file and every other file are
     hard linked (copied across file systems; symlinks do not work because ONNX
     Runtime rejects external data that resolves outside the model folder). The result is cached under
-    ``cache_root`` (default ``peers/onnx_genai`` in ``ortspec.adapters.cache.cache_root()``) keyed by the
+    ``cache_root`` (default ``peers/onnx_genai`` in ``ortspec.adapters.engine.cache.cache_root()``) keyed by the
     source path, size and mtime. If the graph has no such symbolic axis the
     original folder is returned unchanged. ``threads`` is not written anywhere:
     onnx_genai ignores ``session_options`` in genai_config.json and reads

@@ -29,7 +29,7 @@ import numpy as np
 
 from bench.workloads import build_workloads, encode_chat
 from ortspec import Options, generate
-from ortspec.adapters.tokenizer import Tokenizer
+from ortspec.adapters.engine.tokenizer import Tokenizer
 from ortspec.backends.base import BackendError
 from ortspec.backends.onnx import ModelFolder
 from ortspec.core import AdditiveWidth, CostAwareWidth, PromptLookup

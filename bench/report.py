@@ -621,7 +621,8 @@ def _drafter(result: dict[str, Any]) -> Iterator[str]:
         verdict = "met" if cost["cost"] <= DRAFT_STEP_TARGET else "missed"
         yield ""
         yield (
-            f"Draft step (measured here, `ortspec.costs.measure_draft_cost`, width {cost['width']}, "
+            f"Draft step (measured here, `ortspec.adapters.engine.measurements.measure_draft_cost`, "
+            f"width {cost['width']}, "
             f"{cost['context_tokens']}-token context, median of {cost['repeats']}): "
             f"{cost['step_s'] * 1000:.2f} ms per draft token vs a {cost['decode_step_s'] * 1000:.2f} ms decode step = "
             f"**{cost['cost'] * 100:.1f}%** of a decode step (target <= {DRAFT_STEP_TARGET * 100:.0f}%: **{verdict}**)."

@@ -44,7 +44,7 @@ import openai
 from bench.machine import CpuContention, machine_info
 from bench.workloads import build_workloads
 from ortspec.adapters.engine import Engine
-from ortspec.adapters.tokenizer import Tokenizer
+from ortspec.adapters.engine.tokenizer import Tokenizer
 from ortspec.backends.onnx import BackendConfig
 
 T = TypeVar("T")

@@ -116,10 +116,10 @@ from bench.report import (
 )
 from bench.workloads import Workload, build_workloads, describe_workloads, encode_chat
 from ortspec.adapters.engine import Engine
-from ortspec.adapters.tokenizer import Tokenizer
+from ortspec.adapters.engine.measurements import measure_pass_costs, probe_ids
+from ortspec.adapters.engine.tokenizer import Tokenizer
 from ortspec.backends.base import Backend
 from ortspec.backends.onnx import BackendConfig
-from ortspec.costs import measure_pass_costs, probe_ids
 
 DEFAULT_OUT = Path(__file__).resolve().parent.parent / "docs" / "bench"
 OVERHEAD_ENGINES = ("ortspec-greedy", "ortspec-lookup-w8")
@@ -300,7 +300,8 @@ def measure_bandwidth(cfg: SuiteConfig) -> dict[str, Any]:
 
 
 def cost_curve_ids(cfg: SuiteConfig, backend: Backend, prompts: Sequence[Prompt]) -> tuple[list[int], list[int]]:
-    """Context and feed ids (``ortspec.costs.probe_ids``) for the verify cost curve. The context is as long as
+    """Context and feed ids (``ortspec.adapters.engine.measurements.probe_ids``) for the verify cost curve. The
+    context is as long as
     a typical decode step's in the runs (the median prompt plus half the new tokens), within the KV capacity."""
     lens = sorted(len(p.ids) for p in prompts)
     context = min(lens[len(lens) // 2] + cfg.max_new_tokens // 2, backend.max_length - KMAX - 2)
@@ -675,7 +676,7 @@ def drafter_record(cfg: SuiteConfig, engine: Engine, probe: Sequence[Sequence[in
     """The ``drafter`` section: the Engine's drafter folder, its training record (``drafter.json``), and its step
     measured here against a decode step (``measure_draft_cost``, not the cached value) after the cost curve's
     probe context."""
-    from ortspec.costs import measure_draft_cost
+    from ortspec.adapters.engine.measurements import measure_draft_cost
 
     folder = getattr(getattr(engine.drafter, "folder", None), "path", None)
     training: dict[str, Any] = {}

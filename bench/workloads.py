@@ -20,7 +20,7 @@ Four categories:
 ``open_ended``
     Short creative / explanatory prompts where nothing can be copied.
 
-When a tokenizer (``ortspec.adapters.tokenizer.Tokenizer``, the product's) is
+When a tokenizer (``ortspec.adapters.engine.tokenizer.Tokenizer``, the product's) is
 given, each prompt, rendered with its chat template, is kept within
 ``max_prompt_tokens`` by choosing sources that fit or by cutting source text at
 line / sentence boundaries; without one a characters/4 estimate is used.
@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ortspec.adapters.tokenizer import Tokenizer
+from ortspec.adapters.engine.tokenizer import Tokenizer
 
 CATEGORIES = ("code_edit", "summarize", "qa_context", "open_ended")
 

@@ -2,14 +2,13 @@
 
 from .declare import Bounds, OptionSpec, option, options_of, spec
 from .lookup_or_draft import LookupOrDraft
+from .options import Limits, Options
 from .proposers import MAX_DRAFT, Learner, NgramIndex, PromptLookup, Proposer
 from .sampling import Sampling
 from .state import (
     Commit,
     DecodeState,
     FinishReason,
-    Limits,
-    Options,
     Stats,
     StepOutcome,
     TokenLogprob,

@@ -60,7 +60,8 @@ class CostAwareWidth:
     """Pick the width that maximises expected committed tokens per unit of target time.
 
     ``pass_costs[k]`` is the time of one target pass over the pending token plus ``k`` draft tokens, relative to
-    a plain step (``pass_costs[0]`` = 1.0); the curve is measured on the backend (``ortspec.costs.measure_pass_costs``)
+    a plain step (``pass_costs[0]`` = 1.0); the curve is measured on the backend
+    (``ortspec.adapters.engine.measurements.measure_pass_costs``)
     and its length - 1 bounds the width. The draft-token acceptance probability ``p`` is an exponentially
     weighted estimate over recent steps: a step that verified ``k`` tokens and committed ``a`` of them counts
     ``a`` successes in ``a + (a < k)`` trials. With a geometric run length, a pass of width ``k`` commits

@@ -23,11 +23,13 @@ from ortspec.core import (
     TokenLogprob,
     WidthPolicy,
 )
+from ortspec.core.checks import ArgumentError
 from ortspec.driver import (
     GenerateResult,
     Generation,
     GenerationAborted,
     GenerationError,
+    PassGuard,
     ProposerError,
     StreamCallback,
     Timings,
@@ -39,7 +41,9 @@ __version__ = "0.1.0"  # the one place: pyproject.toml reads it (tool.setuptools
 __all__ = [
     "MAX_DRAFT",
     "AdditiveWidth",
+    "ArgumentError",
     "Backend",
+    "BackendConfig",
     "BackendError",
     "Commit",
     "CostAwareWidth",
@@ -52,6 +56,7 @@ __all__ = [
     "GenerationError",
     "GenerationOptions",
     "GenerationSuperseded",
+    "PassGuard",
     "Learner",
     "Limits",
     "LookupOrDraft",
@@ -70,10 +75,11 @@ __all__ = [
 ]
 
 _LAZY = {
-    "Engine": ("ortspec.adapters.engine", "Engine"),
-    "GenerationOptions": ("ortspec.adapters.engine", "GenerationOptions"),
-    "GenerationSuperseded": ("ortspec.adapters.engine", "GenerationSuperseded"),
+    "Engine": ("ortspec.adapters.engine.engine", "Engine"),
+    "GenerationOptions": ("ortspec.adapters.engine.options", "GenerationOptions"),
+    "GenerationSuperseded": ("ortspec.adapters.engine.engine", "GenerationSuperseded"),
     "ModelFolderError": ("ortspec.backends.onnx", "ModelFolderError"),
+    "BackendConfig": ("ortspec.backends.onnx", "BackendConfig"),
 }
 
 

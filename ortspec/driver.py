@@ -155,6 +155,17 @@ def generate(
     return run.run(callback)
 
 
+@attrs.frozen
+class PassGuard:
+    """How every pass of a generation (the prompt pass and each step) is guarded: ``lease``, a context manager
+    entered around the pass (e.g. the lock of a backend shared by several generations), and ``before_pass``, called
+    inside it before the pass (e.g. to check that the backend is still this generation's). What either raises ends
+    the generation with a ``GenerationError``."""
+
+    lease: AbstractContextManager[object] | None = None
+    before_pass: Callable[[], None] | None = None
+
+
 class Generation:
     """One generation as an iterator of ``Commit``s, run one target pass at a time as it is consumed.
 
@@ -163,12 +174,10 @@ class Generation:
 
     ``cached_prefix``: how many leading prompt tokens the backend already holds the KV of (the caller vouches, e.g.
     from ``resident_tokens()`` of the previous generation on the same backend); the prompt pass then rewinds to
-    them and prefills only the rest (at least the last prompt token, whose row picks the first token). 0 resets
-    the backend. ``lease``: a context manager entered around every pass (the prompt pass and each step), e.g. a
-    lock; ``before_pass``: called inside it before each pass, e.g. to check that the backend is still this
-    generation's. What either raises ends the generation. Pass a lock itself as ``lease`` (not a Python class
-    whose ``__enter__`` acquires it): a KeyboardInterrupt can land just after a Python-level ``acquire()`` returns,
-    before ``__exit__`` is armed, and leave the lock held; a lock's own ``with`` cannot be split that way.
+    what the core reuses of them (``DecodeState.cached_prefix``) and prefills only the rest. 0 resets the backend.
+    ``guard``: how every pass is guarded (``PassGuard``). Pass a lock itself as the lease (not a Python class whose
+    ``__enter__`` acquires it): a KeyboardInterrupt can land just after a Python-level ``acquire()`` returns, before
+    ``__exit__`` is armed, and leave the lock held; a lock's own ``with`` cannot be split that way.
     """
 
     def __init__(
@@ -181,8 +190,7 @@ class Generation:
         draft_width: int | WidthPolicy = 8,
         detokenize: Detokenize | None = None,
         cached_prefix: int = 0,
-        lease: AbstractContextManager[object] | None = None,
-        before_pass: Callable[[], None] | None = None,
+        guard: PassGuard | None = None,
     ) -> None:
         self._t_start = time.perf_counter()
         options = options if options is not None else Options()
@@ -203,8 +211,9 @@ class Generation:
         self._commits: tuple[Commit, ...] = ()
         self._delivered = 0  # of self._commits
         self._t_first: float | None = None
-        self._lease = lease if lease is not None else contextlib.nullcontext()
-        self._before_pass = before_pass
+        guard = guard if guard is not None else PassGuard()
+        self._lease = guard.lease if guard.lease is not None else contextlib.nullcontext()
+        self._before_pass = guard.before_pass
         self._t_prefill = self._t_start
         self._guarded(self._prompt_pass)
 

@@ -28,8 +28,8 @@ import attrs
 
 sys.path.append(str(Path(__file__).resolve().parent.parent))  # the repository root, for tests.support
 
-from ortspec.adapters.cache import cache_root
-from ortspec.adapters.engine import DRIFT_WARNING_THRESHOLD
+from ortspec.adapters.engine.cache import cache_root
+from ortspec.adapters.engine.options import DRIFT_WARNING_THRESHOLD
 from tests.support.architectures import ARCHITECTURES, make_tiny_arch_model
 from tests.support.conformance import FolderReport, check_folder
 

@@ -62,7 +62,7 @@ def long_context_model(tokens: int, folder: Path | None = None) -> Path:
     """The tiny builder model with a context of at least ``tokens`` + 64 positions (a multiple of 1024), built on
     first use into the ortspec cache, in a child process (the builder's torch would otherwise stay in this
     process's memory, under the figures)."""
-    from ortspec.adapters.cache import cache_root
+    from ortspec.adapters.engine.cache import cache_root
     from ortspec.adapters.tools.convert import is_complete
 
     context = -(-(tokens + 64) // 1024) * 1024

@@ -14,7 +14,8 @@ only). For each it measures, with pinned threads and interleaved so that machine
   output (prompt lookup, cost-aware width) equals greedy output on the README's demo prompt and three benchmark
   prompts (``docs/bench/prompts``), 96 new tokens each;
 * **speed**: a decode step and verify passes of 1 + K tokens after a 256-token context
-  (``ortspec.costs.measure_pass_costs``, K = 4 and 8; its K values interleaved), and a 256-token prefill; each
+  (``measure_pass_costs`` of ``ortspec.adapters.engine.measurements``, K = 4 and 8; its K values interleaved), and a
+  256-token prefill; each
   round measures every setting in turn, speeds are ratios to fp32 within a round, medians over rounds; and
   end-to-end tokens/s of greedy and speculative decoding on the same prompts (settings whose decode step is more
   than 4x fp32's are not run end to end).
@@ -35,9 +36,11 @@ from pathlib import Path
 
 sys.path.append(str(Path(__file__).resolve().parent.parent))  # the repository root, for tests.support
 
-from ortspec.adapters.cache import cache_root
-from ortspec.adapters.engine import DRIFT_WARNING_THRESHOLD, Engine
-from ortspec.adapters.tokenizer import Tokenizer
+from ortspec.adapters.engine import Engine
+from ortspec.adapters.engine.cache import cache_root
+from ortspec.adapters.engine.measurements import measure_pass_costs, measure_verify_drift, probe_ids
+from ortspec.adapters.engine.options import DRIFT_WARNING_THRESHOLD
+from ortspec.adapters.engine.tokenizer import Tokenizer
 from ortspec.adapters.tools.convert import (
     EXACT_ACCURACY_LEVEL,
     default_model_dir,
@@ -46,7 +49,6 @@ from ortspec.adapters.tools.convert import (
     prepare_smollm2_hf,
 )
 from ortspec.backends.onnx import BackendConfig, OrtBackend
-from ortspec.costs import measure_pass_costs, measure_verify_drift, probe_ids
 
 ROOT = Path(__file__).resolve().parent.parent
 FORCE_FP32 = {"mlas.qnbit.force_fp32": "1"}
@@ -142,7 +144,7 @@ def measure(settings: list[Setting], args, *, real: bool, say) -> list[dict]:
             drifts.append(measure_verify_drift(backend, drift_ids[:length], drift_ids[length:], windows=3))
         results[label]["drift"] = max(drifts)
         say(f"[quant] {label}: drift {results[label]['drift']:.3g} (contexts {DRIFT_CONTEXTS[real]})")
-    # speed: each round measures every setting in turn (rotated per round) with ortspec.costs.measure_pass_costs
+    # speed: each round measures every setting in turn (rotated per round) with measure_pass_costs
     # (its K values interleaved) and times a prefill; ratios to fp32 are taken within a round, then the median over
     # rounds, so that the machine's load hits fp32 and the setting alike
     rounds: dict[str, list[dict]] = {label: [] for label, _, _ in engines}
@@ -274,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
         "each round measures every setting in turn; "
         "speed vs fp32 is fp32's time over the setting's in the same round (higher is faster), median over rounds; "
         "verify(K)/decode is a pass over 1 + K tokens divided by a decode step of the same setting "
-        "(`ortspec.costs.measure_pass_costs`), median over rounds. `ortspec convert --precision int4|int8` "
+        "(`measure_pass_costs`), median over rounds. `ortspec convert --precision int4|int8` "
         f"builds level {EXACT_ACCURACY_LEVEL}.",
         "",
     ]

@@ -23,9 +23,9 @@ import numpy as np
 import pytest
 
 from ortspec import Options, generate
+from ortspec.adapters.engine.measurements import measure_verify_drift, probe_ids
 from ortspec.backends.base import BackendError
 from ortspec.backends.onnx import BackendConfig, ModelFolder, OrtBackend
-from ortspec.costs import measure_verify_drift, probe_ids
 
 pytestmark = pytest.mark.skipif(
     not all(importlib.util.find_spec(m) for m in ("torch", "transformers", "onnx", "onnxruntime_genai")),

@@ -236,7 +236,7 @@ class CrashOn:
 
 
 def test_a_record_that_kills_its_worker_is_an_error_line(tiny_model_dir, tmp_path):
-    from ortspec.adapters.tokenizer import Tokenizer
+    from ortspec.adapters.engine.tokenizer import Tokenizer
 
     ids = Tokenizer.from_folder(tiny_model_dir).encode("crash here please")
     records = [
@@ -271,7 +271,7 @@ sys.path.insert(0, sys.argv[1])
 from pathlib import Path
 from test_batch import DEFAULTS, KillRunOn
 from ortspec.adapters.batch import BatchJob, run_batch
-from ortspec.adapters.tokenizer import Tokenizer
+from ortspec.adapters.engine.tokenizer import Tokenizer
 src, out, model, prompt = Path(sys.argv[2]), Path(sys.argv[3]), Path(sys.argv[4]), sys.argv[5]
 killer = KillRunOn(Tokenizer.from_folder(model).encode(prompt), DEFAULTS["speculative"])
 options = {**DEFAULTS, "draft_width": 4, "speculative": killer}

@@ -19,7 +19,7 @@ def local_ray(tmp_path_factory):
     """One local Ray instance (2 CPUs) for the module. Its workers' ortspec cache is a temporary folder (the
     shipped model copy lands there) whose measurements folder is this process's, so both runners read one cost
     curve."""
-    from ortspec.adapters.cache import cache_root
+    from ortspec.adapters.engine.cache import cache_root
 
     cache = tmp_path_factory.mktemp("ray-cache")
     (cache_root() / "measurements").mkdir(parents=True, exist_ok=True)

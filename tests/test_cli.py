@@ -72,7 +72,8 @@ def test_a_prompt_longer_than_max_length_is_about_the_prompt_and_the_flag(tiny_m
 
 def test_speak_flags_names_the_flags():
     assert speak_flags("max_tokens must be an int >= 1, got 0") == "--max-tokens must be an int >= 1, got 0"
-    assert speak_flags("stop_strings: '' is not a non-empty string").startswith("--stop: ")
+    assert speak_flags("top_p must be a finite number in (0, 1]") == "--top-p must be a finite number in (0, 1]"
+    assert speak_flags("logit_bias[3] must be a finite number") == "--logit-bias[3] must be a finite number"
     assert speak_flags("tie_margin must be a finite number >= 0") == "--tie-margin must be a finite number >= 0"
     assert speak_flags("draft_width=0: expected") == "--draft-width=0: expected"
     assert speak_flags("min_ngram (4) must not exceed ngram (2)") == "--min-ngram (4) must not exceed --ngram (2)"

@@ -384,7 +384,7 @@ def test_engine_finds_the_drafter_beside_the_model(tiny_model_dir, drafter_dir, 
 
 
 def test_draft_cost_is_measured_and_the_backend_left_reset(tiny_model_dir, drafter_dir):
-    from ortspec.costs import measure_draft_cost, probe_ids
+    from ortspec.adapters.engine.measurements import measure_draft_cost, probe_ids
 
     backend = OrtBackend.from_folder(tiny_model_dir, BackendConfig(threads=1, max_length=128))
     proposer = SharedKvProposer.open(backend, drafter_dir)

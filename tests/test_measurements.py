@@ -9,10 +9,16 @@ import json
 import pytest
 
 from ortspec.adapters.engine import Engine
+from ortspec.adapters.engine.measurements import (
+    cached_measurement,
+    cached_pass_costs,
+    cached_verify_drift,
+    drift_probe,
+    pass_cost_probe,
+)
 from ortspec.backends.base import BackendError
 from ortspec.backends.fake import FakeBackend, FakeModel
 from ortspec.backends.onnx import BackendConfig
-from ortspec.costs import cached_measurement, cached_pass_costs, cached_verify_drift, drift_probe, pass_cost_probe
 
 
 class CountingSession:

@@ -136,7 +136,7 @@ def materialize(source: str | Mapping[str, Any]) -> Path:
         return path
     import ray
 
-    from ortspec.adapters.cache import cache_root
+    from ortspec.adapters.engine.cache import cache_root
 
     target = cache_root() / "shipped" / f"{source['name']}-{source['digest'][:16]}"
     with file_lock(target.with_name(target.name + ".lock")):

@@ -44,7 +44,7 @@ def _defaults(job: BatchJob) -> dict[str, Any]:
     try:
         check_options(defaults)
         if defaults["speculative"] is not None:
-            from ortspec.adapters.engine import make_proposer
+            from ortspec.adapters.engine.options import make_proposer
 
             make_proposer(defaults["speculative"])
     except ValueError as exc:

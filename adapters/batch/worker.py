@@ -54,8 +54,8 @@ class BatchWorker:
     ``load_s``: seconds the load and warm-up took."""
 
     def __init__(self, model_dir: str | os.PathLike[str], settings: WorkerSettings, *, name: str = "worker") -> None:
-        from ortspec.adapters.cache import cache_root
         from ortspec.adapters.engine import Engine
+        from ortspec.adapters.engine.cache import cache_root
         from ortspec.backends.onnx import BackendConfig
 
         t0 = time.perf_counter()

@@ -109,7 +109,7 @@ def _print_speculative(margin: float, rows: list[GenerateResult], greedy: list[G
 
 def _print_verify_cost(eng, ids: list[int], args: argparse.Namespace) -> None:
     """Median wall time of one verify pass of the pending token + K drafts ÷ one decode step, after ``ids``."""
-    from ortspec.costs import measure_pass_costs
+    from ortspec.adapters.engine.measurements import measure_pass_costs
 
     backend = eng.backend
     ids = ids[: max(10, backend.max_length - 20)]

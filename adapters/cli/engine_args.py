@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from ortspec.adapters.engine.surfaces import SAMPLING_OPTIONS, flag_values
 from ortspec.core import PromptLookup
 
 
@@ -65,15 +66,7 @@ def generation_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         draft_width=args.draft_width,
         tie_margin=args.tie_margin,
         ignore_eos=args.ignore_eos,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        min_p=args.min_p,
-        seed=args.seed,
-        repetition_penalty=args.repetition_penalty,
-        presence_penalty=args.presence_penalty,
-        frequency_penalty=args.frequency_penalty,
-        logit_bias=dict(args.logit_bias) if args.logit_bias else None,
+        **flag_values(args, SAMPLING_OPTIONS),
     )
 
 

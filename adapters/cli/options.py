@@ -13,6 +13,10 @@ import math
 import re
 from typing import Any
 
+from ortspec.adapters.engine.options import GenerationOptions
+from ortspec.adapters.engine.surfaces import SAMPLING_OPTIONS, add_flags, flag
+from ortspec.core import options_of
+
 # -- argument types --------------------------------------------------------------------------------------------
 
 
@@ -78,27 +82,15 @@ def stop_text(text: str) -> str:
     return text
 
 
-def logit_bias(text: str) -> tuple[int, float]:
-    """``TOKEN_ID=BIAS`` -> ``(token_id, bias)``."""
-    token, sep, bias = text.partition("=")
-    try:
-        if not sep:
-            raise ValueError
-        return int(token), float(bias)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected TOKEN_ID=BIAS (e.g. 42=-100), got {text!r}") from None
-
-
 # -- flags in error messages -----------------------------------------------------------------------------------
 
 # Python keyword and option names that can appear in an error message -> the flag the user typed.
+# Option names that are also plain words ("a stop string", "a chat template") are not replaced inside prose; a
+# message about ``stop`` starts with it (speak_flags).
+_PLAIN_WORDS = frozenset({"stop", "chat", "system", "speculative"})
+
 FLAGS = {
-    "max_new_tokens": "--max-tokens",
-    "max_tokens": "--max-tokens",
-    "stop_strings": "--stop",
-    "stop_token_sequences": "--stop",
-    "tie_margin": "--tie-margin",
-    "draft_width": "--draft-width",
+    **{f.name: flag(f.name) for f, _ in options_of(GenerationOptions) if f.name not in _PLAIN_WORDS},
     "max_length": "--max-length",
     "max_context": "--max-length",
     "threads": "--threads",
@@ -106,15 +98,6 @@ FLAGS = {
     "ngram": "--ngram",
     "max_draft": "--max-draft",
     "provider": "--provider",
-    "temperature": "--temperature",
-    "top_k": "--top-k",
-    "top_p": "--top-p",
-    "min_p": "--min-p",
-    "seed": "--seed",
-    "repetition_penalty": "--repetition-penalty",
-    "presence_penalty": "--presence-penalty",
-    "frequency_penalty": "--frequency-penalty",
-    "logit_bias": "--logit-bias",
 }
 _FLAG_WORDS = re.compile(r"\b(" + "|".join(sorted(FLAGS, key=len, reverse=True)) + r")\b")
 
@@ -272,16 +255,8 @@ def generation_options(p: argparse.ArgumentParser, default_tokens: int = 128, ma
 
 
 def _sampling_options(p: argparse.ArgumentParser) -> None:
+    """The ``sampling`` group: one flag per sampling option, built from its declaration (``core/sampling.py``)."""
     s = p.add_argument_group(
         "sampling", "exact seeded sampling: with the same --seed, speculative output equals plain output"
     )
-    s.add_argument("--temperature", type=float, default=None, help="0 or unset: greedy (default)")
-    s.add_argument("--top-k", type=int, default=None, help="keep the K most likely tokens (0 or unset: off)")
-    s.add_argument("--top-p", type=float, default=None, help="nucleus: smallest set reaching P (1 or unset: off)")
-    s.add_argument("--min-p", type=float, default=0.0, help="drop tokens below MIN_P x the top probability")
-    s.add_argument("--seed", type=int, default=None, help="the sampler's seed (default: drawn, then printed)")
-    s.add_argument("--repetition-penalty", type=float, default=1.0, help="Hugging Face semantics (1 = off)")
-    s.add_argument("--presence-penalty", type=float, default=0.0, help="OpenAI semantics (0 = off)")
-    s.add_argument("--frequency-penalty", type=float, default=0.0, help="OpenAI semantics (0 = off)")
-    s.add_argument("--logit-bias", type=logit_bias, action="append", metavar="ID=BIAS",
-                   help="add BIAS to token ID's logit (repeatable)")  # fmt: skip
+    add_flags(s, SAMPLING_OPTIONS)

@@ -13,8 +13,8 @@ a name.
 Rooms, each knowing only the ones below it:
 
 - ``app.py``: ``create_app``, the routes, streaming (server-sent events), error handlers, the body-size guard.
-- ``models.py``: the pydantic request models, ``SAMPLING_FIELDS`` (request field -> ``GenerationOptions``
-  keyword), ``argument_fields`` (the Engine's ``ArgumentError.argument`` -> request field), ``prepare_options``.
+- ``models.py``: the pydantic request models (the sampling fields built from their declarations),
+  ``argument_fields`` (the Engine's ``ArgumentError.argument`` -> request field), ``prepare_options``.
 - ``responses.py``: a ``GenerateResult`` in the OpenAI response and stream-chunk shapes (usage, logprobs, the
   ``ortspec`` extension field). Nothing here decides what is committed: finish reasons come from
   ``FinishReason.openai``, text and token counts from the result.

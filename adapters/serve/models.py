@@ -3,8 +3,9 @@ keywords and back, and ``prepare_options`` (a request -> ``GenerationOptions``).
 
 Two tables, one per direction:
 
-- ``SAMPLING_FIELDS``: request field -> ``GenerationOptions`` keyword, one row per sampling field (passing a new
-  field through is one row here, and a field on ``_GenerationRequest`` if the OpenAI API does not have it yet).
+- The sampling fields are the core's sampling options under their own names: the request fields are built from
+  their declarations (``ortspec.adapters.engine.surfaces.request_fields``; type, help and documented bounds), so a
+  new sampling option is a new request field with nothing to write here.
 - ``argument_fields(request)``: the Engine's argument name (``ArgumentError.argument``) -> the request field it
   came from, so an Engine error is reported on the field the client typed (``max_completion_tokens`` for the
   Engine's ``max_tokens`` when the request set that one).
@@ -15,9 +16,10 @@ from __future__ import annotations
 from typing import Any, Literal, NamedTuple
 
 from fastapi.exceptions import RequestValidationError
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator
 
-from ortspec.adapters.engine import GenerationOptions
+from ortspec.adapters.engine.options import GenerationOptions
+from ortspec.adapters.engine.surfaces import SAMPLING_OPTIONS, json_logit_bias, request_fields
 from ortspec.adapters.serve.errors import APIError, client_error, named
 from ortspec.adapters.serve.settings import ServerSettings
 
@@ -58,7 +60,13 @@ class ChatMessage(_Strict):
         return {"role": role, "content": text}
 
 
-class _GenerationRequest(_Strict):
+# The sampling options as request fields, from their one declaration (optional; None: the option's default).
+_SamplingRequest: type[_Strict] = create_model(  # type: ignore[call-overload]
+    "_SamplingRequest", __base__=_Strict, **request_fields(SAMPLING_OPTIONS)
+)
+
+
+class _GenerationRequest(_SamplingRequest):  # type: ignore[valid-type, misc]
     """Fields common to both endpoints. ``user`` is accepted and ignored."""
 
     model: str
@@ -68,15 +76,6 @@ class _GenerationRequest(_Strict):
     stream_options: StreamOptions | None = None
     n: int = 1
     user: str | None = None
-    seed: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
     ortspec: OrtspecOptions | None = None
 
     @field_validator("n")
@@ -148,26 +147,6 @@ def validation_error(exc: RequestValidationError) -> APIError:
 # ------------------------------------------------------------------------------------------------------------------
 
 
-class SamplingField(NamedTuple):
-    """A request field passed to ``GenerationOptions`` as ``keyword``."""
-
-    request: str
-    keyword: str
-
-
-SAMPLING_FIELDS: tuple[SamplingField, ...] = (
-    SamplingField("temperature", "temperature"),
-    SamplingField("top_p", "top_p"),
-    SamplingField("top_k", "top_k"),
-    SamplingField("seed", "seed"),
-    SamplingField("min_p", "min_p"),
-    SamplingField("repetition_penalty", "repetition_penalty"),
-    SamplingField("presence_penalty", "presence_penalty"),
-    SamplingField("frequency_penalty", "frequency_penalty"),
-    SamplingField("logit_bias", "logit_bias"),
-)
-
-
 def argument_fields(request: GenerationRequest) -> dict[str, str]:
     """The one table from the Engine's argument names (``ArgumentError.argument``) to this request's fields."""
     prompt_field, max_field, logprobs_field = "prompt", "max_tokens", "logprobs"
@@ -184,7 +163,7 @@ def argument_fields(request: GenerationRequest) -> dict[str, str]:
         "top_logprobs": logprobs_field,
         "speculative": "ortspec.speculative",
     }
-    return fields | {field.keyword: field.request for field in SAMPLING_FIELDS}
+    return fields | {name: name for name in SAMPLING_OPTIONS}
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -202,12 +181,12 @@ class Prepared(NamedTuple):
     speculative: bool
 
 
-def _request_value(field: SamplingField, value: object) -> object:
-    if field.request == "logit_bias" and isinstance(value, dict):
+def _request_value(name: str, value: object) -> object:
+    if name == "logit_bias" and isinstance(value, dict):
         try:
-            return {int(k): v for k, v in value.items()}
-        except ValueError:
-            raise APIError(400, "logit_bias: keys must be token ids", param="logit_bias") from None
+            return json_logit_bias(value)
+        except ValueError as exc:
+            raise APIError(400, str(exc), param="logit_bias") from None
     return value
 
 
@@ -240,10 +219,10 @@ def prepare_options(
         "top_logprobs": _logprob_options(request),
         "speculative": (settings.speculative or "prompt-lookup") if speculative else None,
     }
-    for field in SAMPLING_FIELDS:
-        value = getattr(request, field.request)
+    for name in SAMPLING_OPTIONS:
+        value = getattr(request, name)
         if value is not None:
-            kwargs[field.keyword] = _request_value(field, value)
+            kwargs[name] = _request_value(name, value)
     try:
         options = GenerationOptions(**kwargs)
     except ValueError as exc:

@@ -27,7 +27,8 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import NamedTuple
 
-from ortspec.adapters.engine import Engine, common_prefix_length
+from ortspec.adapters.engine import Engine
+from ortspec.adapters.engine.engine import common_prefix_length
 from ortspec.adapters.serve.errors import Cancelled, QueueFull, RequestTimeout
 from ortspec.adapters.serve.metrics import Metrics
 from ortspec.adapters.serve.models import Prepared

@@ -69,7 +69,7 @@ class ConversionError(RuntimeError):
 def default_model_dir(precision: str = "fp32", accuracy_level: int | None = None) -> Path:
     """Where the converted SmolLM2 folder lives in the cache: ``models/SmolLM2-135M-Instruct-fp32``, or for a
     quantized precision ``...-<precision>-acc<level>`` (the level defaults to :data:`EXACT_ACCURACY_LEVEL`)."""
-    from ortspec.adapters.cache import cache_root
+    from ortspec.adapters.engine.cache import cache_root
 
     _check_precision(precision)
     level = resolve_accuracy_level(precision, accuracy_level)  # refuses a level for a float precision

@@ -28,7 +28,7 @@ from pathlib import Path
 import attrs
 import numpy as np
 
-from ortspec.adapters.tokenizer import Tokenizer
+from ortspec.adapters.engine.tokenizer import Tokenizer
 from ortspec.backends.onnx import ModelFolder, make_session_options
 
 # --------------------------------------------------------------------------------------------------------------

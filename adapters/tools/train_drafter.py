@@ -37,7 +37,7 @@ from typing import Any
 import attrs
 import numpy as np
 
-from ortspec.adapters.cache import drafter_dir
+from ortspec.adapters.engine.cache import drafter_dir
 from ortspec.adapters.tools.drafter_data import TargetSequence, collect
 from ortspec.adapters.tools.drafter_graph import (
     WEIGHT_FORMATS,
@@ -420,7 +420,7 @@ def train_drafter(
     progress: Callable[[str], None] | None = print,
 ) -> Path:
     """Train a drafter for the target folder ``model_dir`` (which must have the ``hidden_states`` output) and write
-    it to ``out_dir`` (default ``ortspec.adapters.cache.drafter_dir``), replacing what is there only once the new
+    it to ``out_dir`` (default ``ortspec.adapters.engine.cache.drafter_dir``), replacing what is there only once the new
     folder is complete. Returns the folder. The record of the run is ``ortspec.training`` in its ``drafter.json``.
     Sets torch's thread count for this process (``config.threads``, default: torch's own) and its seed."""
     import torch

@@ -16,10 +16,9 @@ from typing import Any
 
 import attrs
 
+from ortspec.adapters.engine.options import GenerationOptions
 from ortspec.core import Sampling, options_of
 from ortspec.core.declare import OptionSpec
-
-from .engine import GenerationOptions
 
 SAMPLING_OPTIONS: tuple[str, ...] = tuple(f.name for f in attrs.fields(Sampling))
 
@@ -59,10 +58,16 @@ def add_flags(group: Any, names: Iterable[str]) -> None:
         help_text = f"{spec.help} (default {field.default!r})" if field.default not in (None, ()) else spec.help
         if field.name == "logit_bias":
             group.add_argument(
-                flag(field.name), type=_logit_bias_entry, action="append", metavar="ID=BIAS", help=spec.help
+                flag(field.name),
+                type=_logit_bias_entry,
+                action="append",
+                metavar="ID=BIAS",
+                help=f"{spec.help} (repeatable)",
             )
             continue
-        group.add_argument(flag(field.name), type=_argument_type(field, spec), default=None, help=help_text)
+        kind = _argument_type(field, spec)
+        metavar = {int: "N", float: "X"}.get(kind, "VALUE")
+        group.add_argument(flag(field.name), type=kind, default=None, metavar=metavar, help=help_text)
 
 
 def flag_values(args: argparse.Namespace, names: Iterable[str]) -> dict[str, Any]:

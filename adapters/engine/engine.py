@@ -13,163 +13,40 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import inspect
 import os
-import secrets
 import threading
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Concatenate, ParamSpec, TypeVar
+from typing import TypeVar
 
-import attrs
-
-from ortspec.adapters.cache import cache_root, find_drafter
-from ortspec.adapters.tokenizer import Tokenizer
+from ortspec.adapters.engine.cache import cache_root, find_drafter
+from ortspec.adapters.engine.options import (
+    DRIFT_WARNING_THRESHOLD,
+    GenerationOptions,
+    Prompt,
+    make_proposer,
+    takes_callback_and_options,
+    takes_options,
+)
+from ortspec.adapters.engine.tokenizer import Tokenizer
 from ortspec.backends.base import Backend
 from ortspec.backends.onnx import BackendConfig, ModelFolder, ModelFolderError
 from ortspec.core import (
     MAX_DRAFT,
     CostAwareWidth,
     FixedWidth,
-    Limits,
     LookupOrDraft,
     Options,
     PromptLookup,
     Proposer,
-    Sampling,
     WidthPolicy,
     check_prompt_fits,
-    option,
 )
 from ortspec.core.checks import ArgumentError, ids_in_vocab
-from ortspec.driver import GenerateResult, Generation, StreamCallback
+from ortspec.driver import GenerateResult, Generation, PassGuard, StreamCallback
 
-Prompt = str | Sequence[int] | Sequence[Mapping[str, str]]
-
-SPECULATIVE_CHOICES = ("prompt-lookup", "shared-kv", "auto")
-# Verify-vs-decode logit drift (in logits) above which speculative output is no longer guaranteed to equal greedy.
-DRIFT_WARNING_THRESHOLD = 1e-3
-
-
-def make_proposer(speculative: str | Proposer | None) -> Proposer | None:
-    """``None`` (plain greedy), ``"prompt-lookup"`` (3-gram lookup drafting up to ``MAX_DRAFT`` tokens), or any
-    proposer. (``"shared-kv"`` and ``"auto"`` need an Engine's drafter: ``Engine.start_with`` resolves them.)"""
-    if speculative is None:
-        return None
-    if isinstance(speculative, str):
-        if speculative == "prompt-lookup":
-            return PromptLookup(ngram=3, max_draft=MAX_DRAFT)
-        if speculative in SPECULATIVE_CHOICES:
-            raise ArgumentError(
-                "speculative", f"speculative={speculative!r} needs an Engine (it reads the Engine's drafter)"
-            )
-        raise ArgumentError(
-            "speculative", f"speculative={speculative!r}: expected None, one of {SPECULATIVE_CHOICES} or a proposer"
-        )
-    if not callable(getattr(speculative, "propose", None)):
-        raise ArgumentError("speculative", f"speculative={speculative!r} has no propose(context_tokens, width) method")
-    return speculative
-
-
-def _speculative(value: Any) -> Any:
-    """``"none"`` (what a command line or a JSON record says) is ``None``: plain decoding. The one place."""
-    return None if value == "none" else value
-
-
-def _check_speculative(instance: Any, attribute: Any, value: Any) -> None:
-    if value is None or isinstance(value, str) or callable(getattr(value, "propose", None)):
-        return
-    raise ArgumentError("speculative", f"speculative={value!r} has no propose(context_tokens, width) method")
-
-
-def _check_draft_width(instance: Any, attribute: Any, value: Any) -> None:
-    if value == "auto" or isinstance(value, WidthPolicy):
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ArgumentError("draft_width", f"draft_width={value!r}: expected 'auto', an int >= 1 or a width policy")
-
-
-@attrs.frozen(kw_only=True, slots=False)
-class GenerationOptions(Sampling, Limits):
-    """The keywords of every ``Engine`` generation method, validated (a ``ValueError`` names the keyword).
-
-    Declared once: the shared options come from the core's ``Limits`` (``max_tokens``, ``stop``, ``top_logprobs``,
-    ``tie_margin``) and ``Sampling`` (``temperature``, ``top_k``, ``top_p``, ``min_p``, ``seed``,
-    ``repetition_penalty``, ``presence_penalty``, ``frequency_penalty``, ``logit_bias``: every rule in
-    ``core/sampling.py``; with the same seed, speculative output equals plain output token for token; sampling
-    without a seed draws one, reported as ``result.seed``); the Engine's own are below. Each field's help is in
-    its declaration (``ortspec.core.options_of(GenerationOptions)``), which the command line, the server and batch
-    read too.
-    """
-
-    speculative: str | Proposer | None = option(
-        None,
-        "how drafts are made: None (plain decoding), 'prompt-lookup', 'shared-kv' (the Engine's drafter), 'auto' "
-        "(per draft, prompt lookup or the drafter, whichever has earned more), or a proposer object ('none' is None)",
-        converter=_speculative,
-        validator=_check_speculative,
-    )
-    draft_width: int | WidthPolicy | str = option(
-        "auto",
-        "'auto' (the cost-aware policy on this backend's measured verify costs), the most draft tokens per pass, or "
-        "a width policy",
-        validator=_check_draft_width,
-    )
-    chat: bool = option(False, "format a text prompt as one user turn with the model's chat template")
-    system: str | None = option(None, "with chat: a system turn before the user turn")
-    ignore_eos: bool = option(False, "do not stop at the model's EOS tokens")
-
-    def limits(self) -> dict[str, Any]:
-        """The ``Limits`` keywords of the core's ``Options``."""
-        return {f.name: getattr(self, f.name) for f in attrs.fields(Limits)}
-
-    def sampling(self) -> Sampling:
-        """The core's ``Sampling``; a seed is drawn when sampling without one."""
-        values = {f.name: getattr(self, f.name) for f in attrs.fields(Sampling)}
-        if values["seed"] is None and values["temperature"] > 0:
-            values["seed"] = secrets.randbits(64)
-        return Sampling(**values)
-
-
-P = ParamSpec("P")
 R = TypeVar("R")
-
-
-def _bind_options(method: Callable[..., R], leading: int, options_type: Callable[..., GenerationOptions]) -> Any:
-    """``method(*leading args, options)`` as ``method(*leading args, /, **keywords of options_type)``, with that
-    signature for ``help()`` (the decorators below give it to type checkers)."""
-
-    @functools.wraps(method)
-    def wrapper(*args: Any, **kwargs: Any) -> R:
-        return method(*args[:leading], options_type(*args[leading:], **kwargs))
-
-    head = [
-        p.replace(kind=inspect.Parameter.POSITIONAL_ONLY)
-        for p in list(inspect.signature(method).parameters.values())[:leading]
-    ]
-    keywords = list(inspect.signature(options_type).parameters.values())
-    wrapper.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
-        head + keywords, return_annotation=inspect.signature(method).return_annotation
-    )
-    return wrapper
-
-
-def takes_options(
-    options_type: Callable[P, GenerationOptions],
-) -> Callable[[Callable[[Any, Prompt, GenerationOptions], R]], Callable[Concatenate[Any, Prompt, P], R]]:
-    """Decorate ``method(self, prompt, options)`` to take ``options_type``'s keywords instead of ``options``."""
-    return lambda method: _bind_options(method, 2, options_type)
-
-
-def takes_callback_and_options(
-    options_type: Callable[P, GenerationOptions],
-) -> Callable[
-    [Callable[[Any, Prompt, StreamCallback, GenerationOptions], R]],
-    Callable[Concatenate[Any, Prompt, StreamCallback, P], R],
-]:
-    """``takes_options`` for ``method(self, prompt, callback, options)``."""
-    return lambda method: _bind_options(method, 3, options_type)
 
 
 class GenerationSuperseded(RuntimeError):
@@ -247,7 +124,7 @@ class Engine:
         the class docstring. ``drafter``: a shared-KV drafter
         folder to open (errors raise ``DrafterError``, a ``ValueError``), ``False`` for none, ``True`` for the one
         found beside the model (``DrafterError`` when there is none), or ``None`` (default) for that one if any
-        (``ortspec.adapters.cache.find_drafter``: ``<model>/drafter`` or where ``ortspec train-drafter`` puts it; one
+        (``cache.find_drafter``: ``<model>/drafter`` or where ``ortspec train-drafter`` puts it; one
         found that does not fit the model is skipped with a warning). See docs/drafter.md.
 
         Raises ``ValueError`` for a bad argument, ``ModelFolderError`` (a ``ValueError``) naming the file and the
@@ -359,8 +236,7 @@ class Engine:
                 draft_width=draft_width,
                 detokenize=self.tokenizer.decode,
                 cached_prefix=cached,
-                lease=self._lock,
-                before_pass=functools.partial(self._check_still_current, self._epoch),
+                guard=PassGuard(self._lock, functools.partial(self._check_still_current, self._epoch)),
             )
             self._last = generation
             return generation
@@ -448,13 +324,13 @@ class Engine:
     # -- measurements -----------------------------------------------------------------------------------------
     def verify_drift(self) -> float:
         """Largest logit difference between this backend's verify passes and one-token decodes (~30 passes; see
-        ``ortspec.costs.measure_verify_drift``): 0 or ~1e-5 on float32 kernels, tenths of a logit on int8 kernels
+        ``measurements.measure_verify_drift``): 0 or ~1e-5 on float32 kernels, tenths of a logit on int8 kernels
         with batch-dependent activation quantization. Measured once per model file, provider, thread count and
         onnxruntime version and kept in the user cache (``measurement_file``), with a probe that fits any
         ``max_length``. Above ``DRIFT_WARNING_THRESHOLD`` the first speculative generation warns that its output can
         differ from greedy output. ``BackendError`` if the measurement fails."""
         if self._drift is None:
-            from ortspec.costs import cached_verify_drift
+            from ortspec.adapters.engine.measurements import cached_verify_drift
 
             self._drift = self._measured(
                 "verify drift", lambda before: cached_verify_drift(self.backend, self.measurement_file(), before=before)
@@ -465,7 +341,7 @@ class Engine:
         """This backend's verify cost curve (pass over 1 + K tokens ÷ a decode step, K = 0..kmax), measured once
         (a few seconds) and kept like ``verify_drift``. ``BackendError`` if the measurement fails."""
         if self._pass_costs is None or len(self._pass_costs) != kmax + 1:
-            from ortspec.costs import cached_pass_costs
+            from ortspec.adapters.engine.measurements import cached_pass_costs
 
             self._pass_costs = self._measured(
                 "verify cost curve",
@@ -474,13 +350,13 @@ class Engine:
         return self._pass_costs
 
     def draft_cost(self) -> float:
-        """The drafter's time per draft token ÷ a decode step (``ortspec.costs.measure_draft_cost``), measured once
+        """The drafter's time per draft token ÷ a decode step (``measurements.measure_draft_cost``), measured once
         per model, drafter, provider and thread count (a second or two) and kept like ``verify_drift``; 0.0
         without a drafter. ``BackendError`` if the measurement fails."""
         if self.drafter is None:
             return 0.0
         if self._draft_cost is None:
-            from ortspec.costs import cached_draft_cost
+            from ortspec.adapters.engine.measurements import cached_draft_cost
 
             drafter, path = self.drafter, getattr(getattr(self.drafter, "folder", None), "path", None)
             if path is not None:
@@ -497,7 +373,7 @@ class Engine:
         return self._draft_cost
 
     def measurement_file(self) -> Path | None:
-        """Where this engine's measurements are kept (``ortspec.costs.cached_measurement``): one file per model
+        """Where this engine's measurements are kept (``measurements.cached_measurement``): one file per model
         file (its path, and the size and modification time of it and of its external data), provider, thread
         count, onnxruntime version and load-time rewrites (``OrtBackend.variant``), under the user cache. None
         without a model folder: nothing to key it on, so the measurements are made once per Engine."""

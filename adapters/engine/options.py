@@ -1,0 +1,144 @@
+"""The Engine's generation keywords: ``GenerationOptions`` (declared once, from the core's ``Limits`` and
+``Sampling`` and the Engine's own), the proposers ``speculative`` names, and the decorators that give every
+generation method those keywords.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import secrets
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Concatenate, ParamSpec, TypeVar
+
+import attrs
+
+from ortspec.core import MAX_DRAFT, Limits, PromptLookup, Proposer, Sampling, WidthPolicy, option
+from ortspec.core.checks import ArgumentError
+from ortspec.driver import StreamCallback
+
+Prompt = str | Sequence[int] | Sequence[Mapping[str, str]]
+
+SPECULATIVE_CHOICES = ("prompt-lookup", "shared-kv", "auto")
+# Verify-vs-decode logit drift (in logits) above which speculative output is no longer guaranteed to equal greedy.
+DRIFT_WARNING_THRESHOLD = 1e-3
+
+
+def make_proposer(speculative: str | Proposer | None) -> Proposer | None:
+    """``None`` (plain greedy), ``"prompt-lookup"`` (3-gram lookup drafting up to ``MAX_DRAFT`` tokens), or any
+    proposer. (``"shared-kv"`` and ``"auto"`` need an Engine's drafter: ``Engine.start_with`` resolves them.)"""
+    if speculative is None:
+        return None
+    if isinstance(speculative, str):
+        if speculative == "prompt-lookup":
+            return PromptLookup(ngram=3, max_draft=MAX_DRAFT)
+        if speculative in SPECULATIVE_CHOICES:
+            raise ArgumentError(
+                "speculative", f"speculative={speculative!r} needs an Engine (it reads the Engine's drafter)"
+            )
+        raise ArgumentError(
+            "speculative", f"speculative={speculative!r}: expected None, one of {SPECULATIVE_CHOICES} or a proposer"
+        )
+    if not callable(getattr(speculative, "propose", None)):
+        raise ArgumentError("speculative", f"speculative={speculative!r} has no propose(context_tokens, width) method")
+    return speculative
+
+
+def _speculative(value: Any) -> Any:
+    """``"none"`` (what a command line or a JSON record says) is ``None``: plain decoding. The one place."""
+    return None if value == "none" else value
+
+
+def _check_speculative(instance: Any, attribute: Any, value: Any) -> None:
+    if value is None or isinstance(value, str) or callable(getattr(value, "propose", None)):
+        return
+    raise ArgumentError("speculative", f"speculative={value!r} has no propose(context_tokens, width) method")
+
+
+def _check_draft_width(instance: Any, attribute: Any, value: Any) -> None:
+    if value == "auto" or isinstance(value, WidthPolicy):
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ArgumentError("draft_width", f"draft_width={value!r}: expected 'auto', an int >= 1 or a width policy")
+
+
+@attrs.frozen(kw_only=True, slots=False)
+class GenerationOptions(Sampling, Limits):
+    """The keywords of every ``Engine`` generation method, validated (a ``ValueError`` names the keyword).
+
+    Declared once: the shared options come from the core's ``Limits`` (``max_tokens``, ``stop``, ``top_logprobs``,
+    ``tie_margin``) and ``Sampling`` (``temperature``, ``top_k``, ``top_p``, ``min_p``, ``seed``,
+    ``repetition_penalty``, ``presence_penalty``, ``frequency_penalty``, ``logit_bias``: every rule in
+    ``core/sampling.py``; with the same seed, speculative output equals plain output token for token; sampling
+    without a seed draws one, reported as ``result.seed``); the Engine's own are below. Each field's help is in
+    its declaration (``ortspec.core.options_of(GenerationOptions)``), which the command line, the server and batch
+    read too.
+    """
+
+    speculative: str | Proposer | None = option(
+        None,
+        "how drafts are made: None (plain decoding), 'prompt-lookup', 'shared-kv' (the Engine's drafter), 'auto' "
+        "(per draft, prompt lookup or the drafter, whichever has earned more), or a proposer object ('none' is None)",
+        converter=_speculative,
+        validator=_check_speculative,
+    )
+    draft_width: int | WidthPolicy | str = option(
+        "auto",
+        "'auto' (the cost-aware policy on this backend's measured verify costs), the most draft tokens per pass, or "
+        "a width policy",
+        validator=_check_draft_width,
+    )
+    chat: bool = option(False, "format a text prompt as one user turn with the model's chat template")
+    system: str | None = option(None, "with chat: a system turn before the user turn")
+    ignore_eos: bool = option(False, "do not stop at the model's EOS tokens")
+
+    def limits(self) -> dict[str, Any]:
+        """The ``Limits`` keywords of the core's ``Options``."""
+        return {f.name: getattr(self, f.name) for f in attrs.fields(Limits)}
+
+    def sampling(self) -> Sampling:
+        """The core's ``Sampling``; a seed is drawn when sampling without one."""
+        values = {f.name: getattr(self, f.name) for f in attrs.fields(Sampling)}
+        if values["seed"] is None and values["temperature"] > 0:
+            values["seed"] = secrets.randbits(64)
+        return Sampling(**values)
+
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def _bind_options(method: Callable[..., R], leading: int, options_type: Callable[..., GenerationOptions]) -> Any:
+    """``method(*leading args, options)`` as ``method(*leading args, /, **keywords of options_type)``, with that
+    signature for ``help()`` (the decorators below give it to type checkers)."""
+
+    @functools.wraps(method)
+    def wrapper(*args: Any, **kwargs: Any) -> R:
+        return method(*args[:leading], options_type(*args[leading:], **kwargs))
+
+    head = [
+        p.replace(kind=inspect.Parameter.POSITIONAL_ONLY)
+        for p in list(inspect.signature(method).parameters.values())[:leading]
+    ]
+    keywords = list(inspect.signature(options_type).parameters.values())
+    wrapper.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
+        head + keywords, return_annotation=inspect.signature(method).return_annotation
+    )
+    return wrapper
+
+
+def takes_options(
+    options_type: Callable[P, GenerationOptions],
+) -> Callable[[Callable[[Any, Prompt, GenerationOptions], R]], Callable[Concatenate[Any, Prompt, P], R]]:
+    """Decorate ``method(self, prompt, options)`` to take ``options_type``'s keywords instead of ``options``."""
+    return lambda method: _bind_options(method, 2, options_type)
+
+
+def takes_callback_and_options(
+    options_type: Callable[P, GenerationOptions],
+) -> Callable[
+    [Callable[[Any, Prompt, StreamCallback, GenerationOptions], R]],
+    Callable[Concatenate[Any, Prompt, StreamCallback, P], R],
+]:
+    """``takes_options`` for ``method(self, prompt, callback, options)``."""
+    return lambda method: _bind_options(method, 3, options_type)
