@@ -309,3 +309,13 @@ def test_resume_after_a_kill(tiny_model_dir, tmp_path):
     assert resumed.keys() == clean.keys() and len(resumed) == len(records)
     for key in clean:
         assert resumed[key] == clean[key], key
+
+
+def test_the_backend_config_opens_every_worker_and_threads_are_the_jobs(tmp_path):
+    from ortspec.backends.onnx import BackendConfig
+
+    src = write_jsonl(tmp_path / "in.jsonl", [{"id": "a", "prompt": "x"}])
+    with pytest.raises(BatchError, match="backend.threads"):
+        run_batch(BatchJob(src, tmp_path / "out.jsonl", backend=BackendConfig(threads=2)), progress=False)
+    with pytest.raises(BatchError, match="backend must be a BackendConfig"):
+        run_batch(BatchJob(src, tmp_path / "out.jsonl", backend="cuda"), progress=False)  # type: ignore[arg-type]

@@ -120,3 +120,18 @@ def test_a_failed_generation_ends_with_status_1_and_the_reason(tiny_model_dir, c
                         "--speculative", "none")  # fmt: skip
     assert code == 1 and "ortspec: generation failed after 0 tokens: RuntimeError: device lost" in err
     assert "Traceback" not in err
+
+
+def test_the_device_options_reach_the_backend_config():
+    """The fast CUDA path is reachable from every command that opens a model: the flags become the one
+    ``BackendConfig`` the Engine, the server's workers and batch's workers are opened with."""
+    from ortspec.adapters.cli.engine_args import backend_config
+    from ortspec.adapters.cli.main import build_parser
+
+    for command in (["generate", "x"], ["serve"], ["batch", "in.jsonl", "out.jsonl"], ["demo"]):
+        args = build_parser().parse_args([*command, "--provider", "cuda", "--static-shapes", "--cuda-graphs"])
+        config = backend_config(args, threads=3)
+        assert (config.provider, config.static_shapes, config.cuda_graphs, config.threads) == ("cuda", True, True, 3)
+    args = build_parser().parse_args(["generate", "x", "--cuda-graphs"])
+    with pytest.raises(ValueError, match="cuda_graphs"):
+        backend_config(args, threads=None)

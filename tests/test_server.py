@@ -44,7 +44,9 @@ def reference(tiny_model_dir):
 @pytest.fixture(scope="module")
 def server(tiny_model_dir):
     """Two workers with prefix reuse, speculative (prompt lookup) by default."""
-    app = create_app(load_engines(tiny_model_dir, workers=2, threads=1), ServerSettings(model_name=MODEL))
+    app = create_app(
+        load_engines(tiny_model_dir, BackendConfig(threads=1), workers=2), ServerSettings(model_name=MODEL)
+    )
     with serve_in_thread(app) as url:
         yield url
 
@@ -232,7 +234,9 @@ def test_async_clients_in_parallel_get_the_engine_text(server, reference):
 def test_prefix_reuse_routes_the_next_turn_and_changes_nothing(tiny_model_dir, reference):
     """Two conversations on a fresh two-worker server, then each one's next turn: it goes to the worker holding its
     KV, prefills only the new tokens, and the text is what a fresh Engine (no reuse) produces."""
-    app = create_app(load_engines(tiny_model_dir, workers=2, threads=1), ServerSettings(model_name=MODEL))
+    app = create_app(
+        load_engines(tiny_model_dir, BackendConfig(threads=1), workers=2), ServerSettings(model_name=MODEL)
+    )
     with serve_in_thread(app) as url:
         _two_conversations(openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0), reference)
 
@@ -602,7 +606,9 @@ def test_real_model_served_text_equals_engine_and_reuse_changes_nothing(real_mod
     turn of a conversation reuses the first turn's KV and still equals a fresh Engine's text."""
     conv = [{"role": "user", "content": "Repeat exactly: the cat sat on the mat, and the dog sat on the log."}]
     want = real_engine.generate(conv, max_tokens=40)
-    app = create_app(load_engines(real_model_dir, workers=1, threads=2), ServerSettings(model_name=MODEL))
+    app = create_app(
+        load_engines(real_model_dir, BackendConfig(threads=2), workers=1), ServerSettings(model_name=MODEL)
+    )
     with serve_in_thread(app) as url:
         client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
         for speculative in (True, False):

@@ -10,6 +10,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from ortspec.adapters.cli.engine_args import backend_config, speculative
+
 from .job import BatchError, BatchJob
 from .records import RECORD_KEYS, option_fields, record_options
 from .run import run_batch
@@ -35,11 +37,6 @@ def _missing_output(args: argparse.Namespace) -> str:
 
 def _job(args: argparse.Namespace) -> BatchJob:
     """The job the arguments ask for; ``ValueError`` naming a bad one."""
-    from ortspec.core import PromptLookup
-
-    speculative = None
-    if args.speculative != "none":
-        speculative = PromptLookup(ngram=args.ngram, max_draft=args.max_draft, min_ngram=args.min_ngram)
     if set(args.defaults) & set(RECORD_KEYS):
         raise ValueError("--defaults takes generation fields only (not id, prompt or messages)")
     record_defaults = record_options(args.defaults, option_fields())
@@ -47,7 +44,7 @@ def _job(args: argparse.Namespace) -> BatchJob:
         "max_tokens": args.max_tokens,
         "chat": args.chat,
         "draft_width": args.draft_width,
-        "speculative": speculative,
+        "speculative": speculative(args),
         **record_defaults,
     }
     return BatchJob(
@@ -58,8 +55,7 @@ def _job(args: argparse.Namespace) -> BatchJob:
         workers=args.workers,
         threads=args.threads,
         ray=args.ray,
-        provider=args.provider,
-        max_length=args.max_length,
+        backend=backend_config(args, threads=None),
         retry_errors=args.retry_errors,
         pin=args.pin,
         ship_model=args.ship_model,

@@ -10,6 +10,8 @@ from typing import Any
 
 import attrs
 
+from ortspec.backends.onnx.config import BackendConfig
+
 
 class BatchError(Exception):
     """The run as a whole cannot start or go on (a bad argument, an unreadable file, duplicate ids, a worker that
@@ -35,8 +37,9 @@ class BatchJob:
     may use, and each worker is pinned to its own cores (``pin``). ``ray``: run on Ray Data instead: ``"local"``
     starts a local Ray instance, any other value is the address for ``ray.init`` (``"auto"``,
     ``"ray://host:10001"``); ``ship_model`` then puts the model folder into Ray's object store for nodes that do
-    not have it. ``provider`` (``"cpu"`` or ``"cuda"``) and ``max_length`` (the KV capacity, in tokens; None: the
-    model's) open each worker's Engine. ``retry_errors``: drop OUTPUT's error lines first and run those records
+    not have it. ``backend``: how each worker's Engine opens its model (``BackendConfig``: ``provider``,
+    ``max_length``, the fast CUDA path's ``static_shapes`` / ``cuda_graphs``, ...; its ``threads`` must be None: each
+    worker's threads are the job's ``threads``). ``retry_errors``: drop OUTPUT's error lines first and run those records
     again.
 
     The value is not checked when it is made: ``run_batch`` checks it before anything runs (``BatchError``)."""
@@ -48,8 +51,7 @@ class BatchJob:
     workers: int = 1
     threads: int | None = None
     ray: str | None = None
-    provider: str = "cpu"
-    max_length: int | None = None
+    backend: BackendConfig = attrs.field(factory=BackendConfig)
     retry_errors: bool = False
     pin: bool = True
     ship_model: bool = False

@@ -225,7 +225,7 @@ def run_ray(
 ) -> None:
     """Run ``tasks`` (in this order) on a Ray Data actor pool, writing each record to ``output`` as it completes.
     ``job`` says where (``ray``, ``ship_model``), how many (``workers`` x ``threads``) and how each Engine opens
-    (``provider``, ``max_length``); ``defaults``: the job's generation keywords, as the Engine takes them."""
+    (``backend``); ``defaults``: the job's generation keywords, as the Engine takes them."""
     address = job.ray
     assert address is not None, "run_ray runs a job with a Ray address"
     t0 = time.perf_counter()
@@ -233,7 +233,7 @@ def run_ray(
         output.summary.ray_init_s = time.perf_counter() - t0
         workers, threads = plan_actors(ray, address, job.workers, job.threads, say)
         output.summary.workers, output.summary.threads = workers, threads
-        settings = WorkerSettings(threads, defaults, provider=job.provider, max_length=job.max_length)
+        settings = WorkerSettings(threads, defaults, job.backend)
         with _shipped(ray, model_dir, job.ship_model) as source:
             ds = _dataset(ray, tasks, source, settings, workers)
             written = set()

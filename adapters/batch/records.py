@@ -17,6 +17,8 @@ from typing import Any
 
 import attrs
 
+from ortspec.adapters.engine.options import GenerationOptions, speculative_value
+
 from .job import BatchError
 
 RECORD_KEYS = ("id", "prompt", "messages")
@@ -24,8 +26,6 @@ RECORD_KEYS = ("id", "prompt", "messages")
 
 def option_fields() -> tuple[str, ...]:
     """The generation keywords a record (or the job's defaults) may set: ``GenerationOptions``' fields."""
-    from ortspec.adapters.engine import GenerationOptions
-
     return tuple(f.name for f in attrs.fields(GenerationOptions))
 
 
@@ -57,11 +57,6 @@ def error_record(record_id: str | int | None, line: int, message: str, **extra: 
     return {"id": record_id, "line": line, "error": message, **extra}
 
 
-def job_proposer(speculative: Any) -> Any:
-    """``speculative`` as the Engine takes it: ``"none"`` (how JSON and the command say it) is ``None``."""
-    return None if speculative in (None, "none") else speculative
-
-
 def record_options(raw: Mapping[str, Any], fields: Sequence[str]) -> dict[str, Any]:
     """A record's generation keywords (JSON values) as the Engine takes them; ``ValueError`` naming the problem."""
     unknown = [k for k in raw if k not in fields and k not in RECORD_KEYS]
@@ -72,7 +67,7 @@ def record_options(raw: Mapping[str, Any], fields: Sequence[str]) -> dict[str, A
         )
     options = {k: v for k, v in raw.items() if k in fields}
     if "speculative" in options:
-        options["speculative"] = job_proposer(options["speculative"])
+        options["speculative"] = speculative_value(options["speculative"])
         if options["speculative"] not in (None, "prompt-lookup"):
             raise ValueError(f"speculative={raw['speculative']!r}: expected null, 'none' or 'prompt-lookup'")
     if options.get("logit_bias") is not None:
@@ -121,8 +116,6 @@ def _prompt_of(raw: Mapping[str, Any]) -> tuple[Any, int]:
 
 def check_options(options: Mapping[str, Any]) -> None:
     """``GenerationOptions(**options)``: ``ValueError`` naming the keyword (a wrong type included)."""
-    from ortspec.adapters.engine import GenerationOptions
-
     try:
         GenerationOptions(**options)
     except TypeError as exc:

@@ -16,10 +16,13 @@ from typing import Any
 
 import attrs
 
+from ortspec.adapters.engine.options import speculative_value
+from ortspec.backends.onnx.config import BackendConfig
+
 from .job import BatchError, BatchJob, BatchSummary
 from .local import available_cores, plan_threads, run_embedded
 from .output import BatchOutput, prepare_output
-from .records import Task, check_options, job_proposer, option_fields, read_input, record_key
+from .records import Task, check_options, option_fields, read_input, record_key
 from .worker import WorkerSettings
 
 
@@ -40,7 +43,7 @@ def _defaults(job: BatchJob) -> dict[str, Any]:
     unknown = [k for k in defaults if k not in option_fields()]
     if unknown:
         raise BatchError(f"options: unknown generation keyword(s) {', '.join(map(repr, unknown))}")
-    defaults["speculative"] = job_proposer(defaults.get("speculative"))
+    defaults["speculative"] = speculative_value(defaults.get("speculative"))
     try:
         check_options(defaults)
         if defaults["speculative"] is not None:
@@ -53,13 +56,15 @@ def _defaults(job: BatchJob) -> dict[str, Any]:
 
 
 def _check_job(job: BatchJob) -> None:
-    """The files and the provider; ``BatchError`` for a job that cannot start."""
+    """The files and the backend; ``BatchError`` for a job that cannot start."""
     if not job.input_path.is_file():
         raise BatchError(f"INPUT {job.input_path} is not a file")
     if job.output_path.exists() and job.output_path.resolve() == job.input_path.resolve():
         raise BatchError("OUTPUT is INPUT: give another file for the results")
-    if job.provider not in ("cpu", "cuda"):
-        raise BatchError(f"provider={job.provider!r}: expected 'cpu' or 'cuda'")
+    if not isinstance(job.backend, BackendConfig):
+        raise BatchError(f"backend must be a BackendConfig, got {type(job.backend).__name__}")
+    if job.backend.threads is not None:
+        raise BatchError("backend.threads: set the job's threads (each worker's), not the backend's")
 
 
 def _pending(job: BatchJob, defaults: Mapping[str, Any], say: Callable[[str], object]) -> _Pending:
@@ -132,7 +137,7 @@ def run_batch(job: BatchJob, *, progress: bool = True, log: Callable[[str], obje
             output.write(record)
         if pending.tasks and job.ray is None:
             assert threads is not None
-            settings = WorkerSettings(threads, defaults, provider=job.provider, max_length=job.max_length)
+            settings = WorkerSettings(threads, defaults, job.backend)
             run_embedded(output, pending.tasks, model_dir, settings, workers=job.workers, pin=job.pin)
         elif pending.tasks:
             from .ray import run_ray

@@ -12,6 +12,8 @@ from typing import Any
 
 import attrs
 
+from ortspec.backends.onnx.config import BackendConfig
+
 from .output import output_record
 from .records import Task, error_record
 
@@ -36,13 +38,12 @@ def file_lock(path: Path) -> Iterator[None]:
 @attrs.frozen
 class WorkerSettings:
     """How every worker of a run opens its Engine and what it generates with: ``threads`` intra-op threads,
-    ``provider`` (``"cpu"`` or ``"cuda"``), ``max_length`` (the KV capacity in tokens; None: the model's), and
-    the job's ``defaults`` (``GenerationOptions`` keywords; a record's own win). Pickled to each worker."""
+    ``backend`` (the rest of how the model is opened: ``BackendConfig``), and the job's ``defaults``
+    (``GenerationOptions`` keywords; a record's own win). Pickled to each worker."""
 
     threads: int
     defaults: Mapping[str, Any] = attrs.field(factory=dict, converter=dict)
-    provider: str = "cpu"
-    max_length: int | None = None
+    backend: BackendConfig = attrs.field(factory=BackendConfig)
 
 
 class BatchWorker:
@@ -56,14 +57,13 @@ class BatchWorker:
     def __init__(self, model_dir: str | os.PathLike[str], settings: WorkerSettings, *, name: str = "worker") -> None:
         from ortspec.adapters.engine import Engine
         from ortspec.adapters.engine.cache import cache_root
-        from ortspec.backends.onnx import BackendConfig
 
         t0 = time.perf_counter()
         self.name = name
         self.defaults = dict(settings.defaults)
         self.engine = Engine.from_dir(
             model_dir,
-            BackendConfig(provider=settings.provider, threads=settings.threads, max_length=settings.max_length),
+            attrs.evolve(settings.backend, threads=settings.threads),
             drafter=False,
         )  # prompt lookup only: batch workers open no shared-KV drafter (docs/drafter.md)
         if self.defaults.get("speculative") is not None:

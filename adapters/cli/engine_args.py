@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from ortspec.adapters.engine.options import speculative_value
 from ortspec.adapters.engine.surfaces import SAMPLING_OPTIONS, flag_values
 from ortspec.core import PromptLookup
 
@@ -29,20 +30,30 @@ def model_dir(args: argparse.Namespace) -> Path:
     return folder
 
 
+def backend_config(args: argparse.Namespace, *, threads: int | None):
+    """The ``BackendConfig`` the ``model`` option group describes (the one place a command builds one), with
+    ``threads`` intra-op threads (None: the backend's default). ``ValueError`` names the flag for a bad
+    combination (``--cuda-graphs`` without ``--provider cuda``)."""
+    from ortspec.backends.onnx import BackendConfig
+
+    return BackendConfig(
+        provider=args.provider,
+        threads=threads,
+        max_length=args.max_length,
+        static_shapes=args.static_shapes,
+        cuda_graphs=args.cuda_graphs,
+        sliding_window=getattr(args, "sliding_window", "config"),
+        matmul_accuracy_level=getattr(args, "matmul_accuracy_level", None),
+    )
+
+
 def engine(args: argparse.Namespace):
     """The Engine the ``model`` option group describes."""
     from ortspec.adapters.engine import Engine
-    from ortspec.backends.onnx import BackendConfig
 
     return Engine.from_dir(
         model_dir(args),
-        BackendConfig(
-            provider=args.provider,
-            threads=args.threads,
-            max_length=args.max_length,
-            sliding_window=args.sliding_window,
-            matmul_accuracy_level=args.matmul_accuracy_level,
-        ),
+        backend_config(args, threads=args.threads),
         drafter=False if args.drafter == "none" else args.drafter,
     )
 
@@ -50,7 +61,7 @@ def engine(args: argparse.Namespace):
 def speculative(args: argparse.Namespace):
     """``None``, the name ``shared-kv`` or ``auto`` (the Engine resolves it with its drafter), or a
     ``PromptLookup`` with the command line's settings."""
-    if args.speculative == "none":
+    if speculative_value(args.speculative) is None:
         return None
     if args.speculative in ("shared-kv", "auto"):
         return args.speculative

@@ -8,6 +8,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from ortspec.adapters.engine.options import speculative_value
+
 from .engine_args import engine, generation_kwargs, speculative, stats_line
 from .options import add_command, generation_options, model_options
 
@@ -72,5 +74,8 @@ def run(args: argparse.Namespace) -> int:
 
     result = eng.generate_stream(prompt, show, speculative=speculative(args), **generation_kwargs(args))
     sys.stdout.write("\n")
-    print(stats_line(result, "speculative" if args.speculative != "none" else "greedy"), file=sys.stderr)
+    print(
+        stats_line(result, "speculative" if speculative_value(args.speculative) is not None else "greedy"),
+        file=sys.stderr,
+    )
     return 0

@@ -98,6 +98,8 @@ FLAGS = {
     "ngram": "--ngram",
     "max_draft": "--max-draft",
     "provider": "--provider",
+    "static_shapes": "--static-shapes",
+    "cuda_graphs": "--cuda-graphs",
 }
 _FLAG_WORDS = re.compile(r"\b(" + "|".join(sorted(FLAGS, key=len, reverse=True)) + r")\b")
 
@@ -128,7 +130,8 @@ def model_options(
     load_rewrites: bool = True,
     drafter: bool = False,
 ) -> None:
-    """The ``model`` group: ``--model``, ``--provider``, ``--threads``, ``--max-length``; with ``load_rewrites``
+    """The ``model`` group: ``--model``, ``--provider``, ``--threads``, ``--max-length``, the fast CUDA path's
+    ``--static-shapes`` and ``--cuda-graphs``; with ``load_rewrites``
     also ``--matmul-accuracy-level`` and ``--sliding-window``, and with ``drafter`` (only then) ``--drafter``."""
     g = p.add_argument_group("model")
     g.add_argument(
@@ -151,6 +154,16 @@ def model_options(
         default=None,
         metavar="TOKENS",
         help="KV capacity in tokens: prompt + output (default: the model's context length)",
+    )
+    g.add_argument(
+        "--static-shapes",
+        action="store_true",
+        help="bind every pass at fixed shapes (the fast CUDA path's binding; see the README's GPU section)",
+    )
+    g.add_argument(
+        "--cuda-graphs",
+        action="store_true",
+        help="with --provider cuda: capture one CUDA graph per pass width and replay it (implies --static-shapes)",
     )
     if not load_rewrites:
         return

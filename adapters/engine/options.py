@@ -44,8 +44,9 @@ def make_proposer(speculative: str | Proposer | None) -> Proposer | None:
     return speculative
 
 
-def _speculative(value: Any) -> Any:
-    """``"none"`` (what a command line or a JSON record says) is ``None``: plain decoding. The one place."""
+def speculative_value(value: Any) -> Any:
+    """``speculative`` as the Engine takes it: ``"none"`` (what a command line or a JSON record says) is ``None``,
+    plain decoding; anything else is itself. The one place that rule lives."""
     return None if value == "none" else value
 
 
@@ -79,7 +80,7 @@ class GenerationOptions(Sampling, Limits):
         None,
         "how drafts are made: None (plain decoding), 'prompt-lookup', 'shared-kv' (the Engine's drafter), 'auto' "
         "(per draft, prompt lookup or the drafter, whichever has earned more), or a proposer object ('none' is None)",
-        converter=_speculative,
+        converter=speculative_value,
         validator=_check_speculative,
     )
     draft_width: int | WidthPolicy | str = option(

@@ -12,10 +12,13 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import attrs
 import uvicorn
 from fastapi import FastAPI
 
+from ortspec.adapters.cli.engine_args import backend_config
 from ortspec.adapters.engine import Engine
+from ortspec.adapters.engine.options import speculative_value
 from ortspec.adapters.serve.app import create_app
 from ortspec.adapters.serve.settings import ServerSettings
 from ortspec.backends.onnx import BackendConfig
@@ -29,35 +32,19 @@ def default_threads(workers: int) -> int:
 
 def load_engines(
     model_dir: str | os.PathLike[str],
+    backend: BackendConfig | None = None,
     *,
     workers: int = 1,
-    threads: int | None = None,
-    provider: str = "cpu",
-    max_length: int | None = None,
     prefix_reuse: bool = True,
-    sliding_window: str = "config",
-    matmul_accuracy_level: int | None = None,
 ) -> list[Engine]:
-    """One Engine per worker on ``model_dir`` (each its own session and KV); the load options are
-    ``Engine.from_dir``'s."""
+    """One Engine per worker on ``model_dir`` (each its own session and KV), each opened with ``backend`` (a
+    ``BackendConfig``; its ``threads`` None: the usable cores shared out among the workers)."""
     if workers < 1:
         raise ValueError(f"--workers must be >= 1, got {workers}")
-    threads = threads if threads is not None else default_threads(workers)
-    return [
-        Engine.from_dir(
-            model_dir,
-            BackendConfig(
-                provider=provider,
-                threads=threads,
-                max_length=max_length,
-                sliding_window=sliding_window,
-                matmul_accuracy_level=matmul_accuracy_level,
-            ),
-            prefix_reuse=prefix_reuse,
-            drafter=False,
-        )
-        for _ in range(workers)
-    ]
+    backend = backend if backend is not None else BackendConfig()
+    if backend.threads is None:
+        backend = attrs.evolve(backend, threads=default_threads(workers))
+    return [Engine.from_dir(model_dir, backend, prefix_reuse=prefix_reuse, drafter=False) for _ in range(workers)]
 
 
 @contextlib.contextmanager
@@ -87,17 +74,13 @@ def cmd_serve(args: argparse.Namespace, model_dir: Path) -> int:
     """``ortspec serve``: load one Engine per worker, measure them, serve until interrupted."""
     engines = load_engines(
         model_dir,
+        backend_config(args, threads=args.threads),
         workers=args.workers,
-        threads=args.threads,
-        provider=args.provider,
-        max_length=args.max_length,
         prefix_reuse=args.prefix_reuse,
-        sliding_window=args.sliding_window,
-        matmul_accuracy_level=args.matmul_accuracy_level,
     )
     settings = ServerSettings(
         model_name=args.model_name or Path(model_dir).name,
-        speculative=None if args.speculative == "none" else args.speculative,
+        speculative=speculative_value(args.speculative),
         max_queue=args.max_queue,
         request_timeout_s=args.timeout,
         default_max_tokens=args.default_max_tokens,
