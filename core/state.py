@@ -1,4 +1,4 @@
-"""Every rule of speculative greedy decoding, in one place, with no I/O.
+"""Every rule of speculative decoding (greedy or seeded sampling), in one place, with no I/O.
 
 Rule 1: everything that decides what is committed lives in this file: which draft tokens are accepted, which
 candidates are committed and in what order the stop rules see them, when a generation ends and why, how many
@@ -20,7 +20,7 @@ KV ``capacity``. A prompt longer than the limit is refused; a prompt that fills 
 The KV cache trails the committed tokens by exactly one. Between steps the backend holds the KV of
 ``prompt + generated[:-1]`` (``state.kv_len`` positions) and the last committed token is *pending*. One step is
 one target pass over ``(pending, *draft)``: row 0 of that pass (``base_logits``) predicts the first uncommitted
-position, and row ``i + 1`` (``rows[i]``) predicts the position after ``draft[i]``. Plain greedy decoding is the
+position, and row ``i + 1`` (``rows[i]``) predicts the position after ``draft[i]``. Plain decoding is the
 same step with an empty draft.
 
 From the K + 1 rows the step takes the target's picks: the argmax (lowest id on ties) when decoding greedily, or
@@ -35,7 +35,7 @@ Each candidate then passes the commit rules, one token at a time and in this ord
 block: EOS (the EOS token is kept), stop token sequences, stop strings (the earliest completion in the text wins
 and the text is cut before it), ``max_tokens`` (``MAX_TOKENS``), the context limit (``CONTEXT_FULL``). The
 first rule that fires ends the generation, and no candidate after that token is ever committed. Because the
-rules see the same tokens in the same order whatever the draft was, speculative and greedy runs end identically.
+rules see the same tokens in the same order whatever the draft was, speculative and plain runs end identically.
 
 A draft may hold at most ``draft_budget(state)`` tokens: every one of them, and the bonus token, could still be
 committed within ``max_tokens`` and the context limit. So no pass writes a KV position past either bound.
@@ -47,7 +47,7 @@ token (it is re-fed, so its KV entry is recomputed by the next pass).
 Near ties (opt-in, ``Options.tie_margin``). A K-token pass can round differently from a 1-token pass and flip an
 argmax whose top two logits almost tie. With the guard on, a pick from a multi-token pass whose margin is below
 the threshold is not committed: the step ends before it, and when that is the very first pick the state asks for
-a plain step next (``draft_budget`` is 0), whose 1-token pass decides it exactly as greedy decoding would.
+a plain step next (``draft_budget`` is 0), whose 1-token pass decides it exactly as plain decoding would.
 
 Non-finite rows. A pick whose row is not finite there (a NaN anywhere, a top of +inf, every logit -inf) is never
 turned into a token. A plain step raises ``ValueError``. In a multi-token pass the block ends before such a row
@@ -458,7 +458,7 @@ def _advance(
     accepted = len(candidates) if nonfinite_cut else len(candidates) - 1  # draft tokens among the candidates
 
     # Tie guard: a multi-token pass's pick whose margin is below tie_margin is not committed, nor anything after
-    # it. If that leaves nothing, the next step is a plain 1-token pass, which decides the pick as greedy would.
+    # it. If that leaves nothing, the next step is a plain 1-token pass, which decides the pick as plain decoding would.
     guarded = len(candidates)
     if k and opts.tie_margin > 0:
         guarded = next((i for i in range(len(candidates)) if margin(i) < opts.tie_margin), len(candidates))

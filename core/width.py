@@ -68,7 +68,7 @@ class CostAwareWidth:
     ``(1 - p**(k + 1)) / (1 - p)`` tokens on average and costs ``pass_costs[k] + k * draft_cost``, where
     ``draft_cost`` is the proposer's time per draft token relative to a plain step (0 for prompt lookup; a draft
     head's step for a shared-KV drafter); the policy picks the ``k`` with the best tokens per cost, which is 0
-    (plain greedy steps) when speculation does not pay. While at 0 it probes with ``probe_width`` every
+    (plain steps) when speculation does not pay. While at 0 it probes with ``probe_width`` every
     ``probe_every`` steps so that it notices when drafts start to match again.
     """
 

@@ -5,8 +5,8 @@
     engine.generate_stream(prompt, lambda text, token_id, finish_reason: ..., max_tokens=64)
     for chunk in engine.stream(prompt): ...
 
-Every generation method takes the keywords of ``GenerationOptions`` (declared once, there). Decoding is greedy;
-``speculative`` only changes how fast the same tokens arrive.
+Every generation method takes the keywords of ``GenerationOptions`` (declared once, there). Decoding is greedy unless
+the sampling keywords say otherwise; ``speculative`` only changes how fast the same tokens arrive.
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
 
 
 class Engine:
-    """Greedy and speculative generation on one model folder, one sequence at a time.
+    """Plain and speculative generation (greedy or seeded sampling) on one model folder, one sequence at a time.
 
     Threads: ``generate`` and ``generate_stream`` hold the Engine's lock for the whole generation, so concurrent
     calls from several threads run one after another, each correct. An iterator from ``start`` or ``stream`` holds
@@ -328,7 +328,7 @@ class Engine:
         with batch-dependent activation quantization. Measured once per model file, provider, thread count and
         onnxruntime version and kept in the user cache (``measurement_file``), with a probe that fits any
         ``max_length``. Above ``DRIFT_WARNING_THRESHOLD`` the first speculative generation warns that its output can
-        differ from greedy output. ``BackendError`` if the measurement fails."""
+        differ from plain output. ``BackendError`` if the measurement fails."""
         if self._drift is None:
             from ortspec.adapters.engine.measurements import cached_verify_drift
 
@@ -423,7 +423,7 @@ class Engine:
         self._last = None
 
     def _warn_if_inexact(self) -> None:
-        """Warn once when speculative output may differ from greedy output here: the measured verify drift
+        """Warn once when speculative output may differ from plain output here: the measured verify drift
         exceeds ``DRIFT_WARNING_THRESHOLD``, or (CPU) the graph has ``MatMulNBits`` nodes at accuracy level 4,
         whose int8-activation kernels give results that depend on how many tokens a pass holds (a one-off
         measurement can miss that on some contexts; see docs/quantization-data.md)."""
@@ -449,7 +449,7 @@ class Engine:
             else "use a float32 model where exactness matters"
         )
         warnings.warn(
-            f"on this model {why}: speculative output can differ from greedy output here; {remedy}",
+            f"on this model {why}: speculative output can differ from plain output here; {remedy}",
             RuntimeWarning,
             stacklevel=4,
         )

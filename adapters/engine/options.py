@@ -20,12 +20,12 @@ from ortspec.driver import StreamCallback
 Prompt = str | Sequence[int] | Sequence[Mapping[str, str]]
 
 SPECULATIVE_CHOICES = ("prompt-lookup", "shared-kv", "auto")
-# Verify-vs-decode logit drift (in logits) above which speculative output is no longer guaranteed to equal greedy.
+# Verify-vs-decode logit drift (in logits) above which speculative output is no longer guaranteed to equal plain.
 DRIFT_WARNING_THRESHOLD = 1e-3
 
 
 def make_proposer(speculative: str | Proposer | None) -> Proposer | None:
-    """``None`` (plain greedy), ``"prompt-lookup"`` (3-gram lookup drafting up to ``MAX_DRAFT`` tokens), or any
+    """``None`` (plain decoding), ``"prompt-lookup"`` (3-gram lookup drafting up to ``MAX_DRAFT`` tokens), or any
     proposer. (``"shared-kv"`` and ``"auto"`` need an Engine's drafter: ``Engine.start_with`` resolves them.)"""
     if speculative is None:
         return None

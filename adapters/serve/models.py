@@ -34,7 +34,7 @@ class _Strict(BaseModel):
 
 class OrtspecOptions(_Strict):
     """The ``ortspec`` extension field of a request: ``{"speculative": false}`` decodes this request with plain
-    greedy steps, ``true`` with prompt lookup; unset: the server's default. The output is the same either way."""
+    steps, ``true`` with prompt lookup; unset: the server's default. The output is the same either way."""
 
     speculative: bool | None = None
 
