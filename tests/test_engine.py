@@ -227,7 +227,7 @@ def test_verify_drift_is_measured_and_warned_about(engine, tiny_model_dir):
         eos_token_ids=engine.eos_token_ids,
     )
     assert drifting.verify_drift() == pytest.approx(0.25, abs=1e-3)
-    with pytest.warns(RuntimeWarning, match="can differ from greedy"):
+    with pytest.warns(RuntimeWarning, match="can differ from plain"):
         drifting.generate("abc abc", max_tokens=4, speculative="prompt-lookup", draft_width=2)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
