@@ -94,7 +94,7 @@ def option(
 
     return attrs.field(
         default=default,
-        converter=attrs.Converter(convert, takes_self=True, takes_field=True),  # type: ignore[call-overload]
+        converter=attrs.Converter(convert, takes_self=True, takes_field=True),
         metadata={_SPEC: OptionSpec(help=help, bounds=bounds)},
     )
 
