@@ -110,7 +110,12 @@ class Stats:
     @property
     def acceptance_rate(self) -> float:
         """Accepted ÷ proposed draft tokens (0.0 when nothing was proposed)."""
-        return self.accepted_tokens / self.proposed_tokens if self.proposed_tokens else 0.0
+        return acceptance_rate(self.accepted_tokens, self.proposed_tokens)
+
+
+def acceptance_rate(accepted: int, proposed: int) -> float:
+    """Accepted ÷ proposed draft tokens; 0.0 when nothing was proposed. The one definition."""
+    return accepted / proposed if proposed else 0.0
 
 
 class StepOutcome(NamedTuple):

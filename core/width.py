@@ -14,6 +14,7 @@ from typing import Protocol, runtime_checkable
 import attrs
 
 from .checks import int_at_least
+from .proposers import MAX_DRAFT
 
 
 @runtime_checkable
@@ -117,7 +118,7 @@ class AdditiveWidth:
     width grows by ``grow``, after any rejection it shrinks by ``shrink`` (never below ``minimum``)."""
 
     current: int = attrs.field(default=4, validator=int_at_least(1))
-    maximum: int = attrs.field(default=16, validator=int_at_least(1))
+    maximum: int = attrs.field(default=MAX_DRAFT, validator=int_at_least(1))
     minimum: int = attrs.field(default=1, validator=int_at_least(1))
     grow: int = attrs.field(default=2, validator=int_at_least(0))
     shrink: int = attrs.field(default=1, validator=int_at_least(0))

@@ -135,3 +135,12 @@ def test_the_device_options_reach_the_backend_config():
     args = build_parser().parse_args(["generate", "x", "--cuda-graphs"])
     with pytest.raises(ValueError, match="cuda_graphs"):
         backend_config(args, threads=None)
+
+
+@pytest.mark.real_model
+def test_the_demo_runs_greedy_and_sampled_and_finds_them_identical(real_model_dir, capsys):
+    """The README's first command, short: greedy then sampled, plain then speculative, on the default model."""
+    code, out, _ = _run(capsys, "demo", "--model", str(real_model_dir), "--max-tokens", "12", "--threads", "2")
+    assert code == 0, out
+    assert out.count("output identical to plain decoding: yes") == 2
+    assert "--- greedy:" in out and "--- sampled (temperature 0.7, top_p 0.9, seed 1234):" in out

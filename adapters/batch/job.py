@@ -11,6 +11,7 @@ from typing import Any
 import attrs
 
 from ortspec.backends.onnx.config import BackendConfig
+from ortspec.core.state import acceptance_rate
 
 
 class BatchError(Exception):
@@ -103,7 +104,7 @@ class BatchSummary:
 
     @property
     def acceptance_rate(self) -> float:
-        return self.accepted / self.proposed if self.proposed else 0.0
+        return acceptance_rate(self.accepted, self.proposed)
 
     def add(self, metrics: Mapping[str, Any] | None, elapsed_s: float) -> None:
         """Count one written line: a worker's ``metrics`` for a generated record (``ok``), or an error line

@@ -9,7 +9,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ortspec.core import PromptLookup
+from ortspec.core import MAX_DRAFT, PromptLookup
+from ortspec.core.state import acceptance_rate
 from ortspec.driver import GenerateResult
 
 from .demo import DEMO_PROMPT
@@ -68,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
     kwargs = generation_kwargs(args)
     kwargs.pop("tie_margin")
     eng.generate(prompts[0], **dict(kwargs, max_tokens=4))  # warm-up
-    proposer = speculative(args) or PromptLookup(max_draft=16)
+    proposer = speculative(args) or PromptLookup(max_draft=MAX_DRAFT)
     greedy: list[GenerateResult] = []
     spec: dict[float, list[GenerateResult]] = {m: [] for m in margins}
     runs = [(p, r) for p in prompts for r in range(args.repeat)]
@@ -102,7 +103,7 @@ def _print_speculative(margin: float, rows: list[GenerateResult], greedy: list[G
     identical = sum(g.token_ids == r.token_ids for g, r in zip(greedy, rows, strict=True))
     print(
         f"speculative tie={margin:<6g} {s_tps:8.1f} tok/s (median)  speedup {s_tps / g_tps:.2f}x  "
-        f"acceptance {accepted}/{proposed} = {accepted / max(proposed, 1):.0%}  tokens/pass {per_pass:.2f}  "
+        f"acceptance {accepted}/{proposed} = {acceptance_rate(accepted, proposed):.0%}  tokens/pass {per_pass:.2f}  "
         f"identical to greedy {identical}/{len(rows)}"
     )
 

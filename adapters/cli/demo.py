@@ -8,7 +8,7 @@ import argparse
 import sys
 from typing import Any
 
-from ortspec.core import PromptLookup
+from ortspec.core import MAX_DRAFT, PromptLookup
 
 from .engine_args import engine, generation_kwargs, speculative, stats_line
 from .options import add_command, generation_options, model_options
@@ -61,11 +61,12 @@ def run(args: argparse.Namespace) -> int:
     eng = engine(args)
     kwargs = generation_kwargs(args)
     kwargs["chat"] = True
-    proposer = speculative(args) or PromptLookup(max_draft=16)
+    proposer = speculative(args) or PromptLookup(max_draft=MAX_DRAFT)
     print("Prompt (chat-formatted):\n" + DEMO_PROMPT + "\n", flush=True)
     eng.generate(DEMO_PROMPT, **dict(kwargs, max_tokens=8))  # warm-up
-    same = _compare(eng, kwargs, proposer, "greedy" if not kwargs["temperature"] else "sampled")
-    if not kwargs["temperature"]:  # the same comparison, sampled with a fixed seed
+    sampling = bool(kwargs.get("temperature"))
+    same = _compare(eng, kwargs, proposer, "sampled" if sampling else "greedy")
+    if not sampling:  # the same comparison, sampled with a fixed seed
         sampled = {**kwargs, **DEMO_SAMPLING}
         label = "sampled (" + ", ".join(f"{k} {v}" for k, v in DEMO_SAMPLING.items()) + ")"
         same = _compare(eng, sampled, proposer, label) and same

@@ -13,9 +13,9 @@ import math
 import re
 from typing import Any
 
-from ortspec.adapters.engine.options import GenerationOptions
+from ortspec.adapters.engine.options import SPECULATIVE_CHOICES, GenerationOptions
 from ortspec.adapters.engine.surfaces import SAMPLING_OPTIONS, add_flags, flag
-from ortspec.core import options_of
+from ortspec.core import MAX_DRAFT, options_of
 
 # -- argument types --------------------------------------------------------------------------------------------
 
@@ -205,8 +205,8 @@ def lookup_options(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
         help="prompt lookup: shortest suffix tried (default 1)",
     )  # fmt: skip
     d.add_argument(
-        "--max-draft", type=positive_int, default=16, metavar="N",
-        help="prompt lookup: most tokens proposed (default 16)",
+        "--max-draft", type=positive_int, default=MAX_DRAFT, metavar="N",
+        help="prompt lookup: most tokens proposed (default %(default)s)",
     )  # fmt: skip
     d.add_argument(
         "--draft-width",
@@ -240,7 +240,7 @@ def generation_options(p: argparse.ArgumentParser, default_tokens: int = 128, ma
     g.add_argument(
         "--speculative",
         default="auto",
-        choices=("auto", "prompt-lookup", "shared-kv", "none"),
+        choices=(*SPECULATIVE_CHOICES, "none"),
         help="draft proposer: auto (default) = per draft, prompt lookup or the shared-KV drafter, whichever has "
         "earned more (prompt lookup alone without a drafter); shared-kv = the drafter alone; none = plain "
         "decoding. The output is the same either way",

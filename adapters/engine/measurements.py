@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from ortspec.backends.base import Backend, DevicePicks, uses_device_picks
+from ortspec.core import MAX_DRAFT
 from ortspec.core.proposers import Proposer
 
 
@@ -27,7 +28,7 @@ def measure_pass_costs(
     backend: Backend,
     context_ids: Sequence[int],
     feed_ids: Sequence[int],
-    kmax: int = 16,
+    kmax: int = MAX_DRAFT,
     repeats: int = 15,
     picks: bool = False,
 ) -> dict[str, Any]:
@@ -139,7 +140,7 @@ def pass_cost_probe(capacity: int, kmax: int) -> tuple[int, int]:
 def cached_pass_costs(
     backend: Backend,
     cache_file: Path | None,
-    kmax: int = 16,
+    kmax: int = MAX_DRAFT,
     repeats: int = 5,
     *,
     before: Callable[[], None] | None = None,
