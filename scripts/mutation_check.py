@@ -331,13 +331,13 @@ MUTANTS: dict[str, Mutant] = {
     # -- the driver -----------------------------------------------------------------------------------------------
     "driver-wrong-width-feedback": Mutant(
         "ortspec/driver.py",
-        "self._policy = self._policy.observe(len(draft), outcome.accepted)",
-        "self._policy = self._policy.observe(len(draft), len(draft))",
+        "return Speculation(proposer, self.policy.observe(len(draft), accepted))",
+        "return Speculation(proposer, self.policy.observe(len(draft), len(draft)))",
     ),
     "driver-skips-rewind": Mutant(
         "ortspec/driver.py",
-        "        backend.rewind(outcome.rewind_to)\n        self._policy",
-        "        self._policy",
+        "        backend.rewind(outcome.rewind_to)\n        self._speculation",
+        "        self._speculation",
     ),
     "driver-drops-device-margins": Mutant(
         "ortspec/driver.py",
