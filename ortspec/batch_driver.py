@@ -256,7 +256,8 @@ class BatchDriver:
         try:
             self._drop_cancelled()
             self._admit()
-            batch = self._gather()
+            batch = self._gather(list(self._running))
+            batch += self._gather(self._admit())  # into the slots of sequences whose proposer just failed
             if not batch:
                 return False
             self._run_pass(batch)
@@ -272,8 +273,10 @@ class BatchDriver:
             sequence.phase = Phase.DONE
             self._release(sequence)
 
-    def _admit(self) -> None:
-        """Waiting requests take the free slots, first come first (lowest slot first); each slot starts empty."""
+    def _admit(self) -> list[BatchSequence]:
+        """Waiting requests take the free slots, first come first (lowest slot first); each slot starts empty.
+        Returns the admitted."""
+        admitted = []
         while self._waiting and self._free:
             sequence = self._waiting.popleft()
             slot = min(self._free)
@@ -281,11 +284,13 @@ class BatchDriver:
             self._backend.reset(slot)
             sequence.slot, sequence.phase = slot, Phase.PREFILL
             self._running.append(sequence)
+            admitted.append(sequence)
+        return admitted
 
-    def _gather(self) -> list[tuple[BatchSequence, BatchRow]]:
-        """Every running sequence's row for the next pass; a sequence whose proposer fails is failed and freed."""
+    def _gather(self, sequences: list[BatchSequence]) -> list[tuple[BatchSequence, BatchRow]]:
+        """The ``sequences``' rows for the next pass; a sequence whose proposer fails is failed and freed."""
         batch = []
-        for sequence in list(self._running):
+        for sequence in sequences:
             try:
                 batch.append((sequence, sequence._row(self.prefill_chunk, self._backend.vocab_size)))
             except Exception as exc:
