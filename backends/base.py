@@ -39,7 +39,7 @@ answer is what ``decode_verify(tokens, position)`` would return for that slot's 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Protocol, TypeGuard, runtime_checkable
 
 import attrs
@@ -160,13 +160,17 @@ class HiddenStates(Protocol):
         ...
 
 
+def _ids(tokens: Iterable[int]) -> tuple[int, ...]:
+    return tuple(tokens)
+
+
 @attrs.frozen
 class BatchRow:
     """One row of a batched pass: ``tokens`` folded into ``slot``'s KV cache at ``position`` (which must equal
     that slot's ``current_len``)."""
 
     slot: int
-    tokens: tuple[int, ...] = attrs.field(converter=tuple)
+    tokens: tuple[int, ...] = attrs.field(converter=_ids)
     position: int
 
 
