@@ -97,9 +97,10 @@ class BatchSequence:
 
     def cancel(self) -> None:
         """Stop the sequence: it is in no pass after the current one, its slot is freed, nothing more is delivered
-        (by its callback or its iterator), and ``result()`` reports what was delivered (``finish_reason`` None
-        unless every commit of a finished sequence was)."""
-        self._cancelled = True
+        (by its callback or its iterator), and ``result()`` reports what was delivered (``finish_reason`` None).
+        A sequence that is done (finished, failed or cancelled) ignores it."""
+        if self.phase is not Phase.DONE:
+            self._cancelled = True
 
     def result(self) -> GenerateResult:
         """What the sequence committed so far (the finished result, or a partial one with ``finish_reason`` None;

@@ -102,7 +102,7 @@ def batches(draw):
                 sc,
                 proposer,
                 draw(width_policies()),
-                draw(st.one_of(st.integers(0, 4), st.integers(0, 25))),
+                draw(st.one_of(st.just(0), st.integers(0, 4), st.integers(0, 25))),
                 cancel,
                 draw(st.booleans()),
             )
