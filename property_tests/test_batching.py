@@ -188,6 +188,8 @@ def check_request(req: Request, got: Outcome, capacity: int) -> list[str]:
         assert comparable(spec.stream, req.callback)[: len(delivered)] == delivered
         assert list(got.result.token_ids) == [d.token_id for d in delivered]
         assert got.result.text == "".join(d.text for d in delivered)
+        if req.cancel[0] == "tokens" and req.callback:  # cancelled from its callback: nothing after that token
+            assert len(delivered) == req.cancel[1]
         return ["cancelled before the end"]
     assert (got.error is None) == (spec.error is None), (got.error, spec.error)
     same_output(got.result, spec.result)
