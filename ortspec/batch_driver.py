@@ -19,6 +19,10 @@ stop, streamed deltas, stats) is what ``Generation`` gives the same request alon
 batch's rows. A prompt counts as one core step however many chunks it takes. A failure is a sequence's own: its
 proposer, the core or its callback failing fails that sequence (``GenerationError`` with its partial result) and
 the others go on; a failed backend pass fails the sequences that had a row in it.
+
+Not yet: batched device picks (rows come back as logits), reusing a slot's cached prefix (every request is
+prefilled from position 0), and proposers that read the target's own state (the shared-KV drafter): each proposer
+sees only its sequence's context tokens.
 """
 
 from __future__ import annotations
@@ -75,16 +79,25 @@ class BatchSequence:
         self._undelivered: collections.deque[Commit] = collections.deque()
         self._error: GenerationError | None = None
         self._cancelled = False
-        self.phase = Phase.DONE if state.finished else Phase.WAITING
-        self.slot: int | None = None
+        self._phase = Phase.DONE if state.finished else Phase.WAITING
+        self._slot: int | None = None  # while it holds one
         self._prefilled = 0  # prompt tokens whose KV the slot holds, while prefilling
         self._width = 0  # the width and draft of the row in flight
         self._draft: tuple[int, ...] = ()
 
     @property
+    def phase(self) -> Phase:
+        return self._phase
+
+    @property
+    def slot(self) -> int | None:
+        """The slot it holds, or held last (None until it is admitted)."""
+        return self._slot
+
+    @property
     def done(self) -> bool:
         """True once the sequence has finished, failed or been cancelled (its buffer may still hold commits)."""
-        return self.phase is Phase.DONE
+        return self._phase is Phase.DONE
 
     @property
     def error(self) -> GenerationError | None:
@@ -99,7 +112,7 @@ class BatchSequence:
         """Stop the sequence: it is in no pass after the current one, its slot is freed, nothing more is delivered
         (by its callback or its iterator), and ``result()`` reports what was delivered (``finish_reason`` None).
         A sequence that is done (finished, failed or cancelled) ignores it."""
-        if self.phase is not Phase.DONE:
+        if self._phase is not Phase.DONE:
             self._cancelled = True
 
     def result(self) -> GenerateResult:
@@ -124,43 +137,51 @@ class BatchSequence:
                 yield self._undelivered.popleft()
             if self._error is not None:
                 raise self._error
-            if self.phase is Phase.DONE:
+            if self._phase is Phase.DONE:
                 return
-            if not self._driver.step() and self.phase is not Phase.DONE:
+            if not self._driver.step() and self._phase is not Phase.DONE:
                 raise RuntimeError("the batch driver is idle but this sequence is not done")
 
     # -- the driver's side --------------------------------------------------------------------------------------
 
+    def _enter(self, slot: int) -> None:
+        """Take ``slot`` (emptied by the driver) and start prefilling."""
+        self._slot, self._phase = slot, Phase.PREFILL
+
+    def _drop(self) -> None:
+        """End a cancelled sequence (before the pass it would have joined)."""
+        self._phase = Phase.DONE
+
     def _row(self, prefill_chunk: int, vocab_size: int) -> BatchRow:
         """This sequence's row of the next pass (a proposer failure raises ``ProposerError``)."""
-        assert self.slot is not None
+        assert self._slot is not None
         state = self.state
-        if self.phase is Phase.PREFILL:
+        if self._phase is Phase.PREFILL:
             end = min(self._prefilled + prefill_chunk, len(state.prompt_tokens))
-            return BatchRow(self.slot, state.prompt_tokens[self._prefilled : end], self._prefilled)
+            return BatchRow(self._slot, state.prompt_tokens[self._prefilled : end], self._prefilled)
         self._width, self._draft = self._speculation.draft(state, vocab_size)
-        return BatchRow(self.slot, (state.pending_token, *self._draft), state.kv_len)
+        return BatchRow(self._slot, (state.pending_token, *self._draft), state.kv_len)
 
     def _take(self, backend: BatchBackend, row: BatchRow, logits: np.ndarray) -> tuple[Commit, ...]:
         """Decide (core) with this row's logits ``[len(row.tokens), vocab]`` and rewind the slot; return the
         commits the step released."""
-        assert self.slot is not None
+        assert self._slot is not None
         state = self.state
-        if self.phase is Phase.PREFILL:
+        if self._phase is Phase.PREFILL:
             self._prefilled += len(row.tokens)
             if self._prefilled < len(state.prompt_tokens):
                 return ()
             outcome = step(state, logits[-1], None, ())
-            self.phase, self._t_prefill = Phase.DECODING, time.perf_counter()
+            self._phase, self._t_prefill = Phase.DECODING, time.perf_counter()
         else:
             outcome = step(state, logits[0], logits[1:], self._draft)
             self._speculation = self._speculation.observe(state, self._width, self._draft, outcome.accepted)
-        backend.rewind(self.slot, outcome.rewind_to)
+        backend.rewind(self._slot, outcome.rewind_to)
         self.state = outcome.state
         if outcome.commits and self._t_first is None:
             self._t_first = time.perf_counter()
         if self.state.finished:
-            self.phase = Phase.DONE
+            self._phase = Phase.DONE
         return outcome.commits
 
     def _described(self, undelivered: tuple[Commit, ...]) -> GenerateResult:
@@ -172,11 +193,14 @@ class BatchSequence:
         iterator yields the buffered ones before it raises)."""
         self._error = GenerationError.after(exc, self._described(()))
         self._error.__cause__ = exc
-        self.phase = Phase.DONE
+        self._phase = Phase.DONE
 
-    def _deliver(self, commits: Sequence[Commit]) -> None:
-        """Buffer ``commits``; with a callback, call it for each until the sequence is cancelled or it raises."""
+    def _buffer(self, commits: Sequence[Commit]) -> None:
         self._undelivered.extend(commits)
+
+    def _deliver(self) -> None:
+        """With a callback, call it for each buffered commit until the sequence is cancelled or the callback
+        raises (which fails the sequence with ``GenerationAborted``)."""
         if self._callback is None:
             return
         while self._undelivered and not self._cancelled:
@@ -187,7 +211,7 @@ class BatchSequence:
             except Exception as exc:
                 self._error = GenerationAborted(self._described(tuple(self._undelivered)))
                 self._error.__cause__ = exc
-                self.phase = Phase.DONE
+                self._phase = Phase.DONE
                 return
 
 
@@ -268,10 +292,10 @@ class BatchDriver:
 
     def _drop_cancelled(self) -> None:
         for sequence in [s for s in self._waiting if s.cancelled]:
-            sequence.phase = Phase.DONE
+            sequence._drop()
             self._waiting.remove(sequence)
         for sequence in [s for s in self._running if s.cancelled]:
-            sequence.phase = Phase.DONE
+            sequence._drop()
             self._release(sequence)
 
     def _admit(self) -> list[BatchSequence]:
@@ -283,7 +307,7 @@ class BatchDriver:
             slot = min(self._free)
             self._free.remove(slot)
             self._backend.reset(slot)
-            sequence.slot, sequence.phase = slot, Phase.PREFILL
+            sequence._enter(slot)
             self._running.append(sequence)
             admitted.append(sequence)
         return admitted
@@ -300,8 +324,9 @@ class BatchDriver:
         return batch
 
     def _run_pass(self, batch: list[tuple[BatchSequence, BatchRow]]) -> None:
-        """The one backend pass; then each sequence decides with its own rows, and only then are commits
-        delivered (so a callback that raises, even a ``KeyboardInterrupt``, finds every slot rewound)."""
+        """The one backend pass; then each sequence decides with its own rows, its commits are buffered and the
+        slots of the finished are freed; only then do the callbacks run (so a callback that raises, even a
+        ``KeyboardInterrupt``, finds every slot rewound and every commit buffered)."""
         self.passes += 1
         try:
             outputs = self._backend.run_pass([row for _, row in batch])
@@ -319,7 +344,13 @@ class BatchDriver:
             except Exception as exc:
                 sequence._fail(exc)
         for sequence, commits in released:
-            sequence._deliver(commits)
+            sequence._buffer(commits)
+        self._release_done(batch)
+        for sequence, _ in released:
+            sequence._deliver()
+        self._release_done(batch)  # a callback raised
+
+    def _release_done(self, batch: list[tuple[BatchSequence, BatchRow]]) -> None:
         for sequence, _ in batch:
             if sequence.phase is Phase.DONE:
                 self._release(sequence)

@@ -248,3 +248,24 @@ def test_a_prompt_that_fills_the_context_ends_at_once_and_bad_input_is_refused()
     with pytest.raises(ValueError, match="prefill_chunk"):
         BatchDriver(backend, prefill_chunk=0)
     assert not d.step() and backend.passes == 0
+
+
+def test_an_interrupt_in_a_callback_leaves_every_slot_rewound_and_the_driver_usable():
+    d, _ = driver(slots=2)
+    options = Options(max_tokens=6)
+    calls = Recorder()
+
+    def interrupt_once(text, token_id, finish_reason):
+        calls(text, token_id, finish_reason)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+
+    interrupted = d.submit([1, 2], options, callback=interrupt_once)
+    other = d.submit([3, 4], options, Oracle(), draft_width=3)
+    with pytest.raises(KeyboardInterrupt):
+        d.run()
+    d.run()  # the same driver goes on from where the pass left off
+    assert other.result().token_ids == alone([3, 4], options).token_ids
+    assert interrupted.result().token_ids == alone([1, 2], options).token_ids
+    assert [t for _, t, _ in calls] == list(alone([1, 2], options).token_ids)
+    assert not d.running and not d.waiting
