@@ -348,7 +348,7 @@ MUTANTS: dict[str, Mutant] = {
     # -- the batch driver (continuous batching) ---------------------------------------------------------------
     "batch-driver-skips-rewind": Mutant(
         "ortspec/batch_driver.py",
-        "        backend.rewind(self.slot, outcome.rewind_to)\n",
+        "        backend.rewind(self._slot, outcome.rewind_to)\n",
         "",
     ),
     "batch-driver-first-row-of-the-last-chunk": Mutant(
