@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 
 from ortspec import BatchDriver, BatchSequence, GenerateResult, Generation, GenerationError
 from ortspec.backends.fake import FakeBackend, FakeBatchBackend, FakeModel
+from ortspec.batch_driver import Phase
 from property_tests.conftest import examples
 from property_tests.strategies import FaultyProposer, Scenario, fake_models, proposers_for, scenarios, width_policies
 
@@ -132,11 +133,25 @@ def submit(driver: BatchDriver, req: Request, stream: list) -> BatchSequence:
     return sequence
 
 
-def run_batch(model, capacity, slots, chunk, requests) -> tuple[list[Outcome], FakeBatchBackend, BatchDriver]:
+class PhaseTracingBackend(FakeBatchBackend):
+    """Records, for each pass, the phases of the sequences running in it."""
+
+    driver: BatchDriver
+
+    def __init__(self, model, slots, max_length):
+        super().__init__(model, slots, max_length)
+        self.phases: list[set[Phase]] = []
+
+    def run_pass(self, rows):
+        self.phases.append({s.phase for s in self.driver.running})
+        return super().run_pass(rows)
+
+
+def run_batch(model, capacity, slots, chunk, requests) -> tuple[list[Outcome], PhaseTracingBackend, BatchDriver]:
     """Submit each request at its tick, cancel at its tick, run until every sequence is done (a tick is one call
     of ``step``, which runs a pass unless the driver is idle)."""
-    backend = FakeBatchBackend(model, slots, capacity)
-    driver = BatchDriver(backend, prefill_chunk=chunk)
+    backend = PhaseTracingBackend(model, slots, capacity)
+    driver = backend.driver = BatchDriver(backend, prefill_chunk=chunk)
     sequences: dict[int, BatchSequence] = {}
     streams: dict[int, list] = {i: [] for i in range(len(requests))}
     tick = 0
@@ -221,6 +236,8 @@ def test_each_sequence_of_a_batch_is_its_request_decoded_alone(batch):
         labels.add("a pass carried several rows")
     if any(len(r.scenario.prompt) > chunk for r in requests):
         labels.add("a prompt prefilled in chunks")
+    if any({Phase.PREFILL, Phase.DECODING} <= phases for phases in backend.phases):
+        labels.add("a prompt chunk and a decoding sequence in one pass")
     if any(r.scenario.options.sampling.temperature > 0 for r in requests) and any(
         r.scenario.options.sampling.temperature == 0 for r in requests
     ):
