@@ -1,6 +1,6 @@
 """Backends: the imperative device work behind the protocol in ``base``."""
 
-from .base import Backend, BackendError
-from .fake import FakeBackend, FakeModel
+from .base import Backend, BackendError, BatchBackend, BatchRow
+from .fake import FakeBackend, FakeBatchBackend, FakeModel
 
-__all__ = ["Backend", "BackendError", "FakeBackend", "FakeModel"]
+__all__ = ["Backend", "BackendError", "BatchBackend", "BatchRow", "FakeBackend", "FakeBatchBackend", "FakeModel"]

@@ -29,13 +29,20 @@ position of the last pass. Such a proposer is given the backend when it is made;
 whenever it asks for a draft, the backend holds the KV of every context token but the last (``current_len() ==
 len(context) - 1``) and its last pass computed position ``current_len() - 1``, whose hidden state predicted the
 last context token. The core never sees any of it: it sees only draft tokens.
+
+The batched protocol, ``BatchBackend``, is a separate one for continuous batching: a fixed number of *slots*, each
+one sequence's KV cache with its own length, and one pass, ``run_pass(rows)``, that carries a ragged batch of
+``BatchRow(slot, tokens, position)`` (at most one row per slot, ``position == current_len(slot)``). Each row's
+answer is what ``decode_verify(tokens, position)`` would return for that slot's sequence alone; ``rewind`` and
+``reset`` act on one slot. ``check_batch`` is the one check of a pass, done before any slot changes.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Protocol, TypeGuard, runtime_checkable
 
+import attrs
 import numpy as np
 
 
@@ -151,3 +158,78 @@ class HiddenStates(Protocol):
         """The final hidden state at ``position`` (one of the last pass's positions), ``[hidden_size]`` float32;
         valid until the next call on the backend. ``BackendError`` for any other position."""
         ...
+
+
+def _ids(tokens: Iterable[int]) -> tuple[int, ...]:
+    return tuple(tokens)
+
+
+@attrs.frozen
+class BatchRow:
+    """One row of a batched pass: ``tokens`` folded into ``slot``'s KV cache at ``position`` (which must equal
+    that slot's ``current_len``)."""
+
+    slot: int
+    tokens: tuple[int, ...] = attrs.field(converter=_ids)
+    position: int
+
+
+@runtime_checkable
+class BatchBackend(Protocol):
+    """A target model with ``slots`` KV caches, one per sequence, each with its own length, run by one pass over
+    a ragged batch of rows (see the module docstring). Errors raise ``BackendError`` before any slot changes."""
+
+    @property
+    def vocab_size(self) -> int:
+        """Width of every logits row."""
+        ...
+
+    @property
+    def max_length(self) -> int:
+        """The most token positions one slot's KV cache can hold."""
+        ...
+
+    @property
+    def slots(self) -> int:
+        """How many sequences the backend holds at once (slots are ``0 .. slots - 1``)."""
+        ...
+
+    def reset(self, slot: int) -> None:
+        """Empty ``slot``'s KV cache (its ``current_len`` becomes 0)."""
+        ...
+
+    def current_len(self, slot: int) -> int:
+        """Number of resident KV positions in ``slot``."""
+        ...
+
+    def run_pass(self, rows: Sequence[BatchRow]) -> list[np.ndarray]:
+        """One pass over every row (at most one per slot); each row's slot grows by ``len(row.tokens)``. Returns,
+        per row in order, ``[len(row.tokens), vocab]`` float32 logits (the ``decode_verify`` contract for that
+        slot alone), valid until the next call on the backend."""
+        ...
+
+    def rewind(self, slot: int, length: int) -> None:
+        """Keep only the first ``length`` KV positions of ``slot``; copies nothing."""
+        ...
+
+
+def check_slot(slot: int, slots: int) -> None:
+    """Raise ``BackendError`` unless ``slot`` is an int in ``[0, slots)``."""
+    if isinstance(slot, bool) or not isinstance(slot, (int, np.integer)) or not 0 <= slot < slots:
+        raise BackendError(f"slot {slot!r} is outside [0, {slots})")
+
+
+def check_batch(rows: Sequence[BatchRow], backend: BatchBackend) -> None:
+    """Raise ``BackendError`` unless ``rows`` is a non-empty batch whose every row names its own slot, holds ids
+    in the vocabulary, starts at its slot's length and fits its slot's capacity."""
+    if not rows:
+        raise BackendError("a batched pass needs at least one row")
+    seen: set[int] = set()
+    for row in rows:
+        check_slot(row.slot, backend.slots)
+        if row.slot in seen:
+            raise BackendError(f"slot {row.slot} has two rows in one pass")
+        seen.add(row.slot)
+        check_tokens(row.tokens, backend.vocab_size, f"the tokens of slot {row.slot}")
+        length = backend.current_len(row.slot)
+        check_position(row.position, length, len(row.tokens), backend.max_length, f"the position of slot {row.slot}")

@@ -7,7 +7,8 @@ changes the logits and, usually, the output. It can plant exact ties and near ti
 an EOS token that wins now and then.
 
 ``FakeBackend`` is the imperative side: it keeps the resident tokens (its "KV cache"), enforces the protocol of
-``backends.base`` and counts passes.
+``backends.base`` and counts passes. ``FakeBatchBackend`` is the batched protocol (``BatchBackend``) over the same
+model: one ``FakeBackend`` per slot, so each row's logits are exactly that sequence's alone.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from collections.abc import Sequence
 import attrs
 import numpy as np
 
-from .base import BackendError, argmax_margin, check_position, check_tokens
+from .base import BackendError, BatchRow, argmax_margin, check_batch, check_position, check_slot, check_tokens
 
 _HASH_MUL = 0x100000001B3
 _HASH_MASK = (1 << 64) - 1
@@ -206,3 +207,56 @@ class FakeBackend:
             raise BackendError(f"rewind({length}) outside [0, {len(self._tokens)}]")
         del self._tokens[length:]
         del self._hashes[length + 1 :]
+
+
+class FakeBatchBackend:
+    """A ``BatchBackend`` over a ``FakeModel``: ``slots`` sequences, each a ``FakeBackend`` of ``max_length``
+    positions, so a row's logits are exactly what a ``FakeBackend`` gives that sequence alone (the model is a pure
+    function of the context). ``passes`` counts batched passes and ``rows_per_pass[i]`` the rows of pass ``i + 1``;
+    ``tokens_per_pass[i]`` its tokens."""
+
+    def __init__(self, model: FakeModel, slots: int, max_length: int = 4096) -> None:
+        if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
+            raise ValueError(f"slots must be an int >= 1, got {slots!r}")
+        self.model = model
+        self._slots = [FakeBackend(model, max_length) for _ in range(slots)]
+        self._max_length = max_length
+        self.rows_per_pass: list[int] = []
+        self.tokens_per_pass: list[int] = []
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.vocab_size
+
+    @property
+    def max_length(self) -> int:
+        return self._max_length
+
+    @property
+    def slots(self) -> int:
+        return len(self._slots)
+
+    @property
+    def passes(self) -> int:
+        return len(self.rows_per_pass)
+
+    def slot_backend(self, slot: int) -> FakeBackend:
+        """The ``FakeBackend`` that holds ``slot`` (for tests: its ``peak_len``, its resident tokens)."""
+        check_slot(slot, len(self._slots))
+        return self._slots[slot]
+
+    def reset(self, slot: int) -> None:
+        self.slot_backend(slot).reset()
+
+    def current_len(self, slot: int) -> int:
+        return self.slot_backend(slot).current_len()
+
+    def run_pass(self, rows: Sequence[BatchRow]) -> list[np.ndarray]:
+        check_batch(rows, self)
+        out = [self._slots[row.slot].decode_verify(row.tokens, row.position) for row in rows]
+        self.rows_per_pass.append(len(rows))
+        self.tokens_per_pass.append(sum(len(row.tokens) for row in rows))
+        return out
+
+    def rewind(self, slot: int, length: int) -> None:
+        self.slot_backend(slot).rewind(length)

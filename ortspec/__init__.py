@@ -4,7 +4,8 @@
 imported on first use: they load onnxruntime and tokenizers) wrap a model folder.
 """
 
-from ortspec.backends.base import Backend, BackendError
+from ortspec.backends.base import Backend, BackendError, BatchBackend, BatchRow
+from ortspec.batch_driver import BatchDriver, BatchSequence
 from ortspec.core import (
     MAX_DRAFT,
     AdditiveWidth,
@@ -31,6 +32,7 @@ from ortspec.driver import (
     GenerationError,
     PassGuard,
     ProposerError,
+    Speculation,
     StreamCallback,
     Timings,
     generate,
@@ -45,6 +47,10 @@ __all__ = [
     "Backend",
     "BackendConfig",
     "BackendError",
+    "BatchBackend",
+    "BatchDriver",
+    "BatchRow",
+    "BatchSequence",
     "Commit",
     "CostAwareWidth",
     "Engine",
@@ -65,6 +71,7 @@ __all__ = [
     "PromptLookup",
     "Proposer",
     "ProposerError",
+    "Speculation",
     "Sampling",
     "Stats",
     "StreamCallback",

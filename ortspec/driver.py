@@ -65,6 +65,17 @@ class Timings:
     decode_s: float = 0.0
     total_s: float = 0.0
 
+    @classmethod
+    def since(cls, t_start: float, t_prefill: float, t_first: float | None, now: float) -> Timings:
+        """The timings of a generation that started at ``t_start``, ended its prompt pass at ``t_prefill`` and
+        committed its first token at ``t_first`` (None: not yet), as of ``now`` (``time.perf_counter`` seconds)."""
+        return cls(
+            prefill_s=t_prefill - t_start,
+            first_token_s=(t_first if t_first is not None else now) - t_start,
+            decode_s=now - t_prefill,
+            total_s=now - t_start,
+        )
+
 
 @attrs.frozen
 class GenerateResult:
@@ -84,6 +95,24 @@ class GenerateResult:
     prompt_tokens: int = 0
     cached_prompt_tokens: int = 0
     seed: int | None = None  # the sampler's seed (None when decoding greedily): rerun with it to replay
+
+    @classmethod
+    def of(cls, state: DecodeState, undelivered: Sequence[Commit], timings: Timings) -> GenerateResult:
+        """What a consumer who has seen every commit of ``state`` but the trailing ``undelivered`` ones was given:
+        the finished result, or a partial one (``finish_reason`` None; ``core.state.delivered``)."""
+        s = delivered(state, undelivered)
+        return cls(
+            token_ids=tuple(s.generated_tokens),
+            text=s.text,
+            finish_reason=s.finish_reason,
+            stop_matched=s.stop_matched,
+            stats=s.stats,
+            logprobs=tuple(s.logprobs) if s.options.top_logprobs else None,
+            timings=timings,
+            prompt_tokens=len(s.prompt_tokens),
+            cached_prompt_tokens=s.cached_prefix,
+            seed=s.options.replay_seed,
+        )
 
     @property
     def tokens_per_second(self) -> float:
@@ -109,6 +138,11 @@ class GenerationError(RuntimeError):
         super().__init__(message)
         self.partial = partial
 
+    @classmethod
+    def after(cls, exc: Exception, partial: GenerateResult) -> GenerationError:
+        """The error for ``exc`` raised once ``partial`` was delivered (raise it ``from exc``)."""
+        return cls(f"generation failed after {_tokens(len(partial.token_ids))}: {type(exc).__name__}: {exc}", partial)
+
 
 class GenerationAborted(GenerationError):
     """The stream callback raised: generation stopped, ``partial`` holds what was committed (and streamed)
@@ -123,6 +157,43 @@ class GenerationAborted(GenerationError):
 class ProposerError(ValueError):
     """The proposer raised, or proposed something that is not a draft (ids that are not ints in the
     vocabulary); the ``__cause__`` says which."""
+
+
+@attrs.frozen
+class Speculation:
+    """One sequence's proposer and width policy as they stand (a learning proposer and a width policy are values
+    that learn): the draft for its next step, and what they learn from that step's outcome. Without a proposer
+    every step is plain."""
+
+    proposer: Proposer | None
+    policy: WidthPolicy
+
+    @classmethod
+    def of(cls, proposer: Proposer | None, draft_width: int | WidthPolicy) -> Speculation:
+        """``draft_width``: the most draft tokens per pass, or a ``WidthPolicy`` choosing it per step."""
+        return cls(proposer, draft_width if isinstance(draft_width, WidthPolicy) else FixedWidth(draft_width))
+
+    def draft(self, state: DecodeState, vocab_size: int) -> tuple[int, tuple[int, ...]]:
+        """``(width, draft)`` for the next step from ``state``: the width asked for (``core.draft_width``; 0 without a
+        proposer) and the proposer's answer cut to it (``core.take_draft``; ``()`` when the width is 0). Raises
+        ``ProposerError`` when the proposer raises or proposes something that is not a draft."""
+        if self.proposer is None:
+            return 0, ()
+        width = draft_width(state, self.policy.width())
+        if width == 0:
+            return 0, ()
+        try:
+            return width, take_draft(state, self.proposer.propose(state.context_tokens, width), width, vocab_size)
+        except Exception as exc:
+            raise ProposerError(f"the proposer {self.proposer!r} failed: {type(exc).__name__}: {exc}") from exc
+
+    def observe(self, state: DecodeState, width: int, draft: tuple[int, ...], accepted: int) -> Speculation:
+        """What both learn from the step from ``state`` over ``draft`` (asked at ``width``) that accepted
+        ``accepted`` draft tokens: the policy always, a ``core.proposers.Learner`` when it was asked for a draft."""
+        proposer = self.proposer
+        if isinstance(proposer, Learner) and width > 0:
+            proposer = proposer.observe(state.context_tokens, width, draft, accepted)
+        return Speculation(proposer, self.policy.observe(len(draft), accepted))
 
 
 StreamCallback = Callable[[str, int, "FinishReason | None"], object]
@@ -194,7 +265,7 @@ class Generation:
     ) -> None:
         self._t_start = time.perf_counter()
         options = options if options is not None else Options()
-        self._policy: WidthPolicy = draft_width if isinstance(draft_width, WidthPolicy) else FixedWidth(draft_width)
+        self._speculation = Speculation.of(proposer, draft_width)
         self.state = DecodeState.start(
             prompt_tokens,
             options,
@@ -204,7 +275,6 @@ class Generation:
             cached_prefix=cached_prefix,
         )
         self._backend = backend
-        self._proposer = proposer
         self._picker: DevicePicks | None = (
             backend if uses_device_picks(backend) and options.device_picks_suffice else None
         )
@@ -241,9 +311,7 @@ class Generation:
                     self._before_pass()
                 action()
         except Exception as exc:
-            partial = self.result()
-            message = f"generation failed after {_tokens(len(partial.token_ids))}: {type(exc).__name__}: {exc}"
-            raise GenerationError(message, partial) from exc
+            raise GenerationError.after(exc, self.result()) from exc
 
     def __iter__(self) -> Iterator[Commit]:
         while True:
@@ -264,7 +332,7 @@ class Generation:
     @property
     def proposer(self) -> Proposer | None:
         """The proposer as it stands now: a learning proposer's latest value (``core.proposers.Learner``)."""
-        return self._proposer
+        return self._speculation.proposer
 
     @property
     def done(self) -> bool:
@@ -286,8 +354,7 @@ class Generation:
     def _step(self) -> None:
         """One target pass: propose, verify, decide (core), rewind."""
         backend, state = self._backend, self.state
-        width = draft_width(state, self._policy.width()) if self._proposer is not None else 0
-        draft = self._propose(state, width)
+        width, draft = self._speculation.draft(state, backend.vocab_size)
         tokens = (state.pending_token, *draft)
         outcome: StepOutcome
         if self._picker is not None:
@@ -299,43 +366,12 @@ class Generation:
         else:
             outcome = step(state, backend.decode(tokens, state.kv_len), None, draft)
         backend.rewind(outcome.rewind_to)
-        self._policy = self._policy.observe(len(draft), outcome.accepted)
-        if isinstance(self._proposer, Learner) and width > 0:
-            self._proposer = self._proposer.observe(state.context_tokens, width, draft, outcome.accepted)
+        self._speculation = self._speculation.observe(state, width, draft, outcome.accepted)
         self.state, self._commits, self._delivered = outcome.state, outcome.commits, 0
         if outcome.commits and self._t_first is None:
             self._t_first = time.perf_counter()
 
-    def _propose(self, state: DecodeState, width: int) -> tuple[int, ...]:
-        """The proposer's draft of at most ``width`` tokens for the next step (``()`` without a proposer or when
-        the width is 0)."""
-        if self._proposer is None or width == 0:
-            return ()
-        try:
-            return take_draft(
-                state, self._proposer.propose(state.context_tokens, width), width, self._backend.vocab_size
-            )
-        except Exception as exc:
-            raise ProposerError(f"the proposer {self._proposer!r} failed: {type(exc).__name__}: {exc}") from exc
-
     def result(self) -> GenerateResult:
         """What was delivered so far: the finished result, or a partial one (``finish_reason`` None)."""
-        s = delivered(self.state, self._commits[self._delivered :])
-        now = time.perf_counter()
-        return GenerateResult(
-            token_ids=tuple(s.generated_tokens),
-            text=s.text,
-            finish_reason=s.finish_reason,
-            stop_matched=s.stop_matched,
-            stats=s.stats,
-            logprobs=tuple(s.logprobs) if s.options.top_logprobs else None,
-            timings=Timings(
-                prefill_s=self._t_prefill - self._t_start,
-                first_token_s=(self._t_first if self._t_first is not None else now) - self._t_start,
-                decode_s=now - self._t_prefill,
-                total_s=now - self._t_start,
-            ),
-            prompt_tokens=len(s.prompt_tokens),
-            cached_prompt_tokens=s.cached_prefix,
-            seed=s.options.replay_seed,
-        )
+        timings = Timings.since(self._t_start, self._t_prefill, self._t_first, time.perf_counter())
+        return GenerateResult.of(self.state, self._commits[self._delivered :], timings)

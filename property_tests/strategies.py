@@ -136,10 +136,13 @@ def pick_rules(draw, vocab: int, mode: str) -> PickRules:
 
 
 @st.composite
-def scenarios(draw, end: str | None = None, nonfinite: bool = False, mode: str | None = None) -> Scenario:
+def scenarios(
+    draw, end: str | None = None, nonfinite: bool = False, mode: str | None = None, model: FakeModel | None = None
+) -> Scenario:
     """A model, a prompt and options with one rule planted at a drawn token: ``end`` (one of ``END_KINDS``), or
-    a kind drawn evenly when None; pick rules of ``mode`` ("greedy" or "sampling"; drawn when None)."""
-    model = draw(fake_models(nonfinite))
+    a kind drawn evenly when None; pick rules of ``mode`` ("greedy" or "sampling"; drawn when None). ``model``:
+    this model instead of a drawn one (several requests to one model)."""
+    model = model if model is not None else draw(fake_models(nonfinite))
     prompt = draw(prompts(model.vocab_size))
     # Hypothesis favours the first option and small integers; they are chosen so that its simplest examples
     # still reach deep into a generation (a medium budget, a rule planted late, a wide oracle draft).

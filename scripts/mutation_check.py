@@ -42,6 +42,7 @@ UNIT_TESTS: dict[str, tuple[str, ...]] = {
     "core/sampling.py": ("tests/test_sampling_rules.py", "tests/test_sampling.py", "tests/test_core_rules.py"),
     "core/proposers.py": ("tests/test_proposers.py",),
     "ortspec/driver.py": ("tests/test_driver.py",),
+    "ortspec/batch_driver.py": ("tests/test_batch_driver.py", "property_tests/test_batching.py"),
     # moves to adapters/serve/pool.py (issue 18): re-point the server-routing-* mutants with it
     "adapters/serve/pool.py": ("tests/test_server_routing.py", "tests/test_server.py"),
     # moves to adapters/batch/ (issue 18): re-point the batch-resume-* mutants with it
@@ -331,18 +332,39 @@ MUTANTS: dict[str, Mutant] = {
     # -- the driver -----------------------------------------------------------------------------------------------
     "driver-wrong-width-feedback": Mutant(
         "ortspec/driver.py",
-        "self._policy = self._policy.observe(len(draft), outcome.accepted)",
-        "self._policy = self._policy.observe(len(draft), len(draft))",
+        "return Speculation(proposer, self.policy.observe(len(draft), accepted))",
+        "return Speculation(proposer, self.policy.observe(len(draft), len(draft)))",
     ),
     "driver-skips-rewind": Mutant(
         "ortspec/driver.py",
-        "        backend.rewind(outcome.rewind_to)\n        self._policy",
-        "        self._policy",
+        "        backend.rewind(outcome.rewind_to)\n        self._speculation",
+        "        self._speculation",
     ),
     "driver-drops-device-margins": Mutant(
         "ortspec/driver.py",
         "outcome = step_from_picks(state, picks, draft, vocab_size=backend.vocab_size, margins=margins)",
         "outcome = step_from_picks(state, picks, draft, vocab_size=backend.vocab_size, margins=None)",
+    ),
+    # -- the batch driver (continuous batching) ---------------------------------------------------------------
+    "batch-driver-skips-rewind": Mutant(
+        "ortspec/batch_driver.py",
+        "        backend.rewind(self._slot, outcome.rewind_to)\n",
+        "",
+    ),
+    "batch-driver-first-row-of-the-last-chunk": Mutant(
+        "ortspec/batch_driver.py",
+        "outcome = step(state, logits[-1], None, ())",
+        "outcome = step(state, logits[0], None, ())",
+    ),
+    "batch-driver-rows-to-the-wrong-sequence": Mutant(
+        "ortspec/batch_driver.py",
+        "for (sequence, row), logits in zip(batch, outputs, strict=True):",
+        "for (sequence, row), logits in zip(batch, outputs[::-1], strict=True):",
+    ),
+    "batch-driver-delivers-after-cancel": Mutant(
+        "ortspec/batch_driver.py",
+        "        while self._undelivered and not self._cancelled:\n            commit = self._undelivered.popleft()",
+        "        while self._undelivered:\n            commit = self._undelivered.popleft()",
     ),
     # -- the server's routing by longest cached prefix (adapters/serve/pool.py) ----------------------------------
     "server-routing-first-idle-worker": Mutant(

@@ -1,0 +1,362 @@
+"""Continuous batching: many sequences, one backend pass at a time. The scheduler; it decides nothing about tokens.
+
+    every pass (``BatchDriver.step``):
+        drop the cancelled sequences; admit waiting requests into free slots (backend.reset(slot)), first come first
+        for every running sequence, one row:
+            prefilling: the next chunk of its prompt (at most prefill_chunk tokens) at the chunk's position
+            decoding:   (pending, *draft) at state.kv_len; width, draft = speculation.draft(state, vocab)
+                        (core.draft_width / take_draft, exactly as ``Generation`` asks)
+        outputs = backend.run_pass(rows)                             ONE pass for every row
+        for every row, with its own [len(tokens), vocab] logits:
+            a prompt chunk that is not the last: nothing to decide
+            else: outcome = core.step(state, rows[0], rows[1:], draft); backend.rewind(slot, outcome.rewind_to)
+                  speculation = speculation.observe(state, width, draft, outcome.accepted)
+        then deliver each sequence's commits (its callback, or its iterator's buffer); free the slots of the
+        sequences that finished, failed or were cancelled
+
+Each sequence is stepped by ``ortspec.core`` with its own rows only, so its output (tokens, text, finish reason,
+stop, streamed deltas, stats) is what ``Generation`` gives the same request alone on a backend whose rows are the
+batch's rows. A prompt counts as one core step however many chunks it takes. A failure is a sequence's own: its
+proposer, the core or its callback failing fails that sequence (``GenerationError`` with its partial result) and
+the others go on; a failed backend pass fails the sequences that had a row in it.
+
+Not yet: batched device picks (rows come back as logits), reusing a slot's cached prefix (every request is
+prefilled from position 0), and proposers that read the target's own state (the shared-KV drafter): each proposer
+sees only its sequence's context tokens.
+"""
+
+from __future__ import annotations
+
+import collections
+import enum
+import time
+from collections.abc import Iterator, Sequence
+
+import numpy as np
+
+from ortspec.backends.base import BatchBackend, BatchRow
+from ortspec.core.proposers import Proposer
+from ortspec.core.state import Commit, DecodeState, Detokenize, Options, step
+from ortspec.core.width import WidthPolicy
+from ortspec.driver import GenerateResult, GenerationAborted, GenerationError, Speculation, StreamCallback, Timings
+
+
+class Phase(enum.Enum):
+    """Where a sequence is: waiting for a slot, prefilling its prompt in chunks, decoding, or done (finished and
+    released, failed, or cancelled)."""
+
+    WAITING = "waiting"
+    PREFILL = "prefill"
+    DECODING = "decoding"
+    DONE = "done"
+
+
+class BatchSequence:
+    """One request in a ``BatchDriver``: made by ``BatchDriver.submit``, advanced by the driver's passes.
+
+    With a ``callback``, each commit is delivered at the end of the pass that made it, as
+    ``callback(text, token_id, finish_reason)``; without one, commits also wait in a buffer that iterating the
+    sequence reads (iterating drives the driver's passes while the buffer is empty). ``result()`` is what the
+    sequence committed so far (after ``cancel``, what was delivered); ``wait()`` drives the passes until the
+    sequence is done and returns its result or raises its error.
+    Not thread-safe, except ``cancel``, which may be called from anywhere and takes effect before the next pass.
+    """
+
+    def __init__(
+        self,
+        driver: BatchDriver,
+        state: DecodeState,
+        speculation: Speculation,
+        callback: StreamCallback | None,
+    ) -> None:
+        self._t_start = time.perf_counter()
+        self._t_prefill = self._t_start
+        self._t_first: float | None = None
+        self._driver = driver
+        self.state = state
+        self._speculation = speculation
+        self._callback = callback
+        self._undelivered: collections.deque[Commit] = collections.deque()
+        self._error: GenerationError | None = None
+        self._cancelled = False
+        self._phase = Phase.DONE if state.finished else Phase.WAITING
+        self._slot: int | None = None  # while it holds one
+        self._prefilled = 0  # prompt tokens whose KV the slot holds, while prefilling
+        self._width = 0  # the width and draft of the row in flight
+        self._draft: tuple[int, ...] = ()
+
+    @property
+    def phase(self) -> Phase:
+        return self._phase
+
+    @property
+    def slot(self) -> int | None:
+        """The slot it holds, or held last (None until it is admitted)."""
+        return self._slot
+
+    @property
+    def done(self) -> bool:
+        """True once the sequence has finished, failed or been cancelled (its buffer may still hold commits)."""
+        return self._phase is Phase.DONE
+
+    @property
+    def error(self) -> GenerationError | None:
+        """Why the sequence failed (``GenerationAborted`` when its callback raised), or None."""
+        return self._error
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled
+
+    def cancel(self) -> None:
+        """Stop the sequence: it is in no pass after the current one, its slot is freed, nothing more is delivered
+        (by its callback or its iterator), and ``result()`` reports what was delivered (``finish_reason`` None).
+        A sequence that is done (finished, failed or cancelled) ignores it."""
+        if self._phase is not Phase.DONE:
+            self._cancelled = True
+
+    def result(self) -> GenerateResult:
+        """What the sequence committed so far (the finished result, or a partial one with ``finish_reason`` None;
+        after ``cancel``, only what was delivered); a failed sequence's ``error.partial``. Timings count from
+        ``submit``."""
+        if self._error is not None:
+            return self._error.partial
+        return self._described(tuple(self._undelivered) if self._cancelled else ())
+
+    def wait(self) -> GenerateResult:
+        """Run the driver's passes until this sequence is done; return its result, or raise its error."""
+        for _ in self:
+            pass
+        return self.result()
+
+    def __iter__(self) -> Iterator[Commit]:
+        """The buffered commits, in order, running the driver's passes while none are waiting; raises the
+        sequence's ``GenerationError`` after the commits released before the failure."""
+        while True:
+            while self._undelivered and not self._cancelled:
+                yield self._undelivered.popleft()
+            if self._error is not None:
+                raise self._error
+            if self._phase is Phase.DONE:
+                return
+            if not self._driver.step() and self._phase is not Phase.DONE:
+                raise RuntimeError("the batch driver is idle but this sequence is not done")
+
+    # -- the driver's side --------------------------------------------------------------------------------------
+
+    def _enter(self, slot: int) -> None:
+        """Take ``slot`` (emptied by the driver) and start prefilling."""
+        self._slot, self._phase = slot, Phase.PREFILL
+
+    def _drop(self) -> None:
+        """End a cancelled sequence (before the pass it would have joined)."""
+        self._phase = Phase.DONE
+
+    def _row(self, prefill_chunk: int, vocab_size: int) -> BatchRow:
+        """This sequence's row of the next pass (a proposer failure raises ``ProposerError``)."""
+        assert self._slot is not None
+        state = self.state
+        if self._phase is Phase.PREFILL:
+            end = min(self._prefilled + prefill_chunk, len(state.prompt_tokens))
+            return BatchRow(self._slot, state.prompt_tokens[self._prefilled : end], self._prefilled)
+        self._width, self._draft = self._speculation.draft(state, vocab_size)
+        return BatchRow(self._slot, (state.pending_token, *self._draft), state.kv_len)
+
+    def _take(self, backend: BatchBackend, row: BatchRow, logits: np.ndarray) -> tuple[Commit, ...]:
+        """Decide (core) with this row's logits ``[len(row.tokens), vocab]`` and rewind the slot; return the
+        commits the step released."""
+        assert self._slot is not None
+        state = self.state
+        if self._phase is Phase.PREFILL:
+            self._prefilled += len(row.tokens)
+            if self._prefilled < len(state.prompt_tokens):
+                return ()
+            outcome = step(state, logits[-1], None, ())
+            self._phase, self._t_prefill = Phase.DECODING, time.perf_counter()
+        else:
+            outcome = step(state, logits[0], logits[1:], self._draft)
+            self._speculation = self._speculation.observe(state, self._width, self._draft, outcome.accepted)
+        backend.rewind(self._slot, outcome.rewind_to)
+        self.state = outcome.state
+        if outcome.commits and self._t_first is None:
+            self._t_first = time.perf_counter()
+        if self.state.finished:
+            self._phase = Phase.DONE
+        return outcome.commits
+
+    def _described(self, undelivered: tuple[Commit, ...]) -> GenerateResult:
+        timings = Timings.since(self._t_start, self._t_prefill, self._t_first, time.perf_counter())
+        return GenerateResult.of(self.state, undelivered, timings)
+
+    def _fail(self, exc: Exception) -> None:
+        """End the sequence with a ``GenerationError`` for ``exc``, carrying every commit made before it (the
+        iterator yields the buffered ones before it raises)."""
+        self._error = GenerationError.after(exc, self._described(()))
+        self._error.__cause__ = exc
+        self._phase = Phase.DONE
+
+    def _buffer(self, commits: Sequence[Commit]) -> None:
+        self._undelivered.extend(commits)
+
+    def _deliver(self) -> None:
+        """With a callback, call it for each buffered commit until the sequence is cancelled or the callback
+        raises (which fails the sequence with ``GenerationAborted``)."""
+        if self._callback is None:
+            return
+        while self._undelivered and not self._cancelled:
+            commit = self._undelivered.popleft()
+            last = self.state.finished and not self._undelivered
+            try:
+                self._callback(commit.text, commit.token_id, self.state.finish_reason if last else None)
+            except Exception as exc:
+                self._error = GenerationAborted(self._described(tuple(self._undelivered)))
+                self._error.__cause__ = exc
+                self._phase = Phase.DONE
+                return
+
+
+class BatchDriver:
+    """Runs many generations on one ``BatchBackend``, one pass for all of them at a time (see the module
+    docstring). Requests join with ``submit`` at any time (a callback may submit too) and start when a slot is
+    free; ``step`` runs one pass, ``run`` passes until every sequence is done. Not thread-safe.
+
+    ``prefill_chunk``: the most prompt tokens one sequence folds in per pass, so a long prompt is prefilled over
+    several passes while the others decode. ``passes`` counts the backend passes run."""
+
+    def __init__(self, backend: BatchBackend, *, prefill_chunk: int = 512) -> None:
+        if isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int) or prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk must be an int >= 1, got {prefill_chunk!r}")
+        self._backend = backend
+        self.prefill_chunk = prefill_chunk
+        self._waiting: collections.deque[BatchSequence] = collections.deque()
+        self._running: list[BatchSequence] = []
+        self._free = list(range(backend.slots))
+        self._in_pass = False
+        self.passes = 0
+
+    @property
+    def running(self) -> tuple[BatchSequence, ...]:
+        """The sequences holding a slot, in the order they were admitted."""
+        return tuple(self._running)
+
+    @property
+    def waiting(self) -> tuple[BatchSequence, ...]:
+        """The sequences waiting for a slot, first come first."""
+        return tuple(self._waiting)
+
+    def submit(
+        self,
+        prompt_tokens: Sequence[int],
+        options: Options | None = None,
+        proposer: Proposer | None = None,
+        *,
+        draft_width: int | WidthPolicy = 8,
+        detokenize: Detokenize | None = None,
+        callback: StreamCallback | None = None,
+    ) -> BatchSequence:
+        """A new request, with the arguments of ``ortspec.generate``; it waits for a free slot and joins at the next
+        pass. Raises ``ValueError`` for bad input (before anything runs). A prompt that fills the context is done at
+        once (``context_full``, no token, no pass)."""
+        options = options if options is not None else Options()
+        backend = self._backend
+        state = DecodeState.start(
+            prompt_tokens, options, detokenize, capacity=backend.max_length, vocab_size=backend.vocab_size
+        )
+        sequence = BatchSequence(self, state, Speculation.of(proposer, draft_width), callback)
+        if sequence.phase is Phase.WAITING:
+            self._waiting.append(sequence)
+        return sequence
+
+    def run(self) -> None:
+        """Run passes until no sequence is running or waiting."""
+        while self.step():
+            pass
+
+    def step(self) -> bool:
+        """One pass over every running sequence (after dropping the cancelled and admitting the waiting); False
+        when there was nothing to run."""
+        if self._in_pass:
+            raise RuntimeError("BatchDriver.step was called from inside a pass (from a stream callback?)")
+        self._in_pass = True
+        try:
+            self._drop_cancelled()
+            self._admit()
+            batch = self._gather(list(self._running))
+            batch += self._gather(self._admit())  # into the slots of sequences whose proposer just failed
+            if not batch:
+                return False
+            self._run_pass(batch)
+            return True
+        finally:
+            self._in_pass = False
+
+    def _drop_cancelled(self) -> None:
+        for sequence in [s for s in self._waiting if s.cancelled]:
+            sequence._drop()
+            self._waiting.remove(sequence)
+        for sequence in [s for s in self._running if s.cancelled]:
+            sequence._drop()
+            self._release(sequence)
+
+    def _admit(self) -> list[BatchSequence]:
+        """Waiting requests take the free slots, first come first (lowest slot first); each slot starts empty.
+        Returns the admitted."""
+        admitted = []
+        while self._waiting and self._free:
+            sequence = self._waiting.popleft()
+            slot = min(self._free)
+            self._free.remove(slot)
+            self._backend.reset(slot)
+            sequence._enter(slot)
+            self._running.append(sequence)
+            admitted.append(sequence)
+        return admitted
+
+    def _gather(self, sequences: list[BatchSequence]) -> list[tuple[BatchSequence, BatchRow]]:
+        """The ``sequences``' rows for the next pass; a sequence whose proposer fails is failed and freed."""
+        batch = []
+        for sequence in sequences:
+            try:
+                batch.append((sequence, sequence._row(self.prefill_chunk, self._backend.vocab_size)))
+            except Exception as exc:
+                sequence._fail(exc)
+                self._release(sequence)
+        return batch
+
+    def _run_pass(self, batch: list[tuple[BatchSequence, BatchRow]]) -> None:
+        """The one backend pass; then each sequence decides with its own rows, its commits are buffered and the
+        slots of the finished are freed; only then do the callbacks run (so a callback that raises, even a
+        ``KeyboardInterrupt``, finds every slot rewound and every commit buffered)."""
+        self.passes += 1
+        try:
+            outputs = self._backend.run_pass([row for _, row in batch])
+            if len(outputs) != len(batch):
+                raise ValueError(f"the backend returned {len(outputs)} results for a pass of {len(batch)} rows")
+        except Exception as exc:
+            for sequence, _ in batch:
+                sequence._fail(exc)
+                self._release(sequence)
+            return
+        released: list[tuple[BatchSequence, tuple[Commit, ...]]] = []
+        for (sequence, row), logits in zip(batch, outputs, strict=True):
+            try:
+                released.append((sequence, sequence._take(self._backend, row, logits)))
+            except Exception as exc:
+                sequence._fail(exc)
+        for sequence, commits in released:
+            sequence._buffer(commits)
+        self._release_done(batch)
+        for sequence, _ in released:
+            sequence._deliver()
+        self._release_done(batch)  # a callback raised
+
+    def _release_done(self, batch: list[tuple[BatchSequence, BatchRow]]) -> None:
+        for sequence, _ in batch:
+            if sequence.phase is Phase.DONE:
+                self._release(sequence)
+
+    def _release(self, sequence: BatchSequence) -> None:
+        """Give the sequence's slot back (its KV is dropped when the slot is next taken)."""
+        if sequence.slot is not None and sequence in self._running:
+            self._running.remove(sequence)
+            self._free.append(sequence.slot)

@@ -1,0 +1,246 @@
+"""Continuous batching changes nothing a sequence sees: for any batch composition, each request's output through
+the ``BatchDriver`` equals that request decoded alone.
+
+A batch is one model, a few slots and several requests (``scenarios`` of ``strategies.py``: greedy, seeded sampling
+and penalties mixed; stops, EOS mid-block, context full), each with its own proposer and width policy, joining at
+a drawn pass, some cancelled at a drawn pass or after a drawn number of delivered tokens, some streamed through a
+callback and some read through the iterator, prompts prefilled in chunks of a drawn size. Each request is also
+decoded alone twice: with ``generate`` and no proposer (plain decoding, which the equivalence suite proves equal to
+the reference) and with a ``Generation`` holding the same proposer and width policy. The batched sequence must
+match the plain run's tokens, text, finish reason, matched stop, logprobs and streamed deltas, and the lone
+speculative run's stats and failures (a proposer that raises, a row that is not finite) exactly; a cancelled one
+must have delivered a prefix of the plain stream and report exactly that.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import attrs
+from hypothesis import event, given, settings
+from hypothesis import strategies as st
+
+from ortspec import BatchDriver, BatchSequence, GenerateResult, Generation, GenerationError
+from ortspec.backends.fake import FakeBackend, FakeBatchBackend, FakeModel
+from ortspec.batch_driver import Phase
+from property_tests.conftest import examples
+from property_tests.strategies import FaultyProposer, Scenario, fake_models, proposers_for, scenarios, width_policies
+
+UNBOUNDED = 4096  # a scenario's capacity when it does not bound the context
+
+
+class Delivered(NamedTuple):
+    """One delivered token: ``finish_reason`` is what a callback was told (None for the iterator)."""
+
+    text: str
+    token_id: int
+    finish_reason: object
+
+
+@attrs.frozen
+class Request:
+    scenario: Scenario
+    proposer: object  # a proposer, or ("faulty", at, fault): a fresh FaultyProposer for each run
+    width: object
+    join_at: int  # the driver's pass count at which it is submitted
+    cancel: tuple[str, int] | None  # ("pass", n): at pass n; ("tokens", k): from the callback after k tokens
+    callback: bool  # streamed through a callback (else read through the iterator)
+
+    def make_proposer(self):
+        if isinstance(self.proposer, tuple):
+            _, at, fault = self.proposer
+            return FaultyProposer(self.scenario.model, at, fault)
+        return self.proposer
+
+    def options(self):
+        """The scenario's options with its capacity folded into ``max_context``: one backend serves every slot."""
+        sc = self.scenario
+        if sc.capacity >= UNBOUNDED:
+            return sc.options
+        limit = min(sc.capacity, sc.options.max_context or sc.capacity)
+        return attrs.evolve(sc.options, max_context=limit)
+
+
+@attrs.frozen
+class Outcome:
+    result: GenerateResult
+    error: GenerationError | None
+    stream: list
+
+
+def alone(req: Request, capacity: int, proposer) -> Outcome:
+    """The request decoded alone on a ``FakeBackend``, with ``proposer`` (None: plain)."""
+    sc, stream = req.scenario, []
+    backend = FakeBackend(sc.model, capacity)
+    try:  # the prompt pass runs in the constructor
+        run = Generation(backend, sc.prompt, req.options(), proposer, draft_width=req.width, detokenize=sc.detokenize)
+        result = run.run(lambda text, token_id, finish: stream.append(Delivered(text, token_id, finish)))
+    except GenerationError as exc:
+        return Outcome(exc.partial, exc, stream)
+    return Outcome(result, None, stream)
+
+
+@st.composite
+def batches(draw):
+    """A model, a backend capacity, slots, a prefill chunk and the requests."""
+    model: FakeModel = draw(fake_models(nonfinite=draw(st.integers(0, 7)) == 0))
+    n = draw(st.integers(1, 6))
+    requests = []
+    for _ in range(n):
+        sc = draw(scenarios(model=model))
+        if draw(st.integers(0, 9)) == 0:
+            proposer = ("faulty", draw(st.integers(0, 6)), draw(st.sampled_from(["raise", "out_of_range"])))
+        else:
+            proposer = draw(proposers_for(model, sc.rules, len(sc.prompt)))
+        cancel = draw(
+            st.one_of(
+                st.none(), st.none(), st.none(), st.tuples(st.just("pass"), st.integers(0, 30)),
+                st.tuples(st.just("tokens"), st.integers(1, 40)),
+            )
+        )  # fmt: skip
+        requests.append(
+            Request(
+                sc,
+                proposer,
+                draw(width_policies()),
+                draw(st.one_of(st.just(0), st.integers(0, 4), st.integers(0, 25))),
+                cancel,
+                draw(st.booleans()),
+            )
+        )
+    # The slots' capacity: unbounded, or just above the longest prompt (so some requests meet it).
+    longest = max(len(r.scenario.prompt) for r in requests)
+    capacity = draw(st.sampled_from([UNBOUNDED, UNBOUNDED, longest + draw(st.integers(0, 12))]))
+    slots = draw(st.integers(1, 4))
+    chunk = draw(st.sampled_from([1, 2, 3, 5, 8, 16, 512]))
+    return model, capacity, slots, chunk, requests
+
+
+def submit(driver: BatchDriver, req: Request, stream: list) -> BatchSequence:
+    sc = req.scenario
+    callback = None
+    if req.callback:
+
+        def callback(text, token_id, finish_reason):
+            stream.append(Delivered(text, token_id, finish_reason))
+            if req.cancel is not None and req.cancel[0] == "tokens" and len(stream) >= req.cancel[1]:
+                sequence.cancel()
+
+    sequence = driver.submit(
+        sc.prompt, req.options(), req.make_proposer(), draft_width=req.width, detokenize=sc.detokenize,
+        callback=callback,
+    )  # fmt: skip
+    return sequence
+
+
+class PhaseTracingBackend(FakeBatchBackend):
+    """Records, for each pass, the phases of the sequences running in it."""
+
+    driver: BatchDriver
+
+    def __init__(self, model, slots, max_length):
+        super().__init__(model, slots, max_length)
+        self.phases: list[set[Phase]] = []
+
+    def run_pass(self, rows):
+        self.phases.append({s.phase for s in self.driver.running})
+        return super().run_pass(rows)
+
+
+def run_batch(model, capacity, slots, chunk, requests) -> tuple[list[Outcome], PhaseTracingBackend, BatchDriver]:
+    """Submit each request at its tick, cancel at its tick, run until every sequence is done (a tick is one call
+    of ``step``, which runs a pass unless the driver is idle)."""
+    backend = PhaseTracingBackend(model, slots, capacity)
+    driver = backend.driver = BatchDriver(backend, prefill_chunk=chunk)
+    sequences: dict[int, BatchSequence] = {}
+    streams: dict[int, list] = {i: [] for i in range(len(requests))}
+    tick = 0
+    while True:
+        for i, req in enumerate(requests):
+            if i not in sequences and req.join_at <= tick:
+                sequences[i] = submit(driver, req, streams[i])
+            if i in sequences and req.cancel == ("pass", tick - req.join_at):
+                sequences[i].cancel()
+        if not driver.step() and len(sequences) == len(requests):
+            break
+        tick += 1
+    outcomes = []
+    for i, req in enumerate(requests):
+        sequence = sequences[i]
+        assert sequence.done
+        if not req.callback:  # read the iterator's buffer (the sequence is done: no pass runs)
+            try:
+                streams[i].extend(Delivered(c.text, c.token_id, None) for c in sequence)
+            except GenerationError as exc:
+                assert exc is sequence.error
+        outcomes.append(Outcome(sequence.result(), sequence.error, streams[i]))
+    return outcomes, backend, driver
+
+
+def same_output(got: GenerateResult, want: GenerateResult) -> None:
+    assert got.token_ids == want.token_ids
+    assert got.text == want.text
+    assert got.finish_reason == want.finish_reason
+    assert got.stop_matched == want.stop_matched
+    assert got.logprobs == want.logprobs
+
+
+def comparable(stream: list, callback: bool) -> list:
+    """A stream as the iterator would show it (no finish reasons) unless read through a callback."""
+    return list(stream) if callback else [Delivered(d.text, d.token_id, None) for d in stream]
+
+
+def check_request(req: Request, got: Outcome, capacity: int) -> list[str]:
+    """The property for one request; returns labels for the tally."""
+    plain = alone(req, capacity, None)
+    spec = alone(req, capacity, req.make_proposer())
+    # Speculation alone is plain decoding (the equivalence suite's property), up to a proposer's own failure.
+    if spec.error is None:
+        same_output(spec.result, plain.result)
+    if req.cancel is not None and got.error is None and got.result.finish_reason is None:
+        # Cancelled before it finished: it delivered a prefix of the stream, and reports exactly that.
+        delivered = got.stream
+        assert comparable(spec.stream, req.callback)[: len(delivered)] == delivered
+        assert list(got.result.token_ids) == [d.token_id for d in delivered]
+        assert got.result.text == "".join(d.text for d in delivered)
+        if req.cancel[0] == "tokens" and req.callback:  # cancelled from its callback: nothing after that token
+            assert len(delivered) == req.cancel[1]
+        return ["cancelled before the end"]
+    assert (got.error is None) == (spec.error is None), (got.error, spec.error)
+    same_output(got.result, spec.result)
+    assert got.result.stats == spec.result.stats  # the same steps, drafts and acceptance as alone
+    assert got.stream == comparable(spec.stream, req.callback)
+    assert "".join(d.text for d in got.stream) == got.result.text
+    if got.error is not None:
+        assert type(got.error.__cause__) is type(spec.error.__cause__)
+        return ["failed like alone"]
+    same_output(got.result, plain.result)
+    assert got.stream == comparable(plain.stream, req.callback)
+    return [f"ended by {got.result.finish_reason}"]
+
+
+@settings(max_examples=examples(2000))
+@given(batches())
+def test_each_sequence_of_a_batch_is_its_request_decoded_alone(batch):
+    model, capacity, slots, chunk, requests = batch
+    outcomes, backend, driver = run_batch(model, capacity, slots, chunk, requests)
+    labels = set()
+    for req, got in zip(requests, outcomes, strict=True):
+        labels.update(check_request(req, got, capacity))
+    # One row per running sequence, never more rows than slots; every slot is free at the end.
+    assert max(backend.rows_per_pass, default=0) <= slots
+    assert not driver.running and not driver.waiting
+    if len(requests) > slots:
+        labels.add("more requests than slots")
+    if max(backend.rows_per_pass, default=0) >= 2:
+        labels.add("a pass carried several rows")
+    if any(len(r.scenario.prompt) > chunk for r in requests):
+        labels.add("a prompt prefilled in chunks")
+    if any({Phase.PREFILL, Phase.DECODING} <= phases for phases in backend.phases):
+        labels.add("a prompt chunk and a decoding sequence in one pass")
+    if any(r.scenario.options.sampling.temperature > 0 for r in requests) and any(
+        r.scenario.options.sampling.temperature == 0 for r in requests
+    ):
+        labels.add("greedy and sampling in one batch")
+    for label in sorted(labels):
+        event(label)

@@ -1,0 +1,271 @@
+"""The batch driver's own behaviour (the scheduler): slots, waiting, chunked prefill, cancellation, failures; and
+the batched backend protocol on the fake backend. Every wait is on pass counts, never on time."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ortspec import (
+    BatchBackend,
+    BatchDriver,
+    BatchRow,
+    FinishReason,
+    GenerationAborted,
+    GenerationError,
+    Options,
+    PromptLookup,
+    ProposerError,
+    generate,
+)
+from ortspec.backends.base import BackendError
+from ortspec.backends.fake import FakeBackend, FakeBatchBackend, FakeModel
+
+MODEL = FakeModel(vocab_size=32, seed=3, markov=4.0)
+
+
+def alone(prompt, options, proposer=None):
+    return generate(FakeBackend(MODEL, 256), prompt, options, proposer)
+
+
+def driver(slots=2, chunk=512, max_length=256):
+    backend = FakeBatchBackend(MODEL, slots, max_length)
+    return BatchDriver(backend, prefill_chunk=chunk), backend
+
+
+class Recorder(list):
+    def __call__(self, text, token_id, finish_reason):
+        self.append((text, token_id, finish_reason))
+
+
+class Oracle:
+    """Drafts the model's greedy continuation: every draft token is accepted, so a pass commits several."""
+
+    def propose(self, context, width):
+        return MODEL.greedy(list(context), width)
+
+
+class Raising:
+    def propose(self, context, width):
+        raise RuntimeError("the drafter crashed")
+
+
+def test_the_fake_batch_backend_is_a_batch_backend_with_each_row_as_alone():
+    backend = FakeBatchBackend(MODEL, 3, 64)
+    assert isinstance(backend, BatchBackend)
+    single = FakeBackend(MODEL, 64)
+    expected = single.decode_verify([1, 2, 3], 0)
+    out = backend.run_pass([BatchRow(2, (1, 2, 3), 0), BatchRow(0, (5,), 0)])
+    np.testing.assert_array_equal(out[0], expected)
+    assert out[1].shape == (1, 32)
+    assert [backend.current_len(s) for s in range(3)] == [1, 0, 3]
+    backend.rewind(2, 1)
+    out = backend.run_pass([BatchRow(2, (7, 8), 1)])
+    single.rewind(1)
+    np.testing.assert_array_equal(out[0], single.decode_verify([7, 8], 1))
+    assert backend.rows_per_pass == [2, 1] and backend.tokens_per_pass == [4, 2] and backend.passes == 2
+
+
+@pytest.mark.parametrize(
+    "rows, message",
+    [
+        ([BatchRow(0, (1,), 1)], "position"),  # wrong position
+        ([BatchRow(0, (40,), 2)], "outside the vocabulary"),
+        ([BatchRow(0, (1,) * 7, 2)], "exceed the KV capacity"),
+        ([BatchRow(0, (1,), 2), BatchRow(0, (1,), 2)], "two rows"),
+        ([BatchRow(5, (1,), 0)], "slot 5"),
+        ([], "at least one row"),
+    ],
+)
+def test_a_bad_batch_raises_before_any_slot_changes(rows, message):
+    backend = FakeBatchBackend(MODEL, 2, 8)
+    backend.run_pass([BatchRow(0, (1, 2), 0)])
+    with pytest.raises(BackendError, match=message):  # a good row first: it must not run either
+        backend.run_pass([BatchRow(1, (3,), 0), *rows] if rows else [])
+    assert [backend.current_len(s) for s in range(2)] == [2, 0]
+    assert backend.passes == 1
+
+
+def test_slots_are_reused_and_each_sequence_is_its_request_alone():
+    d, backend = driver(slots=1)
+    prompts = [[1, 2, 3], [4, 5], [6, 7, 8, 9]]
+    options = Options(max_tokens=6)
+    sequences = [d.submit(p, options, PromptLookup()) for p in prompts]
+    d.run()
+    assert [s.slot for s in sequences] == [0, 0, 0]
+    for prompt, sequence in zip(prompts, sequences, strict=True):
+        assert sequence.done and sequence.error is None
+        assert sequence.result().token_ids == alone(prompt, options).token_ids
+    assert max(backend.rows_per_pass) == 1  # one slot: one row per pass
+
+
+def test_a_waiting_request_starts_in_the_pass_after_a_slot_frees():
+    d, backend = driver(slots=2)
+    short = d.submit([1, 2], Options(max_tokens=2))
+    long = d.submit([3, 4], Options(max_tokens=10))
+    late = d.submit([5, 6], Options(max_tokens=3))
+    assert d.waiting == (short, long, late)
+    d.step()  # the prompt passes of the first two; `late` waits
+    assert d.running == (short, long) and d.waiting == (late,)
+    d.step()  # `short` commits its second token and finishes: its slot frees
+    assert short.done and short.result().finish_reason is FinishReason.MAX_TOKENS
+    assert d.waiting == (late,)
+    d.step()  # `late` takes the freed slot
+    assert late.slot == short.slot and d.running == (long, late)
+    d.run()
+    assert late.result().token_ids == alone([5, 6], Options(max_tokens=3)).token_ids
+    assert long.result().token_ids == alone([3, 4], Options(max_tokens=10)).token_ids
+
+
+def test_a_long_prompt_is_prefilled_in_chunks_while_the_others_decode():
+    d, backend = driver(slots=2, chunk=4)
+    decoding = Recorder()
+    first = d.submit([1, 2], Options(max_tokens=20), callback=decoding)
+    d.step()
+    assert len(decoding) == 1
+    prompt = list(range(1, 19))  # 18 tokens: chunks of 4, 4, 4, 4, 2
+    second = d.submit(prompt, Options(max_tokens=3))
+    for n in range(5):
+        d.step()
+        assert len(decoding) == 2 + n  # the decoding sequence committed a token in every pass
+        assert len(second.result().token_ids) == (1 if n == 4 else 0)  # the first token after the last chunk
+    assert backend.rows_per_pass[1:6] == [2, 2, 2, 2, 2]
+    assert backend.tokens_per_pass[1:6] == [5, 5, 5, 5, 3]  # a chunk and the decoding sequence's one token
+    d.run()
+    assert second.result().token_ids == alone(prompt, Options(max_tokens=3)).token_ids
+    assert first.result().token_ids == alone([1, 2], Options(max_tokens=20)).token_ids
+    assert second.result().stats.steps == alone(prompt, Options(max_tokens=3)).stats.steps  # a prompt is one step
+
+
+def test_cancellation_takes_effect_before_the_next_pass_and_frees_the_slot():
+    d, backend = driver(slots=1)
+    streamed = Recorder()
+    running = d.submit([1, 2, 3], Options(max_tokens=30), callback=streamed)
+    waiting = d.submit([4, 5], Options(max_tokens=2))
+    d.step()
+    d.step()
+    running.cancel()
+    d.step()  # `running` is dropped before this pass; `waiting` takes the slot
+    assert running.done and running.cancelled and waiting.slot == 0
+    assert backend.rows_per_pass[-1] == 1 and len(streamed) == 2
+    result = running.result()
+    assert result.finish_reason is None and list(result.token_ids) == [t for _, t, _ in streamed]
+    assert result.token_ids == alone([1, 2, 3], Options(max_tokens=30)).token_ids[:2]
+    d.run()
+    assert waiting.result().finish_reason is FinishReason.MAX_TOKENS
+
+
+def test_cancelling_a_waiting_request_or_from_a_callback():
+    d, _ = driver(slots=1)
+    seen = Recorder()
+
+    def stop_after_three(text, token_id, finish_reason):
+        seen(text, token_id, finish_reason)
+        if len(seen) == 3:
+            streaming.cancel()
+
+    streaming = d.submit([1, 2, 3], Options(max_tokens=30), Oracle(), draft_width=4, callback=stop_after_three)
+    never = d.submit([4, 5], Options(max_tokens=5))
+    never.cancel()
+    d.run()
+    assert never.done and never.slot is None and never.result().token_ids == ()
+    # the third token came from a pass that committed five: nothing after it is delivered
+    assert len(seen) == 3 and len(streaming.result().token_ids) == 3
+    assert streaming.result().finish_reason is None
+
+
+def test_a_failing_proposer_fails_only_its_sequence():
+    d, _ = driver(slots=2)
+    options = Options(max_tokens=8)
+    failing = d.submit([1, 2, 3], options, Raising())
+    fine = d.submit([4, 5, 6], options, PromptLookup())
+    after = d.submit([7, 8], options)
+    d.run()
+    assert isinstance(failing.error, GenerationError) and isinstance(failing.error.__cause__, ProposerError)
+    assert failing.result() is failing.error.partial
+    assert failing.result().token_ids == alone([1, 2, 3], options).token_ids[:1]  # the prompt pass's token
+    with pytest.raises(GenerationError):
+        failing.wait()
+    assert fine.wait().token_ids == alone([4, 5, 6], options).token_ids
+    assert after.slot == failing.slot and after.wait().token_ids == alone([7, 8], options).token_ids
+
+
+class FailingPass(FakeBatchBackend):
+    def __init__(self, fail_at):
+        super().__init__(MODEL, 2, 256)
+        self.fail_at, self.calls = fail_at, 0
+
+    def run_pass(self, rows):
+        self.calls += 1
+        if self.calls == self.fail_at:
+            raise BackendError("the device went away")
+        return super().run_pass(rows)
+
+
+def test_a_backend_failure_fails_the_sequences_of_that_pass():
+    backend = FailingPass(fail_at=3)
+    d = BatchDriver(backend)
+    a = d.submit([1, 2], Options(max_tokens=10))
+    b = d.submit([3, 4], Options(max_tokens=10))
+    c = d.submit([5, 6], Options(max_tokens=4))  # waits: it is not in the failing pass
+    d.run()
+    for failed in (a, b):
+        assert isinstance(failed.error.__cause__, BackendError)
+        assert len(failed.result().token_ids) == 2  # the prompt pass and one step
+    assert c.error is None and c.result().token_ids == alone([5, 6], Options(max_tokens=4)).token_ids
+
+
+def test_a_raising_callback_aborts_only_its_sequence_and_step_inside_a_pass_is_refused():
+    d, _ = driver(slots=2)
+
+    def reenter(text, token_id, finish_reason):
+        d.step()
+
+    aborted = d.submit([1, 2], Options(max_tokens=5), callback=reenter)
+    other = d.submit([3, 4], Options(max_tokens=5))
+    d.run()
+    assert isinstance(aborted.error, GenerationAborted) and isinstance(aborted.error.__cause__, RuntimeError)
+    assert len(aborted.result().token_ids) == 1  # the token whose callback raised counts as delivered
+    assert other.result().token_ids == alone([3, 4], Options(max_tokens=5)).token_ids
+
+
+def test_iterating_a_sequence_runs_the_passes_of_all():
+    d, backend = driver(slots=2)
+    reader = d.submit([1, 2, 3], Options(max_tokens=6), PromptLookup())
+    other = d.submit([4, 5], Options(max_tokens=30))
+    tokens = [c.token_id for c in reader]
+    assert tuple(tokens) == alone([1, 2, 3], Options(max_tokens=6)).token_ids
+    assert reader.done and not other.done and len(other.result().token_ids) == backend.passes
+    assert other.wait().token_ids == alone([4, 5], Options(max_tokens=30)).token_ids
+
+
+def test_a_prompt_that_fills_the_context_ends_at_once_and_bad_input_is_refused():
+    d, backend = driver(slots=1, max_length=4)
+    full = d.submit([1, 2, 3, 4], Options(max_tokens=5))
+    assert full.done and full.result().finish_reason is FinishReason.CONTEXT_FULL and d.waiting == ()
+    with pytest.raises(ValueError, match="prompt"):
+        d.submit([1, 2, 3, 4, 5], Options())
+    with pytest.raises(ValueError, match="prefill_chunk"):
+        BatchDriver(backend, prefill_chunk=0)
+    assert not d.step() and backend.passes == 0
+
+
+def test_an_interrupt_in_a_callback_leaves_every_slot_rewound_and_the_driver_usable():
+    d, _ = driver(slots=2)
+    options = Options(max_tokens=6)
+    calls = Recorder()
+
+    def interrupt_once(text, token_id, finish_reason):
+        calls(text, token_id, finish_reason)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+
+    interrupted = d.submit([1, 2], options, callback=interrupt_once)
+    other = d.submit([3, 4], options, Oracle(), draft_width=3)
+    with pytest.raises(KeyboardInterrupt):
+        d.run()
+    d.run()  # the same driver goes on from where the pass left off
+    assert other.result().token_ids == alone([3, 4], options).token_ids
+    assert interrupted.result().token_ids == alone([1, 2], options).token_ids
+    assert [t for _, t, _ in calls] == list(alone([1, 2], options).token_ids)
+    assert not d.running and not d.waiting
