@@ -75,6 +75,7 @@ from .checks import ArgumentError, check_int, ids_in_vocab, token_ids
 from .options import Options
 from .sampling import NonFiniteRow, Pick, StepContext
 from .tokens import Shared
+from .width import acceptance_rate
 
 Detokenize = Callable[[Sequence[int]], str]
 
@@ -111,11 +112,6 @@ class Stats:
     def acceptance_rate(self) -> float:
         """Accepted ÷ proposed draft tokens (0.0 when nothing was proposed)."""
         return acceptance_rate(self.accepted_tokens, self.proposed_tokens)
-
-
-def acceptance_rate(accepted: int, proposed: int) -> float:
-    """Accepted ÷ proposed draft tokens; 0.0 when nothing was proposed. The one definition."""
-    return accepted / proposed if proposed else 0.0
 
 
 class StepOutcome(NamedTuple):

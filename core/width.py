@@ -17,6 +17,11 @@ from .checks import int_at_least
 from .proposers import MAX_DRAFT
 
 
+def acceptance_rate(accepted: int, proposed: int) -> float:
+    """Accepted ÷ proposed draft tokens; 0.0 when nothing was proposed. The one definition."""
+    return accepted / proposed if proposed else 0.0
+
+
 @runtime_checkable
 class WidthPolicy(Protocol):
     def width(self) -> int: ...

@@ -11,7 +11,7 @@ from typing import Any
 import attrs
 
 from ortspec.backends.onnx.config import BackendConfig
-from ortspec.core.state import acceptance_rate
+from ortspec.core.width import acceptance_rate
 
 
 class BatchError(Exception):

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from ortspec.core import MAX_DRAFT, PromptLookup
-from ortspec.core.state import acceptance_rate
+from ortspec.core.width import acceptance_rate
 from ortspec.driver import GenerateResult
 
 from .demo import DEMO_PROMPT
