@@ -148,7 +148,7 @@ def scenarios(draw, end: str | None = None, nonfinite: bool = False, mode: str |
         mode = draw(st.sampled_from(["greedy", "sampling"]))
     rules = draw(pick_rules(model.vocab_size, mode))
     try:
-        continuation = plain_continuation(model.logits_for, prompt, max_new, rules)
+        continuation = plain_continuation(model.after, prompt, max_new, rules)
     except ReferenceError:  # a non-finite row: plant rules on the model's argmax chain instead
         continuation = model.greedy(prompt, max_new)
     if end is None:  # an even spread (sampled_from would favour the first kind heavily)
@@ -253,13 +253,10 @@ class OracleProposer:
 
     def continuation(self, context, n):
         prompt, generated = list(context[: self.prompt_len]), list(context[self.prompt_len :])
-        out: list[int] = []
         try:
-            for _ in range(n):
-                out += plain_continuation(self.model.logits_for, prompt, 1, self.rules, generated + out)
-        except ReferenceError:
-            pass
-        return out
+            return plain_continuation(self.model.after, prompt, n, self.rules, generated)
+        except ReferenceError as exc:  # a non-finite row: the tokens before it
+            return exc.run.tokens
 
     def propose(self, context, width):
         return tuple(self.continuation(context, width))

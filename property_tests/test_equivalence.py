@@ -97,7 +97,7 @@ def run(sc: Scenario, proposer=None, width=1, *, picks=False, callback=None, dri
 def reference(sc: Scenario) -> ReferenceRun:
     o = sc.options
     return greedy_reference(
-        sc.model.logits_for, sc.prompt, max_new_tokens=o.max_new_tokens, eos_token_ids=o.eos_token_ids,
+        sc.model.after, sc.prompt, max_new_tokens=o.max_new_tokens, eos_token_ids=o.eos_token_ids,
         stop_token_sequences=o.stop_token_sequences, stop_strings=o.stop_strings, max_context=o.max_context,
         capacity=sc.capacity, top_logprobs=o.top_logprobs, detokenize=sc.detokenize, rules=sc.rules,
     )  # fmt: skip
@@ -401,7 +401,7 @@ def test_an_empty_prompt_is_refused(fake_models_and_empty):
     with pytest.raises(ValueError, match="prompt_tokens is empty"):
         generate(backend, [], Options(max_new_tokens=4))
     with pytest.raises(ReferenceError):
-        greedy_reference(lambda ctx: np.zeros(4), [], max_new_tokens=4)
+        greedy_reference(backend.model.after, [], max_new_tokens=4)
     assert backend.passes == 0
 
 
