@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ortspec.adapters.convert import default_model_dir, is_complete, make_tiny_model
+from ortspec.adapters.convert import is_complete, make_tiny_model
 from ortspec.backends.base import Backend, BackendError
 from ortspec.backends.onnx import ModelFolder, ModelFolderError, OrtBackend, argmax_margin, physical_cores
 from ortspec.backends.onnx.arrays import torch_argmax_margin, xp_argmax_margin
@@ -590,10 +590,8 @@ def test_cuda_provider_errors_clearly_without_cuda(tiny_dir):
 
 
 @pytest.mark.real_model
-def test_real_model_rows_and_greedy_match_onnxruntime_genai(record_property):
-    folder = default_model_dir("fp32")
-    if not is_complete(folder):
-        pytest.skip(f"no converted SmolLM2 at {folder} (python -m ortspec.adapters.convert)")
+def test_real_model_rows_and_greedy_match_onnxruntime_genai(real_model_dir, record_property):
+    folder = real_model_dir  # converted on first use (tests/conftest.py)
     b = OrtBackend.from_folder(folder, max_length=512)
     assert b.vocab_size == 49152
     from tokenizers import Tokenizer
