@@ -10,6 +10,7 @@ that raises, corrupt picks) must surface as errors that carry exactly what was d
 
 from __future__ import annotations
 
+import copy
 import math
 
 import attrs
@@ -419,15 +420,25 @@ def test_property_sanity_lookup_accepts_on_repetitive_model():
 @settings(max_examples=examples(300))
 @given(width_policies(), st.lists(st.tuples(st.integers(0, 32), st.integers(0, 32)), max_size=40))
 def test_width_policies_are_deterministic_and_in_range(policy, observations):
-    """The same observations give the same widths; a width is never negative."""
+    """The same observations give the same widths, from an independent copy of the policy too; observing leaves
+    the value it is called on unchanged; a width is never negative."""
     if isinstance(policy, int):
         return
-    replay = policy
-    for proposed, accepted in observations:
-        accepted = min(accepted, proposed)
-        assert policy.width() == replay.width() >= 0
-        policy, replay = policy.observe(proposed, accepted), replay.observe(proposed, accepted)
-        assert policy == replay
+    copy_of_start = copy.deepcopy(policy)
+    assert copy_of_start is not policy and copy_of_start == policy
+
+    def walk(start):
+        widths, current = [], start
+        for proposed, accepted in observations:
+            widths.append(current.width())
+            current = current.observe(proposed, min(accepted, proposed))
+        return widths, current
+
+    widths, end = walk(policy)
+    assert all(w >= 0 for w in widths), widths
+    assert policy == copy_of_start, "observe changed the policy it was called on"
+    assert walk(copy_of_start) == (widths, end)
+    assert walk(policy) == (widths, end)
 
 
 @settings(max_examples=examples(800))

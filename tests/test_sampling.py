@@ -95,7 +95,11 @@ def test_uniform_is_splitmix64_of_seed_and_index():
     u = [uniform(7, i) for i in range(1000)]
     assert all(0.0 <= x < 1.0 for x in u) and len(set(u)) == 1000
     assert abs(np.mean(u) - 0.5) < 0.03
-    assert uniform(7, 3) == uniform(7, 3) and uniform(7, 3) != uniform(8, 3)
+    # The documented rule: the top 53 bits of SplitMix64 of seed XOR (index * golden ratio), 64-bit arithmetic.
+    for seed, index in [(7, 3), (0, 0), (8, 3), (2**64 - 1, 123_456), (12345, 2**40)]:
+        state = (seed ^ (index * 0x9E3779B97F4A7C15)) & (2**64 - 1)
+        assert uniform(seed, index) == (splitmix64(state) >> 11) / 2**53, (seed, index)
+    assert uniform(7, 3) != uniform(8, 3) and uniform(7, 3) != uniform(7, 4)
 
 
 RULE_SETS = [
