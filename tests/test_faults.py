@@ -10,8 +10,8 @@ import json
 import logging
 import shutil
 import signal
+import sys
 import threading
-import time
 
 import onnxruntime as ort
 import pytest
@@ -167,32 +167,54 @@ def _free_for_other_threads(lock) -> bool:
     return got == [True]
 
 
+class SigintAtLine:
+    """A trace function (``sys.settrace``) that sends this process a real SIGINT at the ``at``-th line of Python
+    code the thread executes (None: it only counts them), wherever that line is: in the Engine, the driver, the
+    core, the proposer or the backend's host code around a pass. The interrupt lands by the count of lines run,
+    not by the clock, so the same ``at`` lands at the same line on every machine."""
+
+    def __init__(self, at: int | None = None) -> None:
+        self.at, self.lines = at, 0
+
+    def __call__(self, frame, event, arg):
+        if event == "line":
+            self.lines += 1
+            if self.lines == self.at:
+                signal.raise_signal(signal.SIGINT)
+        return self
+
+
+def _traced_generate(engine, tracer, speculative):
+    sys.settrace(tracer)
+    try:
+        return engine.generate(PROMPT, max_tokens=TOKENS, ignore_eos=True, speculative=speculative, draft_width=6)
+    finally:
+        sys.settrace(None)
+
+
 def test_a_real_sigint_at_any_moment_leaves_the_engine_usable(engines, greedy):
-    """SIGINT from a timer lands wherever the generation is (in a pass, in the core, in the callback, between
-    them): after each, the next generation is the greedy one."""
-    plain, reuse = engines
+    """A real SIGINT lands at lines spread over the whole generation (greedy and speculative, with and without
+    prefix reuse): every one interrupts it, and after each the next generation is the greedy one and the Engine's
+    lock is free."""
     previous = signal.getsignal(signal.SIGINT)
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    interrupted = 0
+    landed: list[tuple[str, int, int]] = []
     try:
-        for i in range(24):
-            engine = (plain, reuse)[i % 2]
-            speculative = _replay(engine, greedy) if i % 4 >= 2 else None
-            signal.setitimer(signal.ITIMER_REAL, 0.0005 + 0.0007 * i)
-            signal.signal(signal.SIGALRM, lambda *_: signal.raise_signal(signal.SIGINT))
-            try:
-                engine.generate(PROMPT, max_tokens=TOKENS, ignore_eos=True, speculative=speculative, draft_width=6)
-                time.sleep(0.05)  # the timer may still fire after a short generation: not inside the next one
-            except KeyboardInterrupt:
-                interrupted += 1
-            finally:
-                signal.setitimer(signal.ITIMER_REAL, 0)
-            assert engine.generate(PROMPT, max_tokens=TOKENS, ignore_eos=True).token_ids == greedy.token_ids
-            assert _free_for_other_threads(engine._lock), "an interrupt left the Engine's lock held"
+        for engine in engines:
+            for speculative in (None, _replay(engine, greedy)):
+                engine.generate(PROMPT, max_tokens=TOKENS, ignore_eos=True)  # the state every run below starts from
+                count = SigintAtLine()
+                assert _traced_generate(engine, count, speculative).token_ids == greedy.token_ids
+                for k in range(6):
+                    at = 1 + (count.lines - 1) * (2 * k + 1) // 12  # spread over the generation's lines
+                    with pytest.raises(KeyboardInterrupt):
+                        _traced_generate(engine, SigintAtLine(at), speculative)
+                    landed.append((type(speculative).__name__, at, count.lines))
+                    assert engine.generate(PROMPT, max_tokens=TOKENS, ignore_eos=True).token_ids == greedy.token_ids
+                    assert _free_for_other_threads(engine._lock), "an interrupt left the Engine's lock held"
     finally:
         signal.signal(signal.SIGINT, previous)
-        signal.signal(signal.SIGALRM, signal.SIG_DFL)
-    assert interrupted >= 6  # most timers fired inside a generation
+    assert len(landed) == 24, landed
 
 
 def test_onnxruntime_log_lines_go_to_python_logging_not_stderr(tiny_model_dir, tmp_path, capfd, caplog):
