@@ -207,22 +207,39 @@ def _blocked_total(p: np.ndarray) -> float:
     return total
 
 
+class PlainDecoder:
+    """Plain decoding after ``prompt + generated`` (no stop rules), one token at a time: ``tokens`` are the tokens
+    picked so far."""
+
+    def __init__(
+        self, model_after: ModelAfter, prompt: Sequence[int], rules: PickRules, generated: Sequence[int] = ()
+    ) -> None:
+        self.rules = rules
+        self.tokens: list[int] = []
+        self._state, self._history = model_after([*prompt, *generated]), History.of(prompt, generated)
+
+    def next(self) -> int:
+        """Pick the next token and append it to ``tokens``; raises ``ReferenceError`` at a row that is not
+        finite (``tokens`` unchanged)."""
+        token, _ = pick_after(self._state.logits(), self.rules, self._history)
+        self.tokens.append(token)
+        self._history.add(token)
+        self._state = self._state.then(token)
+        return token
+
+
 def plain_continuation(
     model_after: ModelAfter, prompt: Sequence[int], n: int, rules: PickRules, generated: Sequence[int] = ()
 ) -> list[int]:
     """The next ``n`` tokens plain decoding emits after ``prompt + generated`` (no stop rules): an oracle. Raises
     ``ReferenceError`` at a row that is not finite, with the tokens before it in its ``run``."""
-    state, history = model_after([*prompt, *generated]), History.of(prompt, generated)
-    out: list[int] = []
+    decoder = PlainDecoder(model_after, prompt, rules, generated)
     for _ in range(n):
         try:
-            token, _ = pick_after(state.logits(), rules, history)
+            decoder.next()
         except ReferenceError as exc:
-            raise ReferenceError(str(exc), ReferenceRun(tokens=out)) from exc
-        out.append(token)
-        history.add(token)
-        state = state.then(token)
-    return out
+            raise ReferenceError(str(exc), ReferenceRun(tokens=decoder.tokens)) from exc
+    return decoder.tokens
 
 
 def greedy_reference(

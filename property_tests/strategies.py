@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 from ortspec.backends.fake import FakeModel
 from ortspec.core import AdditiveWidth, CostAwareWidth, Options, PromptLookup
-from property_tests.reference import PickRules, ReferenceError, plain_continuation
+from property_tests.reference import PickRules, PlainDecoder, ReferenceError, plain_continuation
 
 # Byte-level pieces: ASCII words and the bytes of 2-, 3- and 4-byte characters (é, €, 中, 𝄞), alone and glued to
 # ASCII, so text arrives in partial characters and stop strings span tokens.
@@ -250,13 +250,25 @@ class OracleProposer:
     model: FakeModel
     rules: PickRules = PickRules()
     prompt_len: int = 0  # the generated tokens' index (the sampler's position) counts from here
+    # The continuation decoded so far: [the context it starts after, its PlainDecoder, stopped at a non-finite row].
+    # A generation's contexts walk along it, so each token is decoded once, not once per proposal.
+    _path: list = attrs.field(factory=lambda: [(), None, False], eq=False, repr=False)
 
     def continuation(self, context, n):
-        prompt, generated = list(context[: self.prompt_len]), list(context[self.prompt_len :])
-        try:
-            return plain_continuation(self.model.after, prompt, n, self.rules, generated)
-        except ReferenceError as exc:  # a non-finite row: the tokens before it
-            return exc.run.tokens
+        context = tuple(context)
+        base, decoder, stopped = self._path
+        walked = context[len(base) :]
+        if decoder is None or context[: len(base)] != base or tuple(decoder.tokens[: len(walked)]) != walked:
+            base, decoder, stopped = context, PlainDecoder(self.model.after, context[: self.prompt_len], self.rules,
+                                                           context[self.prompt_len :]), False  # fmt: skip
+            walked = ()
+        while not stopped and len(decoder.tokens) < len(walked) + n:
+            try:
+                decoder.next()
+            except ReferenceError:  # a non-finite row: the tokens before it
+                stopped = True
+        self._path[:] = [base, decoder, stopped]
+        return decoder.tokens[len(walked) : len(walked) + n]
 
     def propose(self, context, width):
         return tuple(self.continuation(context, width))
