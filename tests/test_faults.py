@@ -12,11 +12,16 @@ import shutil
 import signal
 import sys
 import threading
+from pathlib import Path
 
 import onnxruntime as ort
 import pytest
 from conftest import GreedyReplay
 
+import ortspec
+import ortspec.adapters
+import ortspec.backends
+import ortspec.core
 from ortspec import GenerationError
 from ortspec.adapters.engine import Engine
 from ortspec.backends.base import BackendError
@@ -167,33 +172,37 @@ def _free_for_other_threads(lock) -> bool:
     return got == [True]
 
 
-class SigintAtLine:
-    """A trace function (``sys.settrace``) that sends this process a real SIGINT at the ``at``-th line of Python
-    code the thread executes (None: it only counts them), wherever that line is: in the Engine, the driver, the
-    core, the proposer or the backend's host code around a pass. The interrupt lands by the count of lines run,
-    not by the clock, so the same ``at`` lands at the same line on every machine."""
+_OURS = tuple(str(Path(m.__file__).parent) for m in (ortspec, ortspec.core, ortspec.backends, ortspec.adapters))
+
+
+class SigintAt:
+    """A profile function (``sys.setprofile``) that sends this process a real SIGINT at the ``at``-th place in
+    ortspec's own code where CPython delivers a pending signal (None: it only counts them): the entry of one of
+    its functions, or just after one of its calls into C returns (an onnxruntime run, a numpy operation, a lock's
+    ``__exit__``) - in the Engine, the driver, the core, the proposer or the backend. The interrupt lands by the
+    count of those places, not by the clock, so the same ``at`` lands at the same place on every machine. (Raising
+    at line events instead would also land where no real signal can, e.g. before a ``with`` block's exit.)"""
 
     def __init__(self, at: int | None = None) -> None:
-        self.at, self.lines = at, 0
+        self.at, self.places = at, 0
 
     def __call__(self, frame, event, arg):
-        if event == "line":
-            self.lines += 1
-            if self.lines == self.at:
+        if event in ("call", "c_return") and frame.f_code.co_filename.startswith(_OURS):
+            self.places += 1
+            if self.places == self.at:
                 signal.raise_signal(signal.SIGINT)
-        return self
 
 
-def _traced_generate(engine, tracer, speculative):
-    sys.settrace(tracer)
+def _profiled_generate(engine, profile, speculative):
+    sys.setprofile(profile)
     try:
         return engine.generate(PROMPT, max_tokens=TOKENS, ignore_eos=True, speculative=speculative, draft_width=6)
     finally:
-        sys.settrace(None)
+        sys.setprofile(None)
 
 
 def test_a_real_sigint_at_any_moment_leaves_the_engine_usable(engines, greedy):
-    """A real SIGINT lands at lines spread over the whole generation (greedy and speculative, with and without
+    """A real SIGINT lands at places spread over the whole generation (greedy and speculative, with and without
     prefix reuse): every one interrupts it, and after each the next generation is the greedy one and the Engine's
     lock is free."""
     previous = signal.getsignal(signal.SIGINT)
@@ -203,13 +212,13 @@ def test_a_real_sigint_at_any_moment_leaves_the_engine_usable(engines, greedy):
         for engine in engines:
             for speculative in (None, _replay(engine, greedy)):
                 engine.generate(PROMPT, max_tokens=TOKENS, ignore_eos=True)  # the state every run below starts from
-                count = SigintAtLine()
-                assert _traced_generate(engine, count, speculative).token_ids == greedy.token_ids
+                count = SigintAt()
+                assert _profiled_generate(engine, count, speculative).token_ids == greedy.token_ids
                 for k in range(6):
-                    at = 1 + (count.lines - 1) * (2 * k + 1) // 12  # spread over the generation's lines
+                    at = 1 + (count.places - 1) * (2 * k + 1) // 12  # spread over the generation
                     with pytest.raises(KeyboardInterrupt):
-                        _traced_generate(engine, SigintAtLine(at), speculative)
-                    landed.append((type(speculative).__name__, at, count.lines))
+                        _profiled_generate(engine, SigintAt(at), speculative)
+                    landed.append((type(speculative).__name__, at, count.places))
                     assert engine.generate(PROMPT, max_tokens=TOKENS, ignore_eos=True).token_ids == greedy.token_ids
                     assert _free_for_other_threads(engine._lock), "an interrupt left the Engine's lock held"
     finally:
