@@ -13,6 +13,7 @@ model: one ``FakeBackend`` per slot, so each row's logits are exactly that seque
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import attrs
@@ -28,6 +29,18 @@ _MAX_TABLE_ROWS = 4096  # ... in at most this many rows: 4096 rows up to a vocab
 
 def _table_rows(vocab_size: int) -> int:
     return max(64, min(_MAX_TABLE_ROWS, _TABLE_FLOATS // vocab_size))
+
+
+@functools.lru_cache(maxsize=32)
+def _weights(seed: int, vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """The successor table ``[vocab]`` and the whole-context table ``[rows, vocab]`` float32 of a model, read-only
+    (shared by every ``FakeModel`` with this seed and vocabulary: property tests build thousands)."""
+    rng = np.random.default_rng(seed)
+    successor = rng.integers(0, vocab_size, size=vocab_size)
+    table = rng.standard_normal((_table_rows(vocab_size), vocab_size)).astype(np.float32)
+    successor.setflags(write=False)
+    table.setflags(write=False)
+    return successor, table
 
 
 @attrs.frozen
@@ -58,9 +71,8 @@ class FakeModel:
             raise ValueError(f"vocab_size must be >= 2, got {self.vocab_size}")
         if self.eos_id is not None and not 0 <= self.eos_id < self.vocab_size:
             raise ValueError(f"eos_id {self.eos_id} is outside the vocabulary")
-        rng = np.random.default_rng(self.seed)
-        object.__setattr__(self, "_successor", rng.integers(0, self.vocab_size, size=self.vocab_size))
-        table = rng.standard_normal((_table_rows(self.vocab_size), self.vocab_size)).astype(np.float32)
+        successor, table = _weights(self.seed, self.vocab_size)
+        object.__setattr__(self, "_successor", successor)
         object.__setattr__(self, "_table", table)
 
     def context_hash(self, previous_hash: int, token: int) -> int:
@@ -89,12 +101,16 @@ class FakeModel:
                 row[:] = -np.inf
         return row
 
-    def logits_for(self, context: Sequence[int]) -> np.ndarray:
-        """Next-token logits after the whole ``context`` (a reference, O(len(context)))."""
-        h = self.seed
+    def after(self, context: Sequence[int]) -> FakeContext:
+        """The model after ``context`` (O(len(context)) once; extend it with ``FakeContext.then``, O(1))."""
+        state = FakeContext(self, self.seed, -1, 0)
         for t in context:
-            h = self.context_hash(h, int(t))
-        return self.logits_after(int(context[-1]), h)
+            state = state.then(int(t))
+        return state
+
+    def logits_for(self, context: Sequence[int]) -> np.ndarray:
+        """Next-token logits after the whole non-empty ``context`` (O(len(context)))."""
+        return self.after(context).logits()
 
     def hidden(self, context_hash: int, size: int) -> np.ndarray:
         """A stand-in final hidden state, ``[size]`` float32: the first ``size`` logits of the context's
@@ -103,13 +119,34 @@ class FakeModel:
 
     def greedy(self, prompt: Sequence[int], n: int) -> list[int]:
         """The first ``n`` greedy tokens after ``prompt`` (no stop rules): an oracle for tests."""
-        context = list(prompt)
+        state = self.after(prompt)
         out = []
         for _ in range(n):
-            t = int(np.argmax(self.logits_for(context)))
+            t = int(np.argmax(state.logits()))
             out.append(t)
-            context.append(t)
+            state = state.then(t)
         return out
+
+
+@attrs.frozen
+class FakeContext:
+    """A ``FakeModel`` after a context, carried token by token: ``then(token)`` is O(1), and ``logits()`` is
+    exactly ``model.logits_for(context)`` (a pure function of the context, however it was reached)."""
+
+    model: FakeModel
+    context_hash: int  # the rolling hash of the context (``FakeModel.context_hash``)
+    last_token: int  # -1 for the empty context
+    length: int
+
+    def then(self, token: int) -> FakeContext:
+        """The context one ``token`` longer (this value is unchanged)."""
+        return FakeContext(self.model, self.model.context_hash(self.context_hash, token), token, self.length + 1)
+
+    def logits(self) -> np.ndarray:
+        """Next-token logits ``[vocab]`` float32, a fresh array the caller owns; the context must not be empty."""
+        if self.length == 0:
+            raise ValueError("the empty context has no next-token logits")
+        return self.model.logits_after(self.last_token, self.context_hash)
 
 
 class FakeBackend:

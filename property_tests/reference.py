@@ -2,8 +2,10 @@
 the property suite.
 
 It shares no code with ``ortspec`` (no import of it): it asks the model for the logits after the whole context,
-one token at a time, and applies the documented rules in the documented order. It is slow (O(n^2) model calls)
-and obvious on purpose. The rules:
+one token at a time, and applies the documented rules in the documented order. It is obvious on purpose, and
+linear in the model and the processors: the model is a ``ModelState`` extended by one token per pick, and the
+processors read a ``History`` kept as the tokens grow (only the text, decoded whole after each token, costs O(n)
+per token). The rules:
 
 - The pick at each position follows ``core/sampling.py``'s docstring, re-implemented here one token at a time:
   processors (repetition penalty over prompt + generated, presence/frequency penalties over generated, logit bias;
@@ -34,8 +36,24 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
+
+
+class ModelState(Protocol):
+    """A model after some context."""
+
+    def logits(self) -> np.ndarray:
+        """The next-token logits row ``[vocab]`` (a fresh array)."""
+        ...
+
+    def then(self, token: int) -> ModelState:
+        """The model after the context one ``token`` longer (this state is unchanged)."""
+        ...
+
+
+ModelAfter = Callable[[Sequence[int]], ModelState]  # the model after a whole context
 
 
 @dataclass
@@ -79,22 +97,50 @@ def _splitmix64(x: int) -> int:
     return x ^ (x >> 31)
 
 
+@dataclass
+class History:
+    """What the processors read of the tokens before a pick, kept as the tokens grow (O(1) per token): the ids in
+    prompt + generated, how often each id was generated, and how many were (the pick's index)."""
+
+    seen: set[int] = field(default_factory=set)
+    counts: dict[int, int] = field(default_factory=dict)
+    index: int = 0
+
+    @classmethod
+    def of(cls, prompt: Sequence[int], generated: Sequence[int]) -> History:
+        history = cls(seen=set(prompt))
+        for t in generated:
+            history.add(t)
+        return history
+
+    def add(self, token: int) -> None:
+        """Record a generated ``token``."""
+        self.seen.add(token)
+        self.counts[token] = self.counts.get(token, 0) + 1
+        self.index += 1
+
+
 def reference_pick(
     row: np.ndarray, rules: PickRules, prompt: Sequence[int], generated: Sequence[int], top_n: int = 0
 ) -> tuple[int, tuple[float, tuple[tuple[int, float], ...]] | None]:
     """The token plain decoding picks from ``row`` after ``prompt + generated``, and (when ``top_n``) its
     logprob record. Raises ``ReferenceError`` for a row that is not finite where the pick is made."""
+    return pick_after(row, rules, History.of(prompt, generated), top_n)
+
+
+def pick_after(
+    row: np.ndarray, rules: PickRules, history: History, top_n: int = 0
+) -> tuple[int, tuple[float, tuple[tuple[int, float], ...]] | None]:
+    """``reference_pick`` for the tokens summed up in ``history``."""
     z = np.array(row, dtype=np.float32)
-    if rules.repetition_penalty != 1.0:
+    if rules.repetition_penalty != 1.0 and history.seen:
         rp = np.float32(rules.repetition_penalty)
-        for t in sorted(set(prompt) | set(generated)):
-            z[t] = z[t] / rp if z[t] > 0 else z[t] * rp
-    counts: dict[int, int] = {}
-    for t in generated:
-        counts[t] = counts.get(t, 0) + 1
-    if rules.presence_penalty or rules.frequency_penalty:
-        for t, c in counts.items():
-            z[t] -= np.float32(c) * np.float32(rules.frequency_penalty) + np.float32(rules.presence_penalty)
+        ids = np.fromiter(history.seen, dtype=np.int64)  # each id once: the penalty applies once per id
+        z[ids] = np.where(z[ids] > 0, z[ids] / rp, z[ids] * rp)
+    if (rules.presence_penalty or rules.frequency_penalty) and history.counts:
+        ids = np.fromiter(history.counts.keys(), dtype=np.int64)
+        counts = np.fromiter(history.counts.values(), dtype=np.float32)
+        z[ids] -= counts * np.float32(rules.frequency_penalty) + np.float32(rules.presence_penalty)
     for t, b in rules.logit_bias:
         z[t] += np.float32(b)
     if np.isnan(z).any() or not math.isfinite(float(z.max())):
@@ -125,7 +171,7 @@ def reference_pick(
         keep = p >= rules.min_p
         ids, p = ids[keep], p[keep]
     assert rules.seed is not None
-    index = len(generated)
+    index = history.index
     u = (_splitmix64((rules.seed ^ (index * 0x9E3779B97F4A7C15)) & ((1 << 64) - 1)) >> 11) * 2.0**-53
     mass = p.astype(np.float64)
     total = _blocked_total(p)
@@ -161,20 +207,43 @@ def _blocked_total(p: np.ndarray) -> float:
     return total
 
 
+class PlainDecoder:
+    """Plain decoding after ``prompt + generated`` (no stop rules), one token at a time: ``tokens`` are the tokens
+    picked so far."""
+
+    def __init__(
+        self, model_after: ModelAfter, prompt: Sequence[int], rules: PickRules, generated: Sequence[int] = ()
+    ) -> None:
+        self.rules = rules
+        self.tokens: list[int] = []
+        self._state, self._history = model_after([*prompt, *generated]), History.of(prompt, generated)
+
+    def next(self) -> int:
+        """Pick the next token and append it to ``tokens``; raises ``ReferenceError`` at a row that is not
+        finite (``tokens`` unchanged)."""
+        token, _ = pick_after(self._state.logits(), self.rules, self._history)
+        self.tokens.append(token)
+        self._history.add(token)
+        self._state = self._state.then(token)
+        return token
+
+
 def plain_continuation(
-    logits_after: Callable[[Sequence[int]], np.ndarray], prompt: Sequence[int], n: int, rules: PickRules,
-    generated: Sequence[int] = (),
-) -> list[int]:  # fmt: skip
-    """The next ``n`` tokens plain decoding emits after ``prompt + generated`` (no stop rules): an oracle."""
-    out = list(generated)
+    model_after: ModelAfter, prompt: Sequence[int], n: int, rules: PickRules, generated: Sequence[int] = ()
+) -> list[int]:
+    """The next ``n`` tokens plain decoding emits after ``prompt + generated`` (no stop rules): an oracle. Raises
+    ``ReferenceError`` at a row that is not finite, with the tokens before it in its ``run``."""
+    decoder = PlainDecoder(model_after, prompt, rules, generated)
     for _ in range(n):
-        token, _ = reference_pick(logits_after([*prompt, *out]), rules, prompt, out)
-        out.append(token)
-    return out[len(generated) :]
+        try:
+            decoder.next()
+        except ReferenceError as exc:
+            raise ReferenceError(str(exc), ReferenceRun(tokens=decoder.tokens)) from exc
+    return decoder.tokens
 
 
 def greedy_reference(
-    logits_after: Callable[[Sequence[int]], np.ndarray],
+    model_after: ModelAfter,
     prompt: Sequence[int],
     *,
     max_tokens: int,
@@ -187,8 +256,8 @@ def greedy_reference(
     top_logprobs: int = 0,
     detokenize: Callable[[Sequence[int]], str] | None = None,
 ) -> ReferenceRun:
-    """Decode after ``prompt`` with ``rules`` (greedy by default); ``logits_after(context)`` gives the next-token
-    logits row."""
+    """Decode after ``prompt`` with ``rules`` (greedy by default); ``model_after(prompt)`` is the model after the
+    prompt, extended by each picked token."""
     prompt = list(prompt)
     limits = [b for b in (max_context, capacity) if b is not None]
     limit = min(limits) if limits else math.inf
@@ -201,13 +270,15 @@ def greedy_reference(
         run.finish_reason = "context_full"
         return run
     released = 0
+    state, history = model_after(prompt), History.of(prompt, ())
     while run.finish_reason is None:
-        row = logits_after(prompt + run.tokens)
         try:
-            token, record = reference_pick(row, rules, prompt, run.tokens, top_logprobs)
+            token, record = pick_after(state.logits(), rules, history, top_logprobs)
         except ReferenceError as exc:
             raise ReferenceError(f"row after {len(run.tokens)} tokens: {exc}", run) from exc
         run.tokens.append(token)
+        history.add(token)
+        state = state.then(token)
         if record is not None:
             run.logprobs.append((token, *record))
 

@@ -12,6 +12,7 @@ backend is used as often as the logits path.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import attrs
@@ -20,7 +21,7 @@ from hypothesis import strategies as st
 
 from ortspec.backends.fake import FakeModel
 from ortspec.core import AdditiveWidth, CostAwareWidth, Options, PromptLookup, Sampling
-from property_tests.reference import PickRules, ReferenceError, plain_continuation
+from property_tests.reference import PickRules, PlainDecoder, ReferenceError, plain_continuation
 
 # Byte-level pieces: ASCII words and the bytes of 2-, 3- and 4-byte characters (é, €, 中, 𝄞), alone and glued to
 # ASCII, so text arrives in partial characters and stop strings span tokens.
@@ -44,36 +45,53 @@ def sentencepiece_detokenize(ids: Sequence[int]) -> str:
     return text[1:] if text.startswith(" ") else text
 
 
+@functools.lru_cache(maxsize=1024, typed=True)  # typed: (0, 1) and (0.0, 1.0) are different strategies
+def _sampled(*values):
+    """``st.sampled_from(values)``, built once per tuple of values: a strategy built afresh at every draw is
+    validated afresh too, which cost the suite more than its own work (the draws are the same)."""
+    return st.sampled_from(values)
+
+
+@functools.lru_cache(maxsize=4096)
+def _integers(low: int, high: int):
+    """``st.integers(low, high)``, built once per bounds (as ``_sampled``)."""
+    return st.integers(low, high)
+
+
+@functools.lru_cache(maxsize=4096)
+def _built(factory, *args):
+    """``factory(*args)`` (a strategy of this module), built once per arguments (as ``_sampled``)."""
+    return factory(*args)
+
+
 DETOKENIZERS = {"bytes": byte_detokenize, "sentencepiece": sentencepiece_detokenize}
 END_KINDS = ("stop_string", "stop_sequence", "context", "max_tokens", "eos", "free")
 
 
 @st.composite
 def fake_models(draw, nonfinite: bool = False) -> FakeModel:
-    size = draw(st.sampled_from(["small", "small", "small", "hundreds", "thousands"]))
-    vocab = draw(
-        {"small": st.integers(2, 48), "hundreds": st.integers(200, 600), "thousands": st.integers(1000, 5000)}[size]
-    )
-    eos_id = draw(st.one_of(st.none(), st.integers(0, vocab - 1)))
+    size = draw(_sampled("small", "small", "small", "hundreds", "thousands"))
+    vocab = draw({"small": _integers(2, 48), "hundreds": _integers(200, 600), "thousands": _integers(1000, 5000)}[size])
+    eos_id = draw(st.one_of(st.none(), _integers(0, vocab - 1)))
     return FakeModel(
         vocab_size=vocab,
-        seed=draw(st.integers(0, 2**32 - 1)),
-        markov=draw(st.sampled_from([0.0, 0.5, 2.0, 6.0, 6.0])),
-        noise=draw(st.sampled_from([0.05, 0.5, 1.0])),
-        tie_rate=draw(st.sampled_from([0.0, 0.0, 0.2, 0.6])),
-        near_tie_gap=draw(st.sampled_from([0.0, 1e-6, 1e-3, 0.1])),
+        seed=draw(_integers(0, 2**32 - 1)),
+        markov=draw(_sampled(0.0, 0.5, 2.0, 6.0, 6.0)),
+        noise=draw(_sampled(0.05, 0.5, 1.0)),
+        tie_rate=draw(_sampled(0.0, 0.0, 0.2, 0.6)),
+        near_tie_gap=draw(_sampled(0.0, 1e-6, 1e-3, 0.1)),
         eos_id=eos_id,
-        eos_rate=draw(st.sampled_from([0.0, 0.0, 0.02, 0.1])) if eos_id is not None else 0.0,
-        nonfinite_rate=draw(st.sampled_from([0.0, 0.0, 0.0, 0.03])) if nonfinite else 0.0,
+        eos_rate=draw(_sampled(0.0, 0.0, 0.02, 0.1)) if eos_id is not None else 0.0,
+        nonfinite_rate=draw(_sampled(0.0, 0.0, 0.0, 0.03)) if nonfinite else 0.0,
     )
 
 
 @st.composite
 def prompts(draw, vocab: int) -> tuple[int, ...]:
-    ids = st.integers(0, vocab - 1)
+    ids = _integers(0, vocab - 1)
     if draw(st.booleans()):  # repetitive: a motif repeated, so prompt lookup has something to find
         motif = draw(st.lists(ids, min_size=1, max_size=6))
-        reps = draw(st.integers(1, 6))
+        reps = draw(_integers(1, 6))
         tail = draw(st.lists(ids, max_size=4))
         return tuple(motif * reps + tail)
     return tuple(draw(st.lists(ids, min_size=1, max_size=30)))
@@ -114,23 +132,23 @@ def pick_rules(draw, vocab: int, mode: str) -> PickRules:
     filters and penalties (``mode="sampling"``)."""
 
     def penalties_and_bias() -> dict:
-        bias = draw(st.lists(st.tuples(st.integers(0, vocab - 1), st.sampled_from([-100.0, -2.0, 1.5, 5.0])),
+        bias = draw(st.lists(st.tuples(_integers(0, vocab - 1), _sampled(-100.0, -2.0, 1.5, 5.0)),
                              max_size=3))  # fmt: skip
         return dict(
-            repetition_penalty=draw(st.sampled_from([1.0, 1.0, 1.3, 0.8, 2.0])),
-            presence_penalty=draw(st.sampled_from([0.0, 0.0, 0.5, -0.5])),
-            frequency_penalty=draw(st.sampled_from([0.0, 0.0, 0.3, 1.0])),
+            repetition_penalty=draw(_sampled(1.0, 1.0, 1.3, 0.8, 2.0)),
+            presence_penalty=draw(_sampled(0.0, 0.0, 0.5, -0.5)),
+            frequency_penalty=draw(_sampled(0.0, 0.0, 0.3, 1.0)),
             logit_bias=tuple(sorted(dict(bias).items())),
         )
 
     if mode == "greedy":
-        return PickRules() if draw(st.integers(0, 3)) < 3 else PickRules(**penalties_and_bias())
+        return PickRules() if draw(_integers(0, 3)) < 3 else PickRules(**penalties_and_bias())
     return PickRules(
-        temperature=draw(st.one_of(st.sampled_from([0.7, 1.0, 0.3, 1.5, 2.0]), st.floats(0.01, 2.0))),
-        top_k=draw(st.sampled_from([0, 0, 1, 2, 5, 20])),
-        top_p=draw(st.sampled_from([1.0, 1.0, 0.9, 0.5, 0.1])),
-        min_p=draw(st.sampled_from([0.0, 0.0, 0.05, 0.3])),
-        seed=draw(st.integers(0, 2**64 - 1)),
+        temperature=draw(st.one_of(_sampled(0.7, 1.0, 0.3, 1.5, 2.0), st.floats(0.01, 2.0))),
+        top_k=draw(_sampled(0, 0, 1, 2, 5, 20)),
+        top_p=draw(_sampled(1.0, 1.0, 0.9, 0.5, 0.1)),
+        min_p=draw(_sampled(0.0, 0.0, 0.05, 0.3)),
+        seed=draw(_integers(0, 2**64 - 1)),
         **(penalties_and_bias() if draw(st.booleans()) else {}),
     )
 
@@ -142,26 +160,26 @@ def scenarios(
     """A model, a prompt and options with one rule planted at a drawn token: ``end`` (one of ``END_KINDS``), or
     a kind drawn evenly when None; pick rules of ``mode`` ("greedy" or "sampling"; drawn when None). ``model``:
     this model instead of a drawn one (several requests to one model)."""
-    model = model if model is not None else draw(fake_models(nonfinite))
-    prompt = draw(prompts(model.vocab_size))
+    model = model if model is not None else draw(_built(fake_models, nonfinite))
+    prompt = draw(_built(prompts, model.vocab_size))
     # Hypothesis favours the first option and small integers; they are chosen so that its simplest examples
     # still reach deep into a generation (a medium budget, a rule planted late, a wide oracle draft).
-    max_new = draw(st.sampled_from([(9, 48), (49, 80), (9, 48), (1, 8)]).flatmap(lambda r: st.integers(*r)))
+    max_new = draw(_sampled((9, 48), (49, 80), (9, 48), (1, 8)).flatmap(lambda r: _integers(*r)))
     if mode is None:
-        mode = draw(st.sampled_from(["greedy", "sampling"]))
-    rules = draw(pick_rules(model.vocab_size, mode))
+        mode = draw(_sampled("greedy", "sampling"))
+    rules = draw(_built(pick_rules, model.vocab_size, mode))
     try:
-        continuation = plain_continuation(model.logits_for, prompt, max_new, rules)
+        continuation = plain_continuation(model.after, prompt, max_new, rules)
     except ReferenceError:  # a non-finite row: plant rules on the model's argmax chain instead
         continuation = model.greedy(prompt, max_new)
     if end is None:  # an even spread (sampled_from would favour the first kind heavily)
-        end = END_KINDS[draw(st.integers(0, 2**20)) % len(END_KINDS)]
+        end = END_KINDS[draw(_integers(0, 2**20)) % len(END_KINDS)]
     # The token at which the planted rule fires: mostly late, so that a draft block is in flight.
-    if draw(st.integers(0, 5)) < 5:
-        at = max(0, max_new - 2 - draw(st.integers(0, max(0, max_new - 5))))
+    if draw(_integers(0, 5)) < 5:
+        at = max(0, max_new - 2 - draw(_integers(0, max(0, max_new - 5))))
     else:
-        at = draw(st.integers(0, max_new - 1))
-    detokenizer = draw(st.sampled_from([None, "bytes", "bytes", "sentencepiece"]))
+        at = draw(_integers(0, max_new - 1))
+    detokenizer = draw(_sampled(None, "bytes", "bytes", "sentencepiece"))
     if end == "stop_string" and detokenizer is None:
         detokenizer = "bytes"
     detokenize = DETOKENIZERS[detokenizer] if detokenizer else None
@@ -177,7 +195,7 @@ def scenarios(
         eos.add(draw(st.sampled_from(late)) if late else continuation[at])
     elif end == "stop_sequence":
         # The shortest n-gram ending at `at` that does not occur earlier.
-        for n in range(min(draw(st.integers(1, 3)), at + 1), at + 2):
+        for n in range(min(draw(_integers(1, 3)), at + 1), at + 2):
             seq = tuple(continuation[at + 1 - n : at + 1])
             if all(tuple(continuation[i : i + n]) != seq for i in range(at + 1 - n)):
                 break
@@ -188,7 +206,7 @@ def scenarios(
         last = spans[at][1] if spans[at][1] > 0 else len(text)
         if last > 0:
             # The shortest substring (from a drawn length up) ending at `last` whose first occurrence ends there.
-            for length in range(draw(st.integers(1, min(16, last))), last + 1):
+            for length in range(draw(_integers(1, min(16, last))), last + 1):
                 if text.find(text[last - length : last]) == last - length:
                     break
             stop_strings.append(text[last - length : last])
@@ -197,7 +215,7 @@ def scenarios(
             first_char = spans[at][0]
             if last - 1 > first_char and draw(st.booleans()):
                 end2 = last - 1
-                for length2 in range(draw(st.integers(1, min(8, end2))), end2 + 1):
+                for length2 in range(draw(_integers(1, min(8, end2))), end2 + 1):
                     if text.find(text[end2 - length2 : end2]) == end2 - length2:
                         stop_strings.append(text[end2 - length2 : end2])
                         break
@@ -205,27 +223,27 @@ def scenarios(
         max_new = at + 1
     elif end == "context":
         limit = len(prompt) + at + 1
-        how = draw(st.sampled_from(["max_context", "capacity", "both"]))
+        how = draw(_sampled("max_context", "capacity", "both"))
         if how in ("max_context", "both"):
             max_context = limit
         if how in ("capacity", "both"):
-            capacity = limit + (draw(st.integers(0, 3)) if how == "both" else 0)
+            capacity = limit + (draw(_integers(0, 3)) if how == "both" else 0)
     # Unplanned rules now and then, so that rules also compete.
-    if draw(st.integers(0, 4)) == 4:
-        eos.update(draw(st.lists(st.integers(0, model.vocab_size - 1), max_size=2)))
-    if model.eos_id is not None and draw(st.integers(0, 3)) == 3:
+    if draw(_integers(0, 4)) == 4:
+        eos.update(draw(st.lists(_integers(0, model.vocab_size - 1), max_size=2)))
+    if model.eos_id is not None and draw(_integers(0, 3)) == 3:
         eos.add(model.eos_id)
-    if detokenize is not None and draw(st.integers(0, 4)) == 4:
-        stop_strings.append(draw(st.sampled_from(["END", "stop", "€", "a b", "\n", "中", "zz", "b."])))
-    if draw(st.integers(0, 5)) == 5:
-        stop_sequences.append(tuple(draw(st.lists(st.integers(0, model.vocab_size - 1), min_size=1, max_size=2))))
+    if detokenize is not None and draw(_integers(0, 4)) == 4:
+        stop_strings.append(draw(_sampled("END", "stop", "€", "a b", "\n", "中", "zz", "b.")))
+    if draw(_integers(0, 5)) == 5:
+        stop_sequences.append(tuple(draw(st.lists(_integers(0, model.vocab_size - 1), min_size=1, max_size=2))))
     options = Options(
         max_tokens=max_new,
         eos_token_ids=eos,
         stop=[*stop_sequences, *stop_strings],
         max_context=max_context,
-        top_logprobs=draw(st.sampled_from([0, 0, 0, 1, 3])),
-        tie_margin=draw(st.sampled_from([0.0, 0.0, 0.0, 0.0, 1e-5, 1e-2, 0.3])),
+        top_logprobs=draw(_sampled(0, 0, 0, 1, 3)),
+        tie_margin=draw(_sampled(0.0, 0.0, 0.0, 0.0, 1e-5, 1e-2, 0.3)),
         sampling=rules_as_sampling(rules),
     )
     return Scenario(model, prompt, options, detokenizer, capacity, end, at, rules)
@@ -252,16 +270,25 @@ class OracleProposer:
     model: FakeModel
     rules: PickRules = PickRules()
     prompt_len: int = 0  # the generated tokens' index (the sampler's position) counts from here
+    # The continuation decoded so far: [the context it starts after, its PlainDecoder, stopped at a non-finite row].
+    # A generation's contexts walk along it, so each token is decoded once, not once per proposal.
+    _path: list = attrs.field(factory=lambda: [(), None, False], eq=False, repr=False)
 
     def continuation(self, context, n):
-        prompt, generated = list(context[: self.prompt_len]), list(context[self.prompt_len :])
-        out: list[int] = []
-        try:
-            for _ in range(n):
-                out += plain_continuation(self.model.logits_for, prompt, 1, self.rules, generated + out)
-        except ReferenceError:
-            pass
-        return out
+        context = tuple(context)
+        base, decoder, stopped = self._path
+        walked = context[len(base) :]
+        if decoder is None or context[: len(base)] != base or tuple(decoder.tokens[: len(walked)]) != walked:
+            base, decoder, stopped = context, PlainDecoder(self.model.after, context[: self.prompt_len], self.rules,
+                                                           context[self.prompt_len :]), False  # fmt: skip
+            walked = ()
+        while not stopped and len(decoder.tokens) < len(walked) + n:
+            try:
+                decoder.next()
+            except ReferenceError:  # a non-finite row: the tokens before it
+                stopped = True
+        self._path[:] = [base, decoder, stopped]
+        return decoder.tokens[len(walked) : len(walked) + n]
 
     def propose(self, context, width):
         return tuple(self.continuation(context, width))
@@ -306,16 +333,16 @@ class EmptyProposer:
 @st.composite
 def proposers_for(draw, model: FakeModel, rules: PickRules | None = None, prompt_len: int = 0):
     rules = rules if rules is not None else PickRules()
-    kind = draw(st.sampled_from(["oracle"] * 8 + ["noisy"] * 3 + ["lookup"] * 2 + ["adversarial", "empty"]))
+    kind = draw(_sampled(*["oracle"] * 8, *["noisy"] * 3, *["lookup"] * 2, "adversarial", "empty"))
     if kind == "lookup":
-        ngram = draw(st.integers(1, 5))
-        return PromptLookup(ngram=ngram, max_draft=draw(st.integers(1, 32)), min_ngram=draw(st.integers(1, ngram)))
+        ngram = draw(_integers(1, 5))
+        return PromptLookup(ngram=ngram, max_draft=draw(_integers(1, 32)), min_ngram=draw(_integers(1, ngram)))
     if kind == "oracle":
         return OracleProposer(model, rules, prompt_len)
     if kind == "noisy":
-        return NoisyOracleProposer(OracleProposer(model, rules, prompt_len), draw(st.integers(0, 2**31)))
+        return NoisyOracleProposer(OracleProposer(model, rules, prompt_len), draw(_integers(0, 2**31)))
     if kind == "adversarial":
-        return AdversarialProposer(model, draw(st.integers(0, 2**31)), draw(st.integers(0, 5)))
+        return AdversarialProposer(model, draw(_integers(0, 2**31)), draw(_integers(0, 5)))
     return EmptyProposer()
 
 
@@ -338,6 +365,7 @@ class FaultyProposer:
         return (bad,)
 
 
+@functools.cache
 def width_policies():
     """A fixed width up to 32, the cost-aware policy with an arbitrary cost curve, or the +2/-1 schedule."""
     costs = st.lists(st.floats(0.5, 4.0), min_size=1, max_size=32).map(lambda c: (1.0, *c))
@@ -345,18 +373,18 @@ def width_policies():
         CostAwareWidth,
         pass_costs=costs,
         decay=st.floats(0.0, 1.0),
-        probe_every=st.integers(1, 10),
-        probe_width=st.integers(1, 4),
+        probe_every=_integers(1, 10),
+        probe_width=_integers(1, 4),
     )
     additive = st.builds(
         AdditiveWidth,
-        current=st.integers(1, 6),
-        maximum=st.integers(6, 32),
-        grow=st.integers(0, 3),
-        shrink=st.integers(0, 3),
+        current=_integers(1, 6),
+        maximum=_integers(6, 32),
+        grow=_integers(0, 3),
+        shrink=_integers(0, 3),
     )
-    kind = st.sampled_from(["medium", "wide", "narrow", "medium", "cost-aware", "additive"])
+    kind = _sampled("medium", "wide", "narrow", "medium", "cost-aware", "additive")
     return kind.flatmap(
-        lambda k: {"medium": st.integers(4, 12), "wide": st.integers(1, 32), "narrow": st.integers(1, 3),
+        lambda k: {"medium": _integers(4, 12), "wide": _integers(1, 32), "narrow": _integers(1, 3),
                    "cost-aware": cost_aware, "additive": additive}[k]
     )  # fmt: skip

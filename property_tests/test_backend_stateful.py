@@ -82,11 +82,17 @@ class BackendProtocol(RuleBasedStateMachine):
         with pytest.raises(BackendError):
             self.backend.rewind(len(self.reference) + extra)
 
-    @precondition(lambda self: True)
     @rule()
     def empty_pass(self):
         with pytest.raises(BackendError):
             self.backend.decode([], len(self.reference))
+
+    @precondition(lambda self: len(self.reference) == CAPACITY)
+    @rule(tokens=tokens_st)
+    def pass_beyond_a_full_cache(self, tokens):
+        """At capacity every pass is refused, and the cache stays as it is (the invariant)."""
+        with pytest.raises(BackendError):
+            self.backend.decode_verify(tokens, CAPACITY)
 
     @invariant()
     def same_length(self):

@@ -10,6 +10,7 @@ that raises, corrupt picks) must surface as errors that carry exactly what was d
 
 from __future__ import annotations
 
+import copy
 import math
 from typing import NamedTuple
 
@@ -108,7 +109,7 @@ def run(sc: Scenario, proposer=None, width=1, *, picks=False, drift=0.0) -> Run:
 def reference(sc: Scenario) -> ReferenceRun:
     o = sc.options
     return greedy_reference(
-        sc.model.logits_for, sc.prompt, max_tokens=o.max_tokens, eos_token_ids=o.eos_token_ids,
+        sc.model.after, sc.prompt, max_tokens=o.max_tokens, eos_token_ids=o.eos_token_ids,
         stop_token_sequences=o.stop_token_sequences, stop_strings=o.stop_strings, max_context=o.max_context,
         capacity=sc.capacity, top_logprobs=o.top_logprobs, detokenize=sc.detokenize, rules=sc.rules,
     )  # fmt: skip
@@ -412,7 +413,7 @@ def test_an_empty_prompt_is_refused(fake_models_and_empty):
     with pytest.raises(ValueError, match="prompt_tokens is empty"):
         generate(backend, [], Options(max_tokens=4))
     with pytest.raises(ReferenceError):
-        greedy_reference(lambda ctx: np.zeros(4), [], max_tokens=4)
+        greedy_reference(backend.model.after, [], max_tokens=4)
     assert backend.passes == 0
 
 
@@ -430,15 +431,25 @@ def test_property_sanity_lookup_accepts_on_repetitive_model():
 @settings(max_examples=examples(300))
 @given(width_policies(), st.lists(st.tuples(st.integers(0, 32), st.integers(0, 32)), max_size=40))
 def test_width_policies_are_deterministic_and_in_range(policy, observations):
-    """The same observations give the same widths; a width is never negative."""
+    """The same observations give the same widths, from an independent copy of the policy too; observing leaves
+    the value it is called on unchanged; a width is never negative."""
     if isinstance(policy, int):
         return
-    replay = policy
-    for proposed, accepted in observations:
-        accepted = min(accepted, proposed)
-        assert policy.width() == replay.width() >= 0
-        policy, replay = policy.observe(proposed, accepted), replay.observe(proposed, accepted)
-        assert policy == replay
+    copy_of_start = copy.deepcopy(policy)
+    assert copy_of_start is not policy and copy_of_start == policy
+
+    def walk(start):
+        widths, current = [], start
+        for proposed, accepted in observations:
+            widths.append(current.width())
+            current = current.observe(proposed, min(accepted, proposed))
+        return widths, current
+
+    widths, end = walk(policy)
+    assert all(w >= 0 for w in widths), widths
+    assert policy == copy_of_start, "observe changed the policy it was called on"
+    assert walk(copy_of_start) == (widths, end)
+    assert walk(policy) == (widths, end)
 
 
 @settings(max_examples=examples(800))

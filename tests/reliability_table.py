@@ -3,8 +3,8 @@ Engine (or, for model folders, a fresh load of the intact folder) works afterwar
 
 ``tests/test_reliability_table.py`` runs every case and fails on any that does not give its error (type, cause and
 a message naming what the user gave); it also renders the outcomes as the table in ``docs/reliability.md`` and
-fails if the committed table differs (``python scripts/reliability_doc.py`` rewrites it). The table is the code's
-behaviour as run, so it cannot drift from it.
+fails if the committed table differs (``python scripts/reliability_doc.py`` runs the cases and rewrites it). The
+table is the code's behaviour as run, so it cannot drift from it.
 
 A case's ``action(lab)`` does one thing on the ``Lab`` (the tiny model, a shared Engine, a scratch folder). It either
 raises (the outcome is the exception) or returns a short description of what happened instead (a documented
@@ -50,6 +50,13 @@ class Lab:
 
     def generate(self, **kwargs: Any) -> Any:
         return self.engine.generate(PROMPT_IDS, **{"max_tokens": 12, "ignore_eos": True, **kwargs})
+
+    @classmethod
+    def open(cls, model: Path, scratch: Path) -> Lab:
+        """A Lab on the intact folder ``model``, with its Engine (one thread) and that Engine's baseline."""
+        lab = cls(model=model, scratch=scratch, engine=Engine.from_dir(model, BackendConfig(threads=1)))
+        lab.baseline = lab.generate().token_ids
+        return lab
 
     def copy(self, name: str) -> Path:
         """A fresh copy of the intact folder, named ``name`` (shown as ``<folder>`` in the table)."""

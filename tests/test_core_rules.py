@@ -388,7 +388,7 @@ def test_stop_string_inside_a_token_cuts_the_rest_of_it():
     assert "".join(texts(commits)) == "b"
 
 
-def test_max_new_tokens_budget_values():
+def test_max_tokens_budget_values():
     s = start(Options(max_tokens=4))
     assert draft_budget(s) == 3
     s, _, _ = run(s, [5])
@@ -403,7 +403,7 @@ def test_max_new_tokens_budget_values():
     assert draft_budget(start(Options(max_tokens=1))) == 0
 
 
-def test_max_new_tokens_reached_exactly_by_a_full_budget_block():
+def test_max_tokens_reached_exactly_by_a_full_budget_block():
     s = start(Options(max_tokens=4))
     s, _, _ = run(s, [5])
     # A proposer may want 3 more, but the budget is 2: those 2 plus the bonus land exactly on 4.
@@ -416,7 +416,7 @@ def test_max_new_tokens_reached_exactly_by_a_full_budget_block():
     assert rewind_to == s.kv_len
 
 
-def test_max_new_tokens_one():
+def test_max_tokens_one():
     s = start(Options(max_tokens=1))
     with pytest.raises(ValueError, match="budget of 0"):
         run(s, [1, 2], draft=(1,))

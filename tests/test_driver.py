@@ -534,7 +534,7 @@ def test_max_context_smaller_than_capacity_is_honoured():
     assert backend.peak_len <= len(PROMPT) + 7
 
 
-def test_max_new_tokens_is_never_overshot_by_a_pass():
+def test_max_tokens_is_never_overshot_by_a_pass():
     model = make_model(27)
     backend = FakeBackend(model)
     r = generate(backend, PROMPT, Options(max_tokens=7), Oracle(model), draft_width=5)

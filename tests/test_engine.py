@@ -81,8 +81,7 @@ def test_stream_callback_signature_and_abort(engine):
 
 def test_stop_strings_and_token_sequences(engine):
     base = engine.generate("one two three", max_tokens=30, ignore_eos=True)
-    if len(base.text) < 6:
-        pytest.skip("the random model produced too little text")
+    assert len(base.text) >= 6, base.text  # the tiny model is built deterministically: this never varies
     stop = base.text[3:6]
     replay = GreedyReplay(engine.tokenize("one two three"), base.token_ids, engine.backend.vocab_size)
     r = engine.generate("one two three", max_tokens=30, ignore_eos=True, stop=[stop], speculative=replay)

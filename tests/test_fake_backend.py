@@ -179,9 +179,19 @@ def test_model_is_deterministic_and_seeded():
     c = FakeModel(vocab_size=16, seed=2)
     assert np.array_equal(a.logits_for([1, 2]), b.logits_for([1, 2]))
     assert not np.array_equal(a.logits_for([1, 2]), c.logits_for([1, 2]))
-    # Calls never change the model: repeated calls agree.
-    assert np.array_equal(a.logits_for([1, 2]), a.logits_for([1, 2]))
-    assert a.greedy([3], 10) == a.greedy([3], 10)
+    # Calls never change the model: after other calls (and a caller writing into a returned row), the model
+    # gives what a fresh one gives.
+    first = a.logits_for([1, 2])
+    first[:] = 0.0
+    a.greedy([5, 6], 20)
+    a.after([2, 1]).then(3).logits()
+    assert np.array_equal(a.logits_for([1, 2]), b.logits_for([1, 2]))
+    assert a.greedy([3], 10) == b.greedy([3], 10)
+    # The carried context gives what the whole context gives.
+    state = a.after([])
+    for i, t in enumerate([4, 9, 9, 1, 15]):
+        state = state.then(t)
+        assert np.array_equal(state.logits(), b.logits_for([4, 9, 9, 1, 15][: i + 1]))
 
 
 def test_high_markov_weight_makes_the_last_token_decide():

@@ -10,12 +10,17 @@ import json
 import logging
 import shutil
 import signal
+import sys
 import threading
-import time
+from pathlib import Path
 
 import onnxruntime as ort
 import pytest
 
+import ortspec
+import ortspec.adapters
+import ortspec.backends
+import ortspec.core
 from ortspec import GenerationError
 from ortspec.adapters.engine import Engine
 from ortspec.backends.base import BackendError
@@ -168,32 +173,58 @@ def _free_for_other_threads(lock) -> bool:
     return got == [True]
 
 
+_OURS = tuple(str(Path(m.__file__).parent) for m in (ortspec, ortspec.core, ortspec.backends, ortspec.adapters))
+
+
+class SigintAt:
+    """A profile function (``sys.setprofile``) that sends this process a real SIGINT at the ``at``-th place in
+    ortspec's own code where CPython delivers a pending signal (None: it only counts them): the entry of one of
+    its functions, or just after one of its calls into C returns (an onnxruntime run, a numpy operation, a lock's
+    ``__exit__``) - in the Engine, the driver, the core, the proposer or the backend. The interrupt lands by the
+    count of those places, not by the clock, so the same ``at`` lands at the same place on every machine. (Raising
+    at line events instead would also land where no real signal can, e.g. before a ``with`` block's exit.)"""
+
+    def __init__(self, at: int | None = None) -> None:
+        self.at, self.places = at, 0
+
+    def __call__(self, frame, event, arg):
+        if event in ("call", "c_return") and frame.f_code.co_filename.startswith(_OURS):
+            self.places += 1
+            if self.places == self.at:
+                signal.raise_signal(signal.SIGINT)
+
+
+def _profiled_generate(engine, profile, speculative):
+    sys.setprofile(profile)
+    try:
+        return engine.generate(PROMPT, max_tokens=TOKENS, ignore_eos=True, speculative=speculative, draft_width=6)
+    finally:
+        sys.setprofile(None)
+
+
 def test_a_real_sigint_at_any_moment_leaves_the_engine_usable(engines, greedy):
-    """SIGINT from a timer lands wherever the generation is (in a pass, in the core, in the callback, between
-    them): after each, the next generation is the greedy one."""
-    plain, reuse = engines
+    """A real SIGINT lands at places spread over the whole generation (greedy and speculative, with and without
+    prefix reuse): every one interrupts it, and after each the next generation is the greedy one and the Engine's
+    lock is free."""
     previous = signal.getsignal(signal.SIGINT)
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    interrupted = 0
+    landed: list[tuple[str, int, int]] = []
     try:
-        for i in range(24):
-            engine = (plain, reuse)[i % 2]
-            speculative = _replay(engine, greedy) if i % 4 >= 2 else None
-            signal.setitimer(signal.ITIMER_REAL, 0.0005 + 0.0007 * i)
-            signal.signal(signal.SIGALRM, lambda *_: signal.raise_signal(signal.SIGINT))
-            try:
-                engine.generate(PROMPT, max_tokens=TOKENS, ignore_eos=True, speculative=speculative, draft_width=6)
-                time.sleep(0.05)  # the timer may still fire after a short generation: not inside the next one
-            except KeyboardInterrupt:
-                interrupted += 1
-            finally:
-                signal.setitimer(signal.ITIMER_REAL, 0)
-            assert engine.generate(PROMPT, max_tokens=TOKENS, ignore_eos=True).token_ids == greedy.token_ids
-            assert _free_for_other_threads(engine._lock), "an interrupt left the Engine's lock held"
+        for engine in engines:
+            for speculative in (None, _replay(engine, greedy)):
+                engine.generate(PROMPT, max_tokens=TOKENS, ignore_eos=True)  # the state every run below starts from
+                count = SigintAt()
+                assert _profiled_generate(engine, count, speculative).token_ids == greedy.token_ids
+                for k in range(6):
+                    at = 1 + (count.places - 1) * (2 * k + 1) // 12  # spread over the generation
+                    with pytest.raises(KeyboardInterrupt):
+                        _profiled_generate(engine, SigintAt(at), speculative)
+                    landed.append((type(speculative).__name__, at, count.places))
+                    assert engine.generate(PROMPT, max_tokens=TOKENS, ignore_eos=True).token_ids == greedy.token_ids
+                    assert _free_for_other_threads(engine._lock), "an interrupt left the Engine's lock held"
     finally:
         signal.signal(signal.SIGINT, previous)
-        signal.signal(signal.SIGALRM, signal.SIG_DFL)
-    assert interrupted >= 6  # most timers fired inside a generation
+    assert len(landed) == 24, landed
 
 
 def test_onnxruntime_log_lines_go_to_python_logging_not_stderr(tiny_model_dir, tmp_path, capfd, caplog):

@@ -1,8 +1,9 @@
 """The short version of ``scripts/long_run.py`` (seconds): on a tiny model with a 3,072-token context, a
-2,500-token generation (greedy and speculative) keeps its memory flat and slows down no more than raw greedy
-decoding does (with a loose bound: timings on a shared machine are noisy; the script's run uses 20,000 tokens and
-the 15% bound), and back-to-back generations leak nothing. A pure-CPU guard on the fake backend catches per-step
-costs that grow with the history (a copy of the whole token history per step, a search of the whole context)."""
+2,500-token generation (greedy and speculative) keeps its memory flat, and back-to-back generations leak nothing.
+Speed over a long generation (wall time against raw greedy decoding's) is the script's to measure and bound (its
+run uses 20,000 tokens and the 15% bound). A guard on the fake backend, in thread CPU time (not wall time), catches
+per-step costs that grow with the history (a copy of the whole token history per step, a search of the whole
+context)."""
 
 from __future__ import annotations
 
@@ -40,7 +41,6 @@ def test_a_long_generation_keeps_memory_flat_and_back_to_back_runs_leak_nothing(
     for name in ("greedy", "speculative"):
         f = figures[name]
         assert f["rss_growth"] < long_run.MEMORY_TOLERANCE_MB, (name, f)
-        assert f["growth_vs_greedy"] < 1.6, (name, f)
     back_to_back = figures["back_to_back"]
     (_, rss0, objects0, blocks0), (_, rss1, objects1, blocks1) = back_to_back["half"], back_to_back["end"]
     assert rss1 - rss0 < 1.0 and objects1 - objects0 <= 100 and blocks1 - blocks0 <= 100, back_to_back

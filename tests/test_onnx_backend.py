@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ortspec.adapters.tools.convert import default_model_dir, is_complete
+from ortspec.adapters.tools.convert import is_complete
 from ortspec.backends.base import Backend, BackendError
 from ortspec.backends.onnx import (
     BackendConfig,
@@ -600,10 +600,8 @@ def test_cuda_provider_errors_clearly_without_cuda(tiny_dir):
 
 
 @pytest.mark.real_model
-def test_real_model_rows_and_greedy_match_onnxruntime_genai(record_property):
-    folder = default_model_dir("fp32")
-    if not is_complete(folder):
-        pytest.skip(f"no converted SmolLM2 at {folder} (ortspec convert)")
+def test_real_model_rows_and_greedy_match_onnxruntime_genai(real_model_dir, record_property):
+    folder = real_model_dir  # converted on first use (tests/conftest.py)
     b = OrtBackend.from_folder(folder, BackendConfig(max_length=512))
     assert b.vocab_size == 49152
     from tokenizers import Tokenizer

@@ -1,5 +1,5 @@
 """End to end on the real default model, SmolLM2-135M-Instruct fp32 (converted on first use, then cached), and
-on its int4 conversion at MatMulNBits accuracy level 1 when that is in the cache.
+on its int4 conversion at MatMulNBits accuracy level 1 (converted on first use too).
 
 Speculative output must equal greedy output token for token, at the default settings (tie guard off): on fp32 a
 verify pass agrees with one-token decodes to ~5e-5 logits. Every speculative test also asserts that drafts were
@@ -125,15 +125,12 @@ def test_speculative_equals_plain_sampling(real_engine, prompt):
 @pytest.fixture(scope="module")
 def int4_engine():
     """SmolLM2-135M-Instruct int4 at MatMulNBits accuracy level 1 (what ``ortspec convert --precision int4``
-    builds), when it is in the cache (``scripts/quant_settings.py`` or that command builds it)."""
+    builds), converted on first use into the ortspec cache, then reused."""
     from ortspec.adapters.engine import Engine
-    from ortspec.adapters.tools.convert import default_model_dir, is_complete
+    from ortspec.adapters.tools.convert import convert_smollm2
     from ortspec.backends.onnx import BackendConfig
 
-    folder = default_model_dir("int4")
-    if not is_complete(folder):
-        pytest.skip(f"no int4 model at {folder} (ortspec convert --precision int4)")
-    return Engine.from_dir(folder, BackendConfig(threads=2))
+    return Engine.from_dir(convert_smollm2(precision="int4", progress=None), BackendConfig(threads=2))
 
 
 def test_int4_at_level_one_is_exact(int4_engine):

@@ -1,9 +1,14 @@
 """Seeded sampling (``ortspec.core.sampling``): the sampler is right, not only consistent.
 
-- Over many seeds at one position, the empirical token frequencies match the processed softmax (temperature
-  alone and with each filter): a chi-square test whose threshold a correct sampler exceeds with probability 1e-6
-  (Wilson-Hilferty approximation of the chi-square quantile). The seeds are fixed (0..N-1), so the outcome is
-  reproducible: this documents a false-alarm rate of the design, not a flaky test.
+- Over many seeds, the empirical token frequencies match the processed softmax: a chi-square test whose
+  threshold a correct sampler exceeds with probability 1e-6 (Wilson-Hilferty approximation of the chi-square
+  quantile). Covered: temperature alone and with each filter at the first position; positions after the first
+  (later generated tokens and rows inside a draft block), and two positions of one seed drawn independently
+  (their joint frequencies match the product); vocabularies of several CDF blocks (256 survivors each) with masked
+  tokens among them; and each penalty (repetition over prompt + generated + drafted tokens, presence and frequency
+  over generated + drafted ones), against a processed distribution written naively here from the rules. The
+  seeds are fixed (0..N-1), so the outcome is reproducible: this documents a false-alarm rate of the design, not
+  a flaky test.
 - On random rows, the core's pick, logprob and alternatives equal the straightforward reference of the property
   suite (``property_tests/reference.py``) for every combination of filters and penalties.
 - Options validation names the field; seeds matter; greedy is untouched.
@@ -13,6 +18,7 @@ from __future__ import annotations
 
 import math
 
+import attrs
 import numpy as np
 import pytest
 
@@ -26,12 +32,14 @@ ROW = np.array([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0], dtype=np.float32)
 DRAWS = 20_000
 
 
-def draw_counts(row: np.ndarray, draws: int = DRAWS, **rules) -> np.ndarray:
-    """How often each token is picked at index 0 over seeds 0..draws-1."""
+def draw_counts(row: np.ndarray, draws: int = DRAWS, prompt=(0,), generated=(), drafted=(), **rules) -> np.ndarray:
+    """How often each token is picked over seeds 0..draws-1, at the row after ``prompt + generated + drafted``
+    (the row of index ``len(drafted)`` in its step: the token's index is ``len(generated) + len(drafted)``)."""
     counts = np.zeros(len(row), dtype=np.int64)
+    sampling = Sampling(seed=0, **rules)  # validated once; only the seed changes below
     for seed in range(draws):
-        ctx = StepContext(Sampling(seed=seed, **rules), (0,), ())
-        counts[ctx.pick(row, 0, (), margin=False, top_n=0).token] += 1
+        ctx = StepContext(attrs.evolve(sampling, seed=seed), prompt, generated)
+        counts[ctx.pick(row, len(drafted), drafted, margin=False, top_n=0).token] += 1
     return counts
 
 
@@ -66,6 +74,33 @@ def chi_square_threshold(df: int, z: float = 4.753) -> float:
     return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
 
 
+def assert_frequencies_match(counts: np.ndarray, probs: np.ndarray) -> None:
+    """``counts`` (any shape) are draws from ``probs`` (same shape): nothing outside the support, and a
+    chi-square below the 1e-6 false-alarm threshold."""
+    expected = probs * counts.sum()
+    assert (counts[expected == 0] == 0).all(), "a filtered-out token was sampled"
+    support = expected > 0
+    df = int(support.sum()) - 1
+    assert df > 0, "a test of one possible outcome proves nothing"
+    assert expected[support].min() >= 5, "too few draws per outcome for the chi-square approximation"
+    chi2 = float((((counts - expected) ** 2)[support] / expected[support]).sum())
+    assert chi2 < chi_square_threshold(df), (chi2, df, counts, expected.round())
+
+
+def penalized(row: np.ndarray, prompt, generated, drafted, repetition_penalty=1.0, presence_penalty=0.0,
+              frequency_penalty=0.0, **_) -> np.ndarray:  # fmt: skip
+    """The row after the penalties, written from the rules one token id at a time (float64): the repetition
+    penalty once per id in prompt + generated + drafted (divide a positive logit, multiply a negative one), then
+    ``count * frequency + presence`` off every id generated or drafted (the prompt does not count)."""
+    z = row.astype(np.float64)
+    for t in set(prompt) | set(generated) | set(drafted):
+        z[t] = z[t] / repetition_penalty if z[t] > 0 else z[t] * repetition_penalty
+    history = list(generated) + list(drafted)
+    for t in set(history):
+        z[t] -= history.count(t) * frequency_penalty + presence_penalty
+    return z
+
+
 @pytest.mark.parametrize(
     "rules",
     [
@@ -80,15 +115,78 @@ def chi_square_threshold(df: int, z: float = 4.753) -> float:
     ids=["t1", "t0.7", "t1.8", "top_k", "top_p", "min_p", "all"],
 )
 def test_frequencies_match_the_processed_softmax(rules):
-    counts = draw_counts(ROW, **rules)
-    expected = expected_probs(ROW, **rules) * DRAWS
-    assert (counts[expected == 0] == 0).all(), "a filtered-out token was sampled"
-    support = expected > 0
-    chi2 = float((((counts - expected) ** 2)[support] / expected[support]).sum())
-    df = int(support.sum()) - 1
-    if df == 0:
-        return
-    assert chi2 < chi_square_threshold(df), (chi2, counts, expected.round())
+    assert_frequencies_match(draw_counts(ROW, **rules), expected_probs(ROW, **rules))
+
+
+@pytest.mark.parametrize(
+    "generated, drafted", [((4,), ()), ((4, 4, 1, 0, 7), ()), ((3,), (5,)), ((1, 2) * 20, (0, 6, 6, 1, 2, 7, 3))],
+    ids=["index1", "index5", "draft-row1", "index47-draft-row7"],
+)  # fmt: skip
+def test_frequencies_match_at_positions_after_the_first(generated, drafted):
+    rules = dict(temperature=0.9, top_p=0.95)
+    counts = draw_counts(ROW, generated=generated, drafted=drafted, **rules)
+    assert_frequencies_match(counts, expected_probs(ROW, **rules))
+
+
+def test_two_positions_of_one_seed_are_drawn_independently():
+    """The joint frequencies of (token at index 3, token at index 4) over seeds match the product of the
+    distributions: a sampler that reused one uniform for every index would pass each marginal test, not this."""
+    row, rules = ROW[:4], dict(temperature=1.0)
+    sampling = Sampling(seed=0, **rules)
+    counts = np.zeros((4, 4), dtype=np.int64)
+    for seed in range(DRAWS):
+        ctx = StepContext(attrs.evolve(sampling, seed=seed), (0,), (1, 2, 3))
+        a = ctx.pick(row, 0, (), margin=False, top_n=0).token
+        b = ctx.pick(row, 1, (a,), margin=False, top_n=0).token
+        counts[a, b] += 1
+    p = expected_probs(row, **rules)
+    assert_frequencies_match(counts, np.outer(p, p))
+
+
+LARGE_VOCAB = 1000  # four CDF blocks of survivors (3 x 256 + the rest) when nothing is masked
+
+
+def large_row(masked: float) -> np.ndarray:
+    """A fixed row over ``LARGE_VOCAB`` ids, flat enough that every id is drawn often, with a fraction ``masked``
+    of its ids at -inf (survivors' positions in the blocks then differ from their ids)."""
+    rng = np.random.default_rng(2024)
+    row = rng.uniform(-0.7, 0.7, LARGE_VOCAB).astype(np.float32)
+    row[rng.permutation(LARGE_VOCAB)[: int(masked * LARGE_VOCAB)]] = -np.inf
+    return row
+
+
+@pytest.mark.parametrize(
+    "masked, rules",
+    [(0.0, dict(temperature=1.0)), (0.3, dict(temperature=1.2)), (0.1, dict(temperature=1.0, top_k=600)),
+     (0.0, dict(temperature=1.0, top_p=0.85))],
+    ids=["4-blocks", "masked", "top_k-600", "top_p"],
+)  # fmt: skip
+def test_frequencies_match_over_several_cdf_blocks(masked, rules):
+    row = large_row(masked)
+    assert_frequencies_match(draw_counts(row, draws=40_000, **rules), expected_probs(row, **rules))
+
+
+PENALTY_ROW = np.array([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, 1.2, 0.8, -0.2], dtype=np.float32)
+PROMPT, GENERATED, DRAFTED = (0, 6, 6, 9), (1, 2, 2, 5, 0), (2, 3)  # prompt-only ids: 6, 9; drafted: 2 again, 3
+
+
+@pytest.mark.parametrize(
+    "rules",
+    [
+        dict(temperature=1.0, repetition_penalty=1.8),
+        dict(temperature=1.0, repetition_penalty=0.6),
+        dict(temperature=1.0, presence_penalty=0.9),
+        dict(temperature=1.0, frequency_penalty=0.5),
+        dict(temperature=0.8, repetition_penalty=1.3, presence_penalty=-0.4, frequency_penalty=0.3, top_k=8),
+    ],
+    ids=["repetition", "repetition-below-1", "presence", "frequency", "all-three"],
+)
+def test_frequencies_match_the_penalized_distribution(rules):
+    """Row 2 of a step (two drafted tokens before it), after a prompt and generated tokens with repeats."""
+    counts = draw_counts(PENALTY_ROW, prompt=PROMPT, generated=GENERATED, drafted=DRAFTED, **rules)
+    z = penalized(PENALTY_ROW, PROMPT, GENERATED, DRAFTED, **rules)
+    filters = {k: v for k, v in rules.items() if k in ("temperature", "top_k", "top_p", "min_p")}
+    assert_frequencies_match(counts, expected_probs(z, **filters))
 
 
 def test_uniform_is_splitmix64_of_seed_and_index():
@@ -96,7 +194,11 @@ def test_uniform_is_splitmix64_of_seed_and_index():
     u = [uniform(7, i) for i in range(1000)]
     assert all(0.0 <= x < 1.0 for x in u) and len(set(u)) == 1000
     assert abs(np.mean(u) - 0.5) < 0.03
-    assert uniform(7, 3) == uniform(7, 3) and uniform(7, 3) != uniform(8, 3)
+    # The documented rule: the top 53 bits of SplitMix64 of seed XOR (index * golden ratio), 64-bit arithmetic.
+    for seed, index in [(7, 3), (0, 0), (8, 3), (2**64 - 1, 123_456), (12345, 2**40)]:
+        state = (seed ^ (index * 0x9E3779B97F4A7C15)) & (2**64 - 1)
+        assert uniform(seed, index) == (splitmix64(state) >> 11) / 2**53, (seed, index)
+    assert uniform(7, 3) != uniform(8, 3) and uniform(7, 3) != uniform(7, 4)
 
 
 RULE_SETS = [
