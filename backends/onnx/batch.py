@@ -28,8 +28,9 @@ real length, then forgotten: afterwards the slot's length is ``start_b + len(tok
 overwrites them (causal attention means a real token never sees the padding after it). A slot inside the range
 with no row (an *idle* slot) gets a row of padding at its own length, written likewise to stale positions; when
 ``length + S`` would pass the slot's capacity the row starts at ``max_length - S`` instead, and in a prefill run
-it starts at 0: then the resident positions it overwrites are saved before the run and restored after it. So the idle slots' KV is untouched, and a
-pass costs the rows of the range, which the batch driver keeps dense (it admits into the lowest free slot).
+it starts at 0: then the resident positions it overwrites are saved before the run and restored after it. So the
+idle slots' KV is untouched, and a run costs the rows of the range, which the batch driver keeps dense (it admits
+into the lowest free slot).
 
 Why a range and not a gather: copying each row's resident KV into a ``[B, ...]`` buffer and back costs its whole
 length per pass (46 KB per position for SmolLM2-135M fp32); the range costs nothing but the idle rows' compute.
