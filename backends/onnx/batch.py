@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from typing import Any
 
 import attrs
 import numpy as np
@@ -148,6 +149,7 @@ class OrtBatchBackend:
         self.values = [np.zeros(shape, self.graph.kv_dtype) for _ in self.graph.kv_names]
         self._lengths = [0] * slots
         self._logits = np.empty(0, self.graph.logits_dtype)
+        self._bindings: dict[tuple[int, int], Any] = {}  # (first slot, count) -> IO binding with the KV bound
         self.passes = 0
 
     @classmethod
@@ -288,18 +290,14 @@ class OrtBatchBackend:
             self._logits = np.empty(size, self.graph.logits_dtype)
         return self._logits[:size].reshape(count, width, self._vocab)
 
-    def _run(self, lo: int, inputs: _PassInputs) -> np.ndarray:
-        """Bind the slot range starting at ``lo`` and ``inputs``, run the session, return the logits
-        ``[B, S, vocab]`` as float32."""
+    def _range_binding(self, lo: int, count: int):
+        """The IO binding of slots ``[lo, lo + count)`` with their KV views bound as past and present (made once
+        per range, so a run rebinds only its inputs and logits)."""
+        binding = self._bindings.get((lo, count))
+        if binding is not None:
+            return binding
         graph = self.graph
-        count, width = inputs.ids.shape
         binding = self.session.io_binding()
-        binding.bind_input(graph.ids_name, CPU, 0, graph.ids_dtype, list(inputs.ids.shape), inputs.ids.ctypes.data)
-        assert graph.mask_name is not None  # refusal() rejects a graph without one
-        binding.bind_input(graph.mask_name, CPU, 0, graph.mask_dtype, list(inputs.mask.shape), inputs.mask.ctypes.data)
-        if graph.position_name:
-            shape = list(inputs.positions.shape)
-            binding.bind_input(graph.position_name, CPU, 0, graph.position_dtype, shape, inputs.positions.ctypes.data)
         for layer, names in enumerate(graph.kv_names):
             for past, present, buffer in (
                 (names.past_key, names.present_key, self.keys[layer]),
@@ -309,6 +307,21 @@ class OrtBatchBackend:
                 shape = list(view.shape)
                 binding.bind_input(past, CPU, 0, graph.kv_dtype, shape, view.ctypes.data)
                 binding.bind_output(present, CPU, 0, graph.kv_dtype, shape, view.ctypes.data)
+        self._bindings[lo, count] = binding
+        return binding
+
+    def _run(self, lo: int, inputs: _PassInputs) -> np.ndarray:
+        """Bind the slot range starting at ``lo`` and ``inputs``, run the session, return the logits
+        ``[B, S, vocab]`` as float32."""
+        graph = self.graph
+        count, width = inputs.ids.shape
+        binding = self._range_binding(lo, count)
+        binding.bind_input(graph.ids_name, CPU, 0, graph.ids_dtype, list(inputs.ids.shape), inputs.ids.ctypes.data)
+        assert graph.mask_name is not None  # refusal() rejects a graph without one
+        binding.bind_input(graph.mask_name, CPU, 0, graph.mask_dtype, list(inputs.mask.shape), inputs.mask.ctypes.data)
+        if graph.position_name:
+            shape = list(inputs.positions.shape)
+            binding.bind_input(graph.position_name, CPU, 0, graph.position_dtype, shape, inputs.positions.ctypes.data)
         logits = self._logits_view(count, width)
         shape = list(logits.shape)
         binding.bind_output(graph.logits_name, CPU, 0, graph.logits_dtype, shape, logits.ctypes.data)
