@@ -91,15 +91,16 @@ def test_each_row_equals_the_sequence_alone_over_random_batches(batch, single):
 
 
 def test_an_idle_slot_keeps_its_resident_kv_even_when_full(batch, single):
-    full = list(range(1, MAX_LENGTH))  # slot 1 holds MAX_LENGTH - 1 positions; padding would pass its end
+    full = list(range(1, MAX_LENGTH + 1))  # slot 1 is full: an idle row's padding must start below its length
     batch.run_pass([BatchRow(1, full, 0)])
-    keys = [buffer[1, :, : len(full)].copy() for buffer in batch.keys]
-    batch.run_pass([BatchRow(0, (3, 4, 5), 0), BatchRow(2, (6, 7), 0)])  # a prefill run over slot 1
-    batch.run_pass([BatchRow(0, (8,), 3), BatchRow(2, (9,), 2)])  # a decode run over slot 1, near its end
-    for before, buffer in zip(keys, batch.keys, strict=True):
-        np.testing.assert_array_equal(buffer[1, :, : len(full)], before)
-    out = batch.run_pass([BatchRow(1, (10,), len(full))])[0]
-    assert np.abs(out - alone_rows(single, [*full, 10], 1)).max() <= ROW_TOLERANCE
+    kept = [buffer[1].copy() for buffer in (*batch.keys, *batch.values)]
+    batch.run_pass([BatchRow(0, (3, 4, 5), 0), BatchRow(2, (6, 7), 0)])  # a prefill run over slot 1 (from 0)
+    batch.run_pass([BatchRow(0, (8,), 3), BatchRow(2, (9,), 2)])  # a decode run over slot 1 (from its end)
+    for before, buffer in zip(kept, (*batch.keys, *batch.values), strict=True):
+        np.testing.assert_array_equal(buffer[1], before)
+    batch.rewind(1, MAX_LENGTH - 1)
+    out = batch.run_pass([BatchRow(1, (10,), MAX_LENGTH - 1)])[0]
+    assert np.abs(out - alone_rows(single, [*full[:-1], 10], 1)).max() <= ROW_TOLERANCE
 
 
 def test_a_bad_batch_or_setting_is_refused(batch, tiny_model_dir, config):
