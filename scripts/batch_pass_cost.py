@@ -6,8 +6,10 @@ For B in 1, 2, 4, 8, 16 and K in 0, 2, 4 (K draft tokens after the pending one),
 * ``batched``: ``OrtBatchBackend.run_pass`` over B rows of 1 + K tokens (slots 0..B-1). With K = 0 this is one
   session run; with K > 0 ONNX Runtime's GroupQueryAttention refuses a batch of several tokens after a past, so the
   backend runs each row alone (B session runs; see ``backends/onnx/batch.py``).
-* ``alone``: B ``OrtBackend.decode_verify`` calls of 1 + K tokens, one after the other (today's worker design, one
-  session).
+* ``alone``: B single-row passes of 1 + K tokens, one after the other, on the same session (a one-row run is
+  ``OrtBackend.decode_verify``'s run: the same binding shapes, the same logits; on one session, so that the
+  timings do not pay for two copies of the weights competing for the caches).
+* drift: the largest absolute difference between a batched row's logits and the same sequence's alone.
 * ``at 0``: one session run of B rows x (1 + K) tokens at position 0 (no past): what a batched verify's matmuls
   would cost if the attention op took it, without the attention over the context (a lower bound).
 
@@ -19,7 +21,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import platform
-import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -34,17 +35,16 @@ DRAFTS = (0, 2, 4)
 DEFAULT_FOLDER = Path.home() / ".cache/ortspec/models/SmolLM2-135M-Instruct-fp32"
 
 
-def median_ms(runs: list[Callable[[], None]], repeats: int) -> list[float]:
-    """The median wall time of each of ``runs`` in milliseconds, after one warm-up round; the runs are interleaved
-    (one of each per round) so that load from elsewhere on the machine falls on all of them alike."""
-    times: list[list[float]] = [[] for _ in runs]
+def timed_rounds(runs: list[Callable[[], None]], repeats: int) -> np.ndarray:
+    """Wall times in milliseconds, ``[repeats, len(runs)]``: one warm-up round, then ``repeats`` rounds that each
+    run every one of ``runs`` once (interleaved, so that load from elsewhere on the machine falls on all alike)."""
+    times = np.zeros((repeats + 1, len(runs)))
     for round_ in range(repeats + 1):
-        for run, taken in zip(runs, times, strict=True):
+        for index, run in enumerate(runs):
             start = time.perf_counter()
             run()
-            if round_:
-                taken.append(time.perf_counter() - start)
-    return [1000 * statistics.median(taken) for taken in times]
+            times[round_, index] = 1000 * (time.perf_counter() - start)
+    return times[1:]
 
 
 def cpu_name() -> str:
@@ -57,22 +57,36 @@ def cpu_name() -> str:
     return platform.processor() or "unknown CPU"
 
 
-def measure(folder: Path, threads: int, repeats: int, context: int) -> list[tuple[int, int, float, float, float]]:
-    """``(B, K, batched_ms, alone_ms, at_zero_ms)`` for every B and K."""
+Row = tuple[int, int, float, float, float, float, float]
+
+
+def measure(folder: Path, threads: int, repeats: int, context: int) -> list[Row]:
+    """``(B, K, batched_ms, alone_ms, ratio, at_zero_ms, drift)`` for every B and K (medians; ``ratio``: the
+    median over rounds of batched / alone); ``drift``: the largest absolute
+    difference between a batched row's logits and the same slot's alone (``OrtBackend``)."""
     config = BackendConfig(threads=threads, max_length=context + 2 * max(DRAFTS) + 8)
     top = max(BATCHES)
     batch = OrtBatchBackend.from_folder(folder, config, slots=2 * top)  # slots top.. for the runs at 0
     single = OrtBackend.from_folder(folder, config)
     rng = np.random.default_rng(0)
-    prompt = rng.integers(100, 10000, context).tolist()
+    prompts = [rng.integers(100, 10000, context).tolist() for _ in range(top)]  # a different context per slot
     for slot in range(top):
-        batch.run_pass([BatchRow(slot, prompt, 0)])
-    single.decode_verify(prompt, 0)
+        batch.run_pass([BatchRow(slot, prompts[slot], 0)])
     results = []
     for k in DRAFTS:
         tokens = tuple(rng.integers(100, 10000, 1 + k).tolist())
+        alone_rows = []  # each slot's answer alone, for the drift
+        for prompt in prompts:
+            single.reset()
+            single.decode_verify(prompt, 0)
+            alone_rows.append(single.decode_verify(tokens, context).copy())
+            single.rewind(context)
         for b in BATCHES:
             rows = [BatchRow(slot, tokens, context) for slot in range(b)]
+            outputs = batch.run_pass(rows)
+            drift = max(float(np.abs(out - alone_rows[row.slot]).max()) for row, out in zip(rows, outputs, strict=True))
+            for slot in range(b):
+                batch.rewind(slot, context)
             fresh = [BatchRow(top + slot, tokens, 0) for slot in range(b)]
 
             def batched(rows=rows, b=b) -> None:
@@ -80,19 +94,21 @@ def measure(folder: Path, threads: int, repeats: int, context: int) -> list[tupl
                 for slot in range(b):
                     batch.rewind(slot, context)
 
-            def alone(b=b, tokens=tokens) -> None:
-                for _ in range(b):
-                    single.decode_verify(tokens, context)
-                    single.rewind(context)
+            def alone(rows=rows) -> None:
+                for row in rows:
+                    batch.run_pass([row])
+                    batch.rewind(row.slot, context)
 
             def at_zero(fresh=fresh) -> None:
                 for row in fresh:
                     batch.reset(row.slot)
                 batch.run_pass(fresh)
 
-            batched_ms, alone_ms, zero_ms = median_ms([batched, alone, at_zero], repeats)
+            times = timed_rounds([batched, alone, at_zero], repeats)
+            batched_ms, alone_ms, zero_ms = np.median(times, axis=0).tolist()
+            ratio = float(np.median(times[:, 0] / times[:, 1]))  # per round: steadier than a ratio of medians
             print(f"B={b:2d} K={k}  batched {batched_ms:.1f}  alone {alone_ms:.1f}  at 0 {zero_ms:.1f} ms", flush=True)
-            results.append((b, k, batched_ms, alone_ms, zero_ms))
+            results.append((b, k, batched_ms, alone_ms, ratio, zero_ms, drift))
     return results
 
 
@@ -111,17 +127,20 @@ def markdown(results, folder: Path, threads: int, repeats: int, context: int) ->
         "* **batched**: `OrtBatchBackend.run_pass` over B rows. K = 0: one session run of B rows. K > 0: ONNX "
         "Runtime's GroupQueryAttention (CPU) refuses a batch of several tokens after a past, so the backend runs "
         "each row alone (B runs).",
-        "* **alone**: B `OrtBackend.decode_verify` calls of 1 + K tokens, one after another.",
+        "* **alone**: B single-row passes of 1 + K tokens, one after another, on the same session (what "
+        "`OrtBackend.decode_verify` runs; one session, so the weights are not read from two copies).",
+        "* **drift**: the largest absolute difference between a batched row's logits and the same slot's "
+        "(its own context) decoded alone by `OrtBackend` (batch invariance; 0 means bit for bit).",
         "* **at 0**: one session run of B rows x (1 + K) tokens at position 0 (no past): the matmul cost a batched "
         "verify would have if the attention op took it (a lower bound: no attention over the context).",
         "",
-        "| B | K | batched ms | alone ms | batched / alone | at 0 ms | at 0 per token ms |",
-        "|--:|--:|--:|--:|--:|--:|--:|",
+        "| B | K | batched ms | alone ms | batched / alone (per round) | at 0 ms | at 0 per token ms | max abs drift |",
+        "|--:|--:|--:|--:|--:|--:|--:|--:|",
     ]
-    for b, k, batched, alone, at_zero in results:
+    for b, k, batched, alone, ratio, at_zero, drift in results:
         per_token = at_zero / (b * (1 + k))
         lines.append(
-            f"| {b} | {k} | {batched:.1f} | {alone:.1f} | {batched / alone:.2f} | {at_zero:.1f} | {per_token:.2f} |"
+            f"| {b} | {k} | {batched:.1f} | {alone:.1f} | {ratio:.2f} | {at_zero:.1f} | {per_token:.2f} | {drift:.3g} |"
         )
     return "\n".join(lines) + "\n"
 
