@@ -51,11 +51,11 @@ def test_it_is_a_batch_backend_and_splits_passes_into_the_runs_gqa_accepts(batch
     assert [[row.slot for row in group.rows] for group in groups] == [[0, 2], [1, 3]]
     assert [group.idle_at_zero for group in groups] == [False, True]
     batch.run_pass(rows)
-    assert batch.passes == 2
+    assert batch.runs == 2
     later = [BatchRow(0, (1,), 1), BatchRow(1, (2, 3), 2), BatchRow(2, (4,), 1), BatchRow(3, (5,), 3)]
     assert [[row.slot for row in group.rows] for group in pass_groups(later)] == [[0, 2, 3], [1]]
     batch.run_pass(later)
-    assert batch.passes == 4
+    assert batch.runs == 4
     assert [batch.current_len(slot) for slot in range(4)] == [2, 4, 2, 4]
 
 
@@ -108,7 +108,7 @@ def test_a_bad_batch_or_setting_is_refused(batch, tiny_model_dir, config):
         batch.run_pass([BatchRow(0, (1,), 3)])
     with pytest.raises(BackendError, match="rewind"):
         batch.rewind(0, 1)
-    assert batch.passes == 0 and batch.current_len(0) == 0
+    assert batch.runs == 0 and batch.current_len(0) == 0
     with pytest.raises(ValueError, match="CPU only"):
         OrtBatchBackend.from_folder(tiny_model_dir, BackendConfig(provider="cuda"))
     with pytest.raises(ValueError, match="static"):
@@ -134,7 +134,7 @@ def test_the_batch_driver_on_it_equals_generate_alone(tiny_model_dir, config, si
     driver.run()
     for prompt, sequence in zip(PROMPTS, sequences, strict=True):
         assert sequence.result().token_ids == generate(single, prompt, options, PromptLookup(), draft_width=3).token_ids
-    assert 0 < driver.passes <= backend.passes  # a driver pass is one or more session runs
+    assert 0 < driver.passes <= backend.runs  # a driver pass is one or more session runs
 
 
 @pytest.mark.real_model

@@ -81,7 +81,7 @@ def _check_cpu_only(config: BackendConfig) -> None:
 
 
 class _PassInputs:
-    """The host inputs of one pass over the bound slot range: ``ids`` ``[B, S]``, ``mask`` ``[B, total]``,
+    """The host inputs of one session run over the bound slot range: ``ids`` ``[B, S]``, ``mask`` ``[B, total]``,
     ``positions`` ``[B, S]`` and ``starts`` (each bound row's first written position)."""
 
     def __init__(self, graph: DecoderGraph, starts: np.ndarray, width: int) -> None:
@@ -122,8 +122,8 @@ class OrtBatchBackend:
     """``slots`` KV caches of one decoder session, run by one pass over a ragged batch of rows (``BatchBackend``;
     see the module docstring). Public attributes: ``session``, ``folder``, ``config``, ``graph`` (the checked
     :class:`DecoderGraph`), ``threads`` (intra-op), ``keys`` / ``values`` (per layer, ``[slots, kv_heads,
-    max_length, head_size]`` host arrays, owned here) and ``passes`` (session runs so far). The logits that
-    ``run_pass`` returns are views of the backend's buffer, valid until its next call."""
+    max_length, head_size]`` host arrays, owned here) and ``runs`` (session runs so far; a pass takes one or
+    more). The logits that ``run_pass`` returns are views of the backend's buffer, valid until its next call."""
 
     def __init__(
         self, session, folder: ModelFolder, config: BackendConfig, slots: int, *, loaded: LoadedGraph | None = None
@@ -150,7 +150,7 @@ class OrtBatchBackend:
         self._lengths = [0] * slots
         self._logits = np.empty(0, self.graph.logits_dtype)
         self._bindings: dict[tuple[int, int], Any] = {}  # (first slot, count) -> IO binding with the KV bound
-        self.passes = 0
+        self.runs = 0
 
     @classmethod
     def from_folder(
@@ -256,7 +256,7 @@ class OrtBatchBackend:
             logits = self._run(lo, inputs)
         finally:
             self._restore(saved)
-        self.passes += 1
+        self.runs += 1
         for row in rows:
             self._lengths[row.slot] += len(row.tokens)
         return [logits[row.slot - lo, : len(row.tokens)] for row in rows]
