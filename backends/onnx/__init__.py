@@ -5,12 +5,14 @@ Its parts, each knowing only its own concern: ``config`` (``BackendConfig``: how
 onnxruntime's log), ``model_graph`` (checking the graph against the folder; the load-time rewrites), ``arrays``
 (device buffers and the argmax/margin reductions), ``kv`` (the KV store), ``binding`` (the IO bindings: default
 and static-shape), ``recurrent`` (hybrid models' recurrent states), ``cuda_graphs`` (CUDA graphs per pass width,
-the phase timer) and ``backend`` (``OrtBackend``, the protocol composed from them); ``drafter`` (the shared-KV
-drafter, which reads an ``OrtBackend`` through its ``SharedKvTarget`` protocol).
+the phase timer) and ``backend`` (``OrtBackend``, the protocol composed from them); ``batch``
+(``OrtBatchBackend``, the batched protocol on the CPU); ``drafter`` (the shared-KV drafter, which reads an
+``OrtBackend`` through its ``SharedKvTarget`` protocol).
 """
 
 from .arrays import argmax_margin
 from .backend import OrtBackend
+from .batch import OrtBatchBackend
 from .config import DEFAULT_PREFILL_CHUNK, BackendConfig
 from .folder import ModelFileError, ModelFolder, ModelFolderError
 from .session import make_session_options, physical_cores, route_onnxruntime_logging
@@ -22,6 +24,7 @@ __all__ = [
     "ModelFolder",
     "ModelFolderError",
     "OrtBackend",
+    "OrtBatchBackend",
     "argmax_margin",
     "make_session_options",
     "physical_cores",

@@ -1,0 +1,164 @@
+"""The cost of one batched pass of B rows x (1 + K) tokens against B single-row passes, on the real model.
+
+For B in 1, 2, 4, 8, 16 and K in 0, 2, 4 (K draft tokens after the pending one), every row at a context of
+``--context`` tokens, it prints the median wall time (ms) of:
+
+* ``batched``: ``OrtBatchBackend.run_pass`` over B rows of 1 + K tokens (slots 0..B-1). With K = 0 this is one
+  session run; with K > 0 ONNX Runtime's GroupQueryAttention refuses a batch of several tokens after a past, so the
+  backend runs each row alone (B session runs; see ``backends/onnx/batch.py``).
+* ``alone``: B single-row passes of 1 + K tokens, one after the other, on the same session (a one-row run is
+  ``OrtBackend.decode_verify``'s run: the same binding shapes, the same logits; on one session, so that the
+  timings do not pay for two copies of the weights competing for the caches).
+* drift: the largest absolute difference between a batched row's logits and the same sequence's alone.
+* ``at 0``: one session run of B rows x (1 + K) tokens at position 0 (no past): what a batched verify's matmuls
+  would cost if the attention op took it, without the attention over the context (a lower bound).
+
+Usage: ``python scripts/batch_pass_cost.py [--folder DIR] [--threads 2] [--repeats 5] [--markdown FILE]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import platform
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+from ortspec.backends.base import BatchRow
+from ortspec.backends.onnx import BackendConfig, OrtBackend, OrtBatchBackend
+
+BATCHES = (1, 2, 4, 8, 16)
+DRAFTS = (0, 2, 4)
+DEFAULT_FOLDER = Path.home() / ".cache/ortspec/models/SmolLM2-135M-Instruct-fp32"
+
+
+def timed_rounds(runs: list[Callable[[], None]], repeats: int) -> np.ndarray:
+    """Wall times in milliseconds, ``[repeats, len(runs)]``: one warm-up round, then ``repeats`` rounds that each
+    run every one of ``runs`` once (interleaved, so that load from elsewhere on the machine falls on all alike)."""
+    times = np.zeros((repeats + 1, len(runs)))
+    for round_ in range(repeats + 1):
+        for index, run in enumerate(runs):
+            start = time.perf_counter()
+            run()
+            times[round_, index] = 1000 * (time.perf_counter() - start)
+    return times[1:]
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+Row = tuple[int, int, float, float, float, float, float]
+
+
+def measure(folder: Path, threads: int, repeats: int, context: int) -> list[Row]:
+    """``(B, K, batched_ms, alone_ms, ratio, at_zero_ms, drift)`` for every B and K (medians; ``ratio``: the
+    median over rounds of batched / alone); ``drift``: the largest absolute
+    difference between a batched row's logits and the same slot's alone (``OrtBackend``)."""
+    config = BackendConfig(threads=threads, max_length=context + 2 * max(DRAFTS) + 8)
+    top = max(BATCHES)
+    batch = OrtBatchBackend.from_folder(folder, config, slots=2 * top)  # slots top.. for the runs at 0
+    single = OrtBackend.from_folder(folder, config)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(100, 10000, context).tolist() for _ in range(top)]  # a different context per slot
+    for slot in range(top):
+        batch.run_pass([BatchRow(slot, prompts[slot], 0)])
+    results = []
+    for k in DRAFTS:
+        tokens = tuple(rng.integers(100, 10000, 1 + k).tolist())
+        alone_rows = []  # each slot's answer alone, for the drift
+        for prompt in prompts:
+            single.reset()
+            single.decode_verify(prompt, 0)
+            alone_rows.append(single.decode_verify(tokens, context).copy())
+            single.rewind(context)
+        for b in BATCHES:
+            rows = [BatchRow(slot, tokens, context) for slot in range(b)]
+            outputs = batch.run_pass(rows)
+            drift = max(float(np.abs(out - alone_rows[row.slot]).max()) for row, out in zip(rows, outputs, strict=True))
+            for slot in range(b):
+                batch.rewind(slot, context)
+            fresh = [BatchRow(top + slot, tokens, 0) for slot in range(b)]
+
+            def batched(rows=rows, b=b) -> None:
+                batch.run_pass(rows)
+                for slot in range(b):
+                    batch.rewind(slot, context)
+
+            def alone(rows=rows) -> None:
+                for row in rows:
+                    batch.run_pass([row])
+                    batch.rewind(row.slot, context)
+
+            def at_zero(fresh=fresh) -> None:
+                for row in fresh:
+                    batch.reset(row.slot)
+                batch.run_pass(fresh)
+
+            times = timed_rounds([batched, alone, at_zero], repeats)
+            batched_ms, alone_ms, zero_ms = np.median(times, axis=0).tolist()
+            ratio = float(np.median(times[:, 0] / times[:, 1]))  # per round: steadier than a ratio of medians
+            print(f"B={b:2d} K={k}  batched {batched_ms:.1f}  alone {alone_ms:.1f}  at 0 {zero_ms:.1f} ms", flush=True)
+            results.append((b, k, batched_ms, alone_ms, ratio, zero_ms, drift))
+    return results
+
+
+def markdown(results, folder: Path, threads: int, repeats: int, context: int) -> str:
+    import onnxruntime
+
+    lines = [
+        "# The cost of a batched pass (B rows x (1 + K) tokens) against B single-row passes",
+        "",
+        f"Measured {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC by `scripts/batch_pass_cost.py` on "
+        f"{cpu_name()} ({platform.machine()}, a machine shared with other work), onnxruntime "
+        f"{onnxruntime.__version__}, {threads} intra-op threads; model `{folder.name}`; every row at a context of "
+        f"{context} tokens; median of {repeats} rounds after one warm-up round (the three runs interleaved in each "
+        "round), in milliseconds.",
+        "",
+        "* **batched**: `OrtBatchBackend.run_pass` over B rows. K = 0: one session run of B rows. K > 0: ONNX "
+        "Runtime's GroupQueryAttention (CPU) refuses a batch of several tokens after a past, so the backend runs "
+        "each row alone (B runs).",
+        "* **alone**: B single-row passes of 1 + K tokens, one after another, on the same session (what "
+        "`OrtBackend.decode_verify` runs; one session, so the weights are not read from two copies).",
+        "* **drift**: the largest absolute difference between a batched row's logits and the same slot's "
+        "(its own context) decoded alone by `OrtBackend` (batch invariance; 0 means bit for bit).",
+        "* **at 0**: one session run of B rows x (1 + K) tokens at position 0 (no past): the matmul cost a batched "
+        "verify would have if the attention op took it (a lower bound: no attention over the context).",
+        "",
+        "| B | K | batched ms | alone ms | batched / alone (per round) | at 0 ms | at 0 per token ms | max abs drift |",
+        "|--:|--:|--:|--:|--:|--:|--:|--:|",
+    ]
+    for b, k, batched, alone, ratio, at_zero, drift in results:
+        per_token = at_zero / (b * (1 + k))
+        lines.append(
+            f"| {b} | {k} | {batched:.1f} | {alone:.1f} | {ratio:.2f} | {at_zero:.1f} | {per_token:.2f} | {drift:.3g} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--folder", type=Path, default=DEFAULT_FOLDER)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--context", type=int, default=128)
+    parser.add_argument("--markdown", type=Path, default=None, help="also write the table here")
+    args = parser.parse_args()
+    results = measure(args.folder, args.threads, args.repeats, args.context)
+    text = markdown(results, args.folder, args.threads, args.repeats, args.context)
+    print(text)
+    if args.markdown is not None:
+        args.markdown.write_text(text)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,170 @@
+"""``OrtBatchBackend`` (backends/onnx/batch.py): each row of a batched pass answers what ``OrtBackend`` gives the
+same sequence alone, over batch sizes, mixed lengths and token counts, idle slots and rewinds; and ``BatchDriver``
+on it gives what ``generate`` gives each request alone. Every wait is on pass counts, never on time.
+
+Batch invariance, measured on the tiny model (float32, CPU, one thread): a row's logits in a batch differ from the
+same sequence's alone by at most ~1.5e-6 (a batch changes the matmuls' blocking, so not always exactly 0); the
+tests assert ``ROW_TOLERANCE``."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ortspec import BatchBackend, BatchDriver, BatchRow, Options, PromptLookup, Sampling, generate
+from ortspec.backends.base import BackendError
+from ortspec.backends.onnx import BackendConfig, OrtBackend, OrtBatchBackend
+from ortspec.backends.onnx.batch import pass_groups
+
+ROW_TOLERANCE = 1e-5  # float32 max abs difference, batch row vs the sequence alone
+MAX_LENGTH = 64
+
+
+@pytest.fixture(scope="module")
+def config():
+    return BackendConfig(threads=1, max_length=MAX_LENGTH)
+
+
+@pytest.fixture(scope="module")
+def single(tiny_model_dir, config):
+    return OrtBackend.from_folder(tiny_model_dir, config)
+
+
+@pytest.fixture()
+def batch(tiny_model_dir, config):
+    return OrtBatchBackend.from_folder(tiny_model_dir, config, slots=4)
+
+
+def alone_rows(single: OrtBackend, context: list[int], new: int) -> np.ndarray:
+    """The logits rows of the last ``new`` tokens of ``context``, decoded alone: the past in one pass, then them."""
+    single.reset()
+    base = len(context) - new
+    if base:
+        single.decode_verify(context[:base], 0)
+    return single.decode_verify(context[base:], base).copy()
+
+
+def test_it_is_a_batch_backend_and_splits_passes_into_the_runs_gqa_accepts(batch):
+    assert isinstance(batch, BatchBackend)
+    rows = [BatchRow(0, (1,), 0), BatchRow(1, (2, 3), 0), BatchRow(2, (4,), 0), BatchRow(3, (5, 6, 7), 0)]
+    groups = pass_groups(rows)
+    assert [[row.slot for row in group.rows] for group in groups] == [[0, 2], [1, 3]]
+    assert [group.idle_at_zero for group in groups] == [False, True]
+    batch.run_pass(rows)
+    assert batch.runs == 2
+    later = [BatchRow(0, (1,), 1), BatchRow(1, (2, 3), 2), BatchRow(2, (4,), 1), BatchRow(3, (5,), 3)]
+    assert [[row.slot for row in group.rows] for group in pass_groups(later)] == [[0, 2, 3], [1]]
+    batch.run_pass(later)
+    assert batch.runs == 4
+    assert [batch.current_len(slot) for slot in range(4)] == [2, 4, 2, 4]
+
+
+def test_each_row_equals_the_sequence_alone_over_random_batches(batch, single):
+    rng = np.random.default_rng(0)
+    contexts: dict[int, list[int]] = {slot: [] for slot in range(batch.slots)}
+    worst = 0.0
+    sizes = set()
+    for _ in range(40):
+        chosen = [int(s) for s in rng.permutation(batch.slots)[: int(rng.integers(1, batch.slots + 1))]]
+        rows = []
+        for slot in chosen:
+            new = int(rng.choice([1, 1, 2, 3, 5, 9]))  # decodes, drafts and prompt chunks in one pass
+            if batch.current_len(slot) + new > MAX_LENGTH:
+                batch.reset(slot)
+                contexts[slot] = []
+            rows.append(BatchRow(slot, rng.integers(0, batch.vocab_size, new).tolist(), batch.current_len(slot)))
+        sizes.add(len(rows))
+        outputs = batch.run_pass(rows)
+        for row, out in zip(rows, outputs, strict=True):
+            contexts[row.slot] += row.tokens
+            expected = alone_rows(single, contexts[row.slot], len(row.tokens))
+            assert out.shape == expected.shape
+            worst = max(worst, float(np.abs(out - expected).max()))
+        slot = int(rng.integers(0, batch.slots))
+        if batch.current_len(slot) > 1 and rng.random() < 0.5:  # a rejected draft: its own rewind
+            keep = int(rng.integers(1, batch.current_len(slot)))
+            batch.rewind(slot, keep)
+            contexts[slot] = contexts[slot][:keep]
+    assert sizes == {1, 2, 3, 4}
+    print(f"max abs difference batch row vs alone: {worst:.3g}")
+    assert worst <= ROW_TOLERANCE
+
+
+def test_an_idle_slot_keeps_its_resident_kv_even_when_full(batch, single):
+    full = list(range(1, MAX_LENGTH + 1))  # slot 1 is full: an idle row's padding must start below its length
+    batch.run_pass([BatchRow(1, full, 0)])
+    kept = [buffer[1].copy() for buffer in (*batch.keys, *batch.values)]
+    batch.run_pass([BatchRow(0, (3, 4, 5), 0), BatchRow(2, (6, 7), 0)])  # a prefill run over slot 1 (from 0)
+    batch.run_pass([BatchRow(0, (8,), 3), BatchRow(2, (9,), 2)])  # a decode run over slot 1 (from its end)
+    for before, buffer in zip(kept, (*batch.keys, *batch.values), strict=True):
+        np.testing.assert_array_equal(buffer[1], before)
+    batch.rewind(1, MAX_LENGTH - 1)
+    out = batch.run_pass([BatchRow(1, (10,), MAX_LENGTH - 1)])[0]
+    assert np.abs(out - alone_rows(single, [*full[:-1], 10], 1)).max() <= ROW_TOLERANCE
+
+
+def test_a_bad_batch_or_setting_is_refused(batch, tiny_model_dir, config):
+    with pytest.raises(BackendError, match="position"):
+        batch.run_pass([BatchRow(0, (1,), 3)])
+    with pytest.raises(BackendError, match="rewind"):
+        batch.rewind(0, 1)
+    assert batch.runs == 0 and batch.current_len(0) == 0
+    with pytest.raises(ValueError, match="CPU only"):
+        OrtBatchBackend.from_folder(tiny_model_dir, BackendConfig(provider="cuda"))
+    with pytest.raises(ValueError, match="static"):
+        OrtBatchBackend.from_folder(tiny_model_dir, BackendConfig(static_shapes=True))
+    with pytest.raises(BackendError, match="sharing is off"):
+        OrtBatchBackend.from_folder(tiny_model_dir, BackendConfig(threads=1, share_buffer=False))
+    with pytest.raises(ValueError, match="slots"):
+        OrtBatchBackend.from_folder(tiny_model_dir, config, slots=0)
+
+
+PROMPTS = [[5, 6, 7, 5, 6, 7, 5, 6], [9, 10, 11, 12, 9, 10], [20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 20, 21], [3]]
+
+
+@pytest.mark.parametrize(
+    "options",
+    [Options(max_tokens=12), Options(max_tokens=12, sampling=Sampling(temperature=0.8, seed=7))],
+    ids=["greedy", "seeded"],
+)
+def test_the_batch_driver_on_it_equals_generate_alone(tiny_model_dir, config, single, options):
+    backend = OrtBatchBackend.from_folder(tiny_model_dir, config, slots=3)  # 4 prompts: one waits for a slot
+    driver = BatchDriver(backend, prefill_chunk=5)  # prompts prefilled in chunks beside the decoding
+    sequences = [driver.submit(prompt, options, PromptLookup(), draft_width=3) for prompt in PROMPTS]
+    driver.run()
+    for prompt, sequence in zip(PROMPTS, sequences, strict=True):
+        assert sequence.result().token_ids == generate(single, prompt, options, PromptLookup(), draft_width=3).token_ids
+    assert 0 < driver.passes <= backend.runs  # a driver pass is one or more session runs
+
+
+@pytest.mark.real_model
+def test_real_model_batch_rows_and_outputs_equal_alone(real_model_dir):
+    from ortspec.adapters.engine.tokenizer import Tokenizer
+
+    config = BackendConfig(threads=2, max_length=512)
+    single = OrtBackend.from_folder(real_model_dir, config)
+    backend = OrtBatchBackend.from_folder(real_model_dir, config, slots=4)
+    tokenizer = Tokenizer.from_folder(real_model_dir)
+    questions = ["What is the capital of France?", "Count from one to ten.", "Name three colours.", "Say hi."]
+    prompts = [
+        tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": question}]))
+        for question in questions
+    ]
+    options = Options(max_tokens=24, eos_token_ids=frozenset())
+    driver = BatchDriver(backend, prefill_chunk=16)
+    sequences = [driver.submit(prompt, options, PromptLookup(), draft_width=4) for prompt in prompts]
+    driver.run()
+    for prompt, sequence in zip(prompts, sequences, strict=True):
+        assert sequence.result().token_ids == generate(single, prompt, options, PromptLookup(), draft_width=4).token_ids
+    # one batched decode run of four rows against each row alone
+    contexts = [[*prompts[slot], *sequences[slot].result().token_ids] for slot in range(4)]
+    for slot in range(4):
+        backend.reset(slot)
+        backend.run_pass([BatchRow(slot, contexts[slot], 0)])
+    rows = [BatchRow(slot, (7,), len(contexts[slot])) for slot in range(4)]
+    worst = max(
+        float(np.abs(out - alone_rows(single, [*contexts[row.slot], 7], 1)).max())
+        for row, out in zip(rows, [o.copy() for o in backend.run_pass(rows)], strict=True)
+    )
+    print(f"real model: max abs difference batch row vs alone: {worst:.3g}")
+    assert worst <= 1e-4
