@@ -46,17 +46,18 @@ def alone_rows(single: OrtBackend, context: list[int], new: int) -> np.ndarray:
 
 def test_it_is_a_batch_backend_and_splits_passes_into_the_runs_gqa_accepts(batch):
     assert isinstance(batch, BatchBackend)
-    rows = [BatchRow(0, (1,), 0), BatchRow(1, (2, 3), 0), BatchRow(2, (4,), 0), BatchRow(3, (5, 6, 7), 0)]
+    # prefill rows of one length share a run; other lengths run apart
+    rows = [BatchRow(0, (1,), 0), BatchRow(1, (2, 3), 0), BatchRow(2, (4, 5), 0), BatchRow(3, (5, 6, 7), 0)]
     groups = pass_groups(rows)
-    assert [[row.slot for row in group.rows] for group in groups] == [[0, 2], [1, 3]]
-    assert [group.idle_at_zero for group in groups] == [False, True]
+    assert [[row.slot for row in group.rows] for group in groups] == [[0], [1, 2], [3]]
+    assert [group.idle_at_zero for group in groups] == [False, True, True]
     batch.run_pass(rows)
-    assert batch.runs == 2
-    later = [BatchRow(0, (1,), 1), BatchRow(1, (2, 3), 2), BatchRow(2, (4,), 1), BatchRow(3, (5,), 3)]
+    assert batch.runs == 3
+    later = [BatchRow(0, (1,), 1), BatchRow(1, (2, 3), 2), BatchRow(2, (4,), 2), BatchRow(3, (5,), 3)]
     assert [[row.slot for row in group.rows] for group in pass_groups(later)] == [[0, 2, 3], [1]]
     batch.run_pass(later)
-    assert batch.runs == 4
-    assert [batch.current_len(slot) for slot in range(4)] == [2, 4, 2, 4]
+    assert batch.runs == 5
+    assert [batch.current_len(slot) for slot in range(4)] == [2, 4, 3, 4]
 
 
 def test_each_row_equals_the_sequence_alone_over_random_batches(batch, single):

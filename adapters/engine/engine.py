@@ -28,9 +28,10 @@ from ortspec.adapters.engine.options import (
     make_proposer,
     takes_callback_and_options,
     takes_options,
+    takes_prompts_and_options,
 )
 from ortspec.adapters.engine.tokenizer import Tokenizer
-from ortspec.backends.base import Backend
+from ortspec.backends.base import Backend, BatchBackend
 from ortspec.backends.onnx import BackendConfig, ModelFolder, ModelFolderError
 from ortspec.core import (
     MAX_DRAFT,
@@ -47,6 +48,8 @@ from ortspec.core.checks import ArgumentError, ids_in_vocab
 from ortspec.driver import GenerateResult, Generation, PassGuard, StreamCallback
 
 R = TypeVar("R")
+# The sequences generate_many runs at once (the KV caches of its batch backend).
+BATCH_SLOTS = 16
 
 
 class GenerationSuperseded(RuntimeError):
@@ -86,9 +89,11 @@ class Engine:
         folder: ModelFolder | None = None,
         prefix_reuse: bool = False,
         drafter: Proposer | None = None,
+        backend_config: BackendConfig | None = None,
     ) -> None:
         """``drafter``: a proposer bound to ``backend`` that reads the target (a ``SharedKvProposer``), used by
-        ``speculative="shared-kv"`` and ``"auto"``; :meth:`from_dir` opens the one found beside the model."""
+        ``speculative="shared-kv"`` and ``"auto"``; :meth:`from_dir` opens the one found beside the model.
+        ``backend_config``: how ``folder`` was opened (what :meth:`generate_many` opens its batch backend with)."""
         self.backend = backend
         self.tokenizer = tokenizer
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -102,6 +107,8 @@ class Engine:
         self._pass_costs: tuple[float, ...] | None = None
         self._drift: float | None = None
         self._drift_warned = False
+        self.backend_config = backend_config if backend_config is not None else BackendConfig()
+        self._batch: BatchBackend | None = None  # generate_many's, opened on first use
 
     @classmethod
     def from_dir(
@@ -159,6 +166,7 @@ class Engine:
             folder=folder,
             prefix_reuse=prefix_reuse,
             drafter=proposer,
+            backend_config=backend_config,
         )
 
     # -- text -------------------------------------------------------------------------------------------------
@@ -204,14 +212,7 @@ class Engine:
         Everything the caller gave is checked first (``ValueError`` naming it); only then, for a speculative
         generation, are this model's verify drift and cost curve measured (once; ``BackendError`` if that fails)."""
         proposer, auto_width = self._proposer(options.speculative)
-        core_options = Options(
-            **options.limits(),
-            eos_token_ids=() if options.ignore_eos else self.eos_token_ids,
-            sampling=options.sampling(),
-        )
-        ids = self.prompt_ids(prompt, chat=options.chat, system=options.system)
-        self._check_prompt_fits(ids)
-        ids_in_vocab("stop", [t for seq in core_options.stop_token_sequences for t in seq], self.backend.vocab_size)
+        ids, core_options = self.prepare(prompt, options)
         draft_width = options.draft_width
         with self._lock:
             if proposer is not None:
@@ -240,6 +241,42 @@ class Engine:
             )
             self._last = generation
             return generation
+
+    @takes_prompts_and_options(GenerationOptions)
+    def generate_many(self, prompts: Sequence[Prompt], options: GenerationOptions) -> list[GenerateResult]:
+        """Generate for every prompt of ``prompts`` with the same options, many sequences per target pass; result
+        ``i`` is what ``generate(prompts[i], **options)`` gives alone (for sampling without a ``seed``, each prompt
+        draws its own). Continuous batching (``ortspec.BatchDriver``) on a second session of this folder with
+        ``BATCH_SLOTS`` KV caches, opened on first use (its own copy of the weights). ``speculative``: None (plain
+        decoding, the default) or prompt lookup (``"prompt-lookup"``, ``"auto"`` or a proposer); the shared-KV
+        drafter does not run in batches. ``ValueError`` names a bad prompt or option before anything runs; a
+        generation that fails raises its ``GenerationError`` once the others have finished."""
+        from ortspec.adapters.engine.many import generate_many
+
+        return generate_many(self, prompts, options)
+
+    def prepare(self, prompt: Prompt, options: GenerationOptions) -> tuple[list[int], Options]:
+        """The prompt's token ids and the core's ``Options`` for ``options`` (checked; a seed drawn when sampling
+        without one): what every generation of this Engine starts from."""
+        core_options = Options(
+            **options.limits(),
+            eos_token_ids=() if options.ignore_eos else self.eos_token_ids,
+            sampling=options.sampling(),
+        )
+        ids = self.prompt_ids(prompt, chat=options.chat, system=options.system)
+        self._check_prompt_fits(ids)
+        ids_in_vocab("stop", [t for seq in core_options.stop_token_sequences for t in seq], self.backend.vocab_size)
+        return ids, core_options
+
+    def batch_backend(self) -> BatchBackend:
+        """The batch backend of :meth:`generate_many` (``BATCH_SLOTS`` slots on this folder, opened once)."""
+        if self._batch is None:
+            if self.folder is None:
+                raise ValueError("generate_many needs an Engine opened from a model folder (Engine.from_dir)")
+            from ortspec.backends.onnx import OrtBatchBackend
+
+            self._batch = OrtBatchBackend.from_folder(self.folder, self.backend_config, slots=BATCH_SLOTS)
+        return self._batch
 
     def _check_prompt_fits(self, ids: Sequence[int]) -> None:
         """``ValueError`` when the prompt is longer than the context (the core's rule, ``check_prompt_fits``; one

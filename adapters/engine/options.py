@@ -143,3 +143,13 @@ def takes_callback_and_options(
 ]:
     """``takes_options`` for ``method(self, prompt, callback, options)``."""
     return lambda method: _bind_options(method, 3, options_type)
+
+
+def takes_prompts_and_options(
+    options_type: Callable[P, GenerationOptions],
+) -> Callable[
+    [Callable[[Any, Sequence[Prompt], GenerationOptions], R]],
+    Callable[Concatenate[Any, Sequence[Prompt], P], R],
+]:
+    """``takes_options`` for ``method(self, prompts, options)``."""
+    return lambda method: _bind_options(method, 2, options_type)

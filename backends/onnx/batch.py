@@ -106,14 +106,18 @@ class PassGroup:
 def pass_groups(rows: Sequence[BatchRow]) -> list[PassGroup]:
     """Split a batch into the session runs ONNX Runtime's ``GroupQueryAttention`` accepts: it takes a batch of
     more than one row only when every row is one token (decode) or every row starts at position 0 (prefill); a
-    row of several tokens at a later position (a prompt chunk, a verify of a draft) runs alone. Order: the decode
-    group, the prefill group, then each lone row."""
+    row of several tokens at a later position (a prompt chunk, a verify of a draft) runs alone. Prefill rows run
+    together only with rows of the same length: padding a short prompt to a long one costs more than the shared
+    run saves (measured: ``python -m bench.generate_many``). Order: the decode group, the prefill groups (by
+    length, in order of first appearance), then each lone row."""
     decode = tuple(row for row in rows if len(row.tokens) == 1)
-    prefill = tuple(row for row in rows if len(row.tokens) > 1 and row.position == 0)
+    prefill: dict[int, list[BatchRow]] = {}
+    for row in rows:
+        if len(row.tokens) > 1 and row.position == 0:
+            prefill.setdefault(len(row.tokens), []).append(row)
     alone = [row for row in rows if len(row.tokens) > 1 and row.position > 0]
     groups = [PassGroup(decode, False)] if decode else []
-    if prefill:
-        groups.append(PassGroup(prefill, True))
+    groups.extend(PassGroup(tuple(same), True) for same in prefill.values())
     groups.extend(PassGroup((row,), False) for row in alone)
     return groups
 

@@ -1,0 +1,59 @@
+"""``Engine.generate_many``: many prompts with one set of options, continuous batching on the Engine's folder.
+
+Each prompt becomes a request of an ``ortspec.BatchDriver`` over the Engine's batch backend (``OrtBatchBackend``):
+the same core options and proposer as ``Engine.generate`` would use, so every result is the prompt's alone. What
+differs is only how the passes are shared: one-token rows of every running sequence go through one session run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from ortspec.adapters.engine.options import GenerationOptions, Prompt, make_proposer
+from ortspec.batch_driver import BatchDriver
+from ortspec.core import CostAwareWidth, Proposer, WidthPolicy
+from ortspec.core.checks import ArgumentError
+from ortspec.driver import GenerateResult
+
+if TYPE_CHECKING:
+    from ortspec.adapters.engine.engine import Engine
+
+
+def generate_many(engine: Engine, prompts: Sequence[Prompt], options: GenerationOptions) -> list[GenerateResult]:
+    """See ``Engine.generate_many``."""
+    if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
+        raise ArgumentError("prompts", f"prompts must be a list of prompts, got {type(prompts).__name__}")
+    proposer = _batch_proposer(options.speculative)
+    prepared = [engine.prepare(prompt, options) for prompt in prompts]
+    width = _width(engine, proposer, options.draft_width)
+    with engine._lock:  # the measurements above and the batch backend are the Engine's
+        driver = BatchDriver(engine.batch_backend())
+        sequences = [
+            driver.submit(ids, core_options, proposer, draft_width=width, detokenize=engine.tokenizer.decode)
+            for ids, core_options in prepared
+        ]
+        driver.run()
+    for sequence in sequences:
+        if sequence.error is not None:
+            raise sequence.error
+    return [sequence.result() for sequence in sequences]
+
+
+def _batch_proposer(speculative: object) -> Proposer | None:
+    """The proposer of a batched generation: prompt lookup for ``"auto"`` (the drafter reads one sequence's KV, so
+    it does not run in batches); ``"shared-kv"`` is refused."""
+    if speculative == "shared-kv":
+        raise ArgumentError("speculative", "speculative='shared-kv': the shared-KV drafter does not run in batches")
+    return make_proposer("prompt-lookup" if speculative == "auto" else speculative)  # type: ignore[arg-type]
+
+
+def _width(engine: Engine, proposer: Proposer | None, draft_width: object) -> int | WidthPolicy:
+    """The width policy every sequence starts with: ``"auto"`` is the cost-aware policy on this backend's measured
+    verify costs (measured once, as for ``generate``)."""
+    if proposer is None:
+        return 1
+    if draft_width == "auto":
+        return CostAwareWidth(engine.pass_costs())
+    assert not isinstance(draft_width, str)
+    return draft_width  # type: ignore[return-value]

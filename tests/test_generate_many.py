@@ -1,0 +1,67 @@
+"""``Engine.generate_many``: many prompts, one set of options, batched; each result is the prompt's alone."""
+
+from __future__ import annotations
+
+import pytest
+
+from ortspec import ArgumentError, BackendConfig, Engine
+
+PROMPTS = [
+    "the cat sat on the mat. the cat sat on the",
+    "a b a b a b a b",
+    "hello",
+    list(range(5, 40)),  # token ids, a longer prompt
+    "one two three one two three one two",
+]
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir):
+    return Engine.from_dir(tiny_model_dir, BackendConfig(threads=1))
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(max_tokens=12),
+        dict(max_tokens=12, speculative="prompt-lookup", draft_width=4),
+        dict(max_tokens=10, temperature=0.8, top_p=0.9, seed=7, speculative="auto"),
+        dict(max_tokens=9, stop=["b a"], repetition_penalty=1.3, ignore_eos=True),
+    ],
+    ids=["greedy", "lookup", "sampled", "stop-penalty"],
+)
+def test_each_result_is_the_prompt_generated_alone(engine, options):
+    many = engine.generate_many(PROMPTS, **options)
+    alone = [engine.generate(p, **options) for p in PROMPTS]
+    assert len(many) == len(PROMPTS)
+    for got, want in zip(many, alone, strict=True):
+        assert (got.token_ids, got.text, got.finish_reason, got.stop_matched) == (
+            want.token_ids,
+            want.text,
+            want.finish_reason,
+            want.stop_matched,
+        )
+    assert engine.batch_backend().runs > 0
+
+
+def test_more_prompts_than_slots_wait_for_a_free_slot(engine):
+    from ortspec.adapters.engine.engine import BATCH_SLOTS
+
+    prompts = [f"count {i} {i} {i}" for i in range(BATCH_SLOTS + 3)]
+    many = engine.generate_many(prompts, max_tokens=6, ignore_eos=True)
+    assert [r.token_ids for r in many] == [engine.generate(p, max_tokens=6, ignore_eos=True).token_ids for p in prompts]
+
+
+def test_bad_input_is_refused_before_anything_runs(engine):
+    runs = engine.batch_backend().runs
+    with pytest.raises(ArgumentError) as info:
+        engine.generate_many("not a list", max_tokens=4)
+    assert info.value.argument == "prompts"
+    with pytest.raises(ArgumentError) as info:
+        engine.generate_many(["ok", ""], max_tokens=4)
+    assert info.value.argument == "prompt"
+    with pytest.raises(ArgumentError) as info:
+        engine.generate_many(["ok"], speculative="shared-kv")
+    assert info.value.argument == "speculative"
+    assert engine.batch_backend().runs == runs
+    assert engine.generate_many([], max_tokens=4) == []
