@@ -107,8 +107,8 @@ def pass_groups(rows: Sequence[BatchRow]) -> list[PassGroup]:
     """Split a batch into the session runs ONNX Runtime's ``GroupQueryAttention`` accepts: it takes a batch of
     more than one row only when every row is one token (decode) or every row starts at position 0 (prefill); a
     row of several tokens at a later position (a prompt chunk, a verify of a draft) runs alone. Prefill rows run
-    together only with rows of the same length: padding a short prompt to a long one costs more than the shared
-    run saves (measured: ``python -m bench.generate_many``). Order: the decode group, the prefill groups (by
+    together only with rows of the same length, so no prompt is padded to a longer one (padding is computed like
+    real tokens, the LM head included). Order: the decode group, the prefill groups (by
     length, in order of first appearance), then each lone row."""
     decode = tuple(row for row in rows if len(row.tokens) == 1)
     prefill: dict[int, list[BatchRow]] = {}
