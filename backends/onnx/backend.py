@@ -49,7 +49,7 @@ from .folder import ModelFolder
 from .kv import KvStore
 from .model_graph import LoadedGraph, inspect_graph, load_rewrites, read_graph_facts
 from .recurrent import RecurrentStates
-from .session import execution_providers, make_session_options, open_session
+from .session import execution_providers, open_session
 
 logger = logging.getLogger(__name__)
 R = TypeVar("R")
@@ -197,15 +197,7 @@ class OrtBackend:
         folder = folder_or_path if isinstance(folder_or_path, ModelFolder) else ModelFolder.load(folder_or_path)
         config.capacity(folder.context_length)  # ValueError before any work
         loaded = load_rewrites(folder, config)
-        options = session_options
-        if options is None:
-            options = make_session_options(
-                threads=config.threads,
-                graph_optimization_level=config.graph_optimization_level,
-                allow_spinning=config.allow_spinning,
-                config_entries=dict(config.config_entries),
-                genai_session_options=folder.session_options,
-            )
+        options = session_options if session_options is not None else config.session_options(folder.session_options)
         if config.provider == "cpu" or not config.static:
             providers = execution_providers(config.provider, config.device_id)
             session = open_session(

@@ -54,7 +54,7 @@ from ..base import BackendError, BatchRow, check_batch, check_slot
 from .config import BackendConfig
 from .folder import ModelFolder
 from .model_graph import DecoderGraph, LoadedGraph, inspect_graph, load_rewrites, read_graph_facts
-from .session import execution_providers, make_session_options, open_session
+from .session import execution_providers, open_session
 
 CPU = "cpu"
 
@@ -175,15 +175,7 @@ class OrtBatchBackend:
         folder = folder_or_path if isinstance(folder_or_path, ModelFolder) else ModelFolder.load(folder_or_path)
         config.capacity(folder.context_length)  # ValueError before any work
         loaded = load_rewrites(folder, config)
-        options = session_options
-        if options is None:
-            options = make_session_options(
-                threads=config.threads,
-                graph_optimization_level=config.graph_optimization_level,
-                allow_spinning=config.allow_spinning,
-                config_entries=dict(config.config_entries),
-                genai_session_options=folder.session_options,
-            )
+        options = session_options if session_options is not None else config.session_options(folder.session_options)
         providers = execution_providers(CPU, config.device_id)
         session = open_session(
             folder.model_path, providers=providers, session_options=options, model_bytes=loaded.model_bytes

@@ -15,7 +15,7 @@ import attrs
 
 from ortspec.core.checks import check_int, int_at_least
 
-from .session import check_graph_optimization_level
+from .session import check_graph_optimization_level, make_session_options
 
 DEFAULT_PREFILL_CHUNK = 256
 DEFAULT_GRAPH_MAX_TOKENS = 17  # the pending token + up to 16 draft tokens (the cost-aware width policy's widest)
@@ -112,6 +112,17 @@ class BackendConfig:
     def static(self) -> bool:
         """Whether passes take the static-shape binding (``static_shapes``, or implied by ``cuda_graphs``)."""
         return self.static_shapes or self.cuda_graphs
+
+    def session_options(self, genai_session_options: Mapping[str, Any] | None = None) -> Any:
+        """The ``onnxruntime.SessionOptions`` these settings give a decoder (``threads``, ``graph_optimization_level``,
+        ``allow_spinning``, ``config_entries``), over the folder's own ``genai_session_options``."""
+        return make_session_options(
+            threads=self.threads,
+            graph_optimization_level=self.graph_optimization_level,
+            allow_spinning=self.allow_spinning,
+            config_entries=dict(self.config_entries),
+            genai_session_options=genai_session_options,
+        )
 
     def capacity(self, context_length: int) -> int:
         """The KV capacity for a model of ``context_length`` positions: ``max_length`` or, when None, all of them;
