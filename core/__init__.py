@@ -21,7 +21,7 @@ from .state import (
     step_from_picks,
     take_draft,
 )
-from .width import AdditiveWidth, CostAwareWidth, FixedWidth, WidthPolicy
+from .width import AdditiveWidth, CostAwareWidth, FixedWidth, PricedWidth, WidthPolicy, marginal_row_cost
 
 __all__ = [
     "MAX_DRAFT",
@@ -44,7 +44,9 @@ __all__ = [
     "Stats",
     "StepOutcome",
     "TokenLogprob",
+    "PricedWidth",
     "WidthPolicy",
+    "marginal_row_cost",
     "check_draft",
     "check_prompt_fits",
     "delivered",

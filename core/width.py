@@ -4,11 +4,18 @@ A policy is a frozen value with ``width() -> int`` (the most draft tokens it wan
 it by the step's budget) and ``observe(proposed, accepted) -> policy`` (the policy after a step that verified
 ``proposed`` draft tokens, of which ``accepted`` were committed; a plain step observes ``(0, 0)``). A policy
 only changes how many tokens are verified, never which tokens are committed.
+
+**Priced by the pass it joins.** Alone, a plain step costs 1 (the unit of ``pass_costs``). In a batched pass a
+plain step is one more one-token row among the other sequences' rows, which costs a fraction of a step
+(``marginal_row_cost`` over the backend's measured ``decode_costs``), while a row with a draft runs as a pass of
+its own on backends that cannot batch multi-token rows after a past (ONNX Runtime's CPU attention). A policy that
+implements ``PricedWidth`` (``CostAwareWidth``) is asked ``width_at(plain_cost)`` with that price, so speculation
+fades to plain batched decoding as the batch fills and returns when the batch empties or drafts pay anyway.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Protocol, runtime_checkable
 
 import attrs
@@ -27,6 +34,25 @@ class WidthPolicy(Protocol):
     def width(self) -> int: ...
 
     def observe(self, proposed: int, accepted: int) -> WidthPolicy: ...
+
+
+@runtime_checkable
+class PricedWidth(Protocol):
+    """A width policy that prices a plain step by the pass it joins (see the module docstring)."""
+
+    def width_at(self, plain_cost: float) -> int: ...
+
+
+def marginal_row_cost(decode_costs: Sequence[float], rows: int) -> float:
+    """What one more one-token row costs in a pass of ``rows`` one-token rows (it included), in units of a plain
+    step alone: ``decode_costs[rows] - decode_costs[rows - 1]``, where ``decode_costs[n]`` is the time of a pass of
+    ``n`` one-token rows ÷ the time of one alone (``decode_costs[0]`` = 0, ``decode_costs[1]`` = 1; rows past the
+    curve cost its last step). 1.0 for ``rows <= 1``: alone, a plain step is the unit. Never below 0.01 (a
+    measured curve is noisy; a row is never free)."""
+    if rows <= 1 or len(decode_costs) < 2:
+        return 1.0
+    n = min(rows, len(decode_costs) - 1)
+    return max(0.01, float(decode_costs[n]) - float(decode_costs[n - 1]))
 
 
 @attrs.frozen
@@ -76,6 +102,10 @@ class CostAwareWidth:
     head's step for a shared-KV drafter); the policy picks the ``k`` with the best tokens per cost, which is 0
     (plain steps) when speculation does not pay. While at 0 it probes with ``probe_width`` every
     ``probe_every`` steps so that it notices when drafts start to match again.
+
+    In a batched pass (``width_at(plain_cost)``, a ``PricedWidth``) a plain step costs ``plain_cost`` instead of
+    1 and a pass with a draft still ``pass_costs[k] + k * draft_cost`` (it runs alone); probes are spaced so that
+    they cost the same share of the sequence's time as alone (``probe_interval``).
     """
 
     pass_costs: tuple[float, ...] = attrs.field(converter=_to_costs, validator=_check_costs)
@@ -90,18 +120,34 @@ class CostAwareWidth:
     def acceptance(self) -> float:
         return self.successes / self.trials if self.trials > 0 else 0.0
 
-    def expected_rate(self, k: int) -> float:
-        """Expected committed tokens per unit cost for a pass of width ``k``."""
+    def expected_rate(self, k: int, plain_cost: float = 1.0) -> float:
+        """Expected committed tokens per unit cost for a pass of width ``k`` (a plain step costing ``plain_cost``)."""
+        if k == 0:
+            return 1.0 / (self.pass_costs[0] * plain_cost)
         p = min(self.acceptance(), 0.999)
         return (1.0 - p ** (k + 1)) / (1.0 - p) / (self.pass_costs[k] + k * self.draft_cost)
 
-    def best_width(self) -> int:
-        rates = [self.expected_rate(k) for k in range(len(self.pass_costs))]
+    def best_width(self, plain_cost: float = 1.0) -> int:
+        rates = [self.expected_rate(k, plain_cost) for k in range(len(self.pass_costs))]
         return max(range(len(rates)), key=lambda k: (rates[k], -k))
 
+    def probe_interval(self, plain_cost: float = 1.0) -> float:
+        """Plain steps between probes while the best width is 0: ``probe_every`` alone; with a cheaper plain step,
+        longer, so that a probe's extra cost (its pass over the plain step it replaces) is the same share of the
+        sequence's time as alone (the extra cost alone floored at 0.05 of a step)."""
+        if plain_cost >= 1.0:
+            return float(self.probe_every)
+        probe = self.pass_costs[min(self.probe_width, len(self.pass_costs) - 1)] + self.probe_width * self.draft_cost
+        extra_alone = max(probe - 1.0, 0.05)
+        return self.probe_every * (probe - plain_cost) / (extra_alone * plain_cost)
+
     def width(self) -> int:
-        k = self.best_width()
-        if k == 0 and self.idle_steps + 1 >= self.probe_every:
+        return self.width_at(1.0)
+
+    def width_at(self, plain_cost: float) -> int:
+        """The width for a pass in which a plain step of this sequence costs ``plain_cost`` (1.0 alone)."""
+        k = self.best_width(plain_cost)
+        if k == 0 and self.idle_steps + 1 >= self.probe_interval(plain_cost):
             return min(self.probe_width, len(self.pass_costs) - 1)
         return k
 

@@ -4,8 +4,11 @@
         drop the cancelled sequences; admit waiting requests into free slots (backend.reset(slot)), first come first
         for every running sequence, one row:
             prefilling: the next chunk of its prompt (at most prefill_chunk tokens) at the chunk's position
-            decoding:   (pending, *draft) at state.kv_len; width, draft = speculation.draft(state, vocab)
-                        (core.draft_width / take_draft, exactly as ``Generation`` asks)
+            decoding:   (pending, *draft) at state.kv_len; width, draft = speculation.draft(state, vocab, plain_cost)
+                        (core.draft_width / take_draft, exactly as ``Generation`` asks; plain_cost: what one
+                        more one-token row costs in a pass with this many decoding sequences, priced by
+                        core.width.marginal_row_cost on the backend's decode_costs, so speculation fades as
+                        the batch fills)
         outputs = backend.run_pass(rows)                             ONE pass for every row
         for every row, with its own [len(tokens), vocab] logits:
             a prompt chunk that is not the last: nothing to decide
@@ -37,7 +40,7 @@ import numpy as np
 from ortspec.backends.base import BatchBackend, BatchRow
 from ortspec.core.proposers import Proposer
 from ortspec.core.state import Commit, DecodeState, Detokenize, Options, step
-from ortspec.core.width import WidthPolicy
+from ortspec.core.width import WidthPolicy, marginal_row_cost
 from ortspec.driver import GenerateResult, GenerationAborted, GenerationError, Speculation, StreamCallback, Timings
 
 
@@ -152,14 +155,15 @@ class BatchSequence:
         """End a cancelled sequence (before the pass it would have joined)."""
         self._phase = Phase.DONE
 
-    def _row(self, prefill_chunk: int, vocab_size: int) -> BatchRow:
-        """This sequence's row of the next pass (a proposer failure raises ``ProposerError``)."""
+    def _row(self, prefill_chunk: int, vocab_size: int, plain_cost: float) -> BatchRow:
+        """This sequence's row of the next pass (a proposer failure raises ``ProposerError``); ``plain_cost``: the
+        price of a plain step in this pass (``Speculation.draft``)."""
         assert self._slot is not None
         state = self.state
         if self._phase is Phase.PREFILL:
             end = min(self._prefilled + prefill_chunk, len(state.prompt_tokens))
             return BatchRow(self._slot, state.prompt_tokens[self._prefilled : end], self._prefilled)
-        self._width, self._draft = self._speculation.draft(state, vocab_size)
+        self._width, self._draft = self._speculation.draft(state, vocab_size, plain_cost)
         return BatchRow(self._slot, (state.pending_token, *self._draft), state.kv_len)
 
     def _take(self, backend: BatchBackend, row: BatchRow, logits: np.ndarray) -> tuple[Commit, ...]:
@@ -221,13 +225,21 @@ class BatchDriver:
     free; ``step`` runs one pass, ``run`` passes until every sequence is done. Not thread-safe.
 
     ``prefill_chunk``: the most prompt tokens one sequence folds in per pass, so a long prompt is prefilled over
-    several passes while the others decode. ``passes`` counts the backend passes run."""
+    several passes while the others decode. ``decode_costs``: the backend's measured cost of a pass of ``n``
+    one-token rows ÷ one alone, for ``n = 0 .. slots`` (``core.width.marginal_row_cost``;
+    ``Engine.batch_decode_costs`` measures it); without it a plain step is priced as alone (1.0), so a
+    ``PricedWidth`` policy speculates as it would alone. ``passes`` counts the backend passes run."""
 
-    def __init__(self, backend: BatchBackend, *, prefill_chunk: int = 512) -> None:
+    def __init__(
+        self, backend: BatchBackend, *, prefill_chunk: int = 512, decode_costs: Sequence[float] | None = None
+    ) -> None:
         if isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int) or prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be an int >= 1, got {prefill_chunk!r}")
+        if decode_costs is not None and (len(decode_costs) < 2 or any(not c >= 0 for c in decode_costs)):
+            raise ValueError(f"decode_costs must hold >= 2 costs >= 0 (index = rows in the pass), got {decode_costs!r}")
         self._backend = backend
         self.prefill_chunk = prefill_chunk
+        self.decode_costs = tuple(decode_costs) if decode_costs is not None else None
         self._waiting: collections.deque[BatchSequence] = collections.deque()
         self._running: list[BatchSequence] = []
         self._free = list(range(backend.slots))
@@ -312,12 +324,20 @@ class BatchDriver:
             admitted.append(sequence)
         return admitted
 
+    def plain_cost(self) -> float:
+        """What a plain step costs in the next pass, given the sequences decoding now (1.0 without
+        ``decode_costs``)."""
+        if self.decode_costs is None:
+            return 1.0
+        return marginal_row_cost(self.decode_costs, sum(s.phase is Phase.DECODING for s in self._running))
+
     def _gather(self, sequences: list[BatchSequence]) -> list[tuple[BatchSequence, BatchRow]]:
         """The ``sequences``' rows for the next pass; a sequence whose proposer fails is failed and freed."""
         batch = []
+        plain_cost = self.plain_cost()
         for sequence in sequences:
             try:
-                batch.append((sequence, sequence._row(self.prefill_chunk, self._backend.vocab_size)))
+                batch.append((sequence, sequence._row(self.prefill_chunk, self._backend.vocab_size, plain_cost)))
             except Exception as exc:
                 sequence._fail(exc)
                 self._release(sequence)

@@ -43,7 +43,7 @@ from ortspec.core.state import (
     step_from_picks,
     take_draft,
 )
-from ortspec.core.width import FixedWidth, WidthPolicy
+from ortspec.core.width import FixedWidth, PricedWidth, WidthPolicy
 
 
 def decode_rate(new_tokens: int, first_token_s: float, total_s: float) -> float | None:
@@ -173,13 +173,17 @@ class Speculation:
         """``draft_width``: the most draft tokens per pass, or a ``WidthPolicy`` choosing it per step."""
         return cls(proposer, draft_width if isinstance(draft_width, WidthPolicy) else FixedWidth(draft_width))
 
-    def draft(self, state: DecodeState, vocab_size: int) -> tuple[int, tuple[int, ...]]:
+    def draft(self, state: DecodeState, vocab_size: int, plain_cost: float = 1.0) -> tuple[int, tuple[int, ...]]:
         """``(width, draft)`` for the next step from ``state``: the width asked for (``core.draft_width``; 0 without a
         proposer) and the proposer's answer cut to it (``core.take_draft``; ``()`` when the width is 0). Raises
-        ``ProposerError`` when the proposer raises or proposes something that is not a draft."""
+        ``ProposerError`` when the proposer raises or proposes something that is not a draft. ``plain_cost``: what a
+        plain step costs in the pass the step joins (1.0 alone; ``core.width.marginal_row_cost`` in a batch), asked
+        of a ``PricedWidth`` policy."""
         if self.proposer is None:
             return 0, ()
-        width = draft_width(state, self.policy.width())
+        policy = self.policy
+        asked = policy.width_at(plain_cost) if isinstance(policy, PricedWidth) else policy.width()
+        width = draft_width(state, asked)
         if width == 0:
             return 0, ()
         try:

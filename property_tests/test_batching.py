@@ -14,6 +14,7 @@ must have delivered a prefix of the plain stream and report exactly that.
 
 from __future__ import annotations
 
+import itertools
 from typing import NamedTuple
 
 import attrs
@@ -113,7 +114,10 @@ def batches(draw):
     capacity = draw(st.sampled_from([UNBOUNDED, UNBOUNDED, longest + draw(st.integers(0, 12))]))
     slots = draw(st.integers(1, 4))
     chunk = draw(st.sampled_from([1, 2, 3, 5, 8, 16, 512]))
-    return model, capacity, slots, chunk, requests
+    # How the driver prices a plain step (widths only: never the output): as alone, or by a cost curve.
+    steps = draw(st.lists(st.floats(0.0, 1.5), min_size=slots - 1, max_size=slots - 1))
+    costs = draw(st.sampled_from([None, tuple(itertools.accumulate([0.0, 1.0, *steps]))]))
+    return model, capacity, slots, chunk, requests, costs
 
 
 def submit(driver: BatchDriver, req: Request, stream: list) -> BatchSequence:
@@ -147,11 +151,13 @@ class PhaseTracingBackend(FakeBatchBackend):
         return super().run_pass(rows)
 
 
-def run_batch(model, capacity, slots, chunk, requests) -> tuple[list[Outcome], PhaseTracingBackend, BatchDriver]:
+def run_batch(
+    model, capacity, slots, chunk, requests, decode_costs=None
+) -> tuple[list[Outcome], PhaseTracingBackend, BatchDriver]:
     """Submit each request at its tick, cancel at its tick, run until every sequence is done (a tick is one call
     of ``step``, which runs a pass unless the driver is idle)."""
     backend = PhaseTracingBackend(model, slots, capacity)
-    driver = backend.driver = BatchDriver(backend, prefill_chunk=chunk)
+    driver = backend.driver = BatchDriver(backend, prefill_chunk=chunk, decode_costs=decode_costs)
     sequences: dict[int, BatchSequence] = {}
     streams: dict[int, list] = {i: [] for i in range(len(requests))}
     tick = 0
@@ -190,9 +196,13 @@ def comparable(stream: list, callback: bool) -> list:
     return list(stream) if callback else [Delivered(d.text, d.token_id, None) for d in stream]
 
 
-def check_request(req: Request, got: Outcome, capacity: int) -> list[str]:
-    """The property for one request; returns labels for the tally."""
+def check_request(req: Request, got: Outcome, capacity: int, priced: bool) -> list[str]:
+    """The property for one request; returns labels for the tally. ``priced``: the driver priced plain steps by
+    a cost curve, so the request's widths (and so its stats, and where a faulty proposer fails) are not those of
+    the request alone; its output still is."""
     plain = alone(req, capacity, None)
+    if priced:
+        return check_against_plain(req, got, plain)
     spec = alone(req, capacity, req.make_proposer())
     # Speculation alone is plain decoding (the equivalence suite's property), up to a proposer's own failure.
     if spec.error is None:
@@ -219,14 +229,29 @@ def check_request(req: Request, got: Outcome, capacity: int) -> list[str]:
     return [f"ended by {got.result.finish_reason}"]
 
 
+def check_against_plain(req: Request, got: Outcome, plain: Outcome) -> list[str]:
+    """Whatever the widths: the output is plain decoding's; a cancelled or failed sequence delivered (and reports)
+    a prefix of it."""
+    want = comparable(plain.stream, req.callback)
+    if got.result.finish_reason is None:  # cancelled, its proposer failed, or the core failed as it does alone
+        assert got.error is None or isinstance(req.proposer, tuple) or plain.error is not None, got.error
+        assert want[: len(got.stream)] == got.stream
+        assert list(got.result.token_ids) == list(plain.result.token_ids)[: len(got.result.token_ids)]
+        return ["priced: stopped before the end"]
+    assert got.error is None
+    same_output(got.result, plain.result)
+    assert got.stream == want
+    return [f"priced: ended by {got.result.finish_reason}"]
+
+
 @settings(max_examples=examples(2000))
 @given(batches())
 def test_each_sequence_of_a_batch_is_its_request_decoded_alone(batch):
-    model, capacity, slots, chunk, requests = batch
-    outcomes, backend, driver = run_batch(model, capacity, slots, chunk, requests)
+    model, capacity, slots, chunk, requests, decode_costs = batch
+    outcomes, backend, driver = run_batch(model, capacity, slots, chunk, requests, decode_costs)
     labels = set()
     for req, got in zip(requests, outcomes, strict=True):
-        labels.update(check_request(req, got, capacity))
+        labels.update(check_request(req, got, capacity, decode_costs is not None))
     # One row per running sequence, never more rows than slots; every slot is free at the end.
     assert max(backend.rows_per_pass, default=0) <= slots
     assert not driver.running and not driver.waiting

@@ -366,6 +366,16 @@ MUTANTS: dict[str, Mutant] = {
         "        while self._undelivered and not self._cancelled:\n            commit = self._undelivered.popleft()",
         "        while self._undelivered:\n            commit = self._undelivered.popleft()",
     ),
+    "batch-driver-prices-every-step-as-alone": Mutant(
+        "ortspec/batch_driver.py",
+        "return marginal_row_cost(self.decode_costs, sum(s.phase is Phase.DECODING for s in self._running))",
+        "return 1.0",
+    ),
+    "batch-driver-prices-by-the-slots-not-the-load": Mutant(
+        "ortspec/batch_driver.py",
+        "return marginal_row_cost(self.decode_costs, sum(s.phase is Phase.DECODING for s in self._running))",
+        "return marginal_row_cost(self.decode_costs, self._backend.slots)",
+    ),
     # -- the server's routing by longest cached prefix (adapters/serve/pool.py) ----------------------------------
     "server-routing-first-idle-worker": Mutant(
         "adapters/serve/pool.py",

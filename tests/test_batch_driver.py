@@ -269,3 +269,71 @@ def test_an_interrupt_in_a_callback_leaves_every_slot_rewound_and_the_driver_usa
     assert interrupted.result().token_ids == alone([1, 2], options).token_ids
     assert [t for _, t, _ in calls] == list(alone([1, 2], options).token_ids)
     assert not d.running and not d.waiting
+
+
+# -- pricing a plain step by the pass it joins (core.width.marginal_row_cost, PricedWidth) ---------------------------
+
+# A pass of n one-token rows costs 1 + 0.1 (n - 1) steps; a verify pass (alone) 1.0 + 0.05 k.
+DECODE_COSTS = tuple([0.0] + [1.0 + 0.1 * (n - 1) for n in range(1, 9)])
+PASS_COSTS = tuple(1.0 + 0.05 * k for k in range(9))
+
+
+def test_marginal_row_cost_and_the_cost_aware_width_under_load():
+    from ortspec.core import CostAwareWidth, PricedWidth, marginal_row_cost
+
+    assert marginal_row_cost(DECODE_COSTS, 0) == marginal_row_cost(DECODE_COSTS, 1) == 1.0
+    assert marginal_row_cost(DECODE_COSTS, 4) == pytest.approx(0.1)
+    assert marginal_row_cost(DECODE_COSTS, 100) == pytest.approx(0.1)  # past the curve: its last step
+    assert marginal_row_cost((0.0, 1.0, 0.5), 2) == 0.01  # a noisy curve never makes a row free
+    policy = CostAwareWidth(PASS_COSTS, successes=6.0, trials=10.0)  # acceptance 0.6
+    assert isinstance(policy, PricedWidth)
+    assert policy.width() == policy.width_at(1.0) > 0  # alone, drafts at 0.6 pay
+    assert policy.width_at(0.1) == 0  # a row costs a tenth: a pass of its own for ~2.4 tokens does not pay
+    confident = CostAwareWidth(PASS_COSTS, successes=99.0, trials=100.0)
+    assert confident.width_at(0.1) == 0  # even near-sure drafts: 8.6 tokens per 1.4 steps < 10 plain rows
+    assert confident.width_at(0.2) == 8  # but 8.6 per 1.4 > 5 plain rows at a fifth of a step each
+    # While at width 0 it probes, less often when a plain step is cheap: the same share of time either way.
+    idle = CostAwareWidth(PASS_COSTS, successes=0.0, trials=10.0)
+    assert idle.probe_interval(1.0) == idle.probe_every
+    assert idle.probe_interval(0.1) > 10 * idle.probe_every
+    assert attrs_evolve(idle, idle_steps=idle.probe_every - 1).width_at(1.0) == idle.probe_width
+    assert attrs_evolve(idle, idle_steps=idle.probe_every - 1).width_at(0.1) == 0
+
+
+def attrs_evolve(value, **changes):
+    import attrs
+
+    return attrs.evolve(value, **changes)
+
+
+def test_speculation_fades_as_the_batch_fills_and_outputs_do_not_change():
+    """A sequence that speculates alone stops drafting while seven others decode beside it (each of its verify
+    passes would cost a pass of its own), and drafts again once they are done; every output is its own alone."""
+    from ortspec.core import CostAwareWidth
+
+    options = Options(max_tokens=40)
+    copying = [1, 2, 3, 4, 5, 6, 7, 1, 2, 3, 4, 5, 6, 7, 1, 2, 3]
+    policy = CostAwareWidth(PASS_COSTS)
+
+    def widths_beside(others: int, priced: bool) -> list[int]:
+        backend = FakeBatchBackend(MODEL, 8, 256)
+        drv = BatchDriver(backend, decode_costs=DECODE_COSTS if priced else None)
+        first = drv.submit(copying, options, Oracle(), draft_width=policy)
+        rest = [drv.submit([9, 8, i], Options(max_tokens=12)) for i in range(others)]
+        widths = []  # the draft width of each of its decoding passes
+        while True:
+            decoding = first.phase.value == "decoding"
+            if not drv.step():
+                break
+            if decoding:
+                widths.append(first._width)
+        assert first.result().token_ids == alone(copying, options).token_ids
+        for i, sequence in enumerate(rest):
+            assert sequence.result().token_ids == alone([9, 8, i], Options(max_tokens=12)).token_ids
+        return widths
+
+    assert all(w > 0 for w in widths_beside(0, priced=True)[:3])  # alone: drafts
+    crowded = widths_beside(7, priced=True)
+    assert crowded[:5] == [0] * 5  # beside seven decoding sequences: plain rows in the batched pass
+    assert any(w > 0 for w in crowded[12:])  # the others finished: it drafts again
+    assert all(w > 0 for w in widths_beside(7, priced=False)[:3])  # unpriced: it drafts as alone

@@ -128,3 +128,26 @@ def test_cached_measurement_rereads_remeasures_and_survives_bad_files(tmp_path):
     assert cached_measurement(file, "x", {"a": 2}, measure) == {"value": 4}
     assert cached_measurement(None, "x", {"a": 2}, measure) == {"value": 5}  # no file: always measured
     assert [p.name for p in tmp_path.iterdir()] == ["m.json"]  # no temporary files left behind
+
+
+def test_batch_decode_costs_are_measured_once_and_kept(cache, tiny_model_dir):
+    """The batch backend's decode cost curve: 0 for no rows, 1 for one, non-decreasing to the slots; a second
+    Engine on the same folder reads it from the cache without running a pass."""
+    from ortspec.adapters.engine.engine import BATCH_SLOTS
+    from ortspec.adapters.engine.measurements import batch_sizes
+
+    assert batch_sizes(16) == (1, 2, 4, 8, 16) and batch_sizes(6) == (1, 2, 4, 6) and batch_sizes(1) == (1,)
+    engine = Engine.from_dir(tiny_model_dir, BackendConfig(threads=1))
+    costs = engine.batch_decode_costs()
+    assert len(costs) == BATCH_SLOTS + 1 and costs[:2] == (0.0, 1.0)
+    assert all(b >= a for a, b in zip(costs, costs[1:], strict=False))
+    assert engine.batch_backend().runs > 0
+    assert all(engine.batch_backend().current_len(slot) == 0 for slot in range(BATCH_SLOTS))
+    again = Engine.from_dir(tiny_model_dir, BackendConfig(threads=1))
+    assert again.batch_decode_costs() == costs and again.batch_backend().runs == 0
+    # the batch driver of generate_many prices plain steps with it for a priced policy ("auto"), not a fixed width
+    from ortspec.adapters.engine.many import batch_driver
+    from ortspec.core import CostAwareWidth
+
+    assert batch_driver(again, CostAwareWidth(again.pass_costs())).decode_costs == costs
+    assert batch_driver(again, 4).decode_costs is None

@@ -109,6 +109,7 @@ class Engine:
         self._drift_warned = False
         self.backend_config = backend_config if backend_config is not None else BackendConfig()
         self._batch: BatchBackend | None = None  # generate_many's, opened on first use
+        self._batch_decode_costs: tuple[float, ...] | None = None
 
     @classmethod
     def from_dir(
@@ -385,6 +386,20 @@ class Engine:
                 lambda before: cached_pass_costs(self.backend, self.measurement_file(), kmax, before=before),
             )
         return self._pass_costs
+
+    def batch_decode_costs(self) -> tuple[float, ...]:
+        """The batch backend's ``decode_costs`` (a pass of ``n`` one-token rows ÷ one alone, ``n = 0 .. slots``;
+        ``measurements.measure_batch_decode_costs``): how the batch driver prices a plain step so that speculation
+        fades as the batch fills. Measured once (a second or two) and kept like ``verify_drift``. It empties the
+        batch backend's slots: call it before the batch backend is in use. ``BackendError`` if it fails."""
+        if self._batch_decode_costs is None:
+            from ortspec.adapters.engine.measurements import cached_batch_decode_costs
+
+            backend = self.batch_backend()
+            self._batch_decode_costs = self._measured(
+                "batch decode costs", lambda before: cached_batch_decode_costs(backend, self.measurement_file())
+            )
+        return self._batch_decode_costs
 
     def draft_cost(self) -> float:
         """The drafter's time per draft token ÷ a decode step (``measurements.measure_draft_cost``), measured once

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 from ortspec.adapters.engine.options import GenerationOptions, Prompt, make_proposer
 from ortspec.batch_driver import BatchDriver
-from ortspec.core import CostAwareWidth, Proposer, WidthPolicy
+from ortspec.core import CostAwareWidth, PricedWidth, Proposer, WidthPolicy
 from ortspec.core.checks import ArgumentError
 from ortspec.driver import GenerateResult
 
@@ -28,7 +28,7 @@ def generate_many(engine: Engine, prompts: Sequence[Prompt], options: Generation
     prepared = [engine.prepare(prompt, options) for prompt in prompts]
     width = _width(engine, proposer, options.draft_width)
     with engine._lock:  # the measurements above and the batch backend are the Engine's
-        driver = BatchDriver(engine.batch_backend())
+        driver = batch_driver(engine, width)
         sequences = [
             driver.submit(ids, core_options, proposer, draft_width=width, detokenize=engine.tokenizer.decode)
             for ids, core_options in prepared
@@ -38,6 +38,13 @@ def generate_many(engine: Engine, prompts: Sequence[Prompt], options: Generation
         if sequence.error is not None:
             raise sequence.error
     return [sequence.result() for sequence in sequences]
+
+
+def batch_driver(engine: Engine, width: int | WidthPolicy) -> BatchDriver:
+    """A driver over the Engine's batch backend; a ``PricedWidth`` policy (``draft_width="auto"``) gets the
+    backend's measured ``decode_costs``, so its sequences speculate less as the batch fills."""
+    priced = isinstance(width, PricedWidth)
+    return BatchDriver(engine.batch_backend(), decode_costs=engine.batch_decode_costs() if priced else None)
 
 
 def _batch_proposer(speculative: object) -> Proposer | None:

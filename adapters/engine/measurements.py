@@ -1,5 +1,7 @@
 """Measuring a backend: what a target pass costs (the curve a cost-aware width policy needs) and how far a
-multi-token verify pass drifts from one-token decodes (what the near-tie guard must cover).
+multi-token verify pass drifts from one-token decodes (what the near-tie guard must cover), and, for continuous
+batching, what a pass of several one-token rows costs against one (``decode_costs``, how the batch driver prices a
+plain step).
 
 ``pass_costs[k]`` is the wall time of one pass over the pending token plus ``k`` draft tokens, divided by the
 time of a plain 1-token decode step (``pass_costs[0]`` = 1.0). Both are properties of the model, the backend and
@@ -10,6 +12,7 @@ to fit any KV capacity, so a measurement never fails for a small ``max_length``.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import statistics
@@ -19,7 +22,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from ortspec.backends.base import Backend, DevicePicks, uses_device_picks
+from ortspec.backends.base import Backend, BatchBackend, BatchRow, DevicePicks, uses_device_picks
 from ortspec.core import MAX_DRAFT
 from ortspec.core.proposers import Proposer
 
@@ -302,3 +305,74 @@ def cached_draft_cost(
 
     params = {"drafter": drafter_key, "width": width, "context_tokens": context, "probe": "probe_ids"}
     return float(cached_measurement(cache_file, "draft cost", params, measure)["cost"])
+
+
+def batch_sizes(slots: int) -> tuple[int, ...]:
+    """The pass sizes ``measure_batch_decode_costs`` times on ``slots`` slots: the powers of two below ``slots``,
+    and ``slots``."""
+    sizes = [1]
+    while sizes[-1] * 2 < slots:
+        sizes.append(sizes[-1] * 2)
+    return tuple(sizes + ([slots] if slots > 1 else []))
+
+
+def measure_batch_decode_costs(
+    backend: BatchBackend, context_ids: Sequence[int], sizes: Sequence[int], repeats: int = 5
+) -> dict[str, Any]:
+    """The median wall time of one pass of ``b`` one-token rows (slots ``0 .. b - 1``, each after ``context_ids``)
+    for each ``b`` in ``sizes``, the sizes interleaved in every round (rotated per round) after one warm-up round.
+    Returns ``pass_s`` (per size) and ``curve``: ``decode_costs[n]`` for ``n = 0 .. max(sizes)`` (the pass of ``n``
+    rows ÷ the pass of 1; 0 rows cost 0; linear between measured sizes; made non-decreasing, as noise could make
+    more rows look cheaper). Empties the slots it used."""
+    top = max(sizes)
+    context = list(context_ids)
+    for slot in range(top):
+        backend.reset(slot)
+    backend.run_pass([BatchRow(slot, context, 0) for slot in range(top)])  # equal lengths at 0: one session run
+    feed = probe_ids(backend.vocab_size, top + 1)[1:]
+
+    def one(b: int) -> float:
+        rows = [BatchRow(slot, (feed[slot],), len(context)) for slot in range(b)]
+        t0 = time.perf_counter()
+        backend.run_pass(rows)
+        dt = time.perf_counter() - t0
+        for slot in range(b):
+            backend.rewind(slot, len(context))
+        return dt
+
+    samples: dict[int, list[float]] = {b: [] for b in sizes}
+    for r in range(repeats + 1):
+        order = list(sizes)
+        shift = r % len(order)
+        for b in order[shift:] + order[:shift]:
+            dt = one(b)
+            if r > 0:
+                samples[b].append(dt)
+    for slot in range(top):
+        backend.reset(slot)
+    med = {b: statistics.median(v) for b, v in samples.items()}
+    points = [(0, 0.0)] + [(b, med[b] / med[1]) for b in sorted(sizes)]
+    curve = [0.0]
+    for n in range(1, top + 1):
+        (b0, c0), (b1, c1) = next((p, q) for p, q in itertools.pairwise(points) if p[0] < n <= q[0])
+        curve.append(max(curve[-1], c0 + (c1 - c0) * (n - b0) / (b1 - b0)))
+    curve[1] = 1.0
+    return {"pass_s": {str(b): med[b] for b in sizes}, "curve": curve}
+
+
+def cached_batch_decode_costs(
+    backend: BatchBackend, cache_file: Path | None, repeats: int = 5, *, before: Callable[[], None] | None = None
+) -> tuple[float, ...]:
+    """The ``decode_costs`` curve of ``backend`` (``measure_batch_decode_costs`` at ``batch_sizes(slots)``, after a
+    context of up to 128 ``probe_ids`` cut to fit), kept by ``cached_measurement`` under ``batch decode costs``;
+    ``before()`` runs just before the backend is used (not on a cache hit). Empties the slots."""
+    context = max(1, min(128, backend.max_length - 1))
+    sizes = batch_sizes(backend.slots)
+
+    def measure() -> dict[str, Any]:
+        if before is not None:
+            before()
+        return measure_batch_decode_costs(backend, probe_ids(backend.vocab_size, context), sizes, repeats)
+
+    params = {"sizes": list(sizes), "context_tokens": context, "repeats": repeats, "probe": "probe_ids"}
+    return tuple(float(c) for c in cached_measurement(cache_file, "batch decode costs", params, measure)["curve"])
