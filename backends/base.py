@@ -164,14 +164,26 @@ def _ids(tokens: Iterable[int]) -> tuple[int, ...]:
     return tuple(tokens)
 
 
+def _check_last_logits(row: BatchRow, attribute: object, value: int | None) -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or not 1 <= value):
+        raise ValueError(f"last_logits must be None or an int >= 1, got {value!r}")
+
+
 @attrs.frozen
 class BatchRow:
     """One row of a batched pass: ``tokens`` folded into ``slot``'s KV cache at ``position`` (which must equal
-    that slot's ``current_len``)."""
+    that slot's ``current_len``). ``last_logits``: the caller reads the logits of the row's last ``last_logits``
+    positions only (a prompt chunk: 1), so the backend may skip computing the others; None: every position's
+    (a decode or a verify). ``logits_rows`` is how many rows of logits the pass returns for it."""
 
     slot: int
     tokens: tuple[int, ...] = attrs.field(converter=_ids)
     position: int
+    last_logits: int | None = attrs.field(default=None, validator=_check_last_logits)
+
+    @property
+    def logits_rows(self) -> int:
+        return len(self.tokens) if self.last_logits is None else min(self.last_logits, len(self.tokens))
 
 
 @runtime_checkable
@@ -204,8 +216,8 @@ class BatchBackend(Protocol):
 
     def run_pass(self, rows: Sequence[BatchRow]) -> list[np.ndarray]:
         """One pass over every row (at most one per slot); each row's slot grows by ``len(row.tokens)``. Returns,
-        per row in order, ``[len(row.tokens), vocab]`` float32 logits (the ``decode_verify`` contract for that
-        slot alone), valid until the next call on the backend."""
+        per row in order, ``[row.logits_rows, vocab]`` float32 logits: the last ``logits_rows`` rows of what
+        ``decode_verify`` gives for that slot alone, valid until the next call on the backend."""
         ...
 
     def rewind(self, slot: int, length: int) -> None:

@@ -290,7 +290,7 @@ class FakeBatchBackend:
 
     def run_pass(self, rows: Sequence[BatchRow]) -> list[np.ndarray]:
         check_batch(rows, self)
-        out = [self._slots[row.slot].decode_verify(row.tokens, row.position) for row in rows]
+        out = [self._slots[row.slot].decode_verify(row.tokens, row.position)[-row.logits_rows :] for row in rows]
         self.rows_per_pass.append(len(rows))
         self.tokens_per_pass.append(sum(len(row.tokens) for row in rows))
         return out

@@ -3,7 +3,8 @@
     every pass (``BatchDriver.step``):
         drop the cancelled sequences; admit waiting requests into free slots (backend.reset(slot)), first come first
         for every running sequence, one row:
-            prefilling: the next chunk of its prompt (at most prefill_chunk tokens) at the chunk's position
+            prefilling: the next chunk of its prompt (at most prefill_chunk tokens) at the chunk's position,
+                        asking for the logits of its last position only
             decoding:   (pending, *draft) at state.kv_len; width, draft = speculation.draft(state, vocab, plain_cost)
                         (core.draft_width / take_draft, exactly as ``Generation`` asks; plain_cost: what one
                         more one-token row costs in a pass with this many decoding sequences, priced by
@@ -162,12 +163,13 @@ class BatchSequence:
         state = self.state
         if self._phase is Phase.PREFILL:
             end = min(self._prefilled + prefill_chunk, len(state.prompt_tokens))
-            return BatchRow(self._slot, state.prompt_tokens[self._prefilled : end], self._prefilled)
+            # only the last chunk's last row is read; earlier chunks' rows not at all (one is the least to ask)
+            return BatchRow(self._slot, state.prompt_tokens[self._prefilled : end], self._prefilled, last_logits=1)
         self._width, self._draft = self._speculation.draft(state, vocab_size, plain_cost)
         return BatchRow(self._slot, (state.pending_token, *self._draft), state.kv_len)
 
     def _take(self, backend: BatchBackend, row: BatchRow, logits: np.ndarray) -> tuple[Commit, ...]:
-        """Decide (core) with this row's logits ``[len(row.tokens), vocab]`` and rewind the slot; return the
+        """Decide (core) with this row's logits ``[row.logits_rows, vocab]`` and rewind the slot; return the
         commits the step released."""
         assert self._slot is not None
         state = self.state

@@ -82,13 +82,16 @@ def _check_cpu_only(config: BackendConfig) -> None:
 
 class _PassInputs:
     """The host inputs of one session run over the bound slot range: ``ids`` ``[B, S]``, ``mask`` ``[B, total]``,
-    ``positions`` ``[B, S]`` and ``starts`` (each bound row's first written position)."""
+    ``positions`` ``[B, S]``, ``starts`` (each bound row's first written position) and ``keep`` (``[1]``: the last
+    ``kept`` positions get logits; all ``S`` when the graph has no ``keep_name``)."""
 
-    def __init__(self, graph: DecoderGraph, starts: np.ndarray, width: int) -> None:
+    def __init__(self, graph: DecoderGraph, starts: np.ndarray, width: int, kept: int) -> None:
         count = len(starts)
         total = int(starts.max()) + width
         self.starts = starts
         self.width = width
+        self.kept = kept if graph.keep_name is not None else width  # logits positions computed: the last ``kept``
+        self.keep = np.array([self.kept], np.int64)
         self.ids = np.zeros((count, width), graph.ids_dtype)
         self.mask = (np.arange(total)[None, :] < (starts[:, None] + width)).astype(graph.mask_dtype or np.int64)
         self.positions = (starts[:, None] + np.arange(width)[None, :]).astype(graph.position_dtype or np.int64)
@@ -174,7 +177,7 @@ class OrtBatchBackend:
         _check_cpu_only(config)
         folder = folder_or_path if isinstance(folder_or_path, ModelFolder) else ModelFolder.load(folder_or_path)
         config.capacity(folder.context_length)  # ValueError before any work
-        loaded = load_rewrites(folder, config)
+        loaded = load_rewrites(folder, config, keep_logits=True)
         options = session_options if session_options is not None else config.session_options(folder.session_options)
         providers = execution_providers(CPU, config.device_id)
         session = open_session(
@@ -236,6 +239,9 @@ class OrtBatchBackend:
         lo = min(row.slot for row in rows)
         hi = max(row.slot for row in rows)
         width = max(len(row.tokens) for row in rows)
+        # the last `kept` of the padded width's positions cover every row's wanted ones (row b's are its last
+        # logits_rows real positions, which end at len(tokens_b) - 1)
+        kept = max(width - len(row.tokens) + row.logits_rows for row in rows)
         in_pass = {row.slot for row in rows}
         starts = np.array(
             [
@@ -244,7 +250,7 @@ class OrtBatchBackend:
             ],
             dtype=np.int64,
         )
-        inputs = _PassInputs(self.graph, starts, width)
+        inputs = _PassInputs(self.graph, starts, width, kept)
         for row in rows:
             inputs.ids[row.slot - lo, : len(row.tokens)] = row.tokens
         saved = self._save_overwritten(lo, starts, width)
@@ -255,7 +261,11 @@ class OrtBatchBackend:
         self.runs += 1
         for row in rows:
             self._lengths[row.slot] += len(row.tokens)
-        return [logits[row.slot - lo, : len(row.tokens)] for row in rows]
+        skipped = width - inputs.kept  # positions before the first with logits
+        return [
+            logits[row.slot - lo, len(row.tokens) - row.logits_rows - skipped : len(row.tokens) - skipped]
+            for row in rows
+        ]
 
     def _idle_start(self, slot: int, width: int, at_zero: bool) -> int:
         """Where an idle slot's row of padding starts: 0 in a prefill group, else its length, moved back so that
@@ -308,7 +318,7 @@ class OrtBatchBackend:
 
     def _run(self, lo: int, inputs: _PassInputs) -> np.ndarray:
         """Bind the slot range starting at ``lo`` and ``inputs``, run the session, return the logits
-        ``[B, S, vocab]`` as float32."""
+        ``[B, kept, vocab]`` (of the last ``inputs.kept`` positions) as float32."""
         graph = self.graph
         count, width = inputs.ids.shape
         binding = self._range_binding(lo, count)
@@ -318,7 +328,9 @@ class OrtBatchBackend:
         if graph.position_name:
             shape = list(inputs.positions.shape)
             binding.bind_input(graph.position_name, CPU, 0, graph.position_dtype, shape, inputs.positions.ctypes.data)
-        logits = self._logits_view(count, width)
+        if graph.keep_name is not None:
+            binding.bind_input(graph.keep_name, CPU, 0, np.int64, [1], inputs.keep.ctypes.data)
+        logits = self._logits_view(count, inputs.kept)
         shape = list(logits.shape)
         binding.bind_output(graph.logits_name, CPU, 0, graph.logits_dtype, shape, logits.ctypes.data)
         if graph.hidden_name:

@@ -16,6 +16,12 @@ applies:
   :func:`window_rewrites`.
 * **MatMulNBits accuracy.** ``matmul_accuracy_level`` sets every ``MatMulNBits`` node's accuracy level (1: float32
   compute, which makes a quantized model's verify passes agree with its one-token decodes).
+* **Logits of the last positions only** (``keep_logits``, asked by ``OrtBatchBackend``): a prompt pass needs the
+  logits of its last position, yet the LM head (a fifth of SmolLM2-135M's weights) would run over every position.
+  The rewrite adds an int64 input ``KEEP_LOGITS_INPUT`` (shape ``[1]``: ``L``) and slices the LM head's input to
+  its last ``L`` positions, so ``logits`` is ``[batch, L, vocab]``; with ``L`` = the pass width it computes what the
+  file computes. Applied where the logits output is made by a ``MatMul`` or ``MatMulNBits`` (the builder's LM
+  head); elsewhere the graph is left as it is (``DecoderGraph.keep_name`` None).
 """
 
 from __future__ import annotations
@@ -44,6 +50,8 @@ ORT_TYPES: dict[str, np.dtype] = {
 }
 FLOAT_DTYPES = (np.dtype(np.float32), np.dtype(np.float16))  # KV and logits
 INDEX_DTYPES = (np.dtype(np.int64), np.dtype(np.int32))  # input ids, attention mask, position ids
+KEEP_LOGITS_INPUT = "ortspec_logits_to_keep"  # added by the keep_logits rewrite: int64 [1], positions kept
+LM_HEAD_OPS = ("MatMul", "MatMulNBits")
 
 
 @attrs.frozen
@@ -132,6 +140,7 @@ class DecoderGraph:
     hidden_name: str | None = None
     hidden_dtype: np.dtype | None = None
     hidden_size: int = 0
+    keep_name: str | None = None
 
 
 class _Interface:
@@ -312,6 +321,9 @@ def inspect_graph(session, folder: ModelFolder, facts: GraphFacts | None = None)
     states = interface.states()
     logits_name, logits_dtype = interface.logits()
     hidden_name, hidden_dtype, hidden_size = interface.hidden()
+    keep_name = KEEP_LOGITS_INPUT if KEEP_LOGITS_INPUT in interface.inputs else None
+    if keep_name is not None:
+        interface.fed.add(keep_name)
     interface.check_all_fed()
     if kv_dtype is None:
         raise interface.fail("the graph has no KV inputs (genai_config.json names no layers)")
@@ -333,6 +345,7 @@ def inspect_graph(session, folder: ModelFolder, facts: GraphFacts | None = None)
         hidden_name=hidden_name,
         hidden_dtype=hidden_dtype,
         hidden_size=hidden_size,
+        keep_name=keep_name,
     )
 
 
@@ -382,12 +395,17 @@ def read_graph_facts(model_path: Path) -> GraphFacts:
 
 
 def rewritten_model(
-    model_path: Path, *, windows: Mapping[str, int] | None = None, accuracy_level: int | None = None
+    model_path: Path,
+    *,
+    windows: Mapping[str, int] | None = None,
+    accuracy_level: int | None = None,
+    keep_logits: str | None = None,
 ) -> tuple[bytes, GraphFacts]:
     """The ONNX model at ``model_path`` serialized with ``local_window_size`` set to ``windows[past_key]`` on the
-    ``GroupQueryAttention`` node reading ``past_key``, and (when ``accuracy_level`` is given) every
-    ``MatMulNBits`` node's ``accuracy_level`` set to it; and the facts of the result. External weights stay where
-    they are (open the bytes with the model's folder as the external-data folder)."""
+    ``GroupQueryAttention`` node reading ``past_key``, (when ``accuracy_level`` is given) every ``MatMulNBits``
+    node's ``accuracy_level`` set to it, and (when ``keep_logits`` names the logits output) the logits of the last
+    positions only (module docstring); and the facts of the result. External weights stay where they are (open
+    the bytes with the model's folder as the external-data folder)."""
     import onnx
 
     model = _load_proto(model_path)
@@ -397,7 +415,41 @@ def rewritten_model(
             _set_int_attribute(onnx, node, "local_window_size", windows[node.input[3]])
         elif node.op_type == "MatMulNBits" and accuracy_level is not None:
             _set_int_attribute(onnx, node, "accuracy_level", accuracy_level)
+    if keep_logits is not None:
+        _keep_last_logits(onnx, model, keep_logits)
     return model.SerializeToString(), _facts_of(model)
+
+
+def lm_head(model, logits_name: str):
+    """The node that makes ``logits_name`` when it is a ``MatMul`` or ``MatMulNBits`` over the hidden states
+    (the builder's LM head), else None."""
+    for node in model.graph.node:
+        if logits_name in node.output:
+            return node if node.op_type in LM_HEAD_OPS else None
+    return None
+
+
+def _keep_last_logits(onnx, model, logits_name: str) -> bool:
+    """Slice the LM head's input to its last ``KEEP_LOGITS_INPUT`` positions (axis 1); False (and nothing
+    changed) when the logits are not made by a plain LM head."""
+    head = lm_head(model, logits_name)
+    if head is None:
+        return False
+    helper, graph = onnx.helper, model.graph
+    graph.input.append(helper.make_tensor_value_info(KEEP_LOGITS_INPUT, onnx.TensorProto.INT64, [1]))
+    prefix = "/ortspec/keep_logits"
+    graph.initializer.append(onnx.numpy_helper.from_array(np.array([2**62], np.int64), f"{prefix}/end"))
+    graph.initializer.append(onnx.numpy_helper.from_array(np.array([1], np.int64), f"{prefix}/axis"))
+    start, kept = f"{prefix}/start", f"{prefix}/hidden"
+    nodes = [
+        helper.make_node("Neg", [KEEP_LOGITS_INPUT], [start], name=f"{prefix}/Neg"),
+        helper.make_node("Slice", [head.input[0], start, f"{prefix}/end", f"{prefix}/axis"], [kept], name=prefix),
+    ]
+    head.input[0] = kept
+    at = list(graph.node).index(head)
+    for offset, node in enumerate(nodes):
+        graph.node.insert(at + offset, node)
+    return True
 
 
 def _set_int_attribute(onnx, node, name: str, value: int) -> None:
@@ -462,10 +514,13 @@ class LoadedGraph:
     model_bytes: bytes | None = attrs.field(default=None, repr=False)
 
 
-def load_rewrites(folder: ModelFolder, config: BackendConfig) -> LoadedGraph:
+def load_rewrites(folder: ModelFolder, config: BackendConfig, *, keep_logits: bool = False) -> LoadedGraph:
     """Read the folder's graph and apply the rewrites ``config`` asks for (``sliding_window``,
-    ``matmul_accuracy_level``) that change it; ``BackendError`` as :func:`window_rewrites`."""
+    ``matmul_accuracy_level``) that change it, and with ``keep_logits`` the logits of the last positions only
+    (where the LM head allows it); ``BackendError`` as :func:`window_rewrites`."""
     facts = read_graph_facts(folder.model_path)
+    if keep_logits:
+        keep_logits = lm_head(_load_proto(folder.model_path), folder.logits_name) is not None
     windows = window_rewrites(folder, facts, config.capacity(folder.context_length), config.sliding_window)
     rewrites = [f"local_window_size={w} on the attention reading {name}" for name, w in windows.items()]
     level = config.matmul_accuracy_level
@@ -473,9 +528,14 @@ def load_rewrites(folder: ModelFolder, config: BackendConfig) -> LoadedGraph:
     set_level = level is not None and bool(levels) and levels != {level}
     if set_level:
         rewrites.append(f"MatMulNBits accuracy_level {sorted(levels)} -> {level}")
-    if not (windows or set_level):
+    if keep_logits:
+        rewrites.append(f"the LM head over the last {KEEP_LOGITS_INPUT} positions only")
+    if not (windows or set_level or keep_logits):
         return LoadedGraph(facts)
     model_bytes, facts = rewritten_model(
-        folder.model_path, windows=windows, accuracy_level=level if set_level else None
+        folder.model_path,
+        windows=windows,
+        accuracy_level=level if set_level else None,
+        keep_logits=folder.logits_name if keep_logits else None,
     )
     return LoadedGraph(facts, tuple(rewrites), model_bytes)
