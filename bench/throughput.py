@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
+import functools
 import json
 import random
 import subprocess
@@ -99,12 +100,13 @@ class Request:
 
 @attrs.frozen
 class Plan:
-    """What one precision runs: the first ``prompts`` requests, the decodings ``modes``, ORT GenAI's batch sizes
-    (``genai_batches``; its sampled column at the best greedy one when ``genai_sampled``), and the decodings the
-    worker design runs (``worker_modes``; its prompt lookup is `ortspec batch`'s default)."""
+    """What one precision runs: the decodings ``modes``, each on ``prompts[mode]`` requests spread evenly over the
+    dataset (``spread``), ORT GenAI's batch sizes (``genai_batches``; its sampled column at the best greedy one
+    when ``genai_sampled``), and the decodings the worker design runs (``worker_modes``; its prompt lookup is
+    `ortspec batch`'s default). ``note`` says what was cut, for the report."""
 
     precision: str
-    prompts: int
+    prompts: Mapping[str, int] = attrs.field(converter=dict)
     modes: tuple[str, ...]
     genai_batches: tuple[int, ...]
     genai_sampled: bool
@@ -112,18 +114,34 @@ class Plan:
     note: str = ""
 
 
+# The full run's plans, cut to fit about 15 minutes on a quiet 2-core machine (see docs/throughput.md).
 PLANS = {
-    "fp32": Plan("fp32", 64, MODES, (8, 16, 32), True, ("greedy",), "the worker design runs greedy only"),
+    "fp32": Plan(
+        "fp32",
+        {"greedy": 64, "sampled": 32},
+        MODES,
+        (8, 16, 32),
+        True,
+        ("greedy",),
+        "cut to fit the time budget: sampling on every other request (32), the worker design greedy only",
+    ),
     "int4": Plan(
         "int4",
-        64,
+        {"greedy": 32},
         ("greedy",),
         (16,),
         False,
         (),
-        "cut to fit the time budget: greedy only, ORT GenAI at batch 16 only, no worker design",
+        "cut to fit the time budget: greedy only, on every other request (32), ORT GenAI at batch 16 only, no "
+        "worker design",
     ),
 }
+
+
+def spread(requests: Sequence[Request], n: int) -> list[Request]:
+    """``n`` requests spread evenly over ``requests`` (all of them when ``n`` is larger), in order."""
+    count = len(requests)
+    return list(requests) if n >= count else [requests[(i * count) // n] for i in range(n)]
 
 
 @attrs.frozen
@@ -288,6 +306,7 @@ def cli_command() -> list[str]:
     return [sys.executable, "-m", "ortspec.adapters.cli"]
 
 
+@functools.cache
 def worker_args() -> tuple[str, ...]:
     """``WORKER_DESIGN_ARGS``, plus ``--max-batch 1`` (one request per pass, today's path) when ``ortspec batch``
     has that flag."""
@@ -379,8 +398,10 @@ def model_folder(precision: str) -> Path:
     return folder if is_complete(folder) else convert_smollm2(folder, precision)
 
 
-def measure(plan: Plan, model_dir: Path, requests: Sequence[Request], threads: int, tmp: Path) -> dict[str, Any]:
-    """Every column of ``plan`` on ``requests``; the runs, and each one's comparison with ortspec alone."""
+def measure(plan: Plan, model_dir: Path, dataset: Sequence[Request], threads: int, tmp: Path) -> dict[str, Any]:
+    """Every column of ``plan`` on its requests of ``dataset``; the runs, and each one's comparison with ortspec
+    alone (ORT GenAI's greedy ones as information)."""
+    by_mode = {mode: spread(dataset, plan.prompts[mode]) for mode in plan.modes}
     runs: list[ColumnRun] = []
 
     def done(run: ColumnRun) -> ColumnRun:
@@ -390,15 +411,16 @@ def measure(plan: Plan, model_dir: Path, requests: Sequence[Request], threads: i
         return run
 
     engine = Engine.from_dir(model_dir, BackendConfig(threads=threads))
-    warm_up(engine, requests)
-    for mode in plan.modes:
+    warm_up(engine, dataset)
+    for mode, requests in by_mode.items():
         done(run_alone(engine, requests, mode))
         for speculation in SPECULATION:
             done(run_batched(engine, requests, mode, speculation))
     del engine  # its two sessions' memory, before the other engines load
     for mode in plan.worker_modes:
-        done(run_worker_design(model_dir, requests, mode, tmp))
-    missing = measure_genai(plan, model_dir, requests, threads, done)
+        done(run_worker_design(model_dir, by_mode[mode], mode, tmp))
+    missing = measure_genai(plan, model_dir, by_mode, threads, done)
+    tokenizer = Tokenizer.from_folder(model_dir)
     alone = {r.mode: r for r in runs if r.column == "ortspec alone"}
     return {
         "plan": attrs.asdict(plan),
@@ -407,14 +429,26 @@ def measure(plan: Plan, model_dir: Path, requests: Sequence[Request], threads: i
         "identity": {
             f"{r.mode}|{r.column}": compare(r, alone[r.mode])
             for r in runs
-            if r.mode in alone and r is not alone[r.mode]
+            if r.mode in alone and r is not alone[r.mode] and not (r.mode == "sampled" and r.column.startswith("ORT"))
         },
         "missing": missing,
+        "requests": {
+            mode: {
+                "ids": [q.id for q in requests],
+                "prompt_tokens": sum(len(encode_chat(q.messages, tokenizer)) for q in requests),
+                "new_tokens": sum(q.max_tokens for q in requests),
+            }
+            for mode, requests in by_mode.items()
+        },
     }
 
 
 def measure_genai(
-    plan: Plan, model_dir: Path, requests: Sequence[Request], threads: int, done: Callable[[ColumnRun], ColumnRun]
+    plan: Plan,
+    model_dir: Path,
+    by_mode: Mapping[str, Sequence[Request]],
+    threads: int,
+    done: Callable[[ColumnRun], ColumnRun],
 ) -> dict[str, str]:
     """ORT GenAI's greedy columns at ``plan.genai_batches``, then its sampled column at the best of them; ``{peer:
     why}`` for a peer that cannot run (reported, never faked)."""
@@ -423,8 +457,9 @@ def measure_genai(
     missing = {}
     for mode, peer in (("greedy", "ortgenai"), ("sampled", "ortgenai-sampled")):
         batches = plan.genai_batches if mode == "greedy" else ((int(best.column.rsplit(" ", 1)[1]),) if best else ())
-        if mode not in plan.modes or (mode == "sampled" and not plan.genai_sampled) or not batches:
+        if mode not in by_mode or (mode == "sampled" and not plan.genai_sampled) or not batches:
             continue
+        requests = by_mode[mode]
         runner, why = make_peer(peer, model_dir, threads=threads, sampling=dict(SAMPLING))
         if runner is None:
             missing[peer] = why or "unavailable"
@@ -512,10 +547,10 @@ def markdown(report: Mapping[str, Any]) -> str:
         f"onnxruntime-genai {machine['versions'].get('onnxruntime-genai')}; other processes used "
         f"{_f(machine.get('background_load_cores'), '.2f')} cores when it started.",
         "",
-        f"Dataset: `{report['dataset']['file']}`, {report['dataset']['requests']} chat requests "
-        f"({report['dataset']['prompt_tokens']} prompt tokens in all), {report['dataset']['new_tokens']} new tokens "
-        f"in all (each request its own number in {NEW_TOKENS[0]}..{NEW_TOKENS[1]}, EOS ignored); greedy, and "
-        f"sampled at {dict(SAMPLING)} with each request's own seed. {report['threads']} intra-op threads for every "
+        f"Dataset: `{report['dataset']['file']}`, {report['dataset']['requests']} chat requests, each with its own "
+        f"number of new tokens in {NEW_TOKENS[0]}..{NEW_TOKENS[1]} (EOS ignored); greedy, and sampled at "
+        f"{dict(SAMPLING)} with each request's own seed; each precision's section says which requests it ran. "
+        f"{report['threads']} intra-op threads for every "
         "engine; the worker design is `ortspec batch " + " ".join(report["worker_args"]) + "`.",
         "",
         "tokens/s = generated tokens ÷ wall seconds of the column's run over the whole dataset. The worker design's "
@@ -527,8 +562,12 @@ def markdown(report: Mapping[str, Any]) -> str:
     for precision, result in report["precisions"].items():
         plan = result["plan"]
         lines += ["", f"## {precision} (`{result['model_dir']}`)", ""]
-        if plan["note"]:
-            lines += [f"Plan: {plan['note']}.", ""]
+        ran = "; ".join(
+            f"{mode}: {len(r['ids'])} requests, {r['prompt_tokens']} prompt tokens and {r['new_tokens']} new "
+            "tokens in all"
+            for mode, r in result["requests"].items()
+        )
+        lines += [f"Requests: {ran}." + (f" Plan: {plan['note']}." if plan["note"] else ""), ""]
         lines += [
             "| decoding | column | wall s | tokens | tok/s | ÷ worker design | ÷ best ORT GenAI | identical |",
             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
@@ -572,7 +611,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--precision", choices=("fp32", "int4", "both"), default="both", help="default both")
     ap.add_argument("--model", type=Path, help="one model folder instead of the default model (--precision names it)")
-    ap.add_argument("--prompts", type=int, help="the first N requests of the dataset (default: each plan's)")
+    ap.add_argument("--prompts", type=int, help="at most N requests per decoding, spread over the dataset")
     ap.add_argument("--threads", type=int, default=2, help="intra-op threads of every engine (default 2)")
     ap.add_argument("--quick", action="store_true", help="the 8 shortest prompts, ORT GenAI at batch 8 only")
     ap.add_argument("--out", type=Path, help="the report (default docs/throughput.md; --quick: a temporary folder)")
@@ -584,11 +623,10 @@ def plans_for(args: argparse.Namespace) -> list[Plan]:
     names = ("fp32", "int4") if args.precision == "both" else (args.precision,)
     plans = [PLANS[name] for name in names]
     if args.quick:
-        plans = [
-            attrs.evolve(p, prompts=8, genai_batches=(8,), note="quick: a smoke test, not a measurement") for p in plans
-        ]
+        quick = "quick: a smoke test on the 8 shortest prompts, not a measurement"
+        plans = [attrs.evolve(p, prompts=dict.fromkeys(p.modes, 8), genai_batches=(8,), note=quick) for p in plans]
     if args.prompts is not None:
-        plans = [attrs.evolve(p, prompts=args.prompts) for p in plans]
+        plans = [attrs.evolve(p, prompts={m: min(n, args.prompts) for m, n in p.prompts.items()}) for p in plans]
     return plans
 
 
@@ -609,14 +647,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             model_dir = args.model if args.model is not None else model_folder(plan.precision)
             tokenizer = Tokenizer.from_folder(model_dir)
             requests = quick_requests(dataset, tokenizer) if args.quick else dataset
-            requests = requests[: plan.prompts]
             measured = measure(plan, model_dir, requests, args.threads, tmp)
             measured["summary"] = summarize(measured)
-            measured["requests"] = [r.id for r in requests]
-            measured["prompt_tokens"] = sum(len(encode_chat(r.messages, tokenizer)) for r in requests)
             results[plan.precision] = measured
-        out = args.out or (tmp / "throughput-quick.md" if args.quick else Path("docs/throughput.md"))
-        first = next(iter(results.values()))
+        quick_out = Path(tempfile.gettempdir()) / "ortspec-throughput-quick.md"
+        out = args.out or (quick_out if args.quick else Path("docs/throughput.md"))
         report = {
             "command": "python -m bench.throughput" + (" " + " ".join(argv) if argv else ""),
             "date_utc": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
@@ -626,9 +661,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "worker_args": list(worker_args()),
             "dataset": {
                 "file": str(DATASET.relative_to(Path(__file__).resolve().parent.parent)),
-                "requests": len(first["requests"]),
-                "prompt_tokens": first["prompt_tokens"],
-                "new_tokens": sum(r.max_tokens for r in dataset if r.id in set(first["requests"])),
+                "requests": len(dataset),
             },
             "precisions": results,
             "precision_choice": choose_precision(results),
