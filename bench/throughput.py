@@ -9,19 +9,21 @@ from ``bench.workloads`` with the default model's tokenizer. Every request ignor
 number of tokens whatever the engine, and is decoded greedily or by seeded sampling (``bench.engines.SAMPLING``,
 temperature 0.7 and top_p 0.9, the seed ``bench.engines.prompt_seed`` of the request's id).
 
-Columns, each one run over the whole dataset on the same model folder and intra-op thread count (``--threads``);
-tokens/s = generated tokens ÷ wall seconds of the run:
+Columns, each one run over its plan's requests (``PLANS``) on the same model folder and intra-op thread count
+(``--threads``); tokens/s = generated tokens ÷ wall seconds of the run:
 
 ``ortspec alone``                   ``Engine.generate`` one request after another, plain decoding: the reference
                                     every ortspec output is compared with (greedy once, sampled once).
 ``ortspec batched, plain``          continuous batching (``ortspec.BatchDriver`` on the Engine's batch backend,
 ``ortspec batched, prompt lookup``  as ``Engine.generate_many``), speculation off / prompt lookup.
 ``worker design``                   today's ``ortspec batch`` (``WORKER_DESIGN_ARGS``, plus ``--max-batch 1`` when
-                                    the command has that flag) as a subprocess on the dataset as JSONL; its wall
-                                    time includes starting the workers and loading the model.
-``ORT GenAI batched, batch B``      ``OrtGenAIRunner.run_batch`` on consecutive groups of B requests (static
-                                    batches, right-padded as ORT GenAI pads): every row runs to its group's largest
-                                    number of new tokens; tokens/s counts each request's own number only.
+                                    the command has that flag; its defaults otherwise, so prompt lookup) as a
+                                    subprocess on the requests as JSONL; its wall time includes starting the
+                                    workers and loading the model (seconds, of minutes).
+``ORT GenAI batched, batch B``      ``OrtGenAIRunner.run_batch`` on consecutive groups of B requests in dataset
+                                    order (static batches, right-padded as ORT GenAI pads): every row runs to its
+                                    group's largest number of new tokens; tokens/s counts each request's own
+                                    number only.
 
 Each ortspec column's outputs (token ids) are compared with the same requests decoded alone (identical/total, and
 each mismatch with its first differing position); ORT GenAI's greedy outputs too, as information. The ratios
@@ -30,8 +32,10 @@ decoding. ``PLANS`` says which columns each precision runs (int4 is cut to fit t
 so); its last section picks the precision whose best exact batched column is fastest.
 
 Results go to ``--out`` (default docs/throughput.md) and the same name with ``.json``, with the machine, the date
-and the command. ``--quick``: the 8 shortest prompts (two per kind), ORT GenAI at batch 8 only; a smoke test, its
-report goes to a temporary folder unless ``--out`` is given.
+and the command. The full run (``--precision both``) takes about 15 minutes on the quiet 2-core machine (an
+estimate); the exit status is 1 when an ortspec output differs from alone. ``--quick``: the 8 shortest prompts
+(two per kind), ORT GenAI at batch 8 only; a smoke test, its report goes to the temporary folder unless ``--out``
+is given.
 """
 
 from __future__ import annotations
@@ -233,8 +237,9 @@ def quick_requests(requests: Sequence[Request], tokenizer: Tokenizer) -> list[Re
 
 
 def generate_batched(engine: Engine, requests: Sequence[tuple[Any, GenerationOptions]]) -> list[GenerateResult]:
-    """``Engine.generate_many`` with each request's own options (its number of tokens and seed), the same steps
-    (``ortspec.adapters.engine.many``'s proposer and width rules): ``generate_many`` takes one set of options."""
+    """``Engine.generate_many`` with each request's own options (its number of tokens and seed): the same steps,
+    with ``ortspec.adapters.engine.many``'s proposer and width rules. ``generate_many`` takes one set of options
+    for all its prompts; once the Engine takes options per prompt, this becomes that call."""
     driver = BatchDriver(engine.batch_backend())
     sequences = []
     for prompt, options in requests:
@@ -533,6 +538,25 @@ def choose_precision(results: Mapping[str, Any]) -> dict[str, Any] | None:
     }
 
 
+TARGETS = (("vs_worker_design", 4.0, "the worker design"), ("vs_best_genai", 1.3, "ORT GenAI's best batched greedy"))
+
+
+def targets(summary: Sequence[Mapping[str, Any]]) -> list[str]:
+    """The issue's dataset targets (``TARGETS``), for the fastest ortspec batched greedy column."""
+    batched = [r for r in summary if r["column"].startswith("ortspec batched") and r["mode"] == "greedy"]
+    if not batched:
+        return []
+    best = max(batched, key=lambda r: r["tokens_per_s"])
+    found = [
+        f"{best[key]:.2f}x {name} (target {target}x: {'met' if best[key] >= target else 'missed'})"
+        for key, target, name in TARGETS
+        if best[key] is not None
+    ]
+    return (
+        ["", f"Targets, fastest batched greedy column ({best['column']}): " + "; ".join(found) + "."] if found else []
+    )
+
+
 def _f(x: float | None, spec: str = ".1f", suffix: str = "") -> str:
     return "–" if x is None else f"{x:{spec}}{suffix}"
 
@@ -585,6 +609,7 @@ def markdown(report: Mapping[str, Any]) -> str:
                 + (f"{identity['identical']}/{identity['total']}" if identity else "–")
                 + " |"
             )
+        lines += targets(result["summary"])
         mismatches = [
             f"{key}: {m['id']} at token {m['first_difference']}"
             for key, ident in result["identity"].items()
