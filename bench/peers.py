@@ -95,6 +95,16 @@ class PeerRun:
         }
 
 
+@dataclass
+class BatchRun:
+    """One static batch of a peer: every row's new token ids (``rows[i]`` for prompt ``i``), the wall seconds from
+    the padded prompts in hand to the last token, and the peer's generation steps."""
+
+    rows: list[list[int]]
+    seconds: float
+    steps: int
+
+
 class PeerRunner:
     """Common interface. Subclasses implement :meth:`run`."""
 
@@ -209,6 +219,8 @@ class OrtGenAIRunner(PeerRunner):
         self.tokenizer = Tokenizer.from_folder(self.model_dir)
         folder = ModelFolder.load(self.model_dir)
         self.eos_ids = set(folder.eos_token_ids)
+        model_config = json.loads((self.model_dir / "genai_config.json").read_text(encoding="utf-8"))["model"]
+        self.pad_token_id = int(model_config.get("pad_token_id", folder.eos_token_ids[0]))  # run_batch's padding
         self.sampling: dict[str, Any] = {}
         if sampling:
             self.sampling = {
@@ -307,6 +319,32 @@ class OrtGenAIRunner(PeerRunner):
         del gen
         ttft = (t_first if t_first is not None else t_end) - t0
         return self._result(new, ttft, t_end - t0, finish, len(ids), extra)
+
+    def run_batch(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, seed: int | None = None) -> BatchRun:
+        """One static batch: ``prompts`` (token ids) right-padded with the folder's ``pad_token_id`` (the padding ORT
+        GenAI 0.18's own ``Tokenizer.encode_batch`` makes, which keeps each row's output its own), generated
+        together for exactly ``max_new_tokens`` new tokens each (``min_length`` = ``max_length``: EOS is not
+        sampled, as ``ignore_eos`` in ortspec). Sampling runners draw with one ``seed`` for the whole batch."""
+        og = self._og
+        width = max(len(p) for p in prompts)
+        padded = np.full((len(prompts), width), self.pad_token_id, dtype=np.int32)
+        for row, ids in enumerate(prompts):
+            padded[row, : len(ids)] = ids
+        search = self.search_options(seed)
+        t0 = time.perf_counter()
+        params = og.GeneratorParams(self.model)
+        length = width + int(max_new_tokens)
+        params.set_search_options(**search, max_length=length, min_length=length, batch_size=len(prompts))
+        gen = og.Generator(self.model, params)
+        gen.append_tokens(padded)
+        steps = 0
+        while not gen.is_done():
+            gen.generate_next_token()
+            steps += 1
+        seconds = time.perf_counter() - t0
+        rows = [[int(t) for t in gen.get_sequence(row)][width:] for row in range(len(prompts))]
+        del gen
+        return BatchRun(rows, seconds, steps)
 
     def describe(self) -> dict:
         d = {
