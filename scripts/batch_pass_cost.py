@@ -13,6 +13,10 @@ For B in 1, 2, 4, 8, 16 and K in 0, 2, 4 (K draft tokens after the pending one),
 * ``at 0``: one session run of B rows x (1 + K) tokens at position 0 (no past): what a batched verify's matmuls
   would cost if the attention op took it, without the attention over the context (a lower bound).
 
+Then, for prompt passes of 128 and 512 tokens (one row at position 0), the median wall and CPU time with the LM
+head over the last position only (``BatchRow.last_logits=1``, what the batch driver asks for a prompt chunk) and
+over every position (the graph as the file has it), and the largest difference of the last row's logits.
+
 Usage: ``python scripts/batch_pass_cost.py [--folder DIR] [--threads 2] [--repeats 5] [--markdown FILE]``.
 """
 
@@ -112,6 +116,60 @@ def measure(folder: Path, threads: int, repeats: int, context: int) -> list[Row]
     return results
 
 
+PROMPTS = (128, 512)
+Prefill = tuple[int, float, float, float, float, float]
+
+
+def measure_prefill(folder: Path, threads: int, repeats: int) -> list[Prefill]:
+    """``(tokens, last_ms, every_ms, last_cpu_ms, every_cpu_ms, drift)`` per prompt length: one prompt pass with
+    the LM head over its last position only against over every position (medians, interleaved rounds)."""
+    config = BackendConfig(threads=threads, max_length=max(PROMPTS) + 8)
+    batch = OrtBatchBackend.from_folder(folder, config, slots=1)
+    rng = np.random.default_rng(1)
+    results = []
+    for tokens in PROMPTS:
+        prompt = rng.integers(100, 10000, tokens).tolist()
+        outputs = {}
+
+        def run(last: int | None, prompt=prompt, outputs=outputs) -> None:
+            batch.reset(0)
+            outputs[last] = batch.run_pass([BatchRow(0, prompt, 0, last_logits=last)])[0][-1].copy()
+
+        wall = timed_rounds([lambda: run(1), lambda: run(None)], repeats)
+        cpu = np.zeros((repeats, 2))
+        for round_ in range(repeats):
+            for index, last in enumerate((1, None)):
+                start = time.process_time()
+                run(last)
+                cpu[round_, index] = 1000 * (time.process_time() - start)
+        drift = float(np.abs(outputs[1] - outputs[None]).max())
+        last_ms, every_ms = np.median(wall, axis=0).tolist()
+        last_cpu, every_cpu = np.median(cpu, axis=0).tolist()
+        print(f"prompt {tokens}: last {last_ms:.1f} ms, every {every_ms:.1f} ms", flush=True)
+        results.append((tokens, last_ms, every_ms, last_cpu, every_cpu, drift))
+    return results
+
+
+def prefill_markdown(results: list[Prefill]) -> str:
+    lines = [
+        "",
+        "## A prompt pass: the LM head over its last position only",
+        "",
+        "One row at position 0 (`OrtBatchBackend`, the load-time rewrite `ortspec_logits_to_keep`): with",
+        "`last_logits=1`, as the batch driver asks for a prompt chunk, against every position's logits (the graph as",
+        "written). Median wall and process CPU time in milliseconds; drift: the largest difference of the last row.",
+        "",
+        "| prompt tokens | last only ms | every ms | last ÷ every | last only CPU ms | every CPU ms | drift |",
+        "|--:|--:|--:|--:|--:|--:|--:|",
+    ]
+    for tokens, last, every, last_cpu, every_cpu, drift in results:
+        lines.append(
+            f"| {tokens} | {last:.1f} | {every:.1f} | {last / every:.2f} | {last_cpu:.1f} | {every_cpu:.1f} | "
+            f"{drift:.3g} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
 def markdown(results, folder: Path, threads: int, repeats: int, context: int) -> str:
     import onnxruntime
 
@@ -154,7 +212,8 @@ def main() -> None:
     parser.add_argument("--markdown", type=Path, default=None, help="also write the table here")
     args = parser.parse_args()
     results = measure(args.folder, args.threads, args.repeats, args.context)
-    text = markdown(results, args.folder, args.threads, args.repeats, args.context)
+    prefill = measure_prefill(args.folder, args.threads, args.repeats)
+    text = markdown(results, args.folder, args.threads, args.repeats, args.context) + prefill_markdown(prefill)
     print(text)
     if args.markdown is not None:
         args.markdown.write_text(text)
