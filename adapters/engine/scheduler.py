@@ -198,6 +198,7 @@ class BatchScheduler:
             for request in arrived:
                 self._hand_over(request)
             self._expire()
+            self._deliver()  # the cancelled end before the pass that drops them
             report = self._next_pass()
             try:
                 ran = self._driver.step()
@@ -247,7 +248,8 @@ class BatchScheduler:
         return PassReport(len(running) + admitted, sum(s.phase is Phase.DECODING for s in running))
 
     def _deliver(self) -> None:
-        """Each live request's new commits to its ``on_commit``; the done ones to their ``on_done``."""
+        """Each live request's new commits to its ``on_commit``; the done and the cancelled ones (no pass after
+        this one runs them, so their result stands) to their ``on_done``."""
         for request in list(self._live):
             sequence = request.sequence
             if sequence is not None:
@@ -259,8 +261,8 @@ class BatchScheduler:
                             request._on_commit(commit)
                     except Exception as exc:
                         request._error = exc
-                        sequence.cancel()
-                if not sequence.done:
+                        request.cancel()
+                if not (sequence.done or sequence.cancelled):
                     continue
             self._live.remove(request)
             self._end(request)
