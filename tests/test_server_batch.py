@@ -158,4 +158,4 @@ def test_a_folder_that_cannot_batch_is_served_by_workers_saying_why(tiny_model_d
     assert serving.batch is None and len(serving.engines) == 1 and serving.engines[0].prefix_reuse
     (record,) = [r for r in caplog.records if r.name == "ortspec.serve"]
     assert "cannot run batched" in record.getMessage() and "buffer sharing is off" in record.getMessage()
-    assert "serving with 1 worker(s) instead" in record.getMessage()
+    assert "serving with one worker" in record.getMessage()

@@ -7,7 +7,7 @@ The rule for ``--workers`` and ``--max-batch`` (``batch_slots``): by default one
 its slots; ``--max-batch 1``, or ``--workers N`` (N > 1) without ``--max-batch``, is the worker design: N Engines
 of one sequence each, with prefix reuse and routing. Both ``--workers N`` and ``--max-batch M`` above 1 is refused
 (the two designs do not combine). A folder that cannot run batched (a hybrid model, the CUDA provider, static
-shapes or CUDA graphs) is served by workers, with one log line saying why."""
+shapes or CUDA graphs) is served by one worker, with one log line saying why."""
 
 from __future__ import annotations
 
@@ -91,8 +91,8 @@ def load_serving(
     prefix_reuse: bool = True,
 ) -> Serving:
     """The engines ``ortspec serve`` runs for ``--workers`` and ``--max-batch`` (``batch_slots``): one batched
-    Engine (``threads`` None: all usable cores) or ``load_engines``. A folder that cannot run batched falls back to
-    the workers, logging why."""
+    Engine (``threads`` None: all usable cores) or ``load_engines``. A folder that cannot run batched is served by
+    that Engine as one worker (prefix reuse as ``prefix_reuse`` says), logging why."""
     slots = batch_slots(workers, max_batch)
     if slots is not None:
         backend = backend if backend is not None else BackendConfig()
@@ -101,8 +101,10 @@ def load_serving(
         engine = Engine.from_dir(model_dir, backend, drafter=False)
         try:
             return Serving([engine], engine.batch_backend(slots))
-        except (BackendError, ValueError) as exc:
-            log.warning("this folder cannot run batched (%s); serving with %d worker(s) instead", exc, workers)
+        except (BackendError, ValueError) as exc:  # the worker design: here, one worker (batch_slots)
+            log.warning("this folder cannot run batched (%s); serving with one worker (one sequence per pass)", exc)
+            engine.prefix_reuse = prefix_reuse
+            return Serving([engine], None)
     return Serving(load_engines(model_dir, backend, workers=workers, prefix_reuse=prefix_reuse), None)
 
 
