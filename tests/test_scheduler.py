@@ -175,3 +175,27 @@ def test_close_ends_every_request_and_refuses_new_ones(gate):
         assert seen.ended.is_set() and request.done.is_set() and request.cancelled
     with pytest.raises(RuntimeError, match="closed"):
         scheduler.submit([1], Options())
+
+
+class ResetFails(FakeBatchBackend):
+    """``reset`` raises once: the driver's own step raises (not a failed pass), as a bug in it would."""
+
+    broken = True
+
+    def reset(self, slot: int) -> None:
+        if self.broken:
+            self.broken = False
+            raise RuntimeError("reset broke")
+        super().reset(slot)
+
+
+def test_when_the_driver_itself_raises_its_requests_fail_and_the_scheduler_goes_on():
+    scheduler = BatchScheduler(ResetFails(MODEL, 2, 256))
+    try:
+        first, first_seen = submit(scheduler, [1, 2], Options(max_tokens=5))
+        assert first_seen.ended.wait(GATE_S) and isinstance(first.error, RuntimeError)
+        second, second_seen = submit(scheduler, [3, 4], Options(max_tokens=5))
+        assert second_seen.ended.wait(GATE_S) and second.error is None
+        assert second.result().token_ids == alone([3, 4], Options(max_tokens=5)).token_ids
+    finally:
+        scheduler.close()

@@ -25,7 +25,7 @@ from ortspec.adapters.cli.main import main  # noqa: E402
 from ortspec.adapters.engine import Engine, GenerationOptions  # noqa: E402
 from ortspec.adapters.serve.app import create_app  # noqa: E402
 from ortspec.adapters.serve.errors import job_error  # noqa: E402
-from ortspec.adapters.serve.jobs import Failed, Started  # noqa: E402
+from ortspec.adapters.serve.jobs import Failed  # noqa: E402
 from ortspec.adapters.serve.models import CompletionRequest, Prepared, argument_fields  # noqa: E402
 from ortspec.adapters.serve.run import (  # noqa: E402
     DEFAULT_MAX_BATCH,
@@ -120,12 +120,12 @@ def test_the_shared_kv_drafter_is_refused_naming_the_field(batched, reference):
         reference.tokenize("hi"), GenerationOptions(speculative="shared-kv"), argument_fields(request), True
     )
 
-    async def first_events() -> list:
-        job = await pool.submit(prepared, stream=False, deadline=1e9)
-        return [await job.next(), await job.next()]
+    async def first_event() -> object:
+        job = await pool.submit(prepared, stream=True, deadline=1e9)
+        return await job.next()
 
-    started, failed = asyncio.run(first_events())
-    assert isinstance(started, Started) and isinstance(failed, Failed)
+    failed = asyncio.run(first_event())
+    assert isinstance(failed, Failed)  # before any Started: an error response, not a stream
     error = job_error(failed.error, prepared.fields)
     assert error.status == 400 and error.param == "ortspec.speculative" and "shared-kv" in error.message
 

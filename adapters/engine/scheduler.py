@@ -129,6 +129,7 @@ class BatchScheduler:
         on_pass: Callable[[PassReport], object] | None = None,
         name: str = "ortspec-batch",
     ) -> None:
+        self._backend = backend
         self._driver = BatchDriver(backend, prefill_chunk=prefill_chunk)
         self.slots = backend.slots
         self.clock, self._on_pass = clock, on_pass
@@ -278,10 +279,12 @@ class BatchScheduler:
             self._wake()
 
     def _fail_all(self, exc: Exception) -> None:
+        """The driver itself raised (a bug): end every live request with ``exc`` and go on with a fresh driver on
+        the same backend (every slot is reset when next taken)."""
         for request in self._live:
             request._error = exc
             request.cancel()
-        self._driver.step()  # drops the cancelled; frees their slots
+        self._driver = BatchDriver(self._backend, prefill_chunk=self._driver.prefill_chunk)
 
     def _shut_down(self) -> None:
         with self._changed:

@@ -1,8 +1,9 @@
 """What both pools share: a request's job and its events, how a job's outcome is recorded (metrics, the event the
 app reads), and ``PoolCore`` (the queue limit, ``Retry-After``, ``wait_until`` and the busy/waiting gauges).
 
-A job's events, in order: ``Started`` (the prompt is being decoded; sent before the first ``Commit``), each
-``Commit`` when streaming, then ``Finished`` or ``Failed``. The pool's thread (a worker thread, or the batch
+A job's events, in order: ``Started`` (the generation has begun; sent before the first ``Commit``), each
+``Commit`` when streaming, then ``Finished`` or ``Failed`` (a job refused or ended before it started sends only
+``Failed``). The pool's thread (a worker thread, or the batch
 scheduler's pass thread) emits them; the event loop reads them (``next``). ``cancel`` may be called from any
 thread: the generation stops within one target pass.
 """
@@ -72,12 +73,13 @@ class RequestGeneration:
             self.on_cancel()
 
     def emit(self, event: Event) -> None:
-        """From the pool's thread (a ``Started`` goes first, once, whatever the first event is)."""
+        """From the pool's thread. ``Started`` goes once, before the first ``Commit`` or ``Finished``; a ``Failed``
+        before any of them comes first (the app answers it as an error response, not as a stream)."""
         if isinstance(event, Started) and self._started:
             return
-        if not self._started and not isinstance(event, Started):
+        if not self._started and isinstance(event, (Commit, Finished)):
             self.emit(Started())
-        self._started = True
+        self._started = self._started or not isinstance(event, Failed)
         with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is listening any more
             self.loop.call_soon_threadsafe(self._events.put_nowait, event)
 
