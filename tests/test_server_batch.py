@@ -103,6 +103,7 @@ def test_concurrent_requests_share_passes_and_each_gets_its_text_alone(batched, 
     got = [_text(r, bool(q.get("stream"))) for r, q in zip(out, REQUESTS, strict=True)]
     assert got == wants
     assert all(r.json()["ortspec"]["worker"] == 0 for r, q in zip(out, REQUESTS, strict=True) if not q.get("stream"))
+    assert pool.scheduler.decode_costs is not None and len(pool.scheduler.decode_costs) == SLOTS + 1  # measured
     assert max(pool.scheduler.rows_per_pass) > 1 and sum(pool.scheduler.rows_per_pass.values()) > rows_before
     metrics = httpx.get(url + "/metrics").text
     assert "ortspec_batch_rows_bucket" in metrics and "ortspec_batch_decoding_rows_bucket" in metrics

@@ -116,21 +116,22 @@ class ScheduledRequest:
 
 
 class BatchScheduler:
-    """A ``BatchDriver`` on ``backend`` run by a thread of its own (see the module docstring). ``prefill_chunk``:
-    as for ``BatchDriver``. ``clock``: where deadlines are read (seconds). ``on_pass``: called on the pass thread
-    after every pass with its ``PassReport``."""
+    """A ``BatchDriver`` on ``backend`` run by a thread of its own (see the module docstring). ``prefill_chunk`` and
+    ``decode_costs``: as for ``BatchDriver``. ``clock``: where deadlines are read (seconds). ``on_pass``: called on
+    the pass thread after every pass with its ``PassReport``."""
 
     def __init__(
         self,
         backend: BatchBackend,
         *,
         prefill_chunk: int = 512,
+        decode_costs: Sequence[float] | None = None,
         clock: Clock = time.monotonic,
         on_pass: Callable[[PassReport], object] | None = None,
         name: str = "ortspec-batch",
     ) -> None:
         self._backend = backend
-        self._driver = BatchDriver(backend, prefill_chunk=prefill_chunk)
+        self._driver = BatchDriver(backend, prefill_chunk=prefill_chunk, decode_costs=decode_costs)
         self.slots = backend.slots
         self.clock, self._on_pass = clock, on_pass
         self.passes = 0
@@ -141,6 +142,11 @@ class BatchScheduler:
         self._closed = False
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
+
+    @property
+    def decode_costs(self) -> tuple[float, ...] | None:
+        """The driver's ``decode_costs`` (None: a plain step is priced as alone)."""
+        return self._driver.decode_costs
 
     def submit(
         self,
@@ -284,7 +290,8 @@ class BatchScheduler:
         for request in self._live:
             request._error = exc
             request.cancel()
-        self._driver = BatchDriver(self._backend, prefill_chunk=self._driver.prefill_chunk)
+        driver = self._driver
+        self._driver = BatchDriver(self._backend, prefill_chunk=driver.prefill_chunk, decode_costs=driver.decode_costs)
 
     def _shut_down(self) -> None:
         with self._changed:

@@ -23,6 +23,7 @@ import time
 
 from ortspec.adapters.engine import Engine
 from ortspec.adapters.engine.many import batch_request
+from ortspec.adapters.engine.measurements import cached_batch_decode_costs
 from ortspec.adapters.engine.scheduler import BatchScheduler, PassReport, ScheduledRequest
 from ortspec.adapters.serve.errors import QueueFull
 from ortspec.adapters.serve.jobs import Clock, PoolCore, RequestGeneration
@@ -49,7 +50,8 @@ class BatchPool(PoolCore):
         super().__init__(parallel=backend.slots, max_queue=max_queue, timeout_s=timeout_s, metrics=metrics, clock=clock)
         self.engine, self.backend = engine, backend
         self._jobs: dict[RequestGeneration, None] = {}  # submitted and not ended, oldest first
-        self.scheduler = BatchScheduler(backend, clock=clock, on_pass=self._passed, name="ortspec-batch")
+        self._decode_costs: tuple[float, ...] | None = None  # measured by ``measure``
+        self._scheduler: BatchScheduler | None = None  # started on first use, after ``measure``
         metrics.workers.set(1)
         metrics.batch_slots.set(backend.slots)
 
@@ -76,13 +78,31 @@ class BatchPool(PoolCore):
         """What ``/health`` reports about the pool besides busy and waiting."""
         return {"workers": 1, "max_batch": self.parallel}
 
+    @property
+    def scheduler(self) -> BatchScheduler:
+        """The scheduler over ``backend`` (started on first use; with the decode costs ``measure`` took)."""
+        if self._scheduler is None:
+            self._scheduler = BatchScheduler(
+                self.backend,
+                decode_costs=self._decode_costs,
+                clock=self.clock,
+                on_pass=self._passed,
+                name="ortspec-batch",
+            )
+        return self._scheduler
+
     def measure(self) -> None:
-        """Measure the Engine's verify drift and verify cost curve (the width policy of speculative requests)."""
+        """Measure the Engine's verify drift and verify cost curve (the width policy of speculative requests) and
+        the batch backend's decode costs (how a plain step is priced in a pass: speculation fades as the batch
+        fills). Before serving: measuring the decode costs empties the slots."""
         self.engine.verify_drift()
         self.engine.pass_costs()
+        if self._scheduler is None:
+            self._decode_costs = cached_batch_decode_costs(self.backend, self.engine.measurement_file())
 
     def close(self) -> None:
-        self.scheduler.close()
+        if self._scheduler is not None:
+            self._scheduler.close()
 
     async def submit(self, prepared: Prepared, *, stream: bool, deadline: float) -> RequestGeneration:
         """Start the request's generation (``QueueFull`` when ``max_queue`` requests already wait beyond the
