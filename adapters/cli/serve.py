@@ -25,7 +25,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         "serve",
         "OpenAI-compatible HTTP server (needs the 'serve' extra: pip install 'ortspec[serve]')",
         "Serve /v1/completions, /v1/chat/completions, /v1/models, /health and /metrics over HTTP. By default one "
-        "batched Engine (one copy of the weights) runs every request holding one of its --max-batch slots in each "
+        "batched Engine (its slots share one session) runs every request holding one of its --max-batch slots in each "
         "pass; with --workers N (or --max-batch 1) every worker is its own Engine of one sequence (own KV, prefix "
         "reuse). Requests queue for a free slot or worker.",
         EXAMPLES,

@@ -3,7 +3,7 @@
 calls.
 
 The rule for ``--workers`` and ``--max-batch`` (``batch_slots``): by default one batched Engine with
-``DEFAULT_MAX_BATCH`` slots (one copy of the weights, every running request in each pass). ``--max-batch N`` sets
+``DEFAULT_MAX_BATCH`` slots (its slots share one session; every running request in each pass). ``--max-batch N`` sets
 its slots; ``--max-batch 1``, or ``--workers N`` (N > 1) without ``--max-batch``, is the worker design: N Engines
 of one sequence each, with prefix reuse and routing. Both ``--workers N`` and ``--max-batch M`` above 1 is refused
 (the two designs do not combine). A folder that cannot run batched (a hybrid model, the CUDA provider, static
@@ -68,7 +68,7 @@ def batch_slots(workers: int, max_batch: int | None) -> int | None:
     if workers > 1 and max_batch is not None and max_batch > 1:
         raise ValueError(
             f"--workers {workers} and --max-batch {max_batch} do not combine: --max-batch runs one batched engine "
-            f"(one copy of the weights), --workers runs {workers} engines of one sequence each; give one of them"
+            f"(its slots share one session), --workers runs {workers} engines of one sequence each; give one of them"
         )
     if workers > 1 or max_batch == 1:
         return None
