@@ -8,6 +8,10 @@ which the server still answers. A second server, whose backend's passes go throu
 clock the test moves, makes the rest deterministic, measured in target passes and waited for on events: a full
 queue is a 429 with Retry-After, a client that disconnects stops its generation within one pass, a request past its
 deadline is a 504 within one pass, and a backend failure is a clean 500.
+
+Both server designs run every test they share (``POOLS``): one batched Engine (``BatchPool``, the default of
+``ortspec serve``) and one Engine per worker (``WorkerPool``). What only the batched one does is in
+test_server_batch.py; prefix routing, only the workers', in test_server_routing.py.
 """
 
 from __future__ import annotations
