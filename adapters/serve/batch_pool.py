@@ -10,9 +10,11 @@ disconnects cancels its request (``BatchSequence.cancel``): it is in no pass aft
 is checked by the scheduler between passes: past it, the request ends with ``RequestTimeout`` carrying what it
 generated. A failed pass fails the requests in it (500); the others, and the pool, go on.
 
-Threads: every method runs on the event loop except ``measure``, ``close``, ``wait_until`` (any other thread) and
-``_ended`` and ``_passed`` (the scheduler's pass thread). ``busy`` and ``waiting`` are the pool's own count of its
-jobs (the oldest ``slots`` hold a slot, the rest wait), kept on the event loop.
+Threads: every method runs on the event loop except ``measure`` (any other thread, before the first request: it
+measures the batch backend's decode costs, which empties its slots, and the scheduler starts after it), ``close``,
+``wait_until`` (any other thread) and ``_ended`` and ``_passed`` (the scheduler's pass thread). ``busy`` and
+``waiting`` are the pool's own count of its jobs (the oldest ``slots`` hold a slot, the rest wait), kept on the
+event loop.
 """
 
 from __future__ import annotations
