@@ -133,6 +133,16 @@ class BatchSequence:
             pass
         return self.result()
 
+    def take_commits(self) -> tuple[Commit, ...]:
+        """The buffered commits, oldest first, taken out of the buffer without running a pass: for a caller that
+        runs the driver's passes itself (``BatchScheduler``'s pass thread) and delivers the commits its own way.
+        Nothing once the sequence is cancelled. A sequence with a callback buffers nothing past its pass."""
+        if self._cancelled:
+            return ()
+        commits = tuple(self._undelivered)
+        self._undelivered.clear()
+        return commits
+
     def __iter__(self) -> Iterator[Commit]:
         """The buffered commits, in order, running the driver's passes while none are waiting; raises the
         sequence's ``GenerationError`` after the commits released before the failure."""

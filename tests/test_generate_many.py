@@ -65,3 +65,12 @@ def test_bad_input_is_refused_before_anything_runs(engine):
     assert info.value.argument == "speculative"
     assert engine.batch_backend().runs == runs
     assert engine.generate_many([], max_tokens=4) == []
+
+
+def test_the_batch_backend_is_kept_until_another_slot_count_is_asked_for(tiny_model_dir):
+    engine = Engine.from_dir(tiny_model_dir, BackendConfig(threads=1))
+    three = engine.batch_backend(3)
+    assert three.slots == 3 and engine.batch_backend() is three and engine.batch_backend(3) is three
+    two = engine.batch_backend(2)
+    assert two.slots == 2 and engine.batch_backend() is two
+    assert engine.generate_many(["hello"], max_tokens=3)[0].text == engine.generate("hello", max_tokens=3).text

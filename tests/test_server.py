@@ -8,6 +8,10 @@ which the server still answers. A second server, whose backend's passes go throu
 clock the test moves, makes the rest deterministic, measured in target passes and waited for on events: a full
 queue is a 429 with Retry-After, a client that disconnects stops its generation within one pass, a request past its
 deadline is a 504 within one pass, and a backend failure is a clean 500.
+
+Both server designs run every test they share (``POOLS``): one batched Engine (``BatchPool``, the default of
+``ortspec serve``) and one Engine per worker (``WorkerPool``). What only the batched one does is in
+test_server_batch.py; prefix routing, only the workers', in test_server_routing.py.
 """
 
 from __future__ import annotations
@@ -29,7 +33,8 @@ from ortspec.adapters.engine import Engine  # noqa: E402
 from ortspec.adapters.serve.app import create_app  # noqa: E402
 from ortspec.adapters.serve.run import load_engines, serve_in_thread  # noqa: E402
 from ortspec.adapters.serve.settings import ServerSettings  # noqa: E402
-from ortspec.backends.onnx import BackendConfig  # noqa: E402
+from ortspec.backends.onnx import BackendConfig, OrtBatchBackend  # noqa: E402
+from tests.support.gates import GATE_S, GatedBackend, ManualClock  # noqa: E402
 
 MODEL = "tiny"
 CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "the quick brown fox jumps over"}]
@@ -41,12 +46,19 @@ def reference(tiny_model_dir):
     return Engine.from_dir(tiny_model_dir, BackendConfig(threads=1))
 
 
-@pytest.fixture(scope="module")
-def server(tiny_model_dir):
-    """Two workers with prefix reuse, speculative (prompt lookup) by default."""
-    app = create_app(
-        load_engines(tiny_model_dir, BackendConfig(threads=1), workers=2), ServerSettings(model_name=MODEL)
-    )
+POOLS = ("batched", "workers")  # the two designs whose shared behaviour every test below checks
+
+
+@pytest.fixture(scope="module", params=POOLS)
+def server(request, tiny_model_dir):
+    """Speculative (prompt lookup) by default; one batched Engine with 4 slots, or two workers with prefix
+    reuse."""
+    settings = ServerSettings(model_name=MODEL)
+    if request.param == "batched":
+        engine = Engine.from_dir(tiny_model_dir, BackendConfig(threads=1))
+        app = create_app([engine], settings, batch=engine.batch_backend(4))
+    else:
+        app = create_app(load_engines(tiny_model_dir, BackendConfig(threads=1), workers=2), settings)
     with serve_in_thread(app) as url:
         yield url
 
@@ -78,7 +90,8 @@ def _stream_text(stream) -> tuple[str, str | None, object, list]:
 def test_models_health_and_metrics(server, client):
     assert [m.id for m in client.models.list().data] == [MODEL]
     health = httpx.get(server + "/health").json()
-    assert health["status"] == "ok" and health["workers"] == 2
+    assert health["status"] == "ok" and health["busy"] == health["waiting"] == 0
+    assert health["workers"] == 2 or (health["workers"] == 1 and health["max_batch"] == 4)
     metrics = httpx.get(server + "/metrics")
     assert metrics.status_code == 200 and metrics.headers["content-type"].startswith("text/plain")
     assert "# TYPE ortspec_target_passes_total counter" in metrics.text
@@ -361,90 +374,13 @@ def test_unknown_paths_and_oversized_bodies(server):
 # events (a pass count, the job's cancel flag, the pool's state); GATE_S only bounds a wait that should never end.
 # ----------------------------------------------------------------------------------------------------------------
 
-GATE_S = 30.0  # the longest any wait here may take before the test fails (it never decides an outcome)
 TIMEOUT = 60.0  # the request timeout, on the test's clock
-
-
-class GatedBackend:
-    """The tiny model's backend, its passes behind a gate: open, a pass runs at once; held, each pass waits for a
-    permit (``allow``). Counts the passes that ran; raises on pass ``fail_at``."""
-
-    def __init__(self, inner) -> None:
-        self.inner, self.passes, self.fail_at = inner, 0, None
-        self._permits: int | None = None  # None: open
-        self._blocked = False  # a pass is waiting for a permit
-        self._changed = threading.Condition()
-
-    def hold(self) -> int:
-        """Hold the gate; return the passes run so far."""
-        with self._changed:
-            self._permits = 0
-            return self.passes
-
-    def allow(self, n: int) -> None:
-        with self._changed:
-            self._permits = (self._permits or 0) + n
-            self._changed.notify_all()
-
-    def open(self) -> None:
-        with self._changed:
-            self._permits = None
-            self._changed.notify_all()
-
-    def wait_blocked_at(self, passes: int) -> None:
-        """Wait until ``passes`` passes have run and the next one waits at the held gate."""
-        with self._changed:
-            assert self._changed.wait_for(lambda: self.passes == passes and self._blocked, GATE_S), self.passes
-
-    def _pass(self) -> None:
-        with self._changed:
-            self._blocked = True
-            self._changed.notify_all()
-            released = self._changed.wait_for(lambda: self._permits is None or self._permits > 0, GATE_S)
-            self._blocked = False
-            if not released:
-                raise RuntimeError("the test never let this pass through")
-            if self._permits is not None:
-                self._permits -= 1
-            self.passes += 1
-            self._changed.notify_all()
-            if self.fail_at is not None and self.passes >= self.fail_at:
-                self.fail_at = None
-                raise RuntimeError("injected backend failure")
-
-    def decode(self, tokens, past):
-        self._pass()
-        return self.inner.decode(tokens, past)
-
-    def decode_verify(self, tokens, base):
-        self._pass()
-        return self.inner.decode_verify(tokens, base)
-
-    def verify_picks(self, tokens, base):
-        self._pass()
-        return self.inner.verify_picks(tokens, base)
-
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
-
-
-class ManualClock:
-    """The server's clock (seconds), moved only by the test: a deadline passes when the test says so."""
-
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-    def advance(self, seconds: float) -> None:
-        self.now += seconds
 
 
 class Gated(NamedTuple):
     url: str
     backend: GatedBackend
-    pool: object  # the app's WorkerPool
+    pool: object  # the app's pool
     clock: ManualClock
 
 
@@ -452,15 +388,20 @@ def _idle(pool) -> bool:
     return pool.busy == 0 and pool.waiting == 0
 
 
-@pytest.fixture(scope="module")
-def gated_server(tiny_model_dir):
-    """One worker, one queue slot, a gated backend and a manual clock."""
+@pytest.fixture(scope="module", params=POOLS)
+def gated_server(request, tiny_model_dir):
+    """One worker (or one batched Engine with one slot), one queue slot, a gated backend and a manual clock."""
     base = Engine.from_dir(tiny_model_dir, BackendConfig(threads=1))
-    backend = GatedBackend(base.backend)
-    engine = Engine(backend, base.tokenizer, eos_token_ids=(), folder=base.folder, prefix_reuse=True)
     clock = ManualClock()
     settings = ServerSettings(model_name=MODEL, max_queue=1, request_timeout_s=TIMEOUT, speculative=None)
-    app = create_app([engine], settings, clock=clock)
+    if request.param == "batched":
+        backend = GatedBackend(OrtBatchBackend.from_folder(base.folder, BackendConfig(threads=1), slots=1))
+        engine = Engine(base.backend, base.tokenizer, eos_token_ids=(), folder=base.folder)
+        app = create_app([engine], settings, clock=clock, batch=backend)
+    else:
+        backend = GatedBackend(base.backend)
+        engine = Engine(backend, base.tokenizer, eos_token_ids=(), folder=base.folder, prefix_reuse=True)
+        app = create_app([engine], settings, clock=clock)
     with serve_in_thread(app) as url:
         yield Gated(url, backend, app.state.pool, clock)
 
@@ -488,7 +429,7 @@ def test_full_queue_is_a_429_with_retry_after(gated):
     with httpx.Client(base_url=url, timeout=GATE_S) as a, a.stream("POST", "/v1/completions", json=long) as running:
         assert running.status_code == 200
         backend.wait_blocked_at(start + 2)
-        running_job = pool.workers[0].job
+        running_job = pool.jobs[0]
         queued: list[httpx.Response] = []
         thread = _post(url, dict(long, stream=False), queued)
         assert pool.wait_until(lambda p: p.waiting == 1, GATE_S)
@@ -515,7 +456,7 @@ def test_a_disconnected_stream_stops_within_one_pass(gated):
     with httpx.stream("POST", url + "/v1/completions", json=body, timeout=GATE_S) as response:
         assert response.status_code == 200
         backend.wait_blocked_at(start + 4)
-        job = pool.workers[0].job
+        job = pool.jobs[0]
     # the client is gone while the worker waits for its next pass: the job is cancelled, and once the gate opens
     # the worker runs at most the pass it was about to run
     assert job.cancelled.wait(GATE_S)
@@ -535,7 +476,7 @@ def test_a_disconnected_plain_request_stops_too(gated):
     with socket.create_connection((host, port)) as client:
         client.sendall(f"{head}Content-Length: {len(body)}\r\n\r\n".encode() + body)
         backend.wait_blocked_at(start + 3)
-        job = pool.workers[0].job
+        job = pool.jobs[0]
     assert job.cancelled.wait(GATE_S)
     backend.open()
     assert pool.wait_until(_idle, GATE_S)

@@ -11,8 +11,9 @@ from .options import add_command, model_options, port, positive_int
 
 EXAMPLES = """\
 examples:
-  ortspec serve
-  ortspec serve --workers 2 --threads 1 --port 8080
+  ortspec serve                                # one batched engine, 16 slots
+  ortspec serve --max-batch 32 --port 8080
+  ortspec serve --workers 2 --threads 1        # two engines of one sequence each
   ortspec serve --model ./my-model-folder --speculative none
 
 Then point the openai client at http://127.0.0.1:8000/v1 (any api_key)."""
@@ -23,24 +24,40 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         sub,
         "serve",
         "OpenAI-compatible HTTP server (needs the 'serve' extra: pip install 'ortspec[serve]')",
-        "Serve /v1/completions, /v1/chat/completions, /v1/models, /health and /metrics over HTTP. Every worker is "
-        "its own Engine (own KV, prefix reuse); requests queue for a free worker.",
+        "Serve /v1/completions, /v1/chat/completions, /v1/models, /health and /metrics over HTTP. By default one "
+        "batched Engine (its slots share one session) runs every request holding one of its --max-batch slots in each "
+        "pass; with --workers N (or --max-batch 1) every worker is its own Engine of one sequence (own KV, prefix "
+        "reuse). Requests queue for a free slot or worker.",
         EXAMPLES,
     )
     model_options(p)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default %(default)s)")
     p.add_argument("--port", type=port, default=8000, help="port; 0 picks a free one (default %(default)s)")
     p.add_argument(
-        "--workers", type=positive_int, default=1, help="engines serving in parallel, each with its own KV (default 1)"
+        "--max-batch",
+        type=positive_int,
+        default=None,
+        help="slots of the one batched engine (default 16); 1: the worker design (--workers)",
+    )
+    p.add_argument(
+        "--workers",
+        type=positive_int,
+        default=1,
+        help="engines of one sequence each, with their own KV and prefix reuse, instead of the batched engine "
+        "(default 1; not with --max-batch above 1)",
     )
     p.add_argument("--speculative", default="prompt-lookup", choices=("prompt-lookup", "none"), help="default proposer")
-    p.add_argument("--max-queue", type=positive_int, default=64, help="requests that may wait for a worker; more: 429")
+    p.add_argument(
+        "--max-queue", type=positive_int, default=64, help="requests that may wait for a slot or worker; more: 429"
+    )
     p.add_argument("--timeout", type=float, default=600.0, help="per-request timeout in seconds (default 600)")
     p.add_argument(
         "--default-max-tokens", type=positive_int, default=None, help="when a request has none (default: context)"
     )
     p.add_argument("--model-name", help="model id served (default: the model folder's name)")
-    p.add_argument("--prefix-reuse", action=argparse.BooleanOptionalAction, default=True, help="reuse KV (default on)")
+    p.add_argument(
+        "--prefix-reuse", action=argparse.BooleanOptionalAction, default=True, help="reuse KV (workers; default on)"
+    )
     p.add_argument("--log-level", default="info", help="uvicorn log level (default info)")
     return p
 

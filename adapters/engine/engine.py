@@ -269,14 +269,20 @@ class Engine:
         ids_in_vocab("stop", [t for seq in core_options.stop_token_sequences for t in seq], self.backend.vocab_size)
         return ids, core_options
 
-    def batch_backend(self) -> BatchBackend:
-        """The batch backend of :meth:`generate_many` (``BATCH_SLOTS`` slots on this folder, opened once)."""
-        if self._batch is None:
-            if self.folder is None:
-                raise ValueError("generate_many needs an Engine opened from a model folder (Engine.from_dir)")
-            from ortspec.backends.onnx import OrtBatchBackend
+    def batch_backend(self, slots: int | None = None) -> BatchBackend:
+        """The batch backend of :meth:`generate_many` and the batched server: ``slots`` KV caches on this folder
+        (None: the one open, else ``BATCH_SLOTS``), opened on first use and kept; asking for another slot count
+        opens a new one in its place (and forgets :meth:`batch_decode_costs`). Raises ``BackendError`` or
+        ``ValueError`` saying why when the folder cannot run batched (a hybrid model, the CUDA provider, static
+        shapes or CUDA graphs: see ``OrtBatchBackend``)."""
+        if self._batch is not None and slots in (None, self._batch.slots):
+            return self._batch
+        if self.folder is None:
+            raise ValueError("batching needs an Engine opened from a model folder (Engine.from_dir)")
+        from ortspec.backends.onnx import OrtBatchBackend
 
-            self._batch = OrtBatchBackend.from_folder(self.folder, self.backend_config, slots=BATCH_SLOTS)
+        self._batch = OrtBatchBackend.from_folder(self.folder, self.backend_config, slots=slots or BATCH_SLOTS)
+        self._batch_decode_costs = None
         return self._batch
 
     def _check_prompt_fits(self, ids: Sequence[int]) -> None:

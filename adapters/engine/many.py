@@ -8,30 +8,48 @@ differs is only how the passes are shared: one-token rows of every running seque
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from ortspec.adapters.engine.options import GenerationOptions, Prompt, make_proposer
 from ortspec.batch_driver import BatchDriver
 from ortspec.core import CostAwareWidth, PricedWidth, Proposer, WidthPolicy
 from ortspec.core.checks import ArgumentError
+from ortspec.core.state import Options
 from ortspec.driver import GenerateResult
 
 if TYPE_CHECKING:
     from ortspec.adapters.engine.engine import Engine
 
 
+class BatchRequest(NamedTuple):
+    """One prompt made ready for the batch driver: what ``BatchDriver.submit`` (or ``BatchScheduler.submit``) takes
+    for it, the same core options and proposer as ``Engine.generate`` would use."""
+
+    ids: list[int]
+    options: Options
+    proposer: Proposer | None
+    draft_width: int | WidthPolicy
+
+
+def batch_request(engine: Engine, prompt: Prompt, options: GenerationOptions) -> BatchRequest:
+    """``prompt`` with ``options`` made ready for a batched pass on ``engine``'s folder (``ValueError`` naming a bad
+    prompt or option; ``speculative="shared-kv"`` is refused, ``"auto"`` is prompt lookup). A speculative request
+    with ``draft_width="auto"`` measures the verify cost curve the first time (as ``generate`` does)."""
+    proposer = batch_proposer(options.speculative)
+    ids, core_options = engine.prepare(prompt, options)
+    return BatchRequest(ids, core_options, proposer, batch_width(engine, proposer, options.draft_width))
+
+
 def generate_many(engine: Engine, prompts: Sequence[Prompt], options: GenerationOptions) -> list[GenerateResult]:
     """See ``Engine.generate_many``."""
     if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
         raise ArgumentError("prompts", f"prompts must be a list of prompts, got {type(prompts).__name__}")
-    proposer = _batch_proposer(options.speculative)
-    prepared = [engine.prepare(prompt, options) for prompt in prompts]
-    width = _width(engine, proposer, options.draft_width)
+    requests = [batch_request(engine, prompt, options) for prompt in prompts]
     with engine._lock:  # the measurements above and the batch backend are the Engine's
-        driver = batch_driver(engine, width)
+        driver = batch_driver(engine, requests[0].draft_width if requests else 1)  # one options: one width
         sequences = [
-            driver.submit(ids, core_options, proposer, draft_width=width, detokenize=engine.tokenizer.decode)
-            for ids, core_options in prepared
+            driver.submit(r.ids, r.options, r.proposer, draft_width=r.draft_width, detokenize=engine.tokenizer.decode)
+            for r in requests
         ]
         driver.run()
     for sequence in sequences:
@@ -47,7 +65,7 @@ def batch_driver(engine: Engine, width: int | WidthPolicy) -> BatchDriver:
     return BatchDriver(engine.batch_backend(), decode_costs=engine.batch_decode_costs() if priced else None)
 
 
-def _batch_proposer(speculative: object) -> Proposer | None:
+def batch_proposer(speculative: object) -> Proposer | None:
     """The proposer of a batched generation: prompt lookup for ``"auto"`` (the drafter reads one sequence's KV, so
     it does not run in batches); ``"shared-kv"`` is refused."""
     if speculative == "shared-kv":
@@ -55,7 +73,7 @@ def _batch_proposer(speculative: object) -> Proposer | None:
     return make_proposer("prompt-lookup" if speculative == "auto" else speculative)  # type: ignore[arg-type]
 
 
-def _width(engine: Engine, proposer: Proposer | None, draft_width: object) -> int | WidthPolicy:
+def batch_width(engine: Engine, proposer: Proposer | None, draft_width: object) -> int | WidthPolicy:
     """The width policy every sequence starts with: ``"auto"`` is the cost-aware policy on this backend's measured
     verify costs (measured once, as for ``generate``)."""
     if proposer is None:

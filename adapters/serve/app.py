@@ -3,9 +3,10 @@
 Endpoints: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions`` (streamed as server-sent
 events ending in ``data: [DONE]``), ``GET /health``, ``GET /metrics`` (Prometheus text format).
 
-A request is validated (``models``), made ready (token ids from the first worker's tokenizer and chat template,
-``GenerationOptions``), handed to the pool (``pool.WorkerPool.submit``), and its job's events become the response
-(``responses``). A client that disconnects, while its request waits or generates, cancels its job.
+A request is validated (``models``), made ready (token ids from the pool's Engine's tokenizer and chat template,
+``GenerationOptions``), handed to the pool (``batch_pool.BatchPool``: one batched Engine; or ``pool.WorkerPool``: one
+Engine per worker), and its job's events become the response (``responses``). A client that disconnects, while its
+request waits or generates, cancels its job.
 """
 
 from __future__ import annotations
@@ -28,7 +29,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ortspec.adapters.engine import Engine
+from ortspec.adapters.serve.batch_pool import BatchPool
 from ortspec.adapters.serve.errors import APIError, Cancelled, QueueFull, RequestTimeout, job_error, named
+from ortspec.adapters.serve.jobs import Clock, Failed, Finished, RequestGeneration
 from ortspec.adapters.serve.metrics import Metrics
 from ortspec.adapters.serve.models import (
     ChatCompletionRequest,
@@ -40,9 +43,10 @@ from ortspec.adapters.serve.models import (
     prompt_of,
     validation_error,
 )
-from ortspec.adapters.serve.pool import Clock, Failed, Finished, RequestGeneration, WorkerPool
+from ortspec.adapters.serve.pool import WorkerPool
 from ortspec.adapters.serve.responses import LogprobFormatter, ResponseShape, ortspec_stats
 from ortspec.adapters.serve.settings import ServerSettings
+from ortspec.backends.base import BatchBackend
 from ortspec.backends.onnx import route_onnxruntime_logging
 from ortspec.core.state import Commit, TokenLogprob
 from ortspec.driver import GenerateResult
@@ -108,13 +112,13 @@ def _json(payload: Any) -> str:
 class _Routes:
     """The endpoints of one app, sharing its pool, metrics and settings."""
 
-    def __init__(self, pool: WorkerPool, metrics: Metrics, settings: ServerSettings) -> None:
+    def __init__(self, pool: WorkerPool | BatchPool, metrics: Metrics, settings: ServerSettings) -> None:
         self.pool, self.metrics, self.settings = pool, metrics, settings
         self.created = int(time.time())
 
     async def health(self) -> dict[str, Any]:
         pool = self.pool
-        return {"status": "ok", "workers": len(pool.workers), "busy": pool.busy, "waiting": pool.waiting}
+        return {"status": "ok", **pool.health(), "busy": pool.busy, "waiting": pool.waiting}
 
     async def metrics_text(self) -> Response:
         return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
@@ -138,7 +142,7 @@ class _Routes:
         options, speculative = prepare_options(body, self.settings, self.pool.context_length)
         prompt = prompt_of(body)
         try:
-            ids = await run_in_threadpool(self.pool.workers[0].engine.prompt_ids, prompt)
+            ids = await run_in_threadpool(self.pool.engine.prompt_ids, prompt)
         except ValueError as exc:  # prompt_ids refuses nothing but the prompt
             raise APIError(400, named(fields["prompt"], str(exc)), param=fields["prompt"]) from None
         if len(ids) > self.pool.context_length:
@@ -174,7 +178,7 @@ class _Routes:
             return Response(status_code=499)  # the client went away while waiting; nobody reads this
         chat = isinstance(body, ChatCompletionRequest)
         alternatives = (body.top_logprobs if isinstance(body, ChatCompletionRequest) else body.logprobs) or 0
-        formatter = LogprobFormatter(job.worker.engine, alternatives) if prepared.options.top_logprobs else None
+        formatter = LogprobFormatter(job.engine, alternatives) if prepared.options.top_logprobs else None
         request_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         shape = ResponseShape(chat, request_id, self.settings.model_name, formatter)
         streaming = False
@@ -200,7 +204,7 @@ class _Routes:
 
 
 def _extension(result: GenerateResult, job: RequestGeneration) -> dict[str, Any]:
-    return ortspec_stats(result, speculative=job.prepared.speculative, worker=job.worker.index)
+    return ortspec_stats(result, speculative=job.prepared.speculative, worker=job.worker)
 
 
 async def _stream(job: RequestGeneration, shape: ResponseShape, include_usage: bool) -> AsyncIterator[dict[str, str]]:
@@ -261,15 +265,28 @@ def _handle_errors(app: FastAPI) -> None:
         return APIError(500, f"internal error: {type(exc).__name__}", type="server_error").response()
 
 
-def create_app(engines: Sequence[Engine], settings: ServerSettings, *, clock: Clock = time.monotonic) -> FastAPI:
-    """The ASGI app serving ``engines`` (one worker each; give each its own Engine, with ``prefix_reuse=True`` for
-    the prefix routing to pay). The workers' measurements run at startup (``settings.measure_at_startup``).
+def create_app(
+    engines: Sequence[Engine],
+    settings: ServerSettings,
+    *,
+    clock: Clock = time.monotonic,
+    batch: BatchBackend | None = None,
+) -> FastAPI:
+    """The ASGI app serving ``engines``. With ``batch`` (the batch backend of the one Engine in ``engines``, e.g.
+    ``engine.batch_backend(slots)``): every request on that one batched Engine (``BatchPool``). Without it: one
+    worker per Engine (``WorkerPool``; give each its own Engine, with ``prefix_reuse=True`` for the prefix routing
+    to pay). The measurements run at startup (``settings.measure_at_startup``).
     ``clock``: where request deadlines and durations are read (seconds; tests pass one they move by hand). The
     pool, metrics and settings are on ``app.state``."""
     metrics = Metrics()
-    pool = WorkerPool(
-        engines, max_queue=settings.max_queue, timeout_s=settings.request_timeout_s, metrics=metrics, clock=clock
-    )
+    pool: WorkerPool | BatchPool
+    limits = {"max_queue": settings.max_queue, "timeout_s": settings.request_timeout_s, "metrics": metrics}
+    if batch is None:
+        pool = WorkerPool(engines, clock=clock, **limits)  # type: ignore[arg-type]
+    elif len(engines) != 1:
+        raise ValueError(f"a batched server runs one Engine, got {len(engines)}")
+    else:
+        pool = BatchPool(engines[0], batch, clock=clock, **limits)  # type: ignore[arg-type]
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

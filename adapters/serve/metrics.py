@@ -6,6 +6,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from ortspec.driver import GenerateResult
 
+ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # rows per batched pass
+
 
 class Metrics:
     """The server's Prometheus metrics, in a registry of its own (one per app)."""
@@ -30,14 +32,29 @@ class Metrics:
             registry=r,
         )
         self.rejected = Counter("ortspec_rejected", "requests refused because the queue was full", registry=r)
-        self.queue_wait = Histogram("ortspec_queue_wait_seconds", "time waiting for a worker", registry=r)
+        self.queue_wait = Histogram("ortspec_queue_wait_seconds", "time waiting for a worker or a slot", registry=r)
         self.ttft = Histogram(
             "ortspec_time_to_first_token_seconds", "request arrival to the first generated token", registry=r
         )
-        self.duration = Histogram("ortspec_generation_seconds", "time a worker spent on a request", registry=r)
-        self.waiting = Gauge("ortspec_queue_depth", "requests waiting for a worker", registry=r)
-        self.busy = Gauge("ortspec_workers_busy", "workers running a generation", registry=r)
+        self.duration = Histogram("ortspec_generation_seconds", "time a request held a worker or a slot", registry=r)
+        self.waiting = Gauge("ortspec_queue_depth", "requests waiting for a worker or a slot", registry=r)
+        self.busy = Gauge("ortspec_workers_busy", "workers (or slots) running a generation", registry=r)
         self.workers = Gauge("ortspec_workers", "workers (engines)", registry=r)
+        self.batch_slots = Gauge("ortspec_batch_slots", "slots of the batched engine (0: worker pool)", registry=r)
+        self.batch_rows = Histogram(
+            "ortspec_batch_rows", "sequences in each batched pass", buckets=ROW_BUCKETS, registry=r
+        )
+        self.batch_decoding_rows = Histogram(
+            "ortspec_batch_decoding_rows",
+            "sequences past their prompt (decoding) in each batched pass",
+            buckets=ROW_BUCKETS,
+            registry=r,
+        )
+
+    def record_pass(self, rows: int, decoding: int) -> None:
+        """One batched pass of ``rows`` sequences, ``decoding`` of them past their prompt."""
+        self.batch_rows.observe(rows)
+        self.batch_decoding_rows.observe(decoding)
 
     def record(self, result: GenerateResult) -> None:
         self.prompt_tokens.inc(result.prompt_tokens)

@@ -19,80 +19,32 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import math
-import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import NamedTuple
 
 from ortspec.adapters.engine import Engine
 from ortspec.adapters.engine.engine import common_prefix_length
-from ortspec.adapters.serve.errors import Cancelled, QueueFull, RequestTimeout
+from ortspec.adapters.serve.errors import QueueFull, RequestTimeout
+from ortspec.adapters.serve.jobs import Clock, PoolCore, RequestGeneration, Started
 from ortspec.adapters.serve.metrics import Metrics
 from ortspec.adapters.serve.models import Prepared
-from ortspec.core.checks import check_int
-from ortspec.core.state import Commit
-from ortspec.driver import GenerateResult
-
-Clock = Callable[[], float]
-
-
-class Started(NamedTuple):
-    """The prompt pass is done: the first token is decided (the first ``Commit`` follows)."""
-
-
-class Finished(NamedTuple):
-    result: GenerateResult
-
-
-class Failed(NamedTuple):
-    error: BaseException
-
-
-Event = Started | Commit | Finished | Failed
 
 
 class Worker:
     """One Engine and the thread that runs it. ``resident`` mirrors ``engine.resident_tokens()`` as of the end of
-    its last job (read by the router while the worker is idle); ``job``: the job it runs (None when idle)."""
+    its last job (read by the router while the worker is idle)."""
 
     def __init__(self, index: int, engine: Engine) -> None:
         self.index, self.engine = index, engine
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"ortspec-worker-{index}")
         self.resident: tuple[int, ...] = ()
         self.busy = False
-        self.job: RequestGeneration | None = None
         self.last_used = 0.0
 
 
-class RequestGeneration:
-    """One request's generation on a worker. The worker thread puts events (``Started``, each ``Commit`` when
-    streaming, then ``Finished`` or ``Failed``) on a queue the event loop reads; ``cancel()`` asks the thread to
-    stop before its next target pass (``cancelled`` is set from then on). ``deadline``: on the pool's clock."""
-
-    def __init__(
-        self, loop: asyncio.AbstractEventLoop, worker: Worker, prepared: Prepared, *, stream: bool, deadline: float
-    ) -> None:
-        self.loop, self.worker, self.prepared = loop, worker, prepared
-        self.stream, self.deadline = stream, deadline
-        self.cancelled = threading.Event()
-        self._events: asyncio.Queue[Event] = asyncio.Queue()
-
-    def cancel(self) -> None:
-        self.cancelled.set()
-
-    def emit(self, event: Event) -> None:
-        """From the worker thread."""
-        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is listening any more
-            self.loop.call_soon_threadsafe(self._events.put_nowait, event)
-
-    async def next(self) -> Event:
-        return await self._events.get()
-
-
-class WorkerPool:
+class WorkerPool(PoolCore):
     """N workers behind a bounded FIFO queue, routing by shared prefix (see the module docstring).
 
     ``max_queue``: requests that may wait for a worker (one more: ``QueueFull``). ``timeout_s``: the request
@@ -110,14 +62,25 @@ class WorkerPool:
     ) -> None:
         if not engines:
             raise ValueError("the pool needs at least one engine")
+        super().__init__(parallel=len(engines), max_queue=max_queue, timeout_s=timeout_s, metrics=metrics, clock=clock)
         self.workers = [Worker(i, e) for i, e in enumerate(engines)]
-        self.max_queue = check_int("max_queue", max_queue, 0)
-        self.timeout_s, self.metrics, self.clock = timeout_s, metrics, clock
         self._waiters: deque[tuple[list[int], asyncio.Future[Worker]]] = deque()
-        self._jobs: set[RequestGeneration] = set()
-        self._service_s = 1.0  # moving average of a job's time on a worker, for Retry-After
-        self._changed = threading.Condition()  # notified whenever busy or waiting changes
+        self._jobs: dict[RequestGeneration, Worker] = {}  # the running jobs, oldest first
         metrics.workers.set(len(self.workers))
+
+    @property
+    def engine(self) -> Engine:
+        """The Engine whose tokenizer and chat template make requests ready."""
+        return self.workers[0].engine
+
+    @property
+    def jobs(self) -> tuple[RequestGeneration, ...]:
+        """The running jobs, oldest first."""
+        return tuple(self._jobs)
+
+    def health(self) -> dict[str, int]:
+        """What ``/health`` reports about the pool besides busy and waiting."""
+        return {"workers": len(self.workers)}
 
     @property
     def context_length(self) -> int:
@@ -131,19 +94,6 @@ class WorkerPool:
     def waiting(self) -> int:
         return len(self._waiters)
 
-    def wait_until(self, predicate: Callable[[WorkerPool], bool], timeout_s: float) -> bool:
-        """From a thread other than the event loop's: block until ``predicate(pool)`` holds (it is tested whenever a
-        worker is taken or released and whenever a request joins or leaves the queue); False after ``timeout_s``."""
-        with self._changed:
-            return self._changed.wait_for(lambda: predicate(self), timeout=timeout_s)
-
-    def _publish(self) -> None:
-        """After busy or waiting changed: the gauges, and anyone in ``wait_until``."""
-        self.metrics.busy.set(self.busy)
-        self.metrics.waiting.set(len(self._waiters))
-        with self._changed:
-            self._changed.notify_all()
-
     def measure(self) -> None:
         """Measure each worker's verify drift and verify cost curve (one after another, so they do not disturb
         each other). A measurement drops an Engine's resident KV: call this before serving."""
@@ -153,14 +103,10 @@ class WorkerPool:
             w.resident = w.engine.resident_tokens()
 
     def close(self) -> None:
-        for job in list(self._jobs):
+        for job in self.jobs:
             job.cancel()
         for w in self.workers:
             w.executor.shutdown(wait=True, cancel_futures=True)
-
-    def retry_after(self) -> int:
-        """Seconds until a queue slot is likely free: the waiting requests' share of the mean service time."""
-        return max(1, math.ceil(self._service_s * (len(self._waiters) + 1) / len(self.workers)))
 
     # -- routing ---------------------------------------------------------------------------------------------------
     def _best_idle(self, ids: Sequence[int]) -> Worker | None:
@@ -187,7 +133,7 @@ class WorkerPool:
         return worker
 
     def _release(self, worker: Worker) -> None:
-        worker.busy, worker.job, worker.last_used = False, None, self.clock()
+        worker.busy, worker.last_used = False, self.clock()
         while self._waiters:
             ids, future = self._waiters[0]
             if future.done():  # its request gave up
@@ -231,21 +177,23 @@ class WorkerPool:
         t0 = self.clock()
         worker = await self._acquire(prepared.ids, deadline)
         self.metrics.queue_wait.observe(self.clock() - t0)
-        loop = asyncio.get_running_loop()
-        job = worker.job = RequestGeneration(loop, worker, prepared, stream=stream, deadline=deadline)
-        self._jobs.add(job)
+        job = RequestGeneration(
+            asyncio.get_running_loop(), worker.engine, worker.index, prepared, stream=stream, deadline=deadline
+        )
+        self._jobs[job] = worker
         try:
-            future = worker.executor.submit(self._execute, job)
+            future = worker.executor.submit(self._execute, job, worker)
         except BaseException:
-            self._jobs.discard(job)
+            del self._jobs[job]
             self._release(worker)
             raise
         started = self.clock()
+        loop = job.loop
 
         def done(_: Future[None]) -> None:
             def on_loop() -> None:
-                self._jobs.discard(job)
-                self._service_s = 0.8 * self._service_s + 0.2 * (self.clock() - started)
+                self._jobs.pop(job, None)
+                self._served(self.clock() - started)
                 self._release(worker)
 
             with contextlib.suppress(RuntimeError):
@@ -254,33 +202,24 @@ class WorkerPool:
         future.add_done_callback(done)
         return job
 
-    def _execute(self, job: RequestGeneration) -> None:
+    def _execute(self, job: RequestGeneration, worker: Worker) -> None:
         """In the worker's thread: run the generation one commit at a time, checking the cancel flag and the
         deadline between commits (so a cancelled request stops within one target pass)."""
-        worker, t0 = job.worker, self.clock()
+        t0 = self.clock()
         try:
             generation = worker.engine.start_with(job.prepared.ids, job.prepared.options)
             job.emit(Started())
             for commit in generation:
-                if job.stream:
-                    job.emit(commit)
+                job.deliver(commit)
                 if job.cancelled.is_set():
-                    self.metrics.generations.labels("cancelled").inc()
-                    job.emit(Failed(Cancelled()))
+                    job.end_cancelled(self.metrics)
                     return
                 if self.clock() > job.deadline:
-                    self.metrics.generations.labels("timeout").inc()
-                    job.emit(Failed(RequestTimeout(self.timeout_s, generation.result())))
+                    job.time_out(self.timeout_s, generation.result(), self.metrics)
                     return
-            result = generation.result()
-            self.metrics.record(result)
-            self.metrics.generations.labels("finished").inc()
-            job.emit(Finished(result))
-        except ValueError as exc:  # the Engine refused the prompt or options: nothing ran
-            job.emit(Failed(exc))
-        except Exception as exc:  # GenerationError, or a bug: reported as a server error
-            self.metrics.generations.labels("error").inc()
-            job.emit(Failed(exc))
+            job.finish(generation.result(), self.metrics)
+        except Exception as exc:  # ValueError: the Engine refused the prompt or options (nothing ran); otherwise
+            job.fail(exc, self.metrics)  # a GenerationError, or a bug: reported as a server error
         finally:
             worker.resident = worker.engine.resident_tokens()
             self.metrics.duration.observe(self.clock() - t0)

@@ -1,16 +1,26 @@
-"""Running the server: one Engine per worker (``load_engines``), uvicorn in a background thread
-(``serve_in_thread``), and ``cmd_serve``, what ``ortspec serve`` calls."""
+"""Running the server: what it serves (``load_serving``: one batched Engine, or one Engine per worker with
+``load_engines``), uvicorn in a background thread (``serve_in_thread``), and ``cmd_serve``, what ``ortspec serve``
+calls.
+
+The rule for ``--workers`` and ``--max-batch`` (``batch_slots``): by default one batched Engine with
+``DEFAULT_MAX_BATCH`` slots (its slots share one session; every running request in each pass). ``--max-batch N`` sets
+its slots; ``--max-batch 1``, or ``--workers N`` (N > 1) without ``--max-batch``, is the worker design: N Engines
+of one sequence each, with prefix reuse and routing. Both ``--workers N`` and ``--max-batch M`` above 1 is refused
+(the two designs do not combine). A folder that cannot run batched (a hybrid model, the CUDA provider, static
+shapes or CUDA graphs) is served by one worker, with one log line saying why."""
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import logging
 import os
 import socket
 import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import NamedTuple
 
 import attrs
 import uvicorn
@@ -21,7 +31,12 @@ from ortspec.adapters.engine import Engine
 from ortspec.adapters.engine.options import speculative_value
 from ortspec.adapters.serve.app import create_app
 from ortspec.adapters.serve.settings import ServerSettings
+from ortspec.backends.base import BackendError, BatchBackend
 from ortspec.backends.onnx import BackendConfig
+
+log = logging.getLogger("ortspec.serve")
+
+DEFAULT_MAX_BATCH = 16  # the batched Engine's slots when --max-batch is not given
 
 
 def default_threads(workers: int) -> int:
@@ -45,6 +60,52 @@ def load_engines(
     if backend.threads is None:
         backend = attrs.evolve(backend, threads=default_threads(workers))
     return [Engine.from_dir(model_dir, backend, prefix_reuse=prefix_reuse, drafter=False) for _ in range(workers)]
+
+
+def batch_slots(workers: int, max_batch: int | None) -> int | None:
+    """The slots of the one batched Engine for ``--workers`` and ``--max-batch`` (None: the worker design; see the
+    module docstring). ``ValueError`` for both above 1."""
+    if workers > 1 and max_batch is not None and max_batch > 1:
+        raise ValueError(
+            f"--workers {workers} and --max-batch {max_batch} do not combine: --max-batch runs one batched engine "
+            f"(its slots share one session), --workers runs {workers} engines of one sequence each; give one of them"
+        )
+    if workers > 1 or max_batch == 1:
+        return None
+    return DEFAULT_MAX_BATCH if max_batch is None else max_batch
+
+
+class Serving(NamedTuple):
+    """What ``create_app`` serves: ``engines``, and the batch backend of the one Engine (None: one worker each)."""
+
+    engines: list[Engine]
+    batch: BatchBackend | None
+
+
+def load_serving(
+    model_dir: str | os.PathLike[str],
+    backend: BackendConfig | None = None,
+    *,
+    workers: int = 1,
+    max_batch: int | None = None,
+    prefix_reuse: bool = True,
+) -> Serving:
+    """The engines ``ortspec serve`` runs for ``--workers`` and ``--max-batch`` (``batch_slots``): one batched
+    Engine (``threads`` None: all usable cores) or ``load_engines``. A folder that cannot run batched is served by
+    that Engine as one worker (prefix reuse as ``prefix_reuse`` says), logging why."""
+    slots = batch_slots(workers, max_batch)
+    if slots is not None:
+        backend = backend if backend is not None else BackendConfig()
+        if backend.threads is None:
+            backend = attrs.evolve(backend, threads=default_threads(1))
+        engine = Engine.from_dir(model_dir, backend, drafter=False)
+        try:
+            return Serving([engine], engine.batch_backend(slots))
+        except (BackendError, ValueError) as exc:  # the worker design: here, one worker (batch_slots)
+            log.warning("this folder cannot run batched (%s); serving with one worker (one sequence per pass)", exc)
+            engine.prefix_reuse = prefix_reuse
+            return Serving([engine], None)
+    return Serving(load_engines(model_dir, backend, workers=workers, prefix_reuse=prefix_reuse), None)
 
 
 @contextlib.contextmanager
@@ -71,11 +132,12 @@ def serve_in_thread(app: FastAPI, host: str = "127.0.0.1", log_level: str = "war
 
 
 def cmd_serve(args: argparse.Namespace, model_dir: Path) -> int:
-    """``ortspec serve``: load one Engine per worker, measure them, serve until interrupted."""
-    engines = load_engines(
+    """``ortspec serve``: load the engines (``load_serving``), measure them, serve until interrupted."""
+    serving = load_serving(
         model_dir,
         backend_config(args, threads=args.threads),
         workers=args.workers,
+        max_batch=args.max_batch,
         prefix_reuse=args.prefix_reuse,
     )
     settings = ServerSettings(
@@ -85,6 +147,6 @@ def cmd_serve(args: argparse.Namespace, model_dir: Path) -> int:
         request_timeout_s=args.timeout,
         default_max_tokens=args.default_max_tokens,
     )
-    app = create_app(engines, settings)
+    app = create_app(serving.engines, settings, batch=serving.batch)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0
