@@ -50,6 +50,7 @@ UNIT_TESTS: dict[str, tuple[str, ...]] = {
     "adapters/batch/output.py": ("tests/test_batch_resume.py", "tests/test_batch.py"),
     "adapters/batch/records.py": ("tests/test_batch_resume.py", "tests/test_batch.py"),
     "core/tokens.py": ("tests/test_shared_sequence.py", "tests/test_proposers.py"),
+    "core/prefix.py": ("tests/test_server_routing.py", "tests/test_batch_driver.py"),
 }
 PROPERTY_CHECKED = ("core/", "ortspec/")
 
@@ -372,20 +373,21 @@ MUTANTS: dict[str, Mutant] = {
         "        return max(idle, key=score)",
         "        return idle[0]",
     ),
-    "server-routing-ignores-the-shared-prefix": Mutant(
-        "adapters/serve/pool.py",
-        "return 2 * shared - len(w.resident), -w.last_used",
-        "return -len(w.resident), -w.last_used",
-    ),
-    "server-routing-ignores-the-kv-it-drops": Mutant(
-        "adapters/serve/pool.py",
-        "return 2 * shared - len(w.resident), -w.last_used",
-        "return shared, -w.last_used",
-    ),
     "server-routing-most-recently-used-on-ties": Mutant(
         "adapters/serve/pool.py",
-        "return 2 * shared - len(w.resident), -w.last_used",
-        "return 2 * shared - len(w.resident), w.last_used",
+        "return reuse_score(w.resident, ids), -w.last_used",
+        "return reuse_score(w.resident, ids), w.last_used",
+    ),
+    # -- the routing score both the server and the batch driver use (core/prefix.py) ----------------------------
+    "prefix-score-ignores-the-shared-prefix": Mutant(
+        "core/prefix.py",
+        "return 2 * common_prefix_length(resident, prompt) - len(resident)",
+        "return -len(resident)",
+    ),
+    "prefix-score-ignores-the-kv-it-drops": Mutant(
+        "core/prefix.py",
+        "return 2 * common_prefix_length(resident, prompt) - len(resident)",
+        "return common_prefix_length(resident, prompt)",
     ),
     # -- the batch runner's resume (adapters/batch/) ------------------------------------------------------------
     "batch-resume-reruns-done-records": Mutant(

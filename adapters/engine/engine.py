@@ -45,6 +45,7 @@ from ortspec.core import (
     check_prompt_fits,
 )
 from ortspec.core.checks import ArgumentError, ids_in_vocab
+from ortspec.core.prefix import common_prefix_length
 from ortspec.driver import GenerateResult, Generation, PassGuard, StreamCallback
 
 R = TypeVar("R")
@@ -54,15 +55,6 @@ BATCH_SLOTS = 16
 
 class GenerationSuperseded(RuntimeError):
     """Another generation started on the same Engine before this one finished; this one cannot continue."""
-
-
-def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
-    """How many leading tokens ``a`` and ``b`` share."""
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
 
 
 class Engine:

@@ -28,11 +28,11 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import NamedTuple
 
 from ortspec.adapters.engine import Engine
-from ortspec.adapters.engine.engine import common_prefix_length
 from ortspec.adapters.serve.errors import Cancelled, QueueFull, RequestTimeout
 from ortspec.adapters.serve.metrics import Metrics
 from ortspec.adapters.serve.models import Prepared
 from ortspec.core.checks import check_int
+from ortspec.core.prefix import reuse_score
 from ortspec.core.state import Commit
 from ortspec.driver import GenerateResult
 
@@ -176,8 +176,7 @@ class WorkerPool:
             return None
 
         def score(w: Worker) -> tuple[int, float]:
-            shared = common_prefix_length(w.resident, ids)
-            return 2 * shared - len(w.resident), -w.last_used
+            return reuse_score(w.resident, ids), -w.last_used
 
         return max(idle, key=score)
 
