@@ -326,8 +326,7 @@ class Generation:
         """The tokens whose KV the backend holds at its first positions, whatever happened to this generation
         (finished, stopped early, failed): the committed context up to the KV length, as far as the backend's
         cache reaches. What the next generation on this backend may pass as ``cached_prefix``."""
-        held = min(self.state.kv_len, self._backend.current_len())
-        return self.state.context_tokens[:held]
+        return self.state.resident_tokens(self._backend.current_len())
 
     @property
     def proposer(self) -> Proposer | None:
