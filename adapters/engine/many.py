@@ -28,7 +28,7 @@ def generate_many(engine: Engine, prompts: Sequence[Prompt], options: Generation
     prepared = [engine.prepare(prompt, options) for prompt in prompts]
     width = _width(engine, proposer, options.draft_width)
     with engine._lock:  # the measurements above and the batch backend are the Engine's
-        driver = BatchDriver(engine.batch_backend())
+        driver = BatchDriver(engine.batch_backend(), prefix_reuse=engine.prefix_reuse)
         sequences = [
             driver.submit(ids, core_options, proposer, draft_width=width, detokenize=engine.tokenizer.decode)
             for ids, core_options in prepared
