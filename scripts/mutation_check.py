@@ -367,6 +367,33 @@ MUTANTS: dict[str, Mutant] = {
         "        while self._undelivered and not self._cancelled:\n            commit = self._undelivered.popleft()",
         "        while self._undelivered:\n            commit = self._undelivered.popleft()",
     ),
+    # -- the batch driver's prefix reuse per slot -----------------------------------------------------------------
+    "batch-driver-reuses-one-token-too-many": Mutant(
+        "ortspec/batch_driver.py",
+        "state = self.state.reusing(common_prefix_length(resident, self.state.prompt_tokens))",
+        "state = self.state.reusing(common_prefix_length(resident, self.state.prompt_tokens) + 1)",
+    ),
+    "reuse-the-whole-prompt": Mutant(
+        "core/state.py",
+        'cached = min(check_int("cached_prefix", cached_prefix, 0), len(self.prompt_tokens) - 1)',
+        'cached = min(check_int("cached_prefix", cached_prefix, 0), len(self.prompt_tokens))',
+        ("tests/test_batch_driver.py", "tests/test_driver.py"),
+    ),
+    "batch-driver-routes-to-the-lowest-free-slot": Mutant(
+        "ortspec/batch_driver.py",
+        "return max(self._free, key=lambda s: (reuse_score(self._resident[s], prompt), -self._released_at[s], -s))",
+        "return min(self._free)",
+    ),
+    "batch-driver-most-recently-released-on-ties": Mutant(
+        "ortspec/batch_driver.py",
+        "(reuse_score(self._resident[s], prompt), -self._released_at[s], -s)",
+        "(reuse_score(self._resident[s], prompt), self._released_at[s], -s)",
+    ),
+    "batch-driver-trusts-a-slot-after-a-foreign-failure": Mutant(
+        "ortspec/batch_driver.py",
+        "self._resident[slot] = self._held_by(sequence) if known else ()",
+        "self._resident[slot] = self._held_by(sequence)",
+    ),
     # -- the server's routing by longest cached prefix (adapters/serve/pool.py) ----------------------------------
     "server-routing-first-idle-worker": Mutant(
         "adapters/serve/pool.py",
