@@ -73,6 +73,7 @@ import numpy as np
 
 from .checks import ArgumentError, check_int, ids_in_vocab, token_ids
 from .options import Options
+from .prefix import reused_length
 from .sampling import NonFiniteRow, Pick, StepContext
 from .tokens import Shared
 from .width import acceptance_rate
@@ -194,8 +195,8 @@ class DecodeState:
         """The state before the first step. ``capacity``: the backend's KV capacity in positions;
         ``vocab_size``: the model's vocabulary (prompt ids, stop sequences and biased ids must lie in it);
         ``cached_prefix``: how many leading prompt tokens the backend already holds the KV of (the caller vouches);
-        the prompt pass reuses at most all but the last prompt token (``cached_prefix`` of the state), whose row
-        picks the first token.
+        the prompt pass reuses at most all but the last prompt token (``cached_prefix`` of the state, as
+        ``core.prefix.reused_length`` says), whose row picks the first token.
 
         Raises ``ValueError`` for an empty prompt, a prompt id outside the vocabulary, a prompt longer than the
         context limit, or stop strings without a ``detokenize`` function. A prompt that fills the context limit
@@ -219,24 +220,16 @@ class DecodeState:
             raise ValueError("detokenize must be a callable ids -> str")
         if capacity is not None:
             capacity = check_int("capacity", capacity, 1)
-        check_int("cached_prefix", cached_prefix, 0)
-        state = cls(prompt_tokens=prompt, options=options, detokenize=detokenize, capacity=capacity)
+        cached = reused_length(cached_prefix, len(prompt))
+        state = cls(
+            prompt_tokens=prompt, options=options, detokenize=detokenize, capacity=capacity, cached_prefix=cached
+        )
         limit = state.context_limit
         bound = "max_context" if limit == options.max_context else "the context (the KV capacity)"
         check_prompt_fits(len(prompt), limit, holds=f"{bound} is {limit}")
         if len(prompt) == state.context_limit:
             state = attrs.evolve(state, finish_reason=FinishReason.CONTEXT_FULL)
-        return state.reusing(cached_prefix)
-
-    def reusing(self, cached_prefix: int) -> DecodeState:
-        """This state before its first step, its prompt pass reusing the KV of ``cached_prefix`` leading prompt
-        tokens that the backend already holds (the caller vouches): at most all but the last prompt token, whose
-        row picks the first token (``cached_prefix`` of the result). For a caller that learns what a cache holds
-        only after ``start`` (the batch driver, when a request takes a slot). ``ValueError`` after a step."""
-        if self.stats.steps or self.generated_tokens:
-            raise ValueError("reusing: the prompt pass has run already; a cached prefix is chosen before it")
-        cached = min(check_int("cached_prefix", cached_prefix, 0), len(self.prompt_tokens) - 1)
-        return attrs.evolve(self, cached_prefix=cached)
+        return state
 
     @property
     def finished(self) -> bool:
@@ -257,12 +250,6 @@ class DecodeState:
     def kv_len(self) -> int:
         """KV positions the backend holds between steps: all tokens but the pending (last) one."""
         return self.context_len - 1
-
-    def resident_tokens(self, held: int) -> tuple[int, ...]:
-        """The tokens whose KV a backend that holds ``held`` positions of this generation has (what a next prompt
-        may reuse): the context up to the KV length, as far as ``held`` reaches, whatever happened to the
-        generation (finished, stopped early, failed)."""
-        return self.context_tokens[: min(self.kv_len, held)]
 
     @property
     def pending_token(self) -> int:

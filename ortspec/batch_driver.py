@@ -4,7 +4,7 @@
         drop the cancelled sequences; admit waiting requests into free slots, first come first: each takes the free
             slot whose resident tokens serve its prompt best (core.prefix.reuse_score; least recently released,
             then lowest, on ties), the core decides how much of the shared prefix it reuses
-            (DecodeState.reusing), and backend.rewind(slot, reused) keeps that much (backend.reset(slot) for none)
+            (core.prefix.reusing), and backend.rewind(slot, reused) keeps that much (backend.reset(slot) for none)
         for every running sequence, one row:
             prefilling: the next chunk of its prompt (at most prefill_chunk tokens) at the chunk's position,
                         from the reused length on
@@ -26,7 +26,7 @@ the others go on; a failed backend pass fails the sequences that had a row in it
 
 Prefix reuse (``prefix_reuse=True``, the default). A freed slot keeps the KV of its last sequence, and the driver
 remembers which tokens that is: the sequence's context up to its KV length, as far as the slot's ``current_len``
-reaches (``DecodeState.resident_tokens``); a slot whose pass raised anything but a ``BackendError`` (which leaves
+reaches (``core.prefix.resident_tokens``); a slot whose pass raised anything but a ``BackendError`` (which leaves
 the slots as they were) is remembered as empty. So the next turn of a conversation goes to the slot holding its
 first turn and prefills only its new tokens. The output is the same as without reuse (a token's KV depends only
 on the tokens before it); only the prefill work changes (``cached_prompt_tokens`` of the result). Without it, a
@@ -47,7 +47,7 @@ from collections.abc import Iterator, Sequence
 import numpy as np
 
 from ortspec.backends.base import BackendError, BatchBackend, BatchRow
-from ortspec.core.prefix import common_prefix_length, reuse_score
+from ortspec.core.prefix import common_prefix_length, resident_tokens, reuse_score, reusing
 from ortspec.core.proposers import Proposer
 from ortspec.core.state import Commit, DecodeState, Detokenize, Options, step
 from ortspec.core.width import WidthPolicy
@@ -160,7 +160,7 @@ class BatchSequence:
     def _enter(self, backend: BatchBackend, slot: int, resident: Sequence[int]) -> None:
         """Take ``slot``, which holds the KV of ``resident`` at its first positions, and start prefilling after
         the part of the shared prefix that the core reuses (the slot is rewound to it, or reset)."""
-        state = self.state.reusing(common_prefix_length(resident, self.state.prompt_tokens))
+        state = reusing(self.state, common_prefix_length(resident, self.state.prompt_tokens))
         reused = state.cached_prefix
         if reused:
             backend.rewind(slot, reused)
@@ -170,10 +170,10 @@ class BatchSequence:
 
     def _resident(self, backend: BatchBackend) -> tuple[int, ...]:
         """The tokens whose KV its slot holds at its first positions, whatever happened to the sequence (finished,
-        failed, cancelled; a failed pass leaves the slot as it was): ``DecodeState.resident_tokens`` of the slot's
+        failed, cancelled; a failed pass leaves the slot as it was): ``core.prefix.resident_tokens`` of the slot's
         length (while prefilling, the slot holds exactly the prompt tokens prefilled so far)."""
         assert self._slot is not None
-        return self.state.resident_tokens(backend.current_len(self._slot))
+        return resident_tokens(self.state, backend.current_len(self._slot))
 
     def _drop(self) -> None:
         """End a cancelled sequence (before the pass it would have joined)."""

@@ -27,6 +27,7 @@ from contextlib import AbstractContextManager
 import attrs
 
 from ortspec.backends.base import Backend, DevicePicks, uses_device_picks
+from ortspec.core.prefix import resident_tokens
 from ortspec.core.proposers import Learner, Proposer
 from ortspec.core.state import (
     Commit,
@@ -326,7 +327,7 @@ class Generation:
         """The tokens whose KV the backend holds at its first positions, whatever happened to this generation
         (finished, stopped early, failed): the committed context up to the KV length, as far as the backend's
         cache reaches. What the next generation on this backend may pass as ``cached_prefix``."""
-        return self.state.resident_tokens(self._backend.current_len())
+        return resident_tokens(self.state, self._backend.current_len())
 
     @property
     def proposer(self) -> Proposer | None:

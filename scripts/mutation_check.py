@@ -50,7 +50,7 @@ UNIT_TESTS: dict[str, tuple[str, ...]] = {
     "adapters/batch/output.py": ("tests/test_batch_resume.py", "tests/test_batch.py"),
     "adapters/batch/records.py": ("tests/test_batch_resume.py", "tests/test_batch.py"),
     "core/tokens.py": ("tests/test_shared_sequence.py", "tests/test_proposers.py"),
-    "core/prefix.py": ("tests/test_server_routing.py", "tests/test_batch_driver.py"),
+    "core/prefix.py": ("tests/test_batch_driver.py", "tests/test_server_routing.py", "tests/test_driver.py"),
 }
 PROPERTY_CHECKED = ("core/", "ortspec/")
 
@@ -370,14 +370,13 @@ MUTANTS: dict[str, Mutant] = {
     # -- the batch driver's prefix reuse per slot -----------------------------------------------------------------
     "batch-driver-reuses-one-token-too-many": Mutant(
         "ortspec/batch_driver.py",
-        "state = self.state.reusing(common_prefix_length(resident, self.state.prompt_tokens))",
-        "state = self.state.reusing(common_prefix_length(resident, self.state.prompt_tokens) + 1)",
+        "state = reusing(self.state, common_prefix_length(resident, self.state.prompt_tokens))",
+        "state = reusing(self.state, common_prefix_length(resident, self.state.prompt_tokens) + 1)",
     ),
     "reuse-the-whole-prompt": Mutant(
-        "core/state.py",
-        'cached = min(check_int("cached_prefix", cached_prefix, 0), len(self.prompt_tokens) - 1)',
-        'cached = min(check_int("cached_prefix", cached_prefix, 0), len(self.prompt_tokens))',
-        ("tests/test_batch_driver.py", "tests/test_driver.py"),
+        "core/prefix.py",
+        'return min(check_int("cached_prefix", cached_prefix, 0), prompt_len - 1)',
+        'return min(check_int("cached_prefix", cached_prefix, 0), prompt_len)',
     ),
     "batch-driver-routes-to-the-lowest-free-slot": Mutant(
         "ortspec/batch_driver.py",

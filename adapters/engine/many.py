@@ -2,7 +2,8 @@
 
 Each prompt becomes a request of an ``ortspec.BatchDriver`` over the Engine's batch backend (``OrtBatchBackend``):
 the same core options and proposer as ``Engine.generate`` would use, so every result is the prompt's alone. What
-differs is only how the passes are shared: one-token rows of every running sequence go through one session run.
+differs is only how the passes are shared (one-token rows of every running sequence go through one session run)
+and, with the Engine's ``prefix_reuse``, how much of a prompt is prefilled (a slot's resident prefix is reused).
 """
 
 from __future__ import annotations
