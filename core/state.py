@@ -73,6 +73,7 @@ import numpy as np
 
 from .checks import ArgumentError, check_int, ids_in_vocab, token_ids
 from .options import Options
+from .prefix import reused_length
 from .sampling import NonFiniteRow, Pick, StepContext
 from .tokens import Shared
 from .width import acceptance_rate
@@ -194,8 +195,8 @@ class DecodeState:
         """The state before the first step. ``capacity``: the backend's KV capacity in positions;
         ``vocab_size``: the model's vocabulary (prompt ids, stop sequences and biased ids must lie in it);
         ``cached_prefix``: how many leading prompt tokens the backend already holds the KV of (the caller vouches);
-        the prompt pass reuses at most all but the last prompt token (``cached_prefix`` of the state), whose row
-        picks the first token.
+        the prompt pass reuses at most all but the last prompt token (``cached_prefix`` of the state, as
+        ``core.prefix.reused_length`` says), whose row picks the first token.
 
         Raises ``ValueError`` for an empty prompt, a prompt id outside the vocabulary, a prompt longer than the
         context limit, or stop strings without a ``detokenize`` function. A prompt that fills the context limit
@@ -219,7 +220,7 @@ class DecodeState:
             raise ValueError("detokenize must be a callable ids -> str")
         if capacity is not None:
             capacity = check_int("capacity", capacity, 1)
-        cached = min(check_int("cached_prefix", cached_prefix, 0), len(prompt) - 1)
+        cached = reused_length(cached_prefix, len(prompt))
         state = cls(
             prompt_tokens=prompt, options=options, detokenize=detokenize, capacity=capacity, cached_prefix=cached
         )

@@ -1,10 +1,13 @@
 """Continuous batching: many sequences, one backend pass at a time. The scheduler; it decides nothing about tokens.
 
     every pass (``BatchDriver.step``):
-        drop the cancelled sequences; admit waiting requests into free slots (backend.reset(slot)), first come first
+        drop the cancelled sequences; admit waiting requests into free slots, first come first: each takes the free
+            slot whose resident tokens serve its prompt best (core.prefix.reuse_score; least recently released,
+            then lowest, on ties), the core decides how much of the shared prefix it reuses
+            (core.prefix.reusing), and backend.rewind(slot, reused) keeps that much (backend.reset(slot) for none)
         for every running sequence, one row:
             prefilling: the next chunk of its prompt (at most prefill_chunk tokens) at the chunk's position,
-                        asking for the logits of its last position only
+                        from the reused length on, asking for the logits of its last position only
             decoding:   (pending, *draft) at state.kv_len; width, draft = speculation.draft(state, vocab, plain_cost)
                         (core.draft_width / take_draft, exactly as ``Generation`` asks; plain_cost: what one
                         more one-token row costs in a pass with this many decoding sequences, priced by
@@ -16,7 +19,7 @@
             else: outcome = core.step(state, rows[0], rows[1:], draft); backend.rewind(slot, outcome.rewind_to)
                   speculation = speculation.observe(state, width, draft, outcome.accepted)
         then deliver each sequence's commits (its callback, or its iterator's buffer); free the slots of the
-        sequences that finished, failed or were cancelled
+        sequences that finished, failed or were cancelled, each slot remembering its resident tokens
 
 Each sequence is stepped by ``ortspec.core`` with its own rows only, so its output (tokens, text, finish reason,
 stop, streamed deltas, stats) is what ``Generation`` gives the same request alone on a backend whose rows are the
@@ -24,9 +27,17 @@ batch's rows. A prompt counts as one core step however many chunks it takes. A f
 proposer, the core or its callback failing fails that sequence (``GenerationError`` with its partial result) and
 the others go on; a failed backend pass fails the sequences that had a row in it.
 
-Not yet: batched device picks (rows come back as logits), reusing a slot's cached prefix (every request is
-prefilled from position 0), and proposers that read the target's own state (the shared-KV drafter): each proposer
-sees only its sequence's context tokens.
+Prefix reuse (``prefix_reuse=True``, the default). A freed slot keeps the KV of its last sequence, and the driver
+remembers which tokens that is: the sequence's context up to its KV length, as far as the slot's ``current_len``
+reaches (``core.prefix.resident_tokens``); a slot whose pass raised anything but a ``BackendError`` (which leaves
+the slots as they were) is remembered as empty. So the next turn of a conversation goes to the slot holding its
+first turn and prefills only its new tokens. The output is the same as without reuse (a token's KV depends only
+on the tokens before it); only the prefill work changes (``cached_prompt_tokens`` of the result). Without it, a
+request takes the lowest free slot, emptied. A new driver knows nothing of what its backend's slots hold: it
+starts with every slot empty.
+
+Not yet: batched device picks (rows come back as logits) and proposers that read the target's own state (the
+shared-KV drafter): each proposer sees only its sequence's context tokens.
 """
 
 from __future__ import annotations
@@ -38,7 +49,8 @@ from collections.abc import Iterator, Sequence
 
 import numpy as np
 
-from ortspec.backends.base import BatchBackend, BatchRow
+from ortspec.backends.base import BackendError, BatchBackend, BatchRow
+from ortspec.core.prefix import common_prefix_length, resident_tokens, reuse_score, reusing
 from ortspec.core.proposers import Proposer
 from ortspec.core.state import Commit, DecodeState, Detokenize, Options, step
 from ortspec.core.width import WidthPolicy, marginal_row_cost
@@ -85,7 +97,7 @@ class BatchSequence:
         self._cancelled = False
         self._phase = Phase.DONE if state.finished else Phase.WAITING
         self._slot: int | None = None  # while it holds one
-        self._prefilled = 0  # prompt tokens whose KV the slot holds, while prefilling
+        self._prefilled = 0  # prompt tokens whose KV the slot holds (from the reused ones on), while prefilling
         self._width = 0  # the width and draft of the row in flight
         self._draft: tuple[int, ...] = ()
 
@@ -158,9 +170,23 @@ class BatchSequence:
 
     # -- the driver's side --------------------------------------------------------------------------------------
 
-    def _enter(self, slot: int) -> None:
-        """Take ``slot`` (emptied by the driver) and start prefilling."""
-        self._slot, self._phase = slot, Phase.PREFILL
+    def _enter(self, backend: BatchBackend, slot: int, resident: Sequence[int]) -> None:
+        """Take ``slot``, which holds the KV of ``resident`` at its first positions, and start prefilling after
+        the part of the shared prefix that the core reuses (the slot is rewound to it, or reset)."""
+        state = reusing(self.state, common_prefix_length(resident, self.state.prompt_tokens))
+        reused = state.cached_prefix
+        if reused:
+            backend.rewind(slot, reused)
+        else:
+            backend.reset(slot)
+        self.state, self._slot, self._phase, self._prefilled = state, slot, Phase.PREFILL, reused
+
+    def _resident(self, backend: BatchBackend) -> tuple[int, ...]:
+        """The tokens whose KV its slot holds at its first positions, whatever happened to the sequence (finished,
+        failed, cancelled; a failed pass leaves the slot as it was): ``core.prefix.resident_tokens`` of the slot's
+        length (while prefilling, the slot holds exactly the prompt tokens prefilled so far)."""
+        assert self._slot is not None
+        return resident_tokens(self.state, backend.current_len(self._slot))
 
     def _drop(self) -> None:
         """End a cancelled sequence (before the pass it would have joined)."""
@@ -240,21 +266,36 @@ class BatchDriver:
     several passes while the others decode. ``decode_costs``: the backend's measured cost of a pass of ``n``
     one-token rows ÷ one alone, for ``n = 0 .. slots`` (``core.width.marginal_row_cost``;
     ``Engine.batch_decode_costs`` measures it); without it a plain step is priced as alone (1.0), so a
-    ``PricedWidth`` policy speculates as it would alone. ``passes`` counts the backend passes run."""
+    ``PricedWidth`` policy speculates as it would alone. ``prefix_reuse``: a request takes the free slot holding
+    its longest prefix and prefills only the rest (module docstring); off, it takes the lowest free slot, emptied.
+    The driver must be the only user of the backend's slots: what it remembers of them is what its own passes left
+    there. ``passes`` counts the backend passes run."""
 
     def __init__(
-        self, backend: BatchBackend, *, prefill_chunk: int = 512, decode_costs: Sequence[float] | None = None
+        self,
+        backend: BatchBackend,
+        *,
+        prefill_chunk: int = 512,
+        decode_costs: Sequence[float] | None = None,
+        prefix_reuse: bool = True,
     ) -> None:
         if isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int) or prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be an int >= 1, got {prefill_chunk!r}")
         if decode_costs is not None and (len(decode_costs) < 2 or any(not c >= 0 for c in decode_costs)):
             raise ValueError(f"decode_costs must hold >= 2 costs >= 0 (index = rows in the pass), got {decode_costs!r}")
+        if not isinstance(prefix_reuse, bool):
+            raise ValueError(f"prefix_reuse must be True or False, got {prefix_reuse!r}")
         self._backend = backend
         self.prefill_chunk = prefill_chunk
         self.decode_costs = tuple(decode_costs) if decode_costs is not None else None
+        self.prefix_reuse = prefix_reuse
         self._waiting: collections.deque[BatchSequence] = collections.deque()
         self._running: list[BatchSequence] = []
         self._free = list(range(backend.slots))
+        # Per slot: the tokens whose KV it holds (as of its last release) and the release count at that release.
+        self._resident: list[tuple[int, ...]] = [()] * backend.slots
+        self._released_at = [0] * backend.slots
+        self._releases = 0
         self._in_pass = False
         self.passes = 0
 
@@ -267,6 +308,14 @@ class BatchDriver:
     def waiting(self) -> tuple[BatchSequence, ...]:
         """The sequences waiting for a slot, first come first."""
         return tuple(self._waiting)
+
+    def resident_tokens(self, slot: int) -> tuple[int, ...]:
+        """The tokens whose KV free ``slot`` holds at its first positions, as of its last sequence's end (what a
+        request taking it may reuse; empty for a slot never used, or in use now). ``ValueError`` for a slot that
+        is not one of the backend's."""
+        if isinstance(slot, bool) or not isinstance(slot, int) or not 0 <= slot < len(self._resident):
+            raise ValueError(f"slot must be an int in [0, {len(self._resident)}), got {slot!r}")
+        return self._resident[slot] if slot in self._free else ()
 
     def submit(
         self,
@@ -323,15 +372,20 @@ class BatchDriver:
             self._release(sequence)
 
     def _admit(self) -> list[BatchSequence]:
-        """Waiting requests take the free slots, first come first (lowest slot first); each slot starts empty.
-        Returns the admitted."""
+        """Waiting requests take the free slots, first come first, each the one that serves its prompt best
+        (``_best_free``). Returns the admitted (a sequence whose slot cannot be rewound or reset fails instead)."""
         admitted = []
         while self._waiting and self._free:
             sequence = self._waiting.popleft()
-            slot = min(self._free)
+            slot = self._best_free(sequence.state.prompt_tokens)
             self._free.remove(slot)
-            self._backend.reset(slot)
-            sequence._enter(slot)
+            resident, self._resident[slot] = self._resident[slot] if self.prefix_reuse else (), ()
+            try:
+                sequence._enter(self._backend, slot, resident)
+            except Exception as exc:  # the slot is remembered empty
+                sequence._fail(exc)
+                self._free.append(slot)
+                continue
             self._running.append(sequence)
             admitted.append(sequence)
         return admitted
@@ -342,6 +396,13 @@ class BatchDriver:
         if self.decode_costs is None:
             return 1.0
         return marginal_row_cost(self.decode_costs, sum(s.phase is Phase.DECODING for s in self._running))
+
+    def _best_free(self, prompt: Sequence[int]) -> int:
+        """The free slot for ``prompt``: with prefix reuse, the best ``reuse_score`` of its resident tokens, then
+        the least recently released, then the lowest; without, the lowest."""
+        if not self.prefix_reuse:
+            return min(self._free)
+        return max(self._free, key=lambda s: (reuse_score(self._resident[s], prompt), -self._released_at[s], -s))
 
     def _gather(self, sequences: list[BatchSequence]) -> list[tuple[BatchSequence, BatchRow]]:
         """The ``sequences``' rows for the next pass; a sequence whose proposer fails is failed and freed."""
@@ -365,9 +426,10 @@ class BatchDriver:
             if len(outputs) != len(batch):
                 raise ValueError(f"the backend returned {len(outputs)} results for a pass of {len(batch)} rows")
         except Exception as exc:
+            # A BackendError leaves every slot as it was; after anything else, what they hold is unknown.
             for sequence, _ in batch:
                 sequence._fail(exc)
-                self._release(sequence)
+                self._release(sequence, known=isinstance(exc, BackendError))
             return
         released: list[tuple[BatchSequence, tuple[Commit, ...]]] = []
         for (sequence, row), logits in zip(batch, outputs, strict=True):
@@ -387,8 +449,19 @@ class BatchDriver:
             if sequence.phase is Phase.DONE:
                 self._release(sequence)
 
-    def _release(self, sequence: BatchSequence) -> None:
-        """Give the sequence's slot back (its KV is dropped when the slot is next taken)."""
-        if sequence.slot is not None and sequence in self._running:
+    def _release(self, sequence: BatchSequence, *, known: bool = True) -> None:
+        """Give the sequence's slot back, remembering the tokens whose KV it holds (none unless ``known``)."""
+        slot = sequence.slot
+        if slot is not None and sequence in self._running:
             self._running.remove(sequence)
-            self._free.append(sequence.slot)
+            self._resident[slot] = self._held_by(sequence) if known else ()
+            self._releases += 1
+            self._released_at[slot] = self._releases
+            self._free.append(slot)
+
+    def _held_by(self, sequence: BatchSequence) -> tuple[int, ...]:
+        """What ``sequence``'s slot holds as it leaves (nothing, if the backend cannot say)."""
+        try:
+            return sequence._resident(self._backend)
+        except Exception:
+            return ()

@@ -27,6 +27,7 @@ from contextlib import AbstractContextManager
 import attrs
 
 from ortspec.backends.base import Backend, DevicePicks, uses_device_picks
+from ortspec.core.prefix import resident_tokens
 from ortspec.core.proposers import Learner, Proposer
 from ortspec.core.state import (
     Commit,
@@ -330,8 +331,7 @@ class Generation:
         """The tokens whose KV the backend holds at its first positions, whatever happened to this generation
         (finished, stopped early, failed): the committed context up to the KV length, as far as the backend's
         cache reaches. What the next generation on this backend may pass as ``cached_prefix``."""
-        held = min(self.state.kv_len, self._backend.current_len())
-        return self.state.context_tokens[:held]
+        return resident_tokens(self.state, self._backend.current_len())
 
     @property
     def proposer(self) -> Proposer | None:

@@ -4,12 +4,17 @@ the ``BatchDriver`` equals that request decoded alone.
 A batch is one model, a few slots and several requests (``scenarios`` of ``strategies.py``: greedy, seeded sampling
 and penalties mixed; stops, EOS mid-block, context full), each with its own proposer and width policy, joining at
 a drawn pass, some cancelled at a drawn pass or after a drawn number of delivered tokens, some streamed through a
-callback and some read through the iterator, prompts prefilled in chunks of a drawn size. Each request is also
-decoded alone twice: with ``generate`` and no proposer (plain decoding, which the equivalence suite proves equal to
-the reference) and with a ``Generation`` holding the same proposer and width policy. The batched sequence must
-match the plain run's tokens, text, finish reason, matched stop, logprobs and streamed deltas, and the lone
-speculative run's stats and failures (a proposer that raises, a row that is not finite) exactly; a cancelled one
-must have delivered a prefix of the plain stream and report exactly that.
+callback and some read through the iterator, prompts prefilled in chunks of a drawn size. Some requests share a
+prefix with an earlier one (its next turn: its prompt, its output and new tokens; its prompt again or a part of
+it; only a few of its tokens, then others) and join at a drawn later pass, so the driver's prefix reuse sends
+them to a slot that holds some of their KV, whatever that slot held before; before every pass, each row's slot
+must hold exactly its own sequence's context up to the row's position.
+
+Each request is also decoded alone twice: with ``generate`` and no proposer (plain decoding, which the equivalence
+suite proves equal to the reference) and with a ``Generation`` holding the same proposer and width policy. The
+batched sequence must match the plain run's tokens, text, finish reason, matched stop, logprobs and streamed
+deltas, and the lone speculative run's stats and failures (a proposer that raises, a row that is not finite)
+exactly; a cancelled one must have delivered a prefix of the plain stream and report exactly that.
 """
 
 from __future__ import annotations
@@ -46,6 +51,7 @@ class Request:
     join_at: int  # the driver's pass count at which it is submitted
     cancel: tuple[str, int] | None  # ("pass", n): at pass n; ("tokens", k): from the callback after k tokens
     callback: bool  # streamed through a callback (else read through the iterator)
+    follows: str | None = None  # how its prompt shares an earlier request's (one of FOLLOW_UPS), or None
 
     def make_proposer(self):
         if isinstance(self.proposer, tuple):
@@ -81,14 +87,41 @@ def alone(req: Request, capacity: int, proposer) -> Outcome:
     return Outcome(result, None, stream)
 
 
+FOLLOW_UPS = ("next turn", "next turn", "the same prompt", "a part of the prompt", "into the output", "a few tokens")
+
+
+def follow_up(draw, model: FakeModel, earlier: Request) -> tuple[tuple[int, ...], str]:
+    """A prompt sharing a prefix with ``earlier``'s, and how it shares it (one of ``FOLLOW_UPS``): the next turn
+    (its prompt, its output alone, new tokens), its prompt again, a part of its prompt, its prompt and a part of its
+    output then others, or only a few of its first tokens then others."""
+    prompt = earlier.scenario.prompt
+    output = alone(earlier, UNBOUNDED, None).result.token_ids
+    new = st.lists(st.integers(0, model.vocab_size - 1), max_size=6)
+    kind = draw(st.sampled_from(FOLLOW_UPS))
+    if kind == "next turn":
+        shared = prompt + output + tuple(draw(new))
+    elif kind == "the same prompt":
+        shared = prompt
+    elif kind == "a part of the prompt":
+        shared = prompt[: draw(st.integers(1, len(prompt)))]
+    elif kind == "into the output":
+        shared = prompt + output[: draw(st.integers(0, len(output)))] + tuple(draw(new))
+    else:
+        few = prompt[: draw(st.integers(0, min(3, len(prompt))))]
+        shared = few + tuple(draw(st.lists(st.integers(0, model.vocab_size - 1), min_size=1, max_size=8)))
+    return shared, kind
+
+
 @st.composite
 def batches(draw):
     """A model, a backend capacity, slots, a prefill chunk and the requests."""
     model: FakeModel = draw(fake_models(nonfinite=draw(st.integers(0, 7)) == 0))
     n = draw(st.integers(1, 6))
-    requests = []
+    requests: list[Request] = []
     for _ in range(n):
-        sc = draw(scenarios(model=model))
+        earlier = draw(st.sampled_from(requests)) if requests and draw(st.integers(0, 2)) == 0 else None
+        prompt, follows = follow_up(draw, model, earlier) if earlier is not None else (None, None)
+        sc = draw(scenarios(model=model, prompt=prompt))
         if draw(st.integers(0, 9)) == 0:
             proposer = ("faulty", draw(st.integers(0, 6)), draw(st.sampled_from(["raise", "out_of_range"])))
         else:
@@ -99,16 +132,11 @@ def batches(draw):
                 st.tuples(st.just("tokens"), st.integers(1, 40)),
             )
         )  # fmt: skip
-        requests.append(
-            Request(
-                sc,
-                proposer,
-                draw(width_policies()),
-                draw(st.one_of(st.just(0), st.integers(0, 4), st.integers(0, 25))),
-                cancel,
-                draw(st.booleans()),
-            )
-        )
+        if earlier is None:
+            join_at = draw(st.one_of(st.just(0), st.integers(0, 4), st.integers(0, 25)))
+        else:  # often after the earlier one has finished and left its KV in a slot
+            join_at = earlier.join_at + draw(st.one_of(st.integers(0, 8), st.integers(0, 90)))
+        requests.append(Request(sc, proposer, draw(width_policies()), join_at, cancel, draw(st.booleans()), follows))
     # The slots' capacity: unbounded, or just above the longest prompt (so some requests meet it).
     longest = max(len(r.scenario.prompt) for r in requests)
     capacity = draw(st.sampled_from([UNBOUNDED, UNBOUNDED, longest + draw(st.integers(0, 12))]))
@@ -138,7 +166,9 @@ def submit(driver: BatchDriver, req: Request, stream: list) -> BatchSequence:
 
 
 class PhaseTracingBackend(FakeBatchBackend):
-    """Records, for each pass, the phases of the sequences running in it."""
+    """Records, for each pass, the phases of the sequences running in it, and checks that each row's slot holds
+    exactly the KV of its own sequence's context up to the row's position (reused from an earlier sequence or
+    not)."""
 
     driver: BatchDriver
 
@@ -148,6 +178,10 @@ class PhaseTracingBackend(FakeBatchBackend):
 
     def run_pass(self, rows):
         self.phases.append({s.phase for s in self.driver.running})
+        holder = {s.slot: s for s in self.driver.running}
+        for row in rows:
+            context = holder[row.slot].state.context_tokens
+            assert self.slot_backend(row.slot).resident_tokens() == context[: row.position]
         return super().run_pass(rows)
 
 
@@ -200,9 +234,12 @@ def check_request(req: Request, got: Outcome, capacity: int, priced: bool) -> li
     """The property for one request; returns labels for the tally. ``priced``: the driver priced plain steps by
     a cost curve, so the request's widths (and so its stats, and where a faulty proposer fails) are not those of
     the request alone; its output still is."""
+    cached = got.result.cached_prompt_tokens
+    assert 0 <= cached < len(req.scenario.prompt)  # the last prompt token is always run: its row picks a token
+    labels = [f"a prompt reused a slot's KV ({req.follows or 'unrelated'})"] if cached else []
     plain = alone(req, capacity, None)
     if priced:
-        return check_against_plain(req, got, plain)
+        return [*labels, *check_against_plain(req, got, plain)]
     spec = alone(req, capacity, req.make_proposer())
     # Speculation alone is plain decoding (the equivalence suite's property), up to a proposer's own failure.
     if spec.error is None:
@@ -215,7 +252,7 @@ def check_request(req: Request, got: Outcome, capacity: int, priced: bool) -> li
         assert got.result.text == "".join(d.text for d in delivered)
         if req.cancel[0] == "tokens" and req.callback:  # cancelled from its callback: nothing after that token
             assert len(delivered) == req.cancel[1]
-        return ["cancelled before the end"]
+        return [*labels, "cancelled before the end"]
     assert (got.error is None) == (spec.error is None), (got.error, spec.error)
     same_output(got.result, spec.result)
     assert got.result.stats == spec.result.stats  # the same steps, drafts and acceptance as alone
@@ -223,10 +260,10 @@ def check_request(req: Request, got: Outcome, capacity: int, priced: bool) -> li
     assert "".join(d.text for d in got.stream) == got.result.text
     if got.error is not None:
         assert type(got.error.__cause__) is type(spec.error.__cause__)
-        return ["failed like alone"]
+        return [*labels, "failed like alone"]
     same_output(got.result, plain.result)
     assert got.stream == comparable(plain.stream, req.callback)
-    return [f"ended by {got.result.finish_reason}"]
+    return [*labels, f"ended by {got.result.finish_reason}"]
 
 
 def check_against_plain(req: Request, got: Outcome, plain: Outcome) -> list[str]:
@@ -244,7 +281,7 @@ def check_against_plain(req: Request, got: Outcome, plain: Outcome) -> list[str]
     return [f"priced: ended by {got.result.finish_reason}"]
 
 
-@settings(max_examples=examples(2000))
+@settings(max_examples=examples(1750))
 @given(batches())
 def test_each_sequence_of_a_batch_is_its_request_decoded_alone(batch):
     model, capacity, slots, chunk, requests, decode_costs = batch

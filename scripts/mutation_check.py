@@ -50,6 +50,7 @@ UNIT_TESTS: dict[str, tuple[str, ...]] = {
     "adapters/batch/output.py": ("tests/test_batch_resume.py", "tests/test_batch.py"),
     "adapters/batch/records.py": ("tests/test_batch_resume.py", "tests/test_batch.py"),
     "core/tokens.py": ("tests/test_shared_sequence.py", "tests/test_proposers.py"),
+    "core/prefix.py": ("tests/test_batch_driver.py", "tests/test_server_routing.py", "tests/test_driver.py"),
 }
 PROPERTY_CHECKED = ("core/", "ortspec/")
 
@@ -376,26 +377,53 @@ MUTANTS: dict[str, Mutant] = {
         "return marginal_row_cost(self.decode_costs, sum(s.phase is Phase.DECODING for s in self._running))",
         "return marginal_row_cost(self.decode_costs, self._backend.slots)",
     ),
+    # -- the batch driver's prefix reuse per slot -----------------------------------------------------------------
+    "batch-driver-reuses-one-token-too-many": Mutant(
+        "ortspec/batch_driver.py",
+        "state = reusing(self.state, common_prefix_length(resident, self.state.prompt_tokens))",
+        "state = reusing(self.state, common_prefix_length(resident, self.state.prompt_tokens) + 1)",
+    ),
+    "reuse-the-whole-prompt": Mutant(
+        "core/prefix.py",
+        'return min(check_int("cached_prefix", cached_prefix, 0), prompt_len - 1)',
+        'return min(check_int("cached_prefix", cached_prefix, 0), prompt_len)',
+    ),
+    "batch-driver-routes-to-the-lowest-free-slot": Mutant(
+        "ortspec/batch_driver.py",
+        "return max(self._free, key=lambda s: (reuse_score(self._resident[s], prompt), -self._released_at[s], -s))",
+        "return min(self._free)",
+    ),
+    "batch-driver-most-recently-released-on-ties": Mutant(
+        "ortspec/batch_driver.py",
+        "(reuse_score(self._resident[s], prompt), -self._released_at[s], -s)",
+        "(reuse_score(self._resident[s], prompt), self._released_at[s], -s)",
+    ),
+    "batch-driver-trusts-a-slot-after-a-foreign-failure": Mutant(
+        "ortspec/batch_driver.py",
+        "self._resident[slot] = self._held_by(sequence) if known else ()",
+        "self._resident[slot] = self._held_by(sequence)",
+    ),
     # -- the server's routing by longest cached prefix (adapters/serve/pool.py) ----------------------------------
     "server-routing-first-idle-worker": Mutant(
         "adapters/serve/pool.py",
         "        return max(idle, key=score)",
         "        return idle[0]",
     ),
-    "server-routing-ignores-the-shared-prefix": Mutant(
-        "adapters/serve/pool.py",
-        "return 2 * shared - len(w.resident), -w.last_used",
-        "return -len(w.resident), -w.last_used",
-    ),
-    "server-routing-ignores-the-kv-it-drops": Mutant(
-        "adapters/serve/pool.py",
-        "return 2 * shared - len(w.resident), -w.last_used",
-        "return shared, -w.last_used",
-    ),
     "server-routing-most-recently-used-on-ties": Mutant(
         "adapters/serve/pool.py",
-        "return 2 * shared - len(w.resident), -w.last_used",
-        "return 2 * shared - len(w.resident), w.last_used",
+        "return reuse_score(w.resident, ids), -w.last_used",
+        "return reuse_score(w.resident, ids), w.last_used",
+    ),
+    # -- the routing score both the server and the batch driver use (core/prefix.py) ----------------------------
+    "prefix-score-ignores-the-shared-prefix": Mutant(
+        "core/prefix.py",
+        "return 2 * common_prefix_length(resident, prompt) - len(resident)",
+        "return -len(resident)",
+    ),
+    "prefix-score-ignores-the-kv-it-drops": Mutant(
+        "core/prefix.py",
+        "return 2 * common_prefix_length(resident, prompt) - len(resident)",
+        "return common_prefix_length(resident, prompt)",
     ),
     # -- the batch runner's resume (adapters/batch/) ------------------------------------------------------------
     "batch-resume-reruns-done-records": Mutant(

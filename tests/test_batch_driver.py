@@ -337,3 +337,163 @@ def test_speculation_fades_as_the_batch_fills_and_outputs_do_not_change():
     assert crowded[:5] == [0] * 5  # beside seven decoding sequences: plain rows in the batched pass
     assert any(w > 0 for w in crowded[12:])  # the others finished: it drafts again
     assert all(w > 0 for w in widths_beside(7, priced=False)[:3])  # unpriced: it drafts as alone
+
+
+# -- prefix reuse per slot ----------------------------------------------------------------------------------------
+
+
+def second_turn(first, prompt, new=(11, 12)):
+    """The next turn of a conversation: its first turn's prompt and output, then new text."""
+    return [*prompt, *first.result().token_ids, *new]
+
+
+def assert_record_is_true(d, backend, slot):
+    """What the driver remembers of a free slot is what the slot holds at its first positions."""
+    record = d.resident_tokens(slot)
+    assert backend.slot_backend(slot).resident_tokens()[: len(record)] == record
+    return record
+
+
+def test_the_next_turn_goes_to_its_first_turns_slot_and_prefills_only_its_new_tokens():
+    options = Options(max_tokens=6)
+    runs = {}
+    for reuse in (True, False):
+        backend = FakeBatchBackend(MODEL, 3, 256)
+        d = BatchDriver(backend, prefix_reuse=reuse)
+        first = d.submit([1, 2, 3, 4, 5], options)
+        other = d.submit([9, 8, 7], Options(max_tokens=4))
+        d.run()
+        assert (first.slot, other.slot) == (0, 1)
+        before = sum(backend.tokens_per_pass)
+        nxt = d.submit(second_turn(first, [1, 2, 3, 4, 5]), options)
+        new = d.submit([20, 21], options)  # shares nothing: the empty slot, not a conversation that may continue
+        d.run()
+        assert nxt.result().token_ids == alone(second_turn(first, [1, 2, 3, 4, 5]), options).token_ids
+        assert new.result().token_ids == alone([20, 21], options).token_ids
+        runs[reuse] = (nxt, new, sum(backend.tokens_per_pass) - before)
+    (nxt, new, fed), (plain_nxt, plain_new, plain_fed) = runs[True], runs[False]
+    assert (nxt.slot, new.slot) == (0, 2)
+    assert (plain_nxt.slot, plain_new.slot) == (0, 1)  # without reuse: the lowest free slots
+    reused = 5 + 6 - 1  # the first turn's context but its last token, whose KV was never written
+    assert nxt.result().cached_prompt_tokens == reused and plain_nxt.result().cached_prompt_tokens == 0
+    assert new.result().cached_prompt_tokens == 0
+    assert plain_fed - fed == reused  # the backend was fed exactly the reused tokens fewer
+    assert nxt.result().stats == plain_nxt.result().stats
+
+
+def test_a_new_conversation_takes_an_empty_slot_then_on_ties_the_least_recently_released():
+    d, backend = driver(slots=3)
+    early = d.submit([1, 2], Options(max_tokens=6))
+    late = d.submit([3, 4, 5, 6, 7], Options(max_tokens=3))  # finishes (and frees slot 1) three passes earlier
+    d.run()
+    assert (early.slot, late.slot) == (0, 1)
+    assert len(assert_record_is_true(d, backend, 0)) == len(assert_record_is_true(d, backend, 1)) == 7
+    first = d.submit([20, 21, 22], Options(max_tokens=2))
+    d.step()
+    assert first.slot == 2 and d.resident_tokens(2) == ()  # an empty slot before any conversation; in use now
+    d.run()
+    assert assert_record_is_true(d, backend, 2) == (20, 21, 22, first.result().token_ids[0])
+    # neither shares a token with any slot: the first loses least in slot 2 (4 positions against 7), the second
+    # ties between slots 0 and 1 and takes the one released first
+    second = d.submit([23, 24, 25], Options(max_tokens=2))
+    third = d.submit([26, 27, 28], Options(max_tokens=2))
+    d.run()
+    assert (second.slot, third.slot) == (2, 1)
+    with pytest.raises(ValueError, match="slot"):
+        d.resident_tokens(3)
+
+
+def test_a_prompt_that_is_all_resident_reuses_all_but_its_last_token():
+    d, backend = driver(slots=1)
+    options = Options(max_tokens=5)
+    first = d.submit([1, 2, 3, 4], options)
+    d.run()
+    resident = d.resident_tokens(0)
+    for prompt in (list(resident), [1, 2, 3, 4], [1, 2], [1]):
+        again = d.submit(prompt, options)
+        d.run()
+        assert again.result().token_ids == alone(prompt, options).token_ids
+        assert again.result().cached_prompt_tokens == len(prompt) - 1
+        resident = assert_record_is_true(d, backend, 0)
+    assert first.result().token_ids == alone([1, 2, 3, 4], options).token_ids
+
+
+def test_a_cancelled_sequence_leaves_a_true_record_in_prefill_or_decoding():
+    d, backend = driver(slots=2, chunk=3)
+    prompt = list(range(1, 12))
+    prefilling = d.submit(prompt, Options(max_tokens=5))
+    decoding = d.submit([5, 6], Options(max_tokens=30), Oracle(), draft_width=3)
+    d.step()
+    d.step()
+    prefilling.cancel()
+    decoding.cancel()
+    d.step()
+    assert not d.running
+    assert assert_record_is_true(d, backend, 0) == tuple(prompt[:6])  # two chunks of 3 were in
+    record = assert_record_is_true(d, backend, 1)
+    assert len(record) > 2 and record == tuple(decoding.state.context_tokens)[:-1]  # its pending token is not in
+    # the next requests reuse them and still decode exactly what they would alone
+    for base, slot in ((prompt, 0), (list(decoding.state.context_tokens), 1)):
+        follow = d.submit([*base, 30], Options(max_tokens=4))
+        d.run()
+        assert follow.slot == slot and follow.result().cached_prompt_tokens == (6 if slot == 0 else len(base) - 1)
+        assert follow.result().token_ids == alone([*base, 30], Options(max_tokens=4)).token_ids
+
+
+def test_a_failed_sequence_leaves_a_true_record_and_a_foreign_failure_an_empty_one():
+    options = Options(max_tokens=10)
+    backend = FailingPass(fail_at=3)  # a BackendError: the slots are as they were
+    d = BatchDriver(backend)
+    failed = d.submit([1, 2, 3], options)
+    d.run()
+    assert isinstance(failed.error.__cause__, BackendError)
+    assert assert_record_is_true(d, backend, 0) == (1, 2, 3, *failed.result().token_ids[:-1])
+    follow = d.submit([*[1, 2, 3], *failed.result().token_ids, 7], options)
+    d.run()
+    assert follow.slot == 0 and follow.result().cached_prompt_tokens == 4
+    assert follow.result().token_ids == alone([1, 2, 3, *failed.result().token_ids, 7], options).token_ids
+
+    scrambling = ScramblingPass()
+    d = BatchDriver(scrambling)
+    failed = d.submit([1, 2, 3], options)
+    d.run()
+    assert isinstance(failed.error, GenerationError) and not isinstance(failed.error.__cause__, BackendError)
+    assert d.resident_tokens(0) == ()  # what the slot holds is unknown: nothing is reused
+    follow = d.submit([1, 2, 3, *failed.result().token_ids], options)
+    d.run()
+    assert follow.result().cached_prompt_tokens == 0
+    assert follow.result().token_ids == alone([1, 2, 3, *failed.result().token_ids], options).token_ids
+
+
+def test_a_failing_proposer_leaves_a_true_record():
+    d, backend = driver(slots=1)
+    failing = d.submit([1, 2, 3], Options(max_tokens=8), Raising())
+    d.run()
+    assert assert_record_is_true(d, backend, 0) == (1, 2, 3)  # the prompt pass ran; its token is pending
+    follow = d.submit([1, 2, 3, *failing.result().token_ids, 4], Options(max_tokens=3))
+    d.run()
+    assert follow.result().cached_prompt_tokens == 3
+
+
+class ScramblingPass(FakeBatchBackend):
+    """Its third pass overwrites every slot's KV with other tokens, then raises something that is not a
+    ``BackendError`` (a backend breaking its contract)."""
+
+    def __init__(self):
+        super().__init__(MODEL, 1, 256)
+        self.calls = 0
+
+    def run_pass(self, rows):
+        self.calls += 1
+        if self.calls == 3:
+            for slot in range(self.slots):
+                held = self.current_len(slot)
+                self.reset(slot)
+                super().run_pass([BatchRow(slot, (0,) * held, 0)])
+            raise RuntimeError("the device wrote garbage")
+        return super().run_pass(rows)
+
+
+def test_prefix_reuse_is_a_bool():
+    with pytest.raises(ValueError, match="prefix_reuse"):
+        BatchDriver(FakeBatchBackend(MODEL, 1), prefix_reuse=1)

@@ -1225,3 +1225,21 @@ def test_finish_reason_str():
 def test_finish_reason_in_openai_words():
     assert FinishReason.EOS_TOKEN.openai == FinishReason.STOP_SEQUENCE.openai == "stop"
     assert FinishReason.MAX_TOKENS.openai == FinishReason.CONTEXT_FULL.openai == "length"
+
+
+def test_a_cached_prefix_is_reused_up_to_all_but_the_last_prompt_token_and_only_before_the_prompt_pass():
+    from ortspec.core.prefix import common_prefix_length, resident_tokens, reuse_score, reusing
+
+    state = DecodeState.start([A, B, C], Options(max_tokens=3), cached_prefix=9)
+    assert state.cached_prefix == 2  # the last prompt token is always run: its row picks the first token
+    assert reusing(state, 1).cached_prefix == 1 and reusing(state, 0).cached_prefix == 0
+    with pytest.raises(ValueError, match="cached_prefix"):
+        reusing(state, -1)
+    logits = np.zeros(V, np.float32)
+    logits[D] = 1.0
+    stepped = step(state, logits, None, ()).state
+    with pytest.raises(ValueError, match="prompt pass has run"):
+        reusing(stepped, 1)
+    assert resident_tokens(stepped, 99) == (A, B, C) and resident_tokens(stepped, 2) == (A, B)
+    assert common_prefix_length([A, B, C], [A, B, D]) == 2 and reuse_score([A, B, C], [A, B, D]) == 1
+    assert reuse_score((), [A]) == 0 and reuse_score([B, B], [A]) == -2

@@ -52,6 +52,18 @@ def test_more_prompts_than_slots_wait_for_a_free_slot(engine):
     assert [r.token_ids for r in many] == [engine.generate(p, max_tokens=6, ignore_eos=True).token_ids for p in prompts]
 
 
+def test_with_prefix_reuse_prompts_reuse_a_shared_prefix_and_each_result_is_the_prompt_alone(tiny_model_dir, engine):
+    from ortspec.adapters.engine.engine import BATCH_SLOTS
+
+    reuse = Engine.from_dir(tiny_model_dir, BackendConfig(threads=1), prefix_reuse=True)
+    system = list(range(5, 25))  # a shared opening; the later prompts take slots freed by the first ones
+    prompts = [[*system, 30 + i, 31 + i] for i in range(BATCH_SLOTS + 2)]
+    many = reuse.generate_many(prompts, max_tokens=4, ignore_eos=True)
+    assert [r.token_ids for r in many] == [engine.generate(p, max_tokens=4, ignore_eos=True).token_ids for p in prompts]
+    assert [r.cached_prompt_tokens for r in many] == [0] * BATCH_SLOTS + [len(system)] * 2
+    assert all(r.cached_prompt_tokens == 0 for r in engine.generate_many(prompts[-2:], max_tokens=4, ignore_eos=True))
+
+
 def test_bad_input_is_refused_before_anything_runs(engine):
     runs = engine.batch_backend().runs
     with pytest.raises(ArgumentError) as info:

@@ -141,6 +141,31 @@ def test_the_batch_driver_on_it_equals_generate_alone(tiny_model_dir, config, si
     assert 0 < driver.passes <= backend.runs  # a driver pass is one or more session runs
 
 
+def test_a_next_turn_on_its_first_turns_slot_equals_the_request_alone(tiny_model_dir, config, single):
+    backend = OrtBatchBackend.from_folder(tiny_model_dir, config, slots=3)
+    driver = BatchDriver(backend, prefill_chunk=4)
+    options = Options(max_tokens=8)
+    firsts = [driver.submit(prompt, options) for prompt in PROMPTS[:2]]
+    driver.run()
+    turns = [
+        [*prompt, *first.result().token_ids, 30, 31, 32] for prompt, first in zip(PROMPTS[:2], firsts, strict=True)
+    ]
+    # the next turns prefill from their reused prefixes (each chunk a run of its own) beside a new prompt's run from
+    # position 0, which binds the resident slots too
+    seconds = [driver.submit(turn, options, PromptLookup(), draft_width=3) for turn in turns]
+    new = driver.submit(PROMPTS[2], options)
+    driver.run()
+    for prompt, turn, first, second in zip(PROMPTS[:2], turns, firsts, seconds, strict=True):
+        assert second.slot == first.slot and second.result().cached_prompt_tokens == len(prompt) + 8 - 1
+        assert second.result().token_ids == generate(single, turn, options, PromptLookup(), draft_width=3).token_ids
+    assert new.slot == 2 and new.result().token_ids == generate(single, PROMPTS[2], options).token_ids
+    # what the driver remembers of a slot is its KV: rows after it are the rows of that context alone
+    for slot in range(3):
+        resident = list(driver.resident_tokens(slot))
+        out = backend.run_pass([BatchRow(slot, (33, 34), len(resident))])[0]
+        assert np.abs(out - alone_rows(single, [*resident, 33, 34], 2)).max() <= ROW_TOLERANCE
+
+
 @pytest.mark.real_model
 def test_real_model_batch_rows_and_outputs_equal_alone(real_model_dir):
     from ortspec.adapters.engine.tokenizer import Tokenizer

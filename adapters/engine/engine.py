@@ -45,6 +45,7 @@ from ortspec.core import (
     check_prompt_fits,
 )
 from ortspec.core.checks import ArgumentError, ids_in_vocab
+from ortspec.core.prefix import common_prefix_length
 from ortspec.driver import GenerateResult, Generation, PassGuard, StreamCallback
 
 R = TypeVar("R")
@@ -54,15 +55,6 @@ BATCH_SLOTS = 16
 
 class GenerationSuperseded(RuntimeError):
     """Another generation started on the same Engine before this one finished; this one cannot continue."""
-
-
-def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
-    """How many leading tokens ``a`` and ``b`` share."""
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
 
 
 class Engine:
@@ -77,7 +69,8 @@ class Engine:
     tokens (the next turn of a chat, another question about the same document), rewind to the longest common
     prefix and prefill only the rest. The output is the same as without it (the KV of a token depends only on the
     tokens before it); only the time to the first token changes. Off by default, so timings compare like with
-    like; the server turns it on.
+    like; the server turns it on. :meth:`generate_many` follows it too: with it on, a prompt takes the batch slot
+    holding its longest prefix (``BatchDriver``'s ``prefix_reuse``).
     """
 
     def __init__(
@@ -250,8 +243,10 @@ class Engine:
         draws its own). Continuous batching (``ortspec.BatchDriver``) on a second session of this folder with
         ``BATCH_SLOTS`` KV caches, opened on first use (its own copy of the weights). ``speculative``: None (plain
         decoding, the default) or prompt lookup (``"prompt-lookup"``, ``"auto"`` or a proposer); the shared-KV
-        drafter does not run in batches. ``ValueError`` names a bad prompt or option before anything runs; a
-        generation that fails raises its ``GenerationError`` once the others have finished."""
+        drafter does not run in batches. With ``prefix_reuse``, a prompt reuses the KV of a prompt that shares its
+        prefix (a system prompt) and ran earlier in the same call (each call starts with empty slots).
+        ``ValueError`` names a bad prompt or option before anything runs; a generation that fails raises its
+        ``GenerationError`` once the others have finished."""
         from ortspec.adapters.engine.many import generate_many
 
         return generate_many(self, prompts, options)

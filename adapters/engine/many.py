@@ -2,7 +2,8 @@
 
 Each prompt becomes a request of an ``ortspec.BatchDriver`` over the Engine's batch backend (``OrtBatchBackend``):
 the same core options and proposer as ``Engine.generate`` would use, so every result is the prompt's alone. What
-differs is only how the passes are shared: one-token rows of every running sequence go through one session run.
+differs is only how the passes are shared (one-token rows of every running sequence go through one session run)
+and, with the Engine's ``prefix_reuse``, how much of a prompt is prefilled (a slot's resident prefix is reused).
 """
 
 from __future__ import annotations
@@ -59,10 +60,15 @@ def generate_many(engine: Engine, prompts: Sequence[Prompt], options: Generation
 
 
 def batch_driver(engine: Engine, width: int | WidthPolicy) -> BatchDriver:
-    """A driver over the Engine's batch backend; a ``PricedWidth`` policy (``draft_width="auto"``) gets the
-    backend's measured ``decode_costs``, so its sequences speculate less as the batch fills."""
+    """A driver over the Engine's batch backend, reusing cached prefixes as the Engine's ``prefix_reuse`` says; a
+    ``PricedWidth`` policy (``draft_width="auto"``) gets the backend's measured ``decode_costs``, so its sequences
+    speculate less as the batch fills."""
     priced = isinstance(width, PricedWidth)
-    return BatchDriver(engine.batch_backend(), decode_costs=engine.batch_decode_costs() if priced else None)
+    return BatchDriver(
+        engine.batch_backend(),
+        decode_costs=engine.batch_decode_costs() if priced else None,
+        prefix_reuse=engine.prefix_reuse,
+    )
 
 
 def batch_proposer(speculative: object) -> Proposer | None:

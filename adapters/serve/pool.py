@@ -25,11 +25,11 @@ from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from ortspec.adapters.engine import Engine
-from ortspec.adapters.engine.engine import common_prefix_length
 from ortspec.adapters.serve.errors import QueueFull, RequestTimeout
 from ortspec.adapters.serve.jobs import Clock, PoolCore, RequestGeneration, Started
 from ortspec.adapters.serve.metrics import Metrics
 from ortspec.adapters.serve.models import Prepared
+from ortspec.core.prefix import reuse_score
 
 
 class Worker:
@@ -122,8 +122,7 @@ class WorkerPool(PoolCore):
             return None
 
         def score(w: Worker) -> tuple[int, float]:
-            shared = common_prefix_length(w.resident, ids)
-            return 2 * shared - len(w.resident), -w.last_used
+            return reuse_score(w.resident, ids), -w.last_used
 
         return max(idle, key=score)
 

@@ -29,8 +29,10 @@ overwrites them (causal attention means a real token never sees the padding afte
 with no row (an *idle* slot) gets a row of padding at its own length, written likewise to stale positions; when
 ``length + S`` would pass the slot's capacity the row starts at ``max_length - S`` instead, and in a prefill run
 it starts at 0: then the resident positions it overwrites are saved before the run and restored after it. So the
-idle slots' KV is untouched, and a run costs the rows of the range, which the batch driver keeps dense (it admits
-into the lowest free slot).
+idle slots' KV is untouched (the batch driver's prefix reuse counts on it), and a run costs the rows of the range.
+Without prefix reuse the batch driver keeps the range dense (it admits into the lowest free slot); with it, a
+request goes to the slot holding its prefix, or an empty one before one holding a conversation, so the range can
+spread over idle slots.
 
 Why a range and not a gather: copying each row's resident KV into a ``[B, ...]`` buffer and back costs its whole
 length per pass (46 KB per position for SmolLM2-135M fp32); the range costs nothing but the idle rows' compute.
