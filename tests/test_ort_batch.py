@@ -197,3 +197,66 @@ def test_real_model_batch_rows_and_outputs_equal_alone(real_model_dir):
     )
     print(f"real model: max abs difference batch row vs alone: {worst:.3g}")
     assert worst <= 1e-4
+
+
+def test_the_lone_slot_is_a_backend_beside_the_slots_on_the_same_session(batch, single, tiny_model_dir, config):
+    """``OrtBatchBackend.lone()``: the one-sequence protocol on a KV cache no pass can name; its rows equal the
+    sequence alone, and passes over the slots, even from another thread at the same time, leave it as it was."""
+    import threading
+
+    from ortspec.backends.base import Backend
+
+    lone = batch.lone()
+    assert isinstance(lone, Backend) and lone is batch.lone() and lone.max_length == batch.max_length
+    with pytest.raises(BackendError, match="slot 4"):
+        batch.run_pass([BatchRow(batch.slots, (1,), 0)])  # the lone slot is not one of the pass's slots
+    context = list(range(3, 30))
+    out = lone.decode(context[:20], 0)
+    np.testing.assert_allclose(out, alone_rows(single, context[:20], 1)[-1], atol=ROW_TOLERANCE)
+    rows = lone.decode_verify(context[20:], 20).copy()
+    np.testing.assert_allclose(rows, alone_rows(single, context, 7), atol=ROW_TOLERANCE)
+    with pytest.raises(BackendError, match="past"):
+        lone.decode([1], 3)
+    lone.rewind(20)
+    done = threading.Event()
+
+    def passes() -> None:  # the other slots busy meanwhile
+        for n in range(30):
+            batch.run_pass([BatchRow(s, (n % 7,), batch.current_len(s)) for s in range(batch.slots)])
+        done.set()
+
+    worker = threading.Thread(target=passes)
+    worker.start()
+    again = [lone.decode_verify(context[20:], 20).copy() for _ in range(5) if not lone.rewind(20)]
+    worker.join()
+    assert done.is_set() and lone.current_len() == 27
+    for rows_again in again:
+        np.testing.assert_array_equal(rows_again, rows)
+
+
+def test_an_engine_opened_for_batching_has_one_session(tiny_model_dir):
+    from ortspec.adapters.engine import Engine
+    from ortspec.backends.onnx.config import SLOT_LENGTH
+    from ortspec.core.checks import ArgumentError
+
+    plain = Engine.from_dir(tiny_model_dir, BackendConfig(threads=1))
+    batched = Engine.from_dir(tiny_model_dir, BackendConfig(threads=1), batch_slots=2)
+    assert batched.backend is batched.batch_backend().lone() and batched.batch_backend().slots == 2
+    assert batched.backend.max_length == min(plain.backend.max_length, SLOT_LENGTH)
+    options = dict(max_tokens=12, temperature=0.8, seed=3)
+    assert batched.generate("a b c a b", **options).token_ids == plain.generate("a b c a b", **options).token_ids
+    many = batched.generate_many(["a b c a b", "x y"], **options)
+    assert [r.token_ids for r in many] == [plain.generate(p, **options).token_ids for p in ["a b c a b", "x y"]]
+    with pytest.raises(ValueError, match="opened for batching"):
+        batched.batch_backend(4)
+    with pytest.raises(ArgumentError, match="drafter"):
+        Engine.from_dir(tiny_model_dir, BackendConfig(threads=1), batch_slots=2, drafter=True)
+
+
+def test_a_batched_slot_defaults_to_at_most_slot_length_positions():
+    from ortspec.backends.onnx.config import SLOT_LENGTH
+
+    config = BackendConfig()
+    assert config.capacity(8192) == 8192 and config.capacity(8192, batched=True) == SLOT_LENGTH
+    assert config.capacity(512, batched=True) == 512
+    assert BackendConfig(max_length=4096).capacity(8192, batched=True) == 4096

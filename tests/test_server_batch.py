@@ -150,6 +150,8 @@ def test_load_serving_is_one_batched_engine_on_every_core(tiny_model_dir):
     serving = load_serving(tiny_model_dir, max_batch=3)
     assert len(serving.engines) == 1 and serving.batch is not None and serving.batch.slots == 3
     assert serving.engines[0].backend_config.threads == default_threads(1)
+    # one session: the Engine's own backend is the batch backend's lone slot (the weights are loaded once)
+    assert serving.engines[0].backend is serving.batch.lone()
 
 
 def test_a_folder_that_cannot_batch_is_served_by_workers_saying_why(tiny_model_dir, caplog):

@@ -20,6 +20,8 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TypeVar
 
+import attrs
+
 from ortspec.adapters.engine.cache import cache_root, find_drafter
 from ortspec.adapters.engine.options import (
     DRIFT_WARNING_THRESHOLD,
@@ -102,6 +104,7 @@ class Engine:
         self._drift_warned = False
         self.backend_config = backend_config if backend_config is not None else BackendConfig()
         self._batch: BatchBackend | None = None  # generate_many's, opened on first use
+        self._backend_is_lone_slot = False  # opened for batching: ``backend`` is ``_batch``'s lone slot
         self._batch_decode_costs: tuple[float, ...] | None = None
 
     @classmethod
@@ -112,6 +115,7 @@ class Engine:
         *,
         prefix_reuse: bool = False,
         drafter: str | os.PathLike[str] | bool | None = None,
+        batch_slots: int | None = None,
     ) -> Engine:
         """Load an ONNX Runtime GenAI folder (``genai_config.json``, the model, ``tokenizer.json``).
 
@@ -128,6 +132,11 @@ class Engine:
         (``cache.find_drafter``: ``<model>/drafter`` or where ``ortspec train-drafter`` puts it; one
         found that does not fit the model is skipped with a warning). See docs/drafter.md.
 
+        ``batch_slots``: open the folder once, for batching: an ``OrtBatchBackend`` of that many slots is the
+        Engine's :meth:`batch_backend`, and the Engine's own one-sequence backend is its lone slot
+        (``OrtBatchBackend.lone``), so the weights are in memory once (what ``ortspec serve`` runs); no drafter
+        (``drafter`` must not ask for one); ``BackendError`` or ``ValueError`` when the folder cannot run batched.
+
         Raises ``ValueError`` for a bad argument, ``ModelFolderError`` (a ``ValueError``) naming the file and the
         field or tensor when the folder cannot be used (missing or invalid files, a graph that does not match its
         config, a tokenizer for another vocabulary), and ``BackendError`` when onnxruntime fails otherwise."""
@@ -137,6 +146,8 @@ class Engine:
         folder = ModelFolder.load(Path(path))
         tokenizer = Tokenizer.from_folder(folder.path)
         check_tokenizer_fits(folder, tokenizer)
+        if batch_slots is not None:
+            return cls._batched(folder, tokenizer, backend_config, batch_slots, prefix_reuse, drafter)
         backend = OrtBackend.from_folder(folder, backend_config)
         proposer = None
         found = find_drafter(folder.path) if drafter in (None, True) else None
@@ -162,6 +173,33 @@ class Engine:
             drafter=proposer,
             backend_config=backend_config,
         )
+
+    @classmethod
+    def _batched(
+        cls,
+        folder: ModelFolder,
+        tokenizer: Tokenizer,
+        config: BackendConfig | None,
+        slots: int,
+        prefix_reuse: bool,
+        drafter: object,
+    ) -> Engine:
+        """``from_dir`` with ``batch_slots``: one ``OrtBatchBackend``, the Engine's backend its lone slot."""
+        from ortspec.backends.onnx import OrtBatchBackend
+
+        if drafter not in (None, False):
+            raise ArgumentError("drafter", "an Engine opened for batching (batch_slots) runs no shared-KV drafter")
+        batch = OrtBatchBackend.from_folder(folder, config, slots=slots)
+        engine = cls(
+            batch.lone(),
+            tokenizer,
+            eos_token_ids=folder.eos_token_ids,
+            folder=folder,
+            prefix_reuse=prefix_reuse,
+            backend_config=config,
+        )
+        engine._batch, engine._backend_is_lone_slot = batch, True
+        return engine
 
     # -- text -------------------------------------------------------------------------------------------------
     def tokenize(self, text: str) -> list[int]:
@@ -267,16 +305,27 @@ class Engine:
     def batch_backend(self, slots: int | None = None) -> BatchBackend:
         """The batch backend of :meth:`generate_many` and the batched server: ``slots`` KV caches on this folder
         (None: the one open, else ``BATCH_SLOTS``), opened on first use and kept; asking for another slot count
-        opens a new one in its place (and forgets :meth:`batch_decode_costs`). Raises ``BackendError`` or
+        opens a new one in its place (and forgets :meth:`batch_decode_costs`). Each slot holds what the Engine's own
+        backend holds (its ``max_length``), so every request's context limit is its limit alone; that is ``slots``
+        times its KV memory (an Engine opened with ``batch_slots`` has slots of ``BackendConfig.capacity(...,
+        batched=True)`` positions instead, its own backend one of them). Raises ``BackendError`` or
         ``ValueError`` saying why when the folder cannot run batched (a hybrid model, the CUDA provider, static
         shapes or CUDA graphs: see ``OrtBatchBackend``)."""
-        if self._batch is not None and slots in (None, self._batch.slots):
-            return self._batch
+        batch = self._batch
+        if batch is not None and slots in (None, batch.slots):
+            return batch
+        if batch is not None and self._backend_is_lone_slot:
+            raise ValueError(
+                f"this Engine was opened for batching with {batch.slots} slots (its own backend is their "
+                f"session's lone slot); it cannot reopen them as {slots}"
+            )
         if self.folder is None:
             raise ValueError("batching needs an Engine opened from a model folder (Engine.from_dir)")
         from ortspec.backends.onnx import OrtBatchBackend
 
-        self._batch = OrtBatchBackend.from_folder(self.folder, self.backend_config, slots=slots or BATCH_SLOTS)
+        # each slot holds what this Engine's own backend holds, so a request's context limit is what it is alone
+        config = attrs.evolve(self.backend_config, max_length=self.backend.max_length)
+        self._batch = OrtBatchBackend.from_folder(self.folder, config, slots=slots or BATCH_SLOTS)
         self._batch_decode_costs = None
         return self._batch
 

@@ -32,7 +32,7 @@ from ortspec.adapters.engine.options import speculative_value
 from ortspec.adapters.serve.app import create_app
 from ortspec.adapters.serve.settings import ServerSettings
 from ortspec.backends.base import BackendError, BatchBackend
-from ortspec.backends.onnx import BackendConfig
+from ortspec.backends.onnx import BackendConfig, ModelFolderError
 
 log = logging.getLogger("ortspec.serve")
 
@@ -91,20 +91,22 @@ def load_serving(
     prefix_reuse: bool = True,
 ) -> Serving:
     """The engines ``ortspec serve`` runs for ``--workers`` and ``--max-batch`` (``batch_slots``): one batched
-    Engine (``threads`` None: all usable cores) or ``load_engines``. A folder that cannot run batched is served by
-    that Engine as one worker (prefix reuse as ``prefix_reuse`` says), logging why."""
+    Engine (``threads`` None: all usable cores; one session, the weights once: ``Engine.from_dir(batch_slots=)``)
+    or ``load_engines``. A folder that cannot run batched is served by one worker Engine (prefix reuse as
+    ``prefix_reuse`` says), logging why."""
     slots = batch_slots(workers, max_batch)
     if slots is not None:
         backend = backend if backend is not None else BackendConfig()
         if backend.threads is None:
             backend = attrs.evolve(backend, threads=default_threads(1))
-        engine = Engine.from_dir(model_dir, backend, drafter=False)
-        try:
-            return Serving([engine], engine.batch_backend(slots))
+        try:  # one session: the Engine's own backend is the batch backend's lone slot
+            engine = Engine.from_dir(model_dir, backend, drafter=False, batch_slots=slots)
+            return Serving([engine], engine.batch_backend())
         except (BackendError, ValueError) as exc:  # the worker design: here, one worker (batch_slots)
+            if isinstance(exc, ModelFolderError):
+                raise
             log.warning("this folder cannot run batched (%s); serving with one worker (one sequence per pass)", exc)
-            engine.prefix_reuse = prefix_reuse
-            return Serving([engine], None)
+            return Serving([Engine.from_dir(model_dir, backend, drafter=False, prefix_reuse=prefix_reuse)], None)
     return Serving(load_engines(model_dir, backend, workers=workers, prefix_reuse=prefix_reuse), None)
 
 

@@ -37,6 +37,12 @@ spread over idle slots.
 Why a range and not a gather: copying each row's resident KV into a ``[B, ...]`` buffer and back costs its whole
 length per pass (46 KB per position for SmolLM2-135M fp32); the range costs nothing but the idle rows' compute.
 
+**The lone slot.** Beside its ``slots``, the backend keeps one more KV cache that no pass of ``run_pass`` can name:
+:meth:`OrtBatchBackend.lone` is the one-sequence ``Backend`` protocol on it (``LoneSlot``), with its own logits
+buffer, so an Engine can measure, check and generate one sequence on the same session (one copy of the weights)
+while a batch driver runs the other slots, from another thread if need be (ONNX Runtime runs a session from several
+threads; the two never write the same buffer).
+
 Out of scope (refused with ``BackendError`` naming why): hybrid models (recurrent states), folders without the
 shared-buffer layout, graphs without an ``attention_mask`` input; static shapes, CUDA graphs and the CUDA provider
 (``ValueError``). Every contract violation raises ``BackendError`` (``check_batch``) before any slot changes; a
@@ -52,7 +58,7 @@ from typing import Any
 import attrs
 import numpy as np
 
-from ..base import BackendError, BatchRow, check_batch, check_slot
+from ..base import BackendError, BatchRow, check_batch, check_position, check_slot, check_tokens
 from .config import BackendConfig
 from .folder import ModelFolder
 from .model_graph import DecoderGraph, LoadedGraph, inspect_graph, load_rewrites, read_graph_facts
@@ -127,6 +133,19 @@ def pass_groups(rows: Sequence[BatchRow]) -> list[PassGroup]:
     return groups
 
 
+class _Logits:
+    """A logits buffer, grown and never shrunk; ``view(count, width, vocab)`` is ``[count, width, vocab]``."""
+
+    def __init__(self, dtype: np.dtype) -> None:
+        self._array = np.empty(0, dtype)
+
+    def view(self, count: int, width: int, vocab: int) -> np.ndarray:
+        size = count * width * vocab
+        if self._array.size < size:
+            self._array = np.empty(size, self._array.dtype)
+        return self._array[:size].reshape(count, width, vocab)
+
+
 class OrtBatchBackend:
     """``slots`` KV caches of one decoder session, run by one pass over a ragged batch of rows (``BatchBackend``;
     see the module docstring). Public attributes: ``session``, ``folder``, ``config``, ``graph`` (the checked
@@ -151,14 +170,19 @@ class OrtBatchBackend:
         if why_not:
             raise BackendError(f"{folder.model_path}: OrtBatchBackend cannot batch this model: {why_not}")
         self.threads = session.get_session_options().intra_op_num_threads
-        self._max_length = config.capacity(folder.context_length)
+        self.provider = CPU
+        self.variant = "; ".join(["batched", *(loaded.rewrites if loaded is not None else ())])
+        self._max_length = config.capacity(folder.context_length, batched=True)
         self._vocab = folder.vocab_size
-        shape = (slots, folder.num_kv_heads, self._max_length, folder.head_size)
+        shape = (slots + 1, folder.num_kv_heads, self._max_length, folder.head_size)  # + the lone slot
         self.keys = [np.zeros(shape, self.graph.kv_dtype) for _ in self.graph.kv_names]
         self.values = [np.zeros(shape, self.graph.kv_dtype) for _ in self.graph.kv_names]
-        self._lengths = [0] * slots
-        self._logits = np.empty(0, self.graph.logits_dtype)
+        self._slots = slots
+        self._lengths = [0] * (slots + 1)  # the last is the lone slot's
+        self._pass_logits = _Logits(self.graph.logits_dtype)
+        self._lone_logits = _Logits(self.graph.logits_dtype)
         self._bindings: dict[tuple[int, int], Any] = {}  # (first slot, count) -> IO binding with the KV bound
+        self._lone: LoneSlot | None = None
         self.runs = 0
 
     @classmethod
@@ -171,7 +195,8 @@ class OrtBatchBackend:
         session_options=None,
     ) -> OrtBatchBackend:
         """Open the decoder in a builder-written folder on the CPU as ``config`` says (default:
-        ``BackendConfig()``), with ``slots`` KV caches of ``config.capacity`` positions each. ``session_options``:
+        ``BackendConfig()``), with ``slots`` KV caches of ``config.capacity(..., batched=True)`` positions each
+        (``max_length``, else the model's context up to ``SLOT_LENGTH``). ``session_options``:
         a ready ``onnxruntime.SessionOptions`` replacing the config's session settings. Errors as
         ``OrtBackend.from_folder``, plus ``ValueError`` for the CUDA provider or static shapes and ``BackendError``
         for a model that cannot be batched (module docstring)."""
@@ -199,7 +224,7 @@ class OrtBatchBackend:
 
     @property
     def slots(self) -> int:
-        return len(self._lengths)
+        return self._slots
 
     def reset(self, slot: int) -> None:
         check_slot(slot, self.slots)
@@ -223,21 +248,37 @@ class OrtBatchBackend:
         groups = pass_groups(rows)
         if len(groups) == 1:
             return self._run_group(groups[0].rows, groups[0].idle_at_zero)
-        lengths = list(self._lengths)
+        lengths = self._lengths[: self._slots]
         done: dict[int, np.ndarray] = {}
         try:
             for group in groups:
                 outputs = self._run_group(group.rows, group.idle_at_zero)
                 done.update((row.slot, out.copy()) for row, out in zip(group.rows, outputs, strict=True))
         except BaseException:
-            self._lengths = lengths  # positions already written are past the lengths: forgotten
+            self._lengths[: self._slots] = lengths  # positions already written are past the lengths: forgotten
             raise
         return [done[row.slot] for row in rows]
 
     # ------------------------------------------------------------------------------------------------------------
-    def _run_group(self, rows: Sequence[BatchRow], idle_at_zero: bool) -> list[np.ndarray]:
+    def lone(self) -> LoneSlot:
+        """The one-sequence ``Backend`` on the lone slot (module docstring); the same object every time."""
+        if self._lone is None:
+            self._lone = LoneSlot(self)
+        return self._lone
+
+    def _run_lone(self, tokens: Sequence[int], position: int, last_logits: int | None, what: str) -> np.ndarray:
+        """One run of ``tokens`` at ``position`` in the lone slot (the protocol's checks first); its logits rows."""
+        check_tokens(tokens, self._vocab)
+        check_position(int(position), self._lengths[self._slots], len(tokens), self._max_length, what)
+        row = BatchRow(self._slots, tokens, int(position), last_logits=last_logits)
+        return self._run_group([row], False, self._lone_logits)[0]
+
+    def _run_group(
+        self, rows: Sequence[BatchRow], idle_at_zero: bool, logits: _Logits | None = None
+    ) -> list[np.ndarray]:
         """One session run over the checked ``rows`` of one group; idle slots of the bound range start at 0 when
-        ``idle_at_zero`` (a prefill group: every row must start there), else at their own length."""
+        ``idle_at_zero`` (a prefill group: every row must start there), else at their own length. ``logits``: the
+        buffer to write (the passes' unless given)."""
         lo = min(row.slot for row in rows)
         hi = max(row.slot for row in rows)
         width = max(len(row.tokens) for row in rows)
@@ -257,7 +298,7 @@ class OrtBatchBackend:
             inputs.ids[row.slot - lo, : len(row.tokens)] = row.tokens
         saved = self._save_overwritten(lo, starts, width)
         try:
-            logits = self._run(lo, inputs)
+            out = self._run(lo, inputs, logits if logits is not None else self._pass_logits)
         finally:
             self._restore(saved)
         self.runs += 1
@@ -265,8 +306,7 @@ class OrtBatchBackend:
             self._lengths[row.slot] += len(row.tokens)
         skipped = width - inputs.kept  # positions before the first with logits
         return [
-            logits[row.slot - lo, len(row.tokens) - row.logits_rows - skipped : len(row.tokens) - skipped]
-            for row in rows
+            out[row.slot - lo, len(row.tokens) - row.logits_rows - skipped : len(row.tokens) - skipped] for row in rows
         ]
 
     def _idle_start(self, slot: int, width: int, at_zero: bool) -> int:
@@ -291,13 +331,6 @@ class OrtBatchBackend:
             for buffer, copy in zip((*self.keys, *self.values), copies, strict=True):
                 buffer[slot, :, start : start + copy.shape[1]] = copy
 
-    def _logits_view(self, count: int, width: int) -> np.ndarray:
-        """A ``[count, width, vocab]`` view of the logits buffer (grown, never shrunk)."""
-        size = count * width * self._vocab
-        if self._logits.size < size:
-            self._logits = np.empty(size, self.graph.logits_dtype)
-        return self._logits[:size].reshape(count, width, self._vocab)
-
     def _range_binding(self, lo: int, count: int):
         """The IO binding of slots ``[lo, lo + count)`` with their KV views bound as past and present (made once
         per range, so a run rebinds only its inputs and logits)."""
@@ -318,7 +351,7 @@ class OrtBatchBackend:
         self._bindings[lo, count] = binding
         return binding
 
-    def _run(self, lo: int, inputs: _PassInputs) -> np.ndarray:
+    def _run(self, lo: int, inputs: _PassInputs, buffer: _Logits) -> np.ndarray:
         """Bind the slot range starting at ``lo`` and ``inputs``, run the session, return the logits
         ``[B, kept, vocab]`` (of the last ``inputs.kept`` positions) as float32."""
         graph = self.graph
@@ -332,7 +365,7 @@ class OrtBatchBackend:
             binding.bind_input(graph.position_name, CPU, 0, graph.position_dtype, shape, inputs.positions.ctypes.data)
         if graph.keep_name is not None:
             binding.bind_input(graph.keep_name, CPU, 0, np.int64, [1], inputs.keep.ctypes.data)
-        logits = self._logits_view(count, inputs.kept)
+        logits = buffer.view(count, inputs.kept, self._vocab)
         shape = list(logits.shape)
         binding.bind_output(graph.logits_name, CPU, 0, graph.logits_dtype, shape, logits.ctypes.data)
         if graph.hidden_name:
@@ -348,3 +381,43 @@ class OrtBatchBackend:
             f"OrtBatchBackend({str(self.folder.path)!r}, slots={self.slots}, max_length={self._max_length}, "
             f"lengths={self._lengths}, kv={self.graph.kv_dtype})"
         )
+
+
+class LoneSlot:
+    """The one-sequence ``Backend`` protocol (``backends/base.py``) on an ``OrtBatchBackend``'s lone slot: what an
+    Engine opened for batching measures and generates on, with the batch backend's session (no second copy of
+    the weights). ``decode`` asks the run for its last position's logits only. Attributes for the Engine's
+    measurement cache: ``provider``, ``threads`` and ``variant`` (the batch backend's)."""
+
+    def __init__(self, batch: OrtBatchBackend) -> None:
+        self.batch = batch
+        self.provider, self.threads, self.variant = batch.provider, batch.threads, batch.variant
+
+    @property
+    def vocab_size(self) -> int:
+        return self.batch.vocab_size
+
+    @property
+    def max_length(self) -> int:
+        return self.batch.max_length
+
+    def reset(self) -> None:
+        self.batch._lengths[self.batch.slots] = 0
+
+    def current_len(self) -> int:
+        return self.batch._lengths[self.batch.slots]
+
+    def decode(self, tokens: Sequence[int], past: int) -> np.ndarray:
+        return self.batch._run_lone(tokens, past, 1, "past")[-1]
+
+    def decode_verify(self, tokens: Sequence[int], base: int) -> np.ndarray:
+        return self.batch._run_lone(tokens, base, None, "base")
+
+    def rewind(self, length: int) -> None:
+        held = self.current_len()
+        if isinstance(length, bool) or not isinstance(length, (int, np.integer)) or not 0 <= length <= held:
+            raise BackendError(f"cannot rewind the lone slot to {length!r}: it holds {held} positions")
+        self.batch._lengths[self.batch.slots] = int(length)
+
+    def __repr__(self) -> str:
+        return f"LoneSlot({self.batch!r})"

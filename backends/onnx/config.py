@@ -72,6 +72,9 @@ def _accuracy_level(instance: Any, attribute: Any, value: Any) -> None:
         raise ValueError(f"matmul_accuracy_level must be 0..4 or None, got {value!r}")
 
 
+SLOT_LENGTH = 2048  # a batched backend's KV positions per slot when max_length is not given (BackendConfig.capacity)
+
+
 @attrs.frozen
 class BackendConfig:
     """How to open one decoder (every field has the default a plain ``OrtBackend.from_folder(path)`` uses).
@@ -124,11 +127,13 @@ class BackendConfig:
             genai_session_options=genai_session_options,
         )
 
-    def capacity(self, context_length: int) -> int:
-        """The KV capacity for a model of ``context_length`` positions: ``max_length`` or, when None, all of them;
-        ``ValueError`` when ``max_length`` exceeds the model's."""
+    def capacity(self, context_length: int, *, batched: bool = False) -> int:
+        """The KV capacity for a model of ``context_length`` positions: ``max_length`` or, when None, all of them
+        (for one slot of a batched backend, ``batched``: at most ``SLOT_LENGTH``, since ONNX Runtime's attention
+        writes a slot's whole buffer on its first prompt, so every slot costs its capacity in memory: 377 MB for
+        SmolLM2-135M's 8,192 positions); ``ValueError`` when ``max_length`` exceeds the model's."""
         if self.max_length is None:
-            return context_length
+            return min(context_length, SLOT_LENGTH) if batched else context_length
         if not 1 <= self.max_length <= context_length:
             raise ValueError(
                 f"max_length must be in [1, {context_length}] (the model's context_length), got {self.max_length}"
