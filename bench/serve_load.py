@@ -2,7 +2,7 @@
 configuration after another (``SERVER_CONFIGS``: the batched Engine and today's worker design).
 
     python -m bench.serve_load                  # every configuration this server has, at 16, 32 and 64 clients
-    python -m bench.serve_load --quick          # smoke test: 4 clients x 1 short request, a minute or two
+    python -m bench.serve_load --quick          # smoke test: 4 clients x 1 short request, ~2 minutes
     python -m bench.serve_load --configs workers --concurrency 16 --requests 3
 
 It computes every prompt's reference text with an in-process ``Engine`` (plain greedy, no speculation, no prefix
@@ -30,10 +30,12 @@ runs ``workers`` only (``--configs`` selects among those available). Results go 
 (machine, date, settings, every number); the exit status is 1 if any phase failed its condition (a load phase's
 errors or text mismatches, the prefix-reuse TTFT target, an overload answer other than 200 or 429 + Retry-After).
 
-Cost on this 2-core machine, estimated from the quick runs (SmolLM2-135M-Instruct fp32): the default run is 112
-requests per configuration (16 + 32 + 64 clients x 1 request, ~80 tokens each) plus the references, three server
-starts, the reuse and overload phases: about 12 minutes when the machine is otherwise idle, most of it the
-workers configuration; proportionally more when other processes take the cores (the report says how many did).
+Cost on this 2-core machine (SmolLM2-135M-Instruct fp32), estimated from quick runs: per configuration 112
+requests (16 + 32 + 64 clients x 1 request: 66,000 prompt tokens, at most 9,000 generated), plus the references
+(640 tokens decoded alone), two server starts (the batched one measures its pass costs first: up to a minute), the
+reuse phase and the overload phase (~80 requests served, 32 tokens each): about 11 minutes on idle cores, half of
+it the workers configuration (~40 tokens/s at 16 clients, the issue's figure); two to three times that while
+other processes take most of the cores (the report says how many they took). ``--quick`` takes ~2 minutes.
 """
 
 from __future__ import annotations
