@@ -22,8 +22,8 @@ loopback port with a queue bound of at least the largest concurrency, and runs w
 3. **Overload** (first configuration only). More clients at once than slots + queue (one short request each): the
    excess must be refused with clean 429s (``Retry-After``, OpenAI error object), the rest served correctly.
 
-The report puts each configuration's row beside the worker design's at the same concurrency (tokens/s and TTFT
-p50 ratios) and says whether the issue's server target (batched at 16 clients >= 4x workers) was met.
+The report puts each configuration's row beside the worker design's at the same concurrency (tokens/s, TTFT p50
+and peak RSS ratios) and says whether the issue's server target (batched at 16 clients >= 4x workers) was met.
 
 ``ortspec serve`` with ``--max-batch`` (one batched Engine) runs both configurations; a server without the flag
 runs ``workers`` only (``--configs`` selects among those available). Results go to ``<out>/serve_load.{json,md}``
@@ -422,7 +422,9 @@ def _log(message: str) -> None:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m bench.serve_load", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m bench.serve_load", description=__doc__.split("\n")[0], allow_abbrev=False
+    )
     add = p.add_argument
     add("--model", help="model folder (default: SmolLM2-135M-Instruct fp32, converted on first use)")
     add(
@@ -458,10 +460,12 @@ def parse_args(argv: Sequence[str] | None, has_max_batch: bool) -> argparse.Name
     """The options, ``--quick`` applied, ``concurrency`` a sorted list and ``configs`` a list of available
     configuration names; a clear error for anything else."""
     parser = _parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
     if args.quick:
         for key, value in QUICK.items():
-            if getattr(args, key) == parser.get_default(key):
+            option = "--" + key.replace("_", "-")
+            if not any(a == option or a.startswith(option + "=") for a in argv):
                 setattr(args, key, value)
     try:
         args.concurrency = sorted({int(c) for c in str(args.concurrency).split(",")})

@@ -163,7 +163,7 @@ def _ratio(num: float | None, den: float | None) -> float | None:
 
 
 def ratios(rows: list[dict[str, Any]], baseline: str = BASELINE_CONFIG) -> list[dict[str, Any]]:
-    """Each non-baseline row ÷ the baseline row at the same concurrency: generated tokens/s and TTFT p50."""
+    """Each non-baseline row ÷ the baseline row at the same concurrency: generated tokens/s, TTFT p50, peak RSS."""
     base = {r["concurrency"]: r for r in rows if r["config"] == baseline}
     out = []
     for r in rows:
@@ -176,6 +176,7 @@ def ratios(rows: list[dict[str, Any]], baseline: str = BASELINE_CONFIG) -> list[
                     "concurrency": r["concurrency"],
                     "tokens_per_s": _ratio(r["tokens_per_s"], b["tokens_per_s"]),
                     "ttft_p50": _ratio(r["ttft_ms_p50"], b["ttft_ms_p50"]),
+                    "peak_rss": _ratio(r["peak_rss_mib"], b["peak_rss_mib"]),
                 }
             )
     return out
@@ -258,11 +259,12 @@ def _ratio_table(result: dict[str, Any]) -> list[str]:
     if not rows:
         return [f"No ratios: the run measured no configuration beside {BASELINE_CONFIG} at the same concurrency.", ""]
     lines = [
-        "| server ÷ baseline | clients | tokens/s ratio | TTFT p50 ratio |",
-        "| --- | ---: | ---: | ---: |",
+        "| server ÷ baseline | clients | tokens/s ratio | TTFT p50 ratio | peak RSS ratio |",
+        "| --- | ---: | ---: | ---: | ---: |",
     ]
     lines += [
-        f"| {r['config']} ÷ {r['baseline']} | {r['concurrency']} | {r['tokens_per_s']} | {r['ttft_p50']} |"
+        f"| {r['config']} ÷ {r['baseline']} | {r['concurrency']} | {r['tokens_per_s']} | {r['ttft_p50']} | "
+        f"{r['peak_rss']} |"
         for r in rows
     ]
     return [*lines, ""]

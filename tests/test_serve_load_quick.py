@@ -55,8 +55,9 @@ def test_configuration_table_and_options():
 
     args = parse_args(["--concurrency", "64,16,32"], has_max_batch=True)
     assert args.concurrency == [16, 32, 64] and args.max_queue == 64 and args.configs == ["batched", "workers"]
-    quick = parse_args(["--quick", "--requests", "2"], has_max_batch=False)
+    quick = parse_args(["--quick", "--requests", "2", "--max-prompt-tokens=1000"], has_max_batch=False)
     assert quick.concurrency == [4] and quick.requests == 2 and quick.configs == ["workers"] and quick.max_queue == 4
+    assert quick.max_prompt_tokens == 1000 and quick.conversation_tokens == 120  # given wins, even as the default
     for argv, has in ((["--configs", "batched"], False), (["--max-queue", "8"], True), (["--configs", "x"], True)):
         with pytest.raises(SystemExit):
             parse_args(argv, has_max_batch=has)
@@ -119,12 +120,13 @@ def test_summaries_ratios_target_and_markdown():
 
     assert ratios([batched, workers]) == [
         {"config": "batched", "baseline": "workers", "concurrency": 16, "tokens_per_s": 4.0, "ttft_p50": 0.2}
+        | {"peak_rss": 1.0}  # the same synthetic memory on both rows
     ]
     result = _result([batched, workers])
     assert result["target"]["met"] is True and "met, measured 4.0x" in result["target"]["line"]
     assert result["failures"] == ["text differs from the reference for ['p'], workers at 16 clients"]
     text = markdown(result)
-    assert "| batched ÷ workers | 16 | 4.0 | 0.2 |" in text and "batch_rows 8.0" in text
+    assert "| batched ÷ workers | 16 | 4.0 | 0.2 | 1.0 |" in text and "batch_rows 8.0" in text
     assert "| workers | 16 | 2 | 0 | 1/2 |" in text and "Verdict: FAIL" in text
 
     alone = _result([batched])
