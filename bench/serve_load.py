@@ -499,12 +499,25 @@ class Collected:
     peak_reset: bool = True
 
 
-def run_config(name: str, first: bool, ctx: dict[str, Any], run: LoadRun, collected: Collected) -> None:
+@dataclass(frozen=True)
+class Setup:
+    """What every configuration's run shares: the options, the model, this machine's usable cores, whether the
+    server has ``--max-batch``, the reuse phase's first turns and the tokenizer that counts them."""
+
+    args: argparse.Namespace
+    model_dir: Path
+    cores: int
+    has_max_batch: bool
+    turns: list[list[dict[str, str]]]
+    tokenizer: Tokenizer
+
+
+def run_config(name: str, first: bool, setup: Setup, run: LoadRun, collected: Collected) -> None:
     """Start ``name``'s server, run its phases (prefix reuse and overload only when ``first``), stop it."""
-    args, model_dir = ctx["args"], ctx["model_dir"]
-    config = SERVER_CONFIGS[name]
+    args, config = setup.args, SERVER_CONFIGS[name]
     log = Path(tempfile.gettempdir()) / f"ortspec-serve_load-{name}.log"
-    server = ServerProcess(model_dir, config.cli_args(ctx["cores"], ctx["has_max_batch"]), args.max_queue, log)
+    config_args = config.cli_args(setup.cores, setup.has_max_batch)
+    server = ServerProcess(setup.model_dir, config_args, args.max_queue, log)
     try:
         ready_s = server.wait_ready()
         collected.servers.append(
@@ -514,12 +527,12 @@ def run_config(name: str, first: bool, ctx: dict[str, Any], run: LoadRun, collec
         _log(f"{name}: ready in {ready_s:.1f} s at {server.url}")
         if first:
             _log(f"{name}: prefix-reuse phase ...")
-            turns = ctx["turns"]
+            turns = setup.turns
             rows, cpu = contended(
                 server, lambda: asyncio.run(prefix_reuse_phase(server.url, turns, args.reuse_max_tokens))
             )
             for row, turn in zip(rows, turns, strict=True):
-                row["prompt_tokens"] = len(ctx["tokenizer"].encode(ctx["tokenizer"].apply_chat_template(turn)))
+                row["prompt_tokens"] = len(setup.tokenizer.encode(setup.tokenizer.apply_chat_template(turn)))
             median = statistics.median(r["ratio"] for r in rows)
             collected.reuse = {"config": name, "conversations": rows, "median_ratio": median, "cpu": cpu}
         for c in args.concurrency:
@@ -559,12 +572,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     tokenizer = Tokenizer.from_folder(model_dir)
     sources = CONVERSATION_SOURCES[: args.conversations]
     turns = [conversation(tokenizer, src, args.conversation_tokens) for src in sources]
-    ctx = {"args": args, "model_dir": model_dir, "cores": cores, "has_max_batch": has_max_batch}
-    ctx |= {"turns": turns, "tokenizer": tokenizer}
+    setup = Setup(args, model_dir, cores, has_max_batch, turns, tokenizer)
     run = LoadRun(prompts, args.requests, {})
     collected = Collected(servers=[], load=[])
     for i, name in enumerate(args.configs):
-        run_config(name, i == 0, ctx, run, collected)
+        run_config(name, i == 0, setup, run, collected)
     assert collected.reuse is not None and collected.overload is not None
 
     ratio_rows = ratios(collected.load)
