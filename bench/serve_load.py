@@ -1,24 +1,41 @@
-"""Load test of ``ortspec serve``: concurrent streaming clients against a real server on this machine.
+"""Load test of ``ortspec serve``: concurrent streaming clients against real servers on this machine, one server
+configuration after another (``SERVER_CONFIGS``: the batched Engine and today's worker design).
 
-    python -m bench.serve_load                 # SmolLM2-135M-Instruct fp32, 2 workers x 1 thread, C = 16, R = 3
-    python -m bench.serve_load --concurrency 8 --requests 2 --workers 1 --threads 2
+    python -m bench.serve_load                  # every configuration this server has, at 16, 32 and 64 clients
+    python -m bench.serve_load --quick          # smoke test: 4 clients x 1 short request, ~2 minutes
+    python -m bench.serve_load --configs workers --concurrency 16 --requests 3
 
-It starts ``ortspec serve`` as a subprocess on a free loopback port, computes every prompt's reference text with
-an in-process ``Engine`` (plain greedy, no speculation, no prefix reuse) before the server starts, then runs
-three phases with the official ``openai`` client (``AsyncOpenAI``, streaming, no retries):
+It computes every prompt's reference text with an in-process ``Engine`` (plain greedy, no speculation, no prefix
+reuse) before any server starts, then, for each configuration, starts ``ortspec serve`` as a subprocess on a free
+loopback port with a queue bound of at least the largest concurrency, and runs with the official ``openai`` client
+(``AsyncOpenAI``, streaming, no retries):
 
-1. **Prefix reuse.** A ~1,000-token conversation (a standard-library source file and a question), then its second
-   turn (the answer and a new question). Time to first token (TTFT) of the second turn ÷ TTFT of the cold first
-   turn, for a few conversations; the second turn's ``cached_tokens`` come from the usage.
-2. **Load.** C concurrent clients, each sending R requests one after another, round-robin over prompts of mixed
-   lengths (``bench.workloads``: code edits, summaries, retrieval QA, open-ended; 37 to ~1,000 tokens) and
-   ``max_tokens`` of 32 to 128. Requests/s, generated tokens/s, TTFT and inter-token latency p50/p99, errors, and
-   whether every stream's text equals its reference. Errors must be 0 (C must fit in workers + ``--max-queue``).
-3. **Overload.** More clients at once than workers + queue slots (one short request each): the excess must be
-   refused with clean 429s (``Retry-After``, OpenAI error object), the rest served correctly, nothing else.
+1. **Prefix reuse** (first configuration only). A ~1,000-token conversation (a standard-library source file and a
+   question), then its second turn (the answer and a new question). Time to first token (TTFT) of the second turn
+   ÷ TTFT of the cold first turn; the second turn's ``cached_tokens`` come from the usage.
+2. **Load**, once per concurrency C (``--concurrency``, ascending). C concurrent clients, each sending R requests
+   (``--requests``) one after another, round-robin over prompts of mixed lengths (``bench.workloads``: code edits,
+   summaries, retrieval QA, open-ended; 37 to ~1,000 tokens) and ``max_tokens`` of 32 to 128. Requests/s,
+   generated tokens/s, TTFT and inter-chunk gap p50/p99, errors, whether every stream's text equals its reference,
+   the server's peak RSS (VmHWM, reset before the phase where the kernel allows) and RSS after the phase, its CPU
+   seconds, and the mean of every batch-size histogram its ``/metrics`` exposes (rows per batched pass).
+3. **Overload** (first configuration only). More clients at once than slots + queue (one short request each): the
+   excess must be refused with clean 429s (``Retry-After``, OpenAI error object), the rest served correctly.
 
-Results go to ``<out>/serve_load.{json,md}`` (machine, date, settings, every number); the exit status is 1 if any
-phase failed its condition.
+The report puts each configuration's row beside the worker design's at the same concurrency (tokens/s, TTFT p50
+and peak RSS ratios) and says whether the issue's server target (batched at 16 clients >= 4x workers) was met.
+
+``ortspec serve`` with ``--max-batch`` (one batched Engine) runs both configurations; a server without the flag
+runs ``workers`` only (``--configs`` selects among those available). Results go to ``<out>/serve_load.{json,md}``
+(machine, date, settings, every number); the exit status is 1 if any phase failed its condition (a load phase's
+errors or text mismatches, the prefix-reuse TTFT target, an overload answer other than 200 or 429 + Retry-After).
+
+Cost on this 2-core machine (SmolLM2-135M-Instruct fp32), estimated from quick runs: per configuration 112
+requests (16 + 32 + 64 clients x 1 request: 66,000 prompt tokens, at most 9,000 generated), plus the references
+(640 tokens decoded alone), two server starts (the batched one measures its pass costs first: up to a minute), the
+reuse phase and the overload phase (~80 requests served, 32 tokens each): about 11 minutes on idle cores, half of
+it the workers configuration (~40 tokens/s at 16 clients, the issue's figure); two to three times that while
+other processes take most of the cores (the report says how many they took). ``--quick`` takes ~2 minutes.
 """
 
 from __future__ import annotations
@@ -34,7 +51,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -42,6 +59,18 @@ import httpx
 import openai
 
 from bench.machine import CpuContention, machine_info
+from bench.serve_load_report import (
+    Outcome,
+    Prompt,
+    batch_histogram_means,
+    counter_deltas,
+    failures,
+    markdown,
+    ratios,
+    summarize_load,
+    summarize_overload,
+    target_verdict,
+)
 from bench.workloads import build_workloads
 from ortspec.adapters.engine import Engine
 from ortspec.adapters.engine.tokenizer import Tokenizer
@@ -51,48 +80,57 @@ T = TypeVar("T")
 MODEL_NAME = "served"
 MAX_TOKENS = (64, 128, 32, 96)  # cycled over the prompts: mixed output lengths
 CONVERSATION_SOURCES = ("textwrap.py", "shlex.py", "fnmatch.py")
+CORES = "{cores}"  # in a configuration's arguments: the usable cores of this machine
 
 
-@dataclass
-class Prompt:
-    name: str
-    messages: list[dict[str, str]]
-    max_tokens: int
-    prompt_tokens: int
-    reference: str = ""
-    reference_finish: str = ""
+@dataclass(frozen=True)
+class ServerConfig:
+    """One way to run ``ortspec serve``: the CLI arguments that select it (``CORES`` stands for the usable cores),
+    how many requests it decodes at once (``slots``), whether it needs ``--max-batch`` (the batched Engine), and
+    the arguments added when the server has that flag (so the worker design stays the worker design)."""
+
+    args: tuple[str, ...]
+    slots: int
+    needs_max_batch: bool = False
+    args_with_max_batch: tuple[str, ...] = ()
+
+    def cli_args(self, cores: int, has_max_batch: bool) -> list[str]:
+        extra = self.args_with_max_batch if has_max_batch else ()
+        return [str(cores) if a == CORES else a for a in (*self.args, *extra)]
 
 
-@dataclass
-class Outcome:
-    """One streamed request as the client saw it."""
+SERVER_CONFIGS = {
+    "batched": ServerConfig(("--max-batch", "16", "--threads", CORES), slots=16, needs_max_batch=True),
+    "workers": ServerConfig(("--workers", "2", "--threads", "1"), slots=2, args_with_max_batch=("--max-batch", "1")),
+}
 
-    prompt: str
-    text: str = ""
-    finish: str | None = None
-    start: float = 0.0
-    first: float | None = None  # first non-empty content chunk
-    chunk_times: list[float] = field(default_factory=list)
-    completion_tokens: int = 0
-    cached_tokens: int = 0
-    status: int = 200
-    error: str | None = None
-    retry_after: str | None = None
-
-
-def _percentile(values: Sequence[float], q: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    k = (len(ordered) - 1) * q
-    lo, hi = int(k), min(int(k) + 1, len(ordered) - 1)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
+QUICK = {  # --quick: the defaults it changes (an option given explicitly wins)
+    "concurrency": "4",
+    "requests": 1,
+    "prompts_per_category": 1,
+    "max_prompt_tokens": 120,
+    "conversation_tokens": 120,
+    "conversations": 1,
+    "reuse_max_tokens": 16,
+    "overload_extra": 4,
+    "ttft_target": 0.0,
+}
 
 
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def server_has_max_batch() -> bool:
+    """Whether ``ortspec serve --help`` lists ``--max-batch`` (the batched Engine is there)."""
+    cmd = [sys.executable, "-m", "ortspec.adapters.cli", "serve", "--help"]
+    return "--max-batch" in subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+
+
+def available_configs(has_max_batch: bool) -> list[str]:
+    return [name for name, c in SERVER_CONFIGS.items() if has_max_batch or not c.needs_max_batch]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -149,31 +187,15 @@ def compute_references(model_dir: Path, prompts: list[Prompt], threads: int) -> 
 
 
 class ServerProcess:
-    """``ortspec serve`` in a subprocess on a free loopback port; ``url`` once ``/health`` answers."""
+    """``ortspec serve`` in a subprocess on a free loopback port, started with ``config_args`` (a configuration's
+    CLI arguments) and ``max_queue``; ``url`` answers once ``wait_ready`` returns."""
 
-    def __init__(self, model_dir: Path, args: argparse.Namespace, log: Path) -> None:
+    def __init__(self, model_dir: Path, config_args: Sequence[str], max_queue: int, log: Path) -> None:
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [
-            sys.executable,
-            "-m",
-            "ortspec.adapters.cli",
-            "serve",
-            "--model",
-            str(model_dir),
-            "--model-name",
-            MODEL_NAME,
-            "--port",
-            str(self.port),
-            "--workers",
-            str(args.workers),
-            "--threads",
-            str(args.threads),
-            "--max-queue",
-            str(args.max_queue),
-            "--log-level",
-            "warning",
-        ]
+        cmd = [sys.executable, "-m", "ortspec.adapters.cli", "serve", "--model", str(model_dir)]
+        cmd += ["--model-name", MODEL_NAME, "--port", str(self.port), *config_args]
+        cmd += ["--max-queue", str(max_queue), "--log-level", "warning"]
         self.command = cmd
         self._log = open(log, "w", encoding="utf-8")  # noqa: SIM115 (closed in stop)
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT)
@@ -196,12 +218,31 @@ class ServerProcess:
         fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
+    def memory_mib(self) -> dict[str, float | None]:
+        """The server process's resident memory now (``rss``: VmRSS) and its peak (``peak``: VmHWM, since start or
+        since the last ``reset_peak``), MiB; None where /proc does not say."""
+        status = Path(f"/proc/{self.proc.pid}/status").read_text().splitlines()
+        kib = {line.split(":")[0]: int(line.split()[1]) for line in status if line.startswith(("VmRSS", "VmHWM"))}
+        return {k: round(kib[v] / 1024, 1) if v in kib else None for k, v in (("rss", "VmRSS"), ("peak", "VmHWM"))}
+
+    def reset_peak(self) -> bool:
+        """Reset the server's VmHWM to its current RSS (Linux: ``5`` to ``/proc/PID/clear_refs``); False if the
+        kernel refused (the peak is then the server's lifetime peak)."""
+        try:
+            Path(f"/proc/{self.proc.pid}/clear_refs").write_text("5")
+        except OSError:
+            return False
+        return True
+
     def metrics(self) -> dict[str, float]:
-        """The server's counters, summed over labels (``name_total`` -> value)."""
+        """The server's ``ortspec_`` samples, summed over labels (``name_total`` / ``name_sum`` / ``name_count``
+        -> value; histogram buckets and creation times left out)."""
         totals: dict[str, float] = {}
         for line in httpx.get(self.url + "/metrics", timeout=10).text.splitlines():
-            if line.startswith("ortspec_") and "_total" in line:
-                name, value = line.split("{")[0].split(" ")[0], float(line.rsplit(" ", 1)[1])
+            if not line.startswith("ortspec_"):
+                continue
+            name, value = line.split("{")[0].split(" ")[0], float(line.rsplit(" ", 1)[1])
+            if not name.endswith(("_bucket", "_created")):
                 totals[name] = totals.get(name, 0.0) + value
         return totals
 
@@ -319,164 +360,50 @@ async def overload_phase(url: str, prompts: list[Prompt], concurrency: int) -> t
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Summaries
-# ----------------------------------------------------------------------------------------------------------------
-
-
-def summarize_load(outcomes: list[Outcome], wall: float, prompts: dict[str, Prompt]) -> dict[str, Any]:
-    ok = [o for o in outcomes if o.error is None]
-    ttft = [o.first - o.start for o in ok if o.first is not None]
-    gaps = [b - a for o in ok for a, b in zip(o.chunk_times, o.chunk_times[1:], strict=False)]
-    tpot = [
-        (o.chunk_times[-1] - o.first) / (o.completion_tokens - 1)
-        for o in ok
-        if o.first is not None and o.completion_tokens > 1
-    ]
-    mismatches = [
-        o.prompt for o in ok if o.text != prompts[o.prompt].reference or o.finish != prompts[o.prompt].reference_finish
-    ]
-    tokens = sum(o.completion_tokens for o in ok)
-
-    def ms(x: float | None) -> float | None:
-        return round(x * 1000, 1) if x is not None else None
-
-    return {
-        "requests": len(outcomes),
-        "completed": len(ok),
-        "errors": len(outcomes) - len(ok),
-        "error_messages": sorted({o.error for o in outcomes if o.error})[:10],
-        "wall_s": round(wall, 2),
-        "requests_per_s": round(len(ok) / wall, 3),
-        "tokens_per_s": round(tokens / wall, 1),
-        "completion_tokens": tokens,
-        "cached_prompt_tokens": sum(o.cached_tokens for o in ok),
-        "ttft_ms_p50": ms(_percentile(ttft, 0.5)),
-        "ttft_ms_p99": ms(_percentile(ttft, 0.99)),
-        "inter_chunk_ms_p50": ms(_percentile(gaps, 0.5)),
-        "inter_chunk_ms_p99": ms(_percentile(gaps, 0.99)),
-        "time_per_output_token_ms_p50": ms(_percentile(tpot, 0.5)),
-        "time_per_output_token_ms_p99": ms(_percentile(tpot, 0.99)),
-        "text_equals_reference": f"{len(ok) - len(mismatches)}/{len(ok)}",
-        "mismatched_prompts": sorted(set(mismatches)),
-    }
-
-
-def summarize_overload(outcomes: list[Outcome], wall: float, prompts: dict[str, Prompt]) -> dict[str, Any]:
-    refused = [o for o in outcomes if o.status == 429]
-    clean = [o for o in refused if o.retry_after and o.retry_after.isdigit()]
-    served = [o for o in outcomes if o.error is None]
-    other = [o for o in outcomes if o.error is not None and o.status != 429]
-    # An overload request asks for 32 tokens: its reference is the reference prefix only if that ran to 32 tokens,
-    # so check the text is a prefix of the longer reference's text (same prompt, greedy).
-    wrong = [o for o in served if not prompts[o.prompt].reference.startswith(o.text)]
-    return {
-        "requests": len(outcomes),
-        "served": len(served),
-        "refused_429": len(refused),
-        "refused_429_with_retry_after": len(clean),
-        "other_errors": len(other),
-        "other_error_messages": sorted({o.error for o in other if o.error})[:10],
-        "served_text_consistent_with_reference": f"{len(served) - len(wrong)}/{len(served)}",
-        "wall_s": round(wall, 2),
-    }
-
-
-def _cpu_line(cpu: dict[str, Any]) -> str:
-    return (
-        f"CPU during the phase (average cores): server {cpu['server_cores']}, clients {cpu['client_cores']}, "
-        f"other processes (not the benchmark) {cpu['other_cores']}."
-    )
-
-
-def markdown(result: dict[str, Any]) -> str:
-    m, s, load, over = result["machine"], result["settings"], result["load"], result["overload"]
-    base = result["in_process_baseline"]
-    reuse = result["prefix_reuse"]
-    lines = [
-        "# `ortspec serve` under load",
-        "",
-        f"Measured {m['date_utc']} on {m['cpu']} ({m['cores']['usable']} usable cores, {m['memory_gib']} GiB; "
-        f"other processes were using {m['background_load_cores']} cores at the start), "
-        f"{m['python']}, onnxruntime {m['versions'].get('onnxruntime')}. Written by `{result['command']}`.",
-        "",
-        f"Server: `{' '.join(result['server_command'])}` (model {s['model']}; {s['workers']} workers x "
-        f"{s['threads']} threads, queue {s['max_queue']}, speculative prompt lookup by default, prefix reuse on); "
-        f"ready {result['server_ready_s']:.1f} s after launch (engines loaded, drift and verify costs measured). "
-        "Clients: the official `openai` AsyncOpenAI client, streaming, no retries, in one process on the same "
-        "machine.",
-        "",
-        "## Prefix reuse (time to first token, client side)",
-        "",
-        "| conversation | cold TTFT (turn 1) | second-turn TTFT | ratio | cached tokens (turn 2) |",
-        "| --- | ---: | ---: | ---: | ---: |",
-    ]
-    for i, r in enumerate(reuse["conversations"]):
-        lines.append(
-            f"| {i} ({result['conversation_sources'][i]}, {r['prompt_tokens']} tokens) | "
-            f"{r['cold_ttft_s'] * 1000:.0f} ms | {r['second_turn_ttft_s'] * 1000:.0f} ms | {r['ratio']:.3f} | "
-            f"{r['second_turn_cached_tokens']} |"
-        )
-    lines += [
-        "",
-        f"{_cpu_line(reuse['cpu'])} Median ratio {reuse['median_ratio']:.3f} "
-        f"({'target <= ' + str(s['ttft_target']) if s['ttft_target'] else 'no target set'}).",
-        "",
-        f"## Load: {s['concurrency']} concurrent streaming clients x {s['requests']} requests",
-        "",
-        f"Prompts: {len(result['prompts'])} chats of {min(p['prompt_tokens'] for p in result['prompts'])}-"
-        f"{max(p['prompt_tokens'] for p in result['prompts'])} tokens (bench.workloads), max_tokens "
-        f"{sorted({p['max_tokens'] for p in result['prompts']})}. The references, computed in process before the "
-        f"server started with plain greedy decoding, one prompt at a time on {base['threads']} threads, double as a "
-        f"baseline on the machine as it was: {base['completion_tokens']} tokens in {base['seconds']} s = "
-        f"{base['tokens_per_s']} tokens/s end to end (other processes used {base['other_processes_cores']} cores "
-        "meanwhile).",
-        "",
-        "| requests | errors | text == reference | wall | requests/s | tokens/s | TTFT p50 / p99 | "
-        "inter-chunk p50 / p99 | time per output token p50 / p99 |",
-        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
-        f"| {load['requests']} | {load['errors']} | {load['text_equals_reference']} | {load['wall_s']} s | "
-        f"{load['requests_per_s']} | {load['tokens_per_s']} | {load['ttft_ms_p50']} / {load['ttft_ms_p99']} ms | "
-        f"{load['inter_chunk_ms_p50']} / {load['inter_chunk_ms_p99']} ms | "
-        f"{load['time_per_output_token_ms_p50']} / {load['time_per_output_token_ms_p99']} ms |",
-        "",
-        _cpu_line(load["cpu"]),
-        "",
-        "Inter-chunk: the gap between consecutive streamed content chunks (one chunk per committed token that "
-        "releases text; an accepted draft block arrives as several chunks at once). Time per output token: "
-        "(last chunk - first chunk) / (tokens - 1) per request. Server counters over the run: "
-        f"{result['server_counters'].get('passes', 0):.0f} target passes for "
-        f"{result['server_counters'].get('completion_tokens', 0):.0f} tokens, draft acceptance "
-        f"{result['server_counters'].get('acceptance', 0):.0%}, "
-        f"{result['server_counters'].get('cached_prompt_tokens', 0):.0f} of "
-        f"{result['server_counters'].get('prompt_tokens', 0):.0f} prompt tokens reused.",
-        "",
-        f"## Overload: {over['requests']} clients at once (workers + queue = {s['workers'] + s['max_queue']})",
-        "",
-        f"Served {over['served']}, refused {over['refused_429']} with 429 ({over['refused_429_with_retry_after']} "
-        f"with a Retry-After header), other errors {over['other_errors']}; served text consistent with the "
-        f"reference {over['served_text_consistent_with_reference']}. {_cpu_line(over['cpu'])}",
-        "",
-        f"Verdict: {'PASS' if result['passed'] else 'FAIL'} "
-        f"({'; '.join(result['failures']) or 'every condition met'}).",
-        "",
-    ]
-    return "\n".join(lines)
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Main
+# Phases
 # ----------------------------------------------------------------------------------------------------------------
 
 
 def contended(server: ServerProcess, phase: Callable[[], T]) -> tuple[T, dict[str, Any]]:
     """Run ``phase`` and say how many cores the server, this process (the clients) and every other process used
-    on average meanwhile (other processes: load that does not belong to the benchmark)."""
+    on average meanwhile (other processes: load that does not belong to the benchmark), and the server's CPU
+    seconds in it."""
     cpu0 = server.cpu_seconds()
     with CpuContention() as c:
         value = phase()
-    server_cores = (server.cpu_seconds() - cpu0) / c.wall_s if c.wall_s else 0.0
+    server_s = server.cpu_seconds() - cpu0
+    server_cores = server_s / c.wall_s if c.wall_s else 0.0
     others = None if c.others_cores is None else round(max(0.0, c.others_cores - server_cores), 2)
-    return value, {"server_cores": round(server_cores, 2), "client_cores": c.self_cores, "other_cores": others}
+    cpu = {"server_cores": round(server_cores, 2), "client_cores": c.self_cores, "other_cores": others}
+    return value, cpu | {"server_s": round(server_s, 1)}
+
+
+@dataclass(frozen=True)
+class LoadRun:
+    """What every load phase shares: the prompts (references computed), requests per client, and where the
+    phase's outcomes go (``outcomes``: (configuration, concurrency) -> streamed outcomes)."""
+
+    prompts: list[Prompt]
+    requests: int
+    outcomes: dict[tuple[str, int], list[Outcome]]
+
+
+def measure_load(server: ServerProcess, config: str, concurrency: int, run: LoadRun) -> tuple[dict[str, Any], bool]:
+    """One load phase: its summary row (with memory, CPU, counters and batch-size means) and whether the peak RSS
+    was reset for it."""
+    reset = server.reset_peak()
+    before = server.metrics()
+    (outcomes, wall), cpu = contended(
+        server, lambda: asyncio.run(load_phase(server.url, run.prompts, concurrency, run.requests))
+    )
+    after, memory = server.metrics(), server.memory_mib()
+    run.outcomes[(config, concurrency)] = outcomes
+    row = {"config": config, "concurrency": concurrency}
+    row |= summarize_load(outcomes, wall, {p.name: p for p in run.prompts})
+    row |= {"peak_rss_mib": memory["peak"], "rss_after_mib": memory["rss"], "server_cpu_s": cpu["server_s"]}
+    row |= {"cpu": cpu, "server_counters": counter_deltas(before, after)}
+    row["batch_histogram_means"] = batch_histogram_means(before, after)
+    return row, reset
 
 
 def _model_dir(arg: str | None) -> Path:
@@ -490,122 +417,204 @@ def _model_dir(arg: str | None) -> Path:
     return folder
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.serve_load", description=__doc__.split("\n")[0])
-    parser.add_argument("--model", help="model folder (default: SmolLM2-135M-Instruct fp32, converted on first use)")
-    parser.add_argument("--workers", type=int, default=2, help="server workers (default 2)")
-    parser.add_argument("--threads", type=int, default=1, help="intra-op threads per worker (default 1)")
-    parser.add_argument("--max-queue", type=int, default=16, help="server queue bound (default 16)")
-    parser.add_argument("--concurrency", type=int, default=16, help="concurrent clients in the load phase (16)")
-    parser.add_argument("--requests", type=int, default=3, help="requests per client in the load phase (3)")
-    parser.add_argument("--overload", type=int, default=None, help="clients in the overload phase (workers+queue+16)")
-    parser.add_argument("--prompts-per-category", type=int, default=2, help="prompts per workload category (2)")
-    parser.add_argument("--max-prompt-tokens", type=int, default=1000, help="longest load prompt (1000)")
-    parser.add_argument("--conversation-tokens", type=int, default=1000, help="first turn of the reuse phase (1000)")
-    parser.add_argument("--reuse-max-tokens", type=int, default=64, help="answer length in the reuse phase (64)")
-    parser.add_argument(
-        "--ttft-target", type=float, default=0.2, help="most second-turn ÷ cold TTFT (median) that passes; 0: none"
+def _log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m bench.serve_load", description=__doc__.split("\n")[0], allow_abbrev=False
     )
-    parser.add_argument("--out", default="docs/serve", help="folder for serve_load.{json,md} (default docs/serve)")
+    add = p.add_argument
+    add("--model", help="model folder (default: SmolLM2-135M-Instruct fp32, converted on first use)")
+    add(
+        "--configs",
+        help=f"server configurations, in order, from {', '.join(SERVER_CONFIGS)} (default: every one "
+        "this server has; the first also runs the prefix-reuse and overload phases)",
+    )
+    add("--concurrency", default="16,32,64", help="concurrent clients of each load phase (default 16,32,64)")
+    add("--requests", type=int, default=1, help="requests per client in a load phase (default 1)")
+    add("--max-queue", type=int, default=None, help="server queue bound (default and least: the largest concurrency)")
+    add("--overload-extra", type=int, default=16, help="overload clients beyond slots + queue (default 16)")
+    add("--prompts-per-category", type=int, default=2, help="prompts per workload category (2)")
+    add("--max-prompt-tokens", type=int, default=1000, help="longest load prompt (1000)")
+    add(
+        "--conversations",
+        type=int,
+        default=3,
+        help=f"conversations of the reuse phase (3, at most {len(CONVERSATION_SOURCES)})",
+    )
+    add("--conversation-tokens", type=int, default=1000, help="first turn of the reuse phase (1000)")
+    add("--reuse-max-tokens", type=int, default=64, help="answer length in the reuse phase (64)")
+    add("--ttft-target", type=float, default=0.2, help="most second-turn ÷ cold TTFT (median) that passes; 0: none")
+    add(
+        "--quick",
+        action="store_true",
+        help="smoke test: " + ", ".join(f"{k.replace('_', '-')} {v}" for k, v in QUICK.items()) + " unless given",
+    )
+    add("--out", default="docs/serve", help="folder for serve_load.{json,md} (default docs/serve)")
+    return p
+
+
+def parse_args(argv: Sequence[str] | None, has_max_batch: bool) -> argparse.Namespace:
+    """The options, ``--quick`` applied, ``concurrency`` a sorted list and ``configs`` a list of available
+    configuration names; a clear error for anything else."""
+    parser = _parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
-    if args.concurrency > args.workers + args.max_queue:
-        parser.error("--concurrency must fit in workers + --max-queue (the load phase must see no 429)")
-    overload = args.overload or args.workers + args.max_queue + 16
+    if args.quick:
+        for key, value in QUICK.items():
+            option = "--" + key.replace("_", "-")
+            if not any(a == option or a.startswith(option + "=") for a in argv):
+                setattr(args, key, value)
+    try:
+        args.concurrency = sorted({int(c) for c in str(args.concurrency).split(",")})
+    except ValueError:
+        parser.error(f"--concurrency must be comma-separated integers, got {args.concurrency!r}")
+    if args.concurrency[0] < 1 or args.requests < 1:
+        parser.error("--concurrency and --requests must be at least 1")
+    available = available_configs(has_max_batch)
+    args.configs = args.configs.split(",") if args.configs else available
+    unknown = [c for c in args.configs if c not in SERVER_CONFIGS]
+    if unknown:
+        parser.error(f"--configs: unknown {unknown}; known: {list(SERVER_CONFIGS)}")
+    missing = [c for c in args.configs if c not in available]
+    if missing:
+        parser.error(f"--configs: {missing} need `ortspec serve --max-batch`, which this server does not have")
+    args.max_queue = args.max_queue or args.concurrency[-1]
+    if args.max_queue < args.concurrency[-1]:
+        parser.error("--max-queue must be at least the largest --concurrency (the load phases must see no 429)")
+    args.conversations = max(1, min(args.conversations, len(CONVERSATION_SOURCES)))
+    return args
+
+
+@dataclass
+class Collected:
+    """Everything one invocation measured, filled configuration by configuration."""
+
+    servers: list[dict[str, Any]]
+    load: list[dict[str, Any]]
+    reuse: dict[str, Any] | None = None
+    overload: dict[str, Any] | None = None
+    peak_reset: bool = True
+
+
+@dataclass(frozen=True)
+class Setup:
+    """What every configuration's run shares: the options, the model, this machine's usable cores, whether the
+    server has ``--max-batch``, the reuse phase's first turns and the tokenizer that counts them."""
+
+    args: argparse.Namespace
+    model_dir: Path
+    cores: int
+    has_max_batch: bool
+    turns: list[list[dict[str, str]]]
+    tokenizer: Tokenizer
+
+
+def run_config(name: str, first: bool, setup: Setup, run: LoadRun, collected: Collected) -> None:
+    """Start ``name``'s server, run its phases (prefix reuse and overload only when ``first``), stop it."""
+    args, config = setup.args, SERVER_CONFIGS[name]
+    log = Path(tempfile.gettempdir()) / f"ortspec-serve_load-{name}.log"
+    config_args = config.cli_args(setup.cores, setup.has_max_batch)
+    server = ServerProcess(setup.model_dir, config_args, args.max_queue, log)
+    try:
+        ready_s = server.wait_ready()
+        collected.servers.append(
+            {"config": name, "command": ["ortspec", *server.command[3:]], "slots": config.slots}
+            | {"max_queue": args.max_queue, "ready_s": ready_s, "ready_rss_mib": server.memory_mib()["rss"]}
+        )
+        _log(f"{name}: ready in {ready_s:.1f} s at {server.url}")
+        if first:
+            _log(f"{name}: prefix-reuse phase ...")
+            turns = setup.turns
+            rows, cpu = contended(
+                server, lambda: asyncio.run(prefix_reuse_phase(server.url, turns, args.reuse_max_tokens))
+            )
+            for row, turn in zip(rows, turns, strict=True):
+                row["prompt_tokens"] = len(setup.tokenizer.encode(setup.tokenizer.apply_chat_template(turn)))
+            median = statistics.median(r["ratio"] for r in rows)
+            collected.reuse = {"config": name, "conversations": rows, "median_ratio": median, "cpu": cpu}
+        for c in args.concurrency:
+            _log(f"{name}: load phase, {c} clients x {args.requests} request(s) ...")
+            row, reset = measure_load(server, name, c, run)
+            collected.load.append(row)
+            collected.peak_reset &= reset
+            _log(
+                f"{name} @ {c}: {row['tokens_per_s']} tokens/s, TTFT p50 {row['ttft_ms_p50']} ms, "
+                f"{row['errors']} errors, text == reference {row['text_equals_reference']}"
+            )
+        if first:
+            clients = config.slots + args.max_queue + args.overload_extra
+            _log(f"{name}: overload phase, {clients} clients at once ...")
+            (outcomes, wall), cpu = contended(
+                server, lambda: asyncio.run(overload_phase(server.url, run.prompts, clients))
+            )
+            over = summarize_overload(outcomes, wall, {p.name: p for p in run.prompts})
+            capacity = config.slots + args.max_queue
+            collected.overload = {"config": name, "capacity": capacity, **over, "cpu": cpu}
+    finally:
+        server.stop()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    has_max_batch = server_has_max_batch()
+    args = parse_args(argv, has_max_batch)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     model_dir = _model_dir(args.model)
     machine = machine_info()
+    cores = machine["cores"]["usable"] or os.cpu_count() or 1
 
-    print(f"prompts and references on {model_dir} ...", file=sys.stderr)
+    _log(f"prompts and references on {model_dir} ...")
     prompts = load_prompts(model_dir, args.prompts_per_category, args.max_prompt_tokens)
-    baseline = compute_references(model_dir, prompts, threads=args.workers * args.threads)
-    by_name = {p.name: p for p in prompts}
+    baseline = compute_references(model_dir, prompts, threads=cores)
     tokenizer = Tokenizer.from_folder(model_dir)
-    turns = [conversation(tokenizer, src, args.conversation_tokens) for src in CONVERSATION_SOURCES]
+    sources = CONVERSATION_SOURCES[: args.conversations]
+    turns = [conversation(tokenizer, src, args.conversation_tokens) for src in sources]
+    setup = Setup(args, model_dir, cores, has_max_batch, turns, tokenizer)
+    run = LoadRun(prompts, args.requests, {})
+    collected = Collected(servers=[], load=[])
+    for i, name in enumerate(args.configs):
+        run_config(name, i == 0, setup, run, collected)
+    assert collected.reuse is not None and collected.overload is not None
 
-    server = ServerProcess(model_dir, args, Path(tempfile.gettempdir()) / "ortspec-serve_load-server.log")
-    failures: list[str] = []
-    try:
-        ready_s = server.wait_ready()
-        print(f"server ready in {ready_s:.1f} s at {server.url}; prefix-reuse phase ...", file=sys.stderr)
-        reuse_rows, reuse_cpu = contended(
-            server, lambda: asyncio.run(prefix_reuse_phase(server.url, turns, args.reuse_max_tokens))
-        )
-        for row, turn in zip(reuse_rows, turns, strict=True):
-            row["prompt_tokens"] = len(tokenizer.encode(tokenizer.apply_chat_template(turn)))
-        before = server.metrics()
-        print(f"load phase: {args.concurrency} clients x {args.requests} requests ...", file=sys.stderr)
-        (outcomes, wall), load_cpu = contended(
-            server, lambda: asyncio.run(load_phase(server.url, prompts, args.concurrency, args.requests))
-        )
-        after = server.metrics()
-        print(f"overload phase: {overload} clients at once ...", file=sys.stderr)
-        (over_outcomes, over_wall), over_cpu = contended(
-            server, lambda: asyncio.run(overload_phase(server.url, prompts, overload))
-        )
-    finally:
-        server.stop()
-
-    def delta(name: str) -> float:
-        return after.get(name, 0.0) - before.get(name, 0.0)
-
-    counters = {
-        "passes": delta("ortspec_target_passes_total"),
-        "completion_tokens": delta("ortspec_completion_tokens_total"),
-        "prompt_tokens": delta("ortspec_prompt_tokens_total"),
-        "cached_prompt_tokens": delta("ortspec_cached_prompt_tokens_total"),
-        "proposed": delta("ortspec_draft_tokens_proposed_total"),
-        "accepted": delta("ortspec_draft_tokens_accepted_total"),
-    }
-    counters["acceptance"] = counters["accepted"] / counters["proposed"] if counters["proposed"] else 0.0
-    load = summarize_load(outcomes, wall, by_name)
-    over = summarize_overload(over_outcomes, over_wall, by_name)
-    ratios = [r["ratio"] for r in reuse_rows]
-    reuse = {"conversations": reuse_rows, "median_ratio": statistics.median(ratios), "cpu": reuse_cpu}
-    load["cpu"], over["cpu"] = load_cpu, over_cpu
-    if args.ttft_target and reuse["median_ratio"] > args.ttft_target:
-        failures.append(f"second-turn TTFT ratio {reuse['median_ratio']:.3f} > {args.ttft_target}")
-    if load["errors"]:
-        failures.append(f"{load['errors']} errors in the load phase")
-    if load["mismatched_prompts"]:
-        failures.append(f"text differs from the reference for {load['mismatched_prompts']}")
-    if over["other_errors"]:
-        failures.append(f"{over['other_errors']} overload errors other than 429")
-    if over["refused_429"] != over["refused_429_with_retry_after"]:
-        failures.append("a 429 without Retry-After")
-    if over["served_text_consistent_with_reference"].split("/")[0] != str(over["served"]):
-        failures.append("overload text differs from the reference")
+    ratio_rows = ratios(collected.load)
     result = {
         "command": " ".join(["python -m bench.serve_load", *(argv if argv is not None else sys.argv[1:])]),
         "machine": machine,
         "settings": {
             "model": str(model_dir.name),
-            "workers": args.workers,
-            "threads": args.threads,
+            "configs": args.configs,
+            "server_has_max_batch": has_max_batch,
             "max_queue": args.max_queue,
             "concurrency": args.concurrency,
             "requests": args.requests,
-            "overload": overload,
+            "overload_extra": args.overload_extra,
             "ttft_target": args.ttft_target,
         },
-        "server_command": ["ortspec", *server.command[3:]],
-        "server_ready_s": ready_s,
+        "servers": collected.servers,
         "in_process_baseline": baseline,
         "prompts": [{"name": p.name, "prompt_tokens": p.prompt_tokens, "max_tokens": p.max_tokens} for p in prompts],
-        "conversation_sources": list(CONVERSATION_SOURCES),
-        "prefix_reuse": reuse,
-        "load": load,
-        "server_counters": counters,
-        "overload": over,
-        "passed": not failures,
-        "failures": failures,
-        "outcomes": [asdict(o) | {"chunk_times": len(o.chunk_times)} for o in outcomes],
+        "conversation_sources": list(sources),
+        "prefix_reuse": collected.reuse,
+        "load": collected.load,
+        "peak_rss_scope": "phase" if collected.peak_reset else "server's lifetime (the kernel refused a reset)",
+        "ratios": ratio_rows,
+        "target": target_verdict(ratio_rows),
+        "overload": collected.overload,
+        "outcomes": {
+            f"{config}@{c}": [asdict(o) | {"chunk_times": len(o.chunk_times)} for o in outcomes]
+            for (config, c), outcomes in run.outcomes.items()
+        },
     }
+    result["failures"] = failures(result)
+    result["passed"] = not result["failures"]
     (out / "serve_load.json").write_text(json.dumps(result, indent=2, default=str) + "\n", encoding="utf-8")
     (out / "serve_load.md").write_text(markdown(result), encoding="utf-8")
     print(markdown(result))
-    print(f"wrote {out / 'serve_load.json'} and {out / 'serve_load.md'}", file=sys.stderr)
-    return 0 if not failures else 1
+    _log(f"wrote {out / 'serve_load.json'} and {out / 'serve_load.md'}")
+    return 0 if result["passed"] else 1
 
 
 if __name__ == "__main__":

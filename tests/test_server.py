@@ -523,24 +523,6 @@ def test_cli_has_a_serve_command():
     assert args.workers == 2 and args.port == 0 and args.prefix_reuse is False and args.speculative == "prompt-lookup"
 
 
-def test_load_script_runs_and_checks_every_stream(tiny_model_dir, tmp_path):
-    """``python -m bench.serve_load`` in miniature: a server subprocess, concurrent streams equal to their
-    references, an overload served or refused with 429 + Retry-After and nothing else, results written."""
-    from bench.serve_load import main as serve_load
-
-    argv = ["--model", str(tiny_model_dir), "--concurrency", "4", "--requests", "2", "--max-queue", "4"]
-    argv += ["--overload", "12", "--max-prompt-tokens", "120", "--conversation-tokens", "80"]
-    argv += ["--reuse-max-tokens", "24", "--prompts-per-category", "1", "--ttft-target", "0", "--out", str(tmp_path)]
-    assert serve_load(argv) == 0
-    result = json.loads((tmp_path / "serve_load.json").read_text())
-    assert result["load"]["errors"] == 0 and result["load"]["text_equals_reference"] == "8/8"
-    over = result["overload"]  # how many are refused depends on how fast the tiny model serves the first ones
-    assert over["refused_429"] == over["refused_429_with_retry_after"] and over["other_errors"] == 0
-    assert over["served"] + over["refused_429"] == 12 and over["served"] >= 6
-    assert all(r["second_turn_cached_tokens"] > 0 for r in result["prefix_reuse"]["conversations"])
-    assert "# `ortspec serve` under load" in (tmp_path / "serve_load.md").read_text()
-
-
 @pytest.mark.real_model
 def test_real_model_served_text_equals_engine_and_reuse_changes_nothing(real_model_dir, real_engine):
     """SmolLM2: served chat text (streamed and not, speculative on and off) equals ``Engine.generate``; the second
