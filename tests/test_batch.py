@@ -275,15 +275,16 @@ from ortspec.adapters.engine.tokenizer import Tokenizer
 src, out, model, prompt = Path(sys.argv[2]), Path(sys.argv[3]), Path(sys.argv[4]), sys.argv[5]
 killer = KillRunOn(Tokenizer.from_folder(model).encode(prompt), DEFAULTS["speculative"])
 options = {**DEFAULTS, "draft_width": 4, "speculative": killer}
-run_batch(BatchJob(src, out, model=model, workers=1, threads=1, options=options), progress=False)
+run_batch(BatchJob(src, out, model=model, workers=1, threads=1, max_batch=1, options=options), progress=False)
 """
 
 
 def test_resume_after_a_kill(tiny_model_dir, tmp_path):
-    """SIGKILL the run (and its worker) in the middle of its fifth record, leave a half-written line as a kill
-    mid-write would, rerun: every record once, each equal to an uninterrupted run's. The kill comes from the fifth
-    record's first draft, so the first four records (longest prompt first: r23 to r20) are in OUTPUT: the parent
-    hands a worker its next record only after writing the last one."""
+    """SIGKILL a one-at-a-time run (``max_batch=1``; and its worker) in the middle of its fifth record, leave a
+    half-written line as a kill mid-write would, rerun (batched, the default): every record once, each equal to an
+    uninterrupted run's. The kill comes from the fifth record's first draft, so the first four records (longest
+    prompt first: r23 to r20) are in OUTPUT: on that path the parent hands a worker its next record only after
+    writing the last one. (A batched run killed mid-job: ``test_batch_slots.py``.)"""
     records = [
         {"id": f"r{i}", "prompt": f"{i} " + LOOKUP_TEXT[: 20 + 3 * i], "max_tokens": 150, "ignore_eos": True}
         for i in range(24)

@@ -268,14 +268,20 @@ class Engine:
         ids_in_vocab("stop", [t for seq in core_options.stop_token_sequences for t in seq], self.backend.vocab_size)
         return ids, core_options
 
-    def batch_backend(self) -> BatchBackend:
-        """The batch backend of :meth:`generate_many` (``BATCH_SLOTS`` slots on this folder, opened once)."""
+    def batch_backend(self, slots: int | None = None) -> BatchBackend:
+        """The batch backend of :meth:`generate_many` on this folder, opened once: ``slots`` KV caches (None: the
+        one already open, else ``BATCH_SLOTS``). ``ValueError`` when it is open with another slot count, or for an
+        Engine without a folder; ``BackendError`` or ``ValueError`` (from ``OrtBatchBackend.from_folder``) when the
+        folder cannot be batched as configured (a hybrid model, CUDA, static shapes)."""
         if self._batch is None:
             if self.folder is None:
                 raise ValueError("generate_many needs an Engine opened from a model folder (Engine.from_dir)")
             from ortspec.backends.onnx import OrtBatchBackend
 
-            self._batch = OrtBatchBackend.from_folder(self.folder, self.backend_config, slots=BATCH_SLOTS)
+            count = BATCH_SLOTS if slots is None else slots
+            self._batch = OrtBatchBackend.from_folder(self.folder, self.backend_config, slots=count)
+        elif slots is not None and slots != self._batch.slots:
+            raise ValueError(f"this Engine's batch backend is open with {self._batch.slots} slots, not {slots}")
         return self._batch
 
     def _check_prompt_fits(self, ids: Sequence[int]) -> None:
