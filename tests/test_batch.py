@@ -236,6 +236,8 @@ class CrashOn:
 
 
 def test_a_record_that_kills_its_worker_is_an_error_line(tiny_model_dir, tmp_path):
+    """The killer (the longest prompt, so handed out first) shares its batched worker with two other records: all
+    three run again alone, and only the killer gets the error line."""
     from ortspec.adapters.engine.tokenizer import Tokenizer
 
     ids = Tokenizer.from_folder(tiny_model_dir).encode("crash here please")

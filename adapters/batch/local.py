@@ -37,7 +37,7 @@ from typing import Any
 from .job import BatchError
 from .output import BatchOutput, encode_line
 from .records import Task, error_record
-from .worker import BatchWorker, WorkerSettings
+from .worker import BatchWorker, WorkerSettings, take_waiting
 
 # How the parent waits for worker messages before checking that its workers are alive (seconds).
 _POLL_S = 0.5
@@ -90,14 +90,11 @@ def _worker_main(
     results.send(("ready", index, worker.load_s, worker.slots, worker.note))
     while True:
         try:
-            new = [tasks.get(timeout=1.0)] if not worker.held else []
+            new = take_waiting(tasks, wait=not worker.held, timeout=1.0)
         except queue.Empty:
             if os.getppid() != parent:
                 return
             continue
-        with contextlib.suppress(queue.Empty):
-            while True:
-                new.append(tasks.get_nowait())
         if None in new:
             return
         for task in new:

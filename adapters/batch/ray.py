@@ -38,7 +38,7 @@ from .job import BatchError, BatchJob
 from .local import available_cores
 from .output import BatchOutput
 from .records import Task, error_record, task_from_message, task_message
-from .worker import BatchWorker, WorkerSettings, file_lock
+from .worker import BatchWorker, WorkerSettings, file_lock, take_waiting
 
 RAY_EXTRA_MESSAGE = "--ray needs Ray Data, which is not installed: pip install 'ortspec[ray]' (ray[data]==2.60.0)"
 # Files are shipped in pieces of at most this many bytes (bounds the driver's memory while it puts them).
@@ -205,23 +205,21 @@ class RayEngine:
 
     def _drive(self) -> None:
         """The worker's thread: take the calls' tasks (waiting only while it holds none), advance them, answer
-        each call's future as its record finishes. An unexpected failure fails every call waiting on it."""
+        each call's future as its record finishes. An unexpected failure fails every call waiting then (a bad
+        record is not one: it is an error line), and the thread goes on."""
         futures: dict[str, Future[tuple[dict[str, Any], dict[str, Any]]]] = {}
         while True:
-            new = [self._inbox.get()] if not self.worker.held else []
-            with contextlib.suppress(queue.Empty):
-                while True:
-                    new.append(self._inbox.get_nowait())
+            new = take_waiting(self._inbox, wait=not self.worker.held)
             try:
                 for task, future in new:
                     futures[task.key] = future
                     self.worker.submit(task)
                 for task, record, metrics in self.worker.advance():
                     futures.pop(task.key).set_result((record, metrics))
-            except Exception as exc:  # noqa: BLE001 - handed to the waiting calls
+            except Exception as exc:  # noqa: BLE001 - handed to the waiting calls (Ray gives up on their records)
                 for future in futures.values():
                     future.set_exception(exc)
-                raise
+                futures.clear()
 
 
 def _root_cause(exc: BaseException) -> str:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import os
+import queue
 import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -36,6 +37,17 @@ def file_lock(path: Path) -> Iterator[None]:
             yield
         finally:
             fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def take_waiting(inbox: Any, *, wait: bool, timeout: float | None = None) -> list[Any]:
+    """Everything waiting in ``inbox`` (a ``queue.Queue`` or a multiprocessing queue), for a worker's next
+    ``advance``; ``wait``: first wait up to ``timeout`` seconds for one item (a worker that holds no task), raising
+    ``queue.Empty`` if none came. A worker that holds tasks never waits: its passes go on."""
+    items = [inbox.get(timeout=timeout)] if wait else []
+    with contextlib.suppress(queue.Empty):
+        while True:
+            items.append(inbox.get_nowait())
+    return items
 
 
 def _max_batch(value: object) -> int:
