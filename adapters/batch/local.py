@@ -9,8 +9,9 @@ answer is written as it arrives (completion order). On the one-at-a-time path a 
 parent hands it the next only after writing the last.
 
 A worker that dies (a crash, the OOM killer) while it holds one task costs that record an error line; while it
-holds several, any of them may be the cause, so each runs again alone (a worker holding nothing else), where a
-record that kills its worker again gets the error line. A new worker takes the dead one's place. A worker that
+holds several, any of them may be the cause, so each runs again alone (in a worker holding nothing else: the
+first to drain, at the latest once the other records are handed out), where a record that kills its worker again
+gets the error line. A new worker takes the dead one's place. A worker that
 cannot load the model stops the run (``BatchError``).
 
 Channels: each worker reads tasks from its own queue and answers on its own pipe (one writer, no lock): a worker
@@ -108,10 +109,17 @@ class WorkerProcesses:
     each takes, which tasks each holds, how many tasks are out. Every method runs in the parent."""
 
     def __init__(
-        self, output: BatchOutput, model_dir: Path, settings: WorkerSettings, *, workers: int, pin: bool
+        self,
+        output: BatchOutput,
+        model_dir: Path,
+        settings: WorkerSettings,
+        *,
+        workers: int,
+        pin: bool,
+        say: Callable[[str], object],
     ) -> None:
         self.output, self.model_dir, self.settings = output, model_dir, settings
-        self.workers, self.pin = workers, pin
+        self.workers, self.pin, self.say = workers, pin, say
         self._ctx = mp.get_context("spawn")
         self._cores = available_cores()
         self.procs: dict[int, Any] = {}
@@ -141,7 +149,7 @@ class WorkerProcesses:
         writer.close()  # the worker's copy stays open; when it exits, the parent's reader sees end of file
         self.holding[index] = []
 
-    def receive(self, index: int, say: Callable[[str], object]) -> None:
+    def receive(self, index: int) -> None:
         """Handle one message from worker ``index`` (or note that its pipe is at end of file)."""
         try:
             message = self.outboxes[index].recv()
@@ -159,7 +167,7 @@ class WorkerProcesses:
             self.output.summary.slots = max(self.output.summary.slots, slots)
             if note is not None and note not in self.notes:
                 self.notes.add(note)
-                say(note)
+                self.say(note)
             return
         held = self.holding[index]
         for i, task in enumerate(held):
@@ -169,7 +177,7 @@ class WorkerProcesses:
                 self.output.write(message[3], message[4])
                 return
 
-    def check_workers(self, say: Callable[[str], object]) -> None:
+    def check_workers(self) -> None:
         """A worker that exited: before it was ready, the run cannot go on; after, the record it held (the
         likely cause) gets an error line, or the several it held each run again alone; a new worker takes its
         place."""
@@ -177,7 +185,7 @@ class WorkerProcesses:
             if proc.exitcode is None:
                 continue
             while i not in self.closed and self.outboxes[i].poll():  # what it sent before it died
-                self.receive(i, say)
+                self.receive(i)
             if i not in self.ready:
                 raise BatchError(f"worker {i} exited (code {proc.exitcode}) before it was ready (its error is above)")
             held = self.holding[i]
@@ -211,7 +219,7 @@ class WorkerProcesses:
         self.inboxes[index].put(task)
         self.outstanding += 1
 
-    def run(self, tasks: Sequence[Task], say: Callable[[str], object]) -> None:
+    def run(self, tasks: Sequence[Task]) -> None:
         """Run ``tasks`` in this order, writing each record as it completes; returns when every one is written."""
         pending = list(reversed(tasks))  # pop() takes the next one
         for i in range(min(self.workers, len(tasks))):
@@ -220,10 +228,10 @@ class WorkerProcesses:
             self.hand_out(pending)
             open_ = {self.outboxes[i]: i for i in self.procs if i not in self.closed}
             for conn in mp_connection.wait(list(open_), timeout=_POLL_S):
-                self.receive(open_[conn], say)
+                self.receive(open_[conn])
             if not open_:
                 time.sleep(_POLL_S)
-            self.check_workers(say)
+            self.check_workers()
 
     def stop(self) -> None:
         """Ask every live worker to exit; terminate those still running after ``_STOP_S`` seconds."""
@@ -252,8 +260,8 @@ def run_embedded(
     """Run ``tasks`` (in this order) on ``workers`` processes, writing each record to ``output`` as it completes;
     ``pin``: each worker on its own ``settings.threads`` cores; ``say`` gets each worker note once (why the model
     does not batch)."""
-    processes = WorkerProcesses(output, model_dir, settings, workers=workers, pin=pin)
+    processes = WorkerProcesses(output, model_dir, settings, workers=workers, pin=pin, say=say)
     try:
-        processes.run(tasks, say)
+        processes.run(tasks)
     finally:
         processes.stop()
