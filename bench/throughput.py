@@ -61,10 +61,10 @@ from bench.machine import machine_info
 from bench.peers import OrtGenAIRunner, make_peer
 from bench.workloads import CATEGORIES, Workload, build_workloads, encode_chat, python_version_tag
 from ortspec import BackendConfig, Engine
-from ortspec.adapters.engine.many import _batch_proposer, _width
+from ortspec.adapters.engine.engine import BATCH_SLOTS
+from ortspec.adapters.engine.many import batch_driver, batch_request, submit
 from ortspec.adapters.engine.options import GenerationOptions
 from ortspec.adapters.engine.tokenizer import Tokenizer
-from ortspec.batch_driver import BatchDriver
 from ortspec.driver import GenerateResult
 
 DATASET = Path(__file__).resolve().parent / "data" / "throughput-prompts.json"
@@ -237,18 +237,12 @@ def quick_requests(requests: Sequence[Request], tokenizer: Tokenizer) -> list[Re
 
 
 def generate_batched(engine: Engine, requests: Sequence[tuple[Any, GenerationOptions]]) -> list[GenerateResult]:
-    """``Engine.generate_many`` with each request's own options (its number of tokens and seed): the same steps,
-    with ``ortspec.adapters.engine.many``'s proposer and width rules. ``generate_many`` takes one set of options
-    for all its prompts; once the Engine takes options per prompt, this becomes that call."""
-    driver = BatchDriver(engine.batch_backend())
-    sequences = []
-    for prompt, options in requests:
-        ids, core_options = engine.prepare(prompt, options)
-        proposer = _batch_proposer(options.speculative)
-        width = _width(engine, proposer, options.draft_width)
-        sequences.append(
-            driver.submit(ids, core_options, proposer, draft_width=width, detokenize=engine.tokenizer.decode)
-        )
+    """``Engine.generate_many`` with each request's own options (its number of tokens and seed), built from the same
+    pieces (``ortspec.adapters.engine.many``: ``batch_request``, ``batch_driver``, ``submit``), as ``ortspec batch``
+    and the batched server run them."""
+    prepared = [batch_request(engine, prompt, options) for prompt, options in requests]
+    driver = batch_driver(engine)
+    sequences = [submit(engine, driver, request) for request in prepared]
     driver.run()
     for sequence in sequences:
         if sequence.error is not None:
@@ -293,12 +287,12 @@ def run_batched(engine: Engine, requests: Sequence[Request], mode: str, speculat
     return _ortspec_run(f"ortspec batched, {speculation}", mode, requests, run)
 
 
-def warm_up(engine: Engine, requests: Sequence[Request]) -> None:
-    """What the timed runs should not pay: the batch backend opened, pass shapes allocated and the verify costs
-    measured (prompt lookup's width), on the first ``WARMUP_REQUESTS`` requests at 4 tokens; one request alone."""
+def warm_up(engine: Engine, batched: Engine, requests: Sequence[Request]) -> None:
+    """What the timed runs should not pay: pass shapes allocated and the verify and batch decode costs measured
+    (prompt lookup's width), on the first ``WARMUP_REQUESTS`` requests at 4 tokens batched; one request alone."""
     head = [list(q.messages) for q in requests[:WARMUP_REQUESTS]]
     for speculative in SPECULATION.values():
-        generate_batched(engine, [(p, GenerationOptions(max_tokens=4, speculative=speculative)) for p in head])
+        generate_batched(batched, [(p, GenerationOptions(max_tokens=4, speculative=speculative)) for p in head])
     engine.generate(head[0], max_tokens=4)
 
 
@@ -416,13 +410,14 @@ def measure(plan: Plan, model_dir: Path, dataset: Sequence[Request], threads: in
         runs.append(run)
         return run
 
-    engine = Engine.from_dir(model_dir, BackendConfig(threads=threads))
-    warm_up(engine, dataset)
+    engine = Engine.from_dir(model_dir, BackendConfig(threads=threads))  # alone: today's one-sequence Engine
+    batched = Engine.from_dir(model_dir, BackendConfig(threads=threads), batch_slots=BATCH_SLOTS)  # as serve opens it
+    warm_up(engine, batched, dataset)
     for mode, requests in by_mode.items():
         done(run_alone(engine, requests, mode))
         for speculation in SPECULATION:
-            done(run_batched(engine, requests, mode, speculation))
-    del engine  # its two sessions' memory, before the other engines load
+            done(run_batched(batched, requests, mode, speculation))
+    del engine, batched  # their sessions' memory, before the other engines load
     for mode in plan.worker_modes:
         done(run_worker_design(model_dir, by_mode[mode], mode, tmp))
     missing = measure_genai(plan, model_dir, by_mode, threads, done)

@@ -49,6 +49,8 @@ UNIT_TESTS: dict[str, tuple[str, ...]] = {
     "adapters/batch/run.py": ("tests/test_batch_resume.py", "tests/test_batch.py"),
     "adapters/batch/output.py": ("tests/test_batch_resume.py", "tests/test_batch.py"),
     "adapters/batch/records.py": ("tests/test_batch_resume.py", "tests/test_batch.py"),
+    "adapters/batch/batched.py": ("tests/test_batch_slots.py",),
+    "adapters/batch/local.py": ("tests/test_batch.py::test_a_record_that_kills_its_worker_is_an_error_line",),
     "core/tokens.py": ("tests/test_shared_sequence.py", "tests/test_proposers.py"),
     "core/prefix.py": ("tests/test_batch_driver.py", "tests/test_server_routing.py", "tests/test_driver.py"),
 }
@@ -450,6 +452,17 @@ MUTANTS: dict[str, Mutant] = {
         "adapters/batch/records.py",
         'return f"#line {line}" if record_id is None else json.dumps(record_id, ensure_ascii=False)',
         'return f"#line {line}" if record_id is None else str(record_id)',
+    ),
+    # -- the batch runner's workers on the batch driver (adapters/batch/) -----------------------------------------
+    "batch-slots-defaults-override-the-record": Mutant(
+        "adapters/batch/batched.py",
+        "options = GenerationOptions(**{**self.defaults, **task.options})",
+        "options = GenerationOptions(**{**task.options, **self.defaults})",
+    ),
+    "batch-slots-dead-worker-blames-the-first-of-several": Mutant(
+        "adapters/batch/local.py",
+        "if len(held) == 1:",
+        "if held:",
     ),
 }
 

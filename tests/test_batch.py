@@ -34,7 +34,10 @@ RECORDS = [
     {"id": "wide", "prompt": LOOKUP_TEXT, "max_tokens": 20, "draft_width": 3, "ignore_eos": True},
 ]  # fmt: skip
 # The job's defaults: what the CLI's defaults give (prompt lookup, cost-aware width), chat off.
-DEFAULTS = {"speculative": PromptLookup(ngram=3, max_draft=16, min_ngram=1), "chat": False}
+# A fixed width, so a batched record's whole line (its stats too) is what the record gives alone: the cost-aware
+# "auto" width is priced by the batch's load, which changes its widths (stats), never its output (that is proved by
+# property_tests/test_batching.py, with and without a cost curve).
+DEFAULTS = {"speculative": PromptLookup(ngram=3, max_draft=16, min_ngram=1), "chat": False, "draft_width": 8}
 BAD_LINES = [
     ('{"id": "typo", "prompt": "x", "max_token": 5}', "unknown field 'max_token'"),
     ('{"id": "zero", "prompt": "x", "max_tokens": 0}', "max_tokens must be an int >= 1"),
@@ -236,6 +239,8 @@ class CrashOn:
 
 
 def test_a_record_that_kills_its_worker_is_an_error_line(tiny_model_dir, tmp_path):
+    """The killer (the longest prompt, so handed out first) shares its batched worker with two other records: all
+    three run again alone, and only the killer gets the error line."""
     from ortspec.adapters.engine.tokenizer import Tokenizer
 
     ids = Tokenizer.from_folder(tiny_model_dir).encode("crash here please")
@@ -275,15 +280,16 @@ from ortspec.adapters.engine.tokenizer import Tokenizer
 src, out, model, prompt = Path(sys.argv[2]), Path(sys.argv[3]), Path(sys.argv[4]), sys.argv[5]
 killer = KillRunOn(Tokenizer.from_folder(model).encode(prompt), DEFAULTS["speculative"])
 options = {**DEFAULTS, "draft_width": 4, "speculative": killer}
-run_batch(BatchJob(src, out, model=model, workers=1, threads=1, options=options), progress=False)
+run_batch(BatchJob(src, out, model=model, workers=1, threads=1, max_batch=1, options=options), progress=False)
 """
 
 
 def test_resume_after_a_kill(tiny_model_dir, tmp_path):
-    """SIGKILL the run (and its worker) in the middle of its fifth record, leave a half-written line as a kill
-    mid-write would, rerun: every record once, each equal to an uninterrupted run's. The kill comes from the fifth
-    record's first draft, so the first four records (longest prompt first: r23 to r20) are in OUTPUT: the parent
-    hands a worker its next record only after writing the last one."""
+    """SIGKILL a one-at-a-time run (``max_batch=1``; and its worker) in the middle of its fifth record, leave a
+    half-written line as a kill mid-write would, rerun (batched, the default): every record once, each equal to an
+    uninterrupted run's. The kill comes from the fifth record's first draft, so the first four records (longest
+    prompt first: r23 to r20) are in OUTPUT: on that path the parent hands a worker its next record only after
+    writing the last one. (A batched run killed mid-job: ``test_batch_slots.py``.)"""
     records = [
         {"id": f"r{i}", "prompt": f"{i} " + LOOKUP_TEXT[: 20 + 3 * i], "max_tokens": 150, "ignore_eos": True}
         for i in range(24)

@@ -1,6 +1,7 @@
 """``ortspec batch --ray`` on a local Ray instance: the same output lines as the embedded runner (greedy, seeded
-sampling, bad records), resumption from a killed run's OUTPUT, the model shipped through the object store; and the
-same on SmolLM2 (``real_model``). Skipped without the ray extra (``pip install 'ortspec[ray]'``)."""
+sampling, bad records; each actor one batched Engine), resumption from a killed run's OUTPUT, the model shipped
+through the object store; and the same on SmolLM2 (``real_model``). Skipped without the ray extra
+(``pip install 'ortspec[ray]'``)."""
 
 from __future__ import annotations
 
@@ -48,10 +49,11 @@ def same_lines(a: dict, b: dict, *, stats: bool = True) -> None:
 def test_ray_writes_what_the_embedded_runner_writes(local_ray, tiny_model_dir, tmp_path):
     src = write_jsonl(tmp_path / "in.jsonl", RECORDS, [line for line, _ in BAD_LINES])
     embedded, on_ray = tmp_path / "embedded.jsonl", tmp_path / "ray.jsonl"
-    kwargs = dict(model=tiny_model_dir, workers=2, threads=1, options=DEFAULTS)
+    kwargs = dict(model=tiny_model_dir, workers=2, threads=1, max_batch=3, options=DEFAULTS)
     run_batch(BatchJob(src, embedded, **kwargs), progress=False)
     summary = run_batch(BatchJob(src, on_ray, ray="local", **kwargs), progress=False)
     assert summary.mode == "ray" and summary.lost == 0 and summary.errors == len(BAD_LINES)
+    assert summary.slots == 3  # each actor is one batched Engine (more records than its slots)
     assert summary.written == len(RECORDS) + len(BAD_LINES) and len(summary.load_s) >= 1
     same_lines(read_output(embedded), read_output(on_ray))
 

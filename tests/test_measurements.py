@@ -145,9 +145,8 @@ def test_batch_decode_costs_are_measured_once_and_kept(cache, tiny_model_dir):
     assert all(engine.batch_backend().current_len(slot) == 0 for slot in range(BATCH_SLOTS))
     again = Engine.from_dir(tiny_model_dir, BackendConfig(threads=1))
     assert again.batch_decode_costs() == costs and again.batch_backend().runs == 0
-    # the batch driver of generate_many prices plain steps with it for a priced policy ("auto"), not a fixed width
+    # the batch driver prices plain steps with it (generate_many: when a request's width is priced, "auto")
     from ortspec.adapters.engine.many import batch_driver
-    from ortspec.core import CostAwareWidth
 
-    assert batch_driver(again, CostAwareWidth(again.pass_costs())).decode_costs == costs
-    assert batch_driver(again, 4).decode_costs is None
+    assert batch_driver(again).decode_costs == costs
+    assert batch_driver(again, priced=False).decode_costs is None

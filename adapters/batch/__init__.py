@@ -1,6 +1,6 @@
 """Batch generation over a JSONL dataset, on this machine (worker processes) or on a Ray cluster (Ray Data).
 
-    ortspec batch prompts.jsonl results.jsonl --workers 2 --threads 1
+    ortspec batch prompts.jsonl results.jsonl --workers 2 --threads 1 --max-batch 16
     ortspec batch prompts.jsonl results.jsonl --ray                 # a local Ray instance
     ortspec batch prompts.jsonl results.jsonl --ray auto --workers 8 --threads 4
 
@@ -25,7 +25,9 @@ The rooms, by role:
   duplicate ids, the task messages sent to Ray workers.
 - ``output.py``: the output records: their lines, the writer (one write and one flush per record),
   resumption (``prepare_output``), and ``BatchOutput``, through which every line of a run goes.
-- ``worker.py``: ``BatchWorker``, one Engine turning a task into its line; ``WorkerSettings``, how it opens.
+- ``worker.py``: ``BatchWorker``, one Engine turning tasks into their lines (``submit``, ``advance``; ``run``: one
+  record with ``Engine.generate``); ``WorkerSettings``, how it opens and how many records it decodes at once.
+- ``batched.py``: ``BatchedRecords``, a worker's records on its Engine's batch driver (``--max-batch``).
 - ``local.py``: the embedded runner: worker processes on this machine, pinned to their cores.
 - ``ray.py``: the Ray runner: the same workers as a Ray Data actor pool (the ``ray`` extra).
 - ``run.py``: ``run_batch``, the entry point: checks, reads, resumes, then runs one of the two runners.

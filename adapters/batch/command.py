@@ -54,6 +54,7 @@ def _job(args: argparse.Namespace) -> BatchJob:
         options=options,
         workers=args.workers,
         threads=args.threads,
+        max_batch=args.max_batch,
         ray=args.ray,
         backend=backend_config(args, threads=None),
         retry_errors=args.retry_errors,

@@ -35,13 +35,15 @@ class BatchJob:
     ``GenerationOptions`` keywords for every record (a record's own fields win; ``speculative`` may be a proposer
     object, e.g. ``PromptLookup(...)``). ``workers`` x ``threads``: Engines, and intra-op threads for each
     (``threads`` None: the cores shared out); on this machine the product may not exceed the cores this process
-    may use, and each worker is pinned to its own cores (``pin``). ``ray``: run on Ray Data instead: ``"local"``
-    starts a local Ray instance, any other value is the address for ``ray.init`` (``"auto"``,
-    ``"ray://host:10001"``); ``ship_model`` then puts the model folder into Ray's object store for nodes that do
-    not have it. ``backend``: how each worker's Engine opens its model (``BackendConfig``: ``provider``,
-    ``max_length``, the fast CUDA path's ``static_shapes`` / ``cuda_graphs``, ...; its ``threads`` must be None: each
-    worker's threads are the job's ``threads``). ``retry_errors``: drop OUTPUT's error lines first and run those records
-    again.
+    may use, and each worker is pinned to its own cores (``pin``). ``max_batch``: the records each worker decodes
+    at once on its Engine's batch driver (continuous batching: the next record joins as soon as a slot frees); 1
+    runs one ``Engine.generate`` per record, and so does a folder that cannot be batched (a hybrid model, CUDA,
+    static shapes; a note says why). ``ray``: run on Ray Data instead: ``"local"`` starts a local Ray instance,
+    any other value is the address for ``ray.init`` (``"auto"``, ``"ray://host:10001"``); ``ship_model`` then puts
+    the model folder into Ray's object store for nodes that do not have it. ``backend``: how each worker's Engine
+    opens its model (``BackendConfig``: ``provider``, ``max_length``, the fast CUDA path's ``static_shapes`` /
+    ``cuda_graphs``, ...; its ``threads`` must be None: each worker's threads are the job's ``threads``).
+    ``retry_errors``: drop OUTPUT's error lines first and run those records again.
 
     The value is not checked when it is made: ``run_batch`` checks it before anything runs (``BatchError``)."""
 
@@ -51,6 +53,7 @@ class BatchJob:
     options: Mapping[str, Any] = attrs.field(factory=dict, converter=dict)
     workers: int = 1
     threads: int | None = None
+    max_batch: int = 16
     ray: str | None = None
     backend: BackendConfig = attrs.field(factory=BackendConfig)
     retry_errors: bool = False
@@ -70,8 +73,10 @@ class BatchSummary:
     them). ``tokens`` generated and ``prompt_tokens`` read by the successful records; ``wall_s`` from the start
     of the run (reading INPUT) to the last line; ``first_line_s`` to the first generated line (startup: worker
     start and model load); ``load_s`` per worker (Engine load and warm-up); ``ray_init_s``: starting or joining
-    Ray; ``prefill_s``/``decode_s``/``generate_s``: sums over records of the Engine's timings (prompt pass, the
-    steps after it, whole call); ``steps``/``proposed``/``accepted``: summed ``stats``."""
+    Ray; ``slots``: the records a worker decodes at once (the most over the workers: ``max_batch``, or 1 on the
+    one-at-a-time path); ``prefill_s``/``decode_s``/``generate_s``: sums over records of the Engine's timings
+    (prompt pass, the steps after it, whole call; batched, a record's times start when it reaches its worker's
+    driver, so its wait for a slot counts as prefill); ``steps``/``proposed``/``accepted``: summed ``stats``."""
 
     mode: str
     workers: int
@@ -87,6 +92,7 @@ class BatchSummary:
     first_line_s: float | None = None
     load_s: list[float] = attrs.field(factory=list)
     ray_init_s: float | None = None
+    slots: int = 0
     prefill_s: float = 0.0
     decode_s: float = 0.0
     generate_s: float = 0.0
@@ -130,5 +136,6 @@ class BatchSummary:
         return (
             f"{self.written} records written ({self.errors} errors), {self.skipped} already done{lost}; "
             f"{self.tokens} tokens in {self.wall_s:.1f} s: {self.records_per_second:.2f} records/s, "
-            f"{self.tokens_per_second:.1f} tok/s{acc} ({self.mode}, {self.workers} x {self.threads} threads)"
+            f"{self.tokens_per_second:.1f} tok/s{acc} ({self.mode}, {self.workers} x {self.threads} threads, "
+            f"{self.slots} slots each)"
         )

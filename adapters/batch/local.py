@@ -1,15 +1,24 @@
 """The embedded runner: worker processes on this machine.
 
 N worker processes (``spawn``), each with its own ``BatchWorker`` (one Engine) and T intra-op threads pinned to
-its own cores (N x T <= the cores this process may use). The parent hands each ready worker one task at a time,
-in the order given (longest prompt first), and writes each answer as it arrives (completion order). A worker
-that dies while it holds a task (a crash, the OOM killer) costs that record an error line; a new worker takes
-its place. A worker that cannot load the model stops the run (``BatchError``).
+its own cores (N x T <= the cores this process may use). A worker decodes up to ``slots`` records at once (its
+``max_batch``; 1 on the one-at-a-time path). The parent keeps each ready worker holding its slots and one more
+(the next record waits in the worker, so it joins at the first pass after a slot frees), at most its share of
+what is left so that every worker gets some; tasks go out in the order given (longest prompt first), and each
+answer is written as it arrives (completion order). On the one-at-a-time path a worker holds one record: the
+parent hands it the next only after writing the last.
+
+A worker that dies (a crash, the OOM killer) while it holds one task costs that record an error line; while it
+holds several, any of them may be the cause, so each runs again alone (in a worker holding nothing else: the
+first to drain, at the latest once the other records are handed out), where a record that kills its worker again
+gets the error line. A new worker takes the dead one's place. A worker that
+cannot load the model stops the run (``BatchError``).
 
 Channels: each worker reads tasks from its own queue and answers on its own pipe (one writer, no lock): a worker
 killed in the middle of a write can then only break its own channel, never block the others' answers, as it
 could while holding the write lock of a queue shared by all workers. Messages on the pipe: ``("ready", index,
-load_s)``, ``("failed", index, error text)``, ``("done", index, task key, output line, metrics)``.
+load_s, slots, note)`` (``note``: why it does not batch, or None), ``("failed", index, error text)``, ``("done",
+index, task key, output line, metrics)``.
 """
 
 from __future__ import annotations
@@ -22,14 +31,14 @@ import queue
 import signal
 import time
 import traceback
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from .job import BatchError
 from .output import BatchOutput, encode_line
 from .records import Task, error_record
-from .worker import BatchWorker, WorkerSettings
+from .worker import BatchWorker, WorkerSettings, take_waiting
 
 # How the parent waits for worker messages before checking that its workers are alive (seconds).
 _POLL_S = 0.5
@@ -67,9 +76,9 @@ def plan_threads(workers: int, threads: int | None, cores: int, *, where: str = 
 def _worker_main(
     index: int, cpus: list[int] | None, model_dir: str, settings: WorkerSettings, tasks: Any, results: Any
 ) -> None:
-    """A worker process: pin to ``cpus``, load, then run tasks from its queue until ``None`` or its parent is gone,
-    answering on ``results`` (the module docstring lists the messages). Ctrl-C is the parent's to handle (it stops
-    the workers)."""
+    """A worker process: pin to ``cpus``, load, then take tasks from its queue (waiting only while it holds none)
+    and advance them, answering on ``results`` (the module docstring lists the messages), until ``None`` or its
+    parent is gone. Ctrl-C is the parent's to handle (it stops the workers)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     parent = os.getppid()
     if cpus is not None and hasattr(os, "sched_setaffinity"):
@@ -79,38 +88,51 @@ def _worker_main(
     except Exception as exc:
         results.send(("failed", index, f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=3)}"))
         return
-    results.send(("ready", index, worker.load_s))
+    results.send(("ready", index, worker.load_s, worker.slots, worker.note))
     while True:
         try:
-            task = tasks.get(timeout=1.0)
+            new = take_waiting(tasks, wait=not worker.held, timeout=1.0)
         except queue.Empty:
             if os.getppid() != parent:
                 return
             continue
-        if task is None:
+        if None in new:
             return
-        record, metrics = worker.run(task)
-        results.send(("done", index, task.key, encode_line(record), metrics))
+        for task in new:
+            worker.submit(task)
+        for task, record, metrics in worker.advance():
+            results.send(("done", index, task.key, encode_line(record), metrics))
 
 
 class WorkerProcesses:
-    """The worker processes of one embedded run and the parent's view of them: which are ready, which task each
-    holds, how many tasks are out. Every method runs in the parent."""
+    """The worker processes of one embedded run and the parent's view of them: which are ready, how many records
+    each takes, which tasks each holds, how many tasks are out. Every method runs in the parent."""
 
     def __init__(
-        self, output: BatchOutput, model_dir: Path, settings: WorkerSettings, *, workers: int, pin: bool
+        self,
+        output: BatchOutput,
+        model_dir: Path,
+        settings: WorkerSettings,
+        *,
+        workers: int,
+        pin: bool,
+        say: Callable[[str], object],
     ) -> None:
         self.output, self.model_dir, self.settings = output, model_dir, settings
-        self.workers, self.pin = workers, pin
+        self.workers, self.pin, self.say = workers, pin, say
         self._ctx = mp.get_context("spawn")
         self._cores = available_cores()
         self.procs: dict[int, Any] = {}
         self.inboxes: dict[int, Any] = {}
         self.outboxes: dict[int, Any] = {}  # the parent's end of each worker's answer pipe
         self.closed: set[int] = set()  # outboxes at end of file (their worker is gone)
-        self.holding: dict[int, Task | None] = {}
+        self.holding: dict[int, list[Task]] = {}
+        self.room: dict[int, int] = {}  # the most tasks each ready worker holds at once
         self.ready: set[int] = set()
+        self.alone: list[Task] = []  # tasks to run in a worker holding nothing else (next to pop: the last)
+        self.lone: set[int] = set()  # workers running one of those
         self.outstanding = 0  # tasks handed to a worker, not yet written
+        self.notes: set[str] = set()  # the workers' notes, each said once
 
     def start(self, index: int) -> None:
         """Start (or restart) worker ``index``."""
@@ -125,7 +147,7 @@ class WorkerProcesses:
         )
         self.procs[index].start()
         writer.close()  # the worker's copy stays open; when it exits, the parent's reader sees end of file
-        self.holding[index] = None
+        self.holding[index] = []
 
     def receive(self, index: int) -> None:
         """Handle one message from worker ``index`` (or note that its pipe is at end of file)."""
@@ -138,16 +160,27 @@ class WorkerProcesses:
         if kind == "failed":
             raise BatchError(f"worker {index} could not load the model: {message[2]}")
         if kind == "ready":
+            _, _, load_s, slots, note = message
             self.ready.add(index)
-            self.output.summary.load_s.append(float(message[2]))
-        elif (held := self.holding[index]) is not None and held.key == message[2]:
-            self.holding[index] = None
-            self.outstanding -= 1
-            self.output.write(message[3], message[4])
+            self.room[index] = slots + 1 if slots > 1 else 1
+            self.output.summary.load_s.append(float(load_s))
+            self.output.summary.slots = max(self.output.summary.slots, slots)
+            if note is not None and note not in self.notes:
+                self.notes.add(note)
+                self.say(note)
+            return
+        held = self.holding[index]
+        for i, task in enumerate(held):
+            if task.key == message[2]:
+                del held[i]
+                self.outstanding -= 1
+                self.output.write(message[3], message[4])
+                return
 
     def check_workers(self) -> None:
         """A worker that exited: before it was ready, the run cannot go on; after, the record it held (the
-        likely cause) gets an error line and a new worker takes its place."""
+        likely cause) gets an error line, or the several it held each run again alone; a new worker takes its
+        place."""
         for i, proc in list(self.procs.items()):
             if proc.exitcode is None:
                 continue
@@ -155,25 +188,44 @@ class WorkerProcesses:
                 self.receive(i)
             if i not in self.ready:
                 raise BatchError(f"worker {i} exited (code {proc.exitcode}) before it was ready (its error is above)")
-            task = self.holding[i]
-            if task is not None:
+            held = self.holding[i]
+            if len(held) == 1:
                 message = f"the worker process died (exit code {proc.exitcode}) while generating this record"
-                self.output.write(error_record(task.id, task.line, message))
-                self.outstanding -= 1
+                self.output.write(error_record(held[0].id, held[0].line, message))
+            else:
+                self.alone.extend(reversed(held))  # their order kept: the first held runs first
+            self.outstanding -= len(held)
             self.ready.discard(i)
+            self.lone.discard(i)
             self.start(i)
+
+    def hand_out(self, pending: list[Task]) -> None:
+        """Give the ready workers tasks: one that must run alone to a worker holding nothing (which then takes
+        nothing else until it is written), the others from ``pending`` (next to pop: the last) up to each worker's
+        room and its share of what is left."""
+        for i in sorted(self.ready):
+            if not self.holding[i]:
+                self.lone.discard(i)
+                if self.alone:
+                    self._give(i, self.alone.pop())
+                    self.lone.add(i)
+        share = -(-(len(pending) + self.outstanding) // len(self.procs))  # ceil
+        for i in sorted(self.ready - self.lone):
+            while pending and len(self.holding[i]) < min(self.room[i], share):
+                self._give(i, pending.pop())
+
+    def _give(self, index: int, task: Task) -> None:
+        self.holding[index].append(task)
+        self.inboxes[index].put(task)
+        self.outstanding += 1
 
     def run(self, tasks: Sequence[Task]) -> None:
         """Run ``tasks`` in this order, writing each record as it completes; returns when every one is written."""
         pending = list(reversed(tasks))  # pop() takes the next one
         for i in range(min(self.workers, len(tasks))):
             self.start(i)
-        while pending or self.outstanding:
-            for i in sorted(self.ready):
-                if self.holding[i] is None and pending:
-                    self.holding[i] = task = pending.pop()
-                    self.inboxes[i].put(task)
-                    self.outstanding += 1
+        while pending or self.outstanding or self.alone:
+            self.hand_out(pending)
             open_ = {self.outboxes[i]: i for i in self.procs if i not in self.closed}
             for conn in mp_connection.wait(list(open_), timeout=_POLL_S):
                 self.receive(open_[conn])
@@ -203,10 +255,12 @@ def run_embedded(
     *,
     workers: int,
     pin: bool,
+    say: Callable[[str], object],
 ) -> None:
     """Run ``tasks`` (in this order) on ``workers`` processes, writing each record to ``output`` as it completes;
-    ``pin``: each worker on its own ``settings.threads`` cores."""
-    processes = WorkerProcesses(output, model_dir, settings, workers=workers, pin=pin)
+    ``pin``: each worker on its own ``settings.threads`` cores; ``say`` gets each worker note once (why the model
+    does not batch)."""
+    processes = WorkerProcesses(output, model_dir, settings, workers=workers, pin=pin, say=say)
     try:
         processes.run(tasks)
     finally:

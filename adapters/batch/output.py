@@ -19,7 +19,7 @@ from typing import Any
 import attrs
 
 from .job import BatchError, BatchSummary
-from .records import Task, record_key
+from .records import Task, error_record, record_key
 
 
 def output_record(task: Task, result: Any) -> dict[str, Any]:
@@ -44,6 +44,40 @@ def output_record(task: Task, result: Any) -> dict[str, Any]:
             for lp in result.logprobs
         ]
     return out
+
+
+def result_lines(task: Task, result: Any, worker: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The output line and the metrics of ``task``'s finished generation (``result``: a ``GenerateResult``) made by
+    ``worker``. The metrics (``worker``, ``ok``, ``tokens``, ``prompt_tokens``, ``prefill_s``, ``decode_s``,
+    ``total_s``, ``steps``, ``proposed``, ``accepted``) are what ``BatchSummary.add`` counts."""
+    t = result.timings
+    metrics = {
+        "worker": worker,
+        "ok": True,
+        "tokens": len(result.token_ids),
+        "prompt_tokens": result.prompt_tokens,
+        "prefill_s": t.prefill_s,
+        "decode_s": t.decode_s,
+        "total_s": t.total_s,
+        "steps": result.stats.steps,
+        "proposed": result.stats.proposed_tokens,
+        "accepted": result.stats.accepted_tokens,
+    }
+    return output_record(task, result), metrics
+
+
+def failure_lines(task: Task, exc: Exception, worker: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The error line and the metrics (``worker``, ``ok`` False) of ``task`` when ``exc`` stopped it: a
+    ``GenerationError`` (failed midway) carries its ``partial`` result; a ``ValueError`` is the message alone (it
+    names the bad input), anything else is prefixed with its type."""
+    from ortspec.driver import GenerationError
+
+    metrics = {"worker": worker, "ok": False}
+    if isinstance(exc, GenerationError):
+        partial = {"text": exc.partial.text, "token_ids": list(exc.partial.token_ids)}
+        return error_record(task.id, task.line, str(exc), partial=partial), metrics
+    message = str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"
+    return error_record(task.id, task.line, message), metrics
 
 
 def encode_line(record: Mapping[str, Any]) -> bytes:

@@ -7,10 +7,13 @@ longest prompt first), then hands Ray Data the pending records, one per block:
                                                 num_cpus=threads) -> iter_rows() on the driver -> OUTPUT
 
 Each actor is one ``BatchWorker`` (one Engine, ``threads`` intra-op threads, ``threads`` Ray CPUs), so Ray places
-the actors on nodes with room for them. The driver writes each line as it arrives (completion order), with the
-same writer, format and resumption as the embedded runner. The model folder must be at the same path on every
-node, unless ``ship_model``: the driver puts its files into the object store and each node writes them once into
-its ortspec cache (``shipped/<name>-<digest>``).
+the actors on nodes with room for them. Each actor is one batched Engine: Ray keeps ``max_batch`` + 1 records in
+flight on it (concurrent calls, each waiting on the actor's one worker thread), so its batch driver decodes
+``max_batch`` records together and the next joins as soon as a slot frees. A record that kills its actor costs
+the records in flight beside it a retry (Ray retries each once). The driver writes each line as it arrives
+(completion order), with the same writer, format and resumption as the embedded runner. The model folder must be
+at the same path on every node, unless ``ship_model``: the driver puts its files into the object store and each
+node writes them once into its ortspec cache (``shipped/<name>-<digest>``).
 """
 
 from __future__ import annotations
@@ -20,11 +23,14 @@ import hashlib
 import json
 import logging
 import os
+import queue
 import shutil
 import socket
+import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +38,7 @@ from .job import BatchError, BatchJob
 from .local import available_cores
 from .output import BatchOutput
 from .records import Task, error_record, task_from_message, task_message
-from .worker import BatchWorker, WorkerSettings, file_lock
+from .worker import BatchWorker, WorkerSettings, file_lock, take_waiting
 
 RAY_EXTRA_MESSAGE = "--ray needs Ray Data, which is not installed: pip install 'ortspec[ray]' (ray[data]==2.60.0)"
 # Files are shipped in pieces of at most this many bytes (bounds the driver's memory while it puts them).
@@ -157,23 +163,37 @@ def materialize(source: str | Mapping[str, Any]) -> Path:
 
 
 class RayEngine:
-    """A Ray Data actor: one ``BatchWorker``. Takes batches of task messages, returns output lines and metrics
-    (both JSON strings); its first answer carries the model load time."""
+    """A Ray Data actor: one ``BatchWorker`` on a thread of its own. Ray calls it from up to ``slots`` + 1 threads
+    at once (``_dataset``), each call one batch of task messages; each call hands its tasks to the worker's thread,
+    which keeps every submitted record on the worker's batch driver, and returns their output lines and metrics
+    (both JSON strings) once they finish. The first answer carries the model load time and the worker's slots
+    (and its note, if it does not batch)."""
 
     def __init__(self, source: str | Mapping[str, Any], settings: WorkerSettings) -> None:
         model_dir = materialize(source)
         self.worker = BatchWorker(model_dir, settings, name=f"{socket.gethostname()}:{os.getpid()}")
         self._report_load = True
+        self._lock = threading.Lock()
+        self._inbox: queue.Queue[tuple[Task, Future[tuple[dict[str, Any], dict[str, Any]]]]] = queue.Queue()
+        threading.Thread(target=self._drive, name="ortspec-batch-worker", daemon=True).start()
 
     def __call__(self, batch: Mapping[str, Sequence[Any]]) -> dict[str, Any]:
         import numpy as np
 
-        keys, lines, metrics = [], [], []
+        calls = []
         for text in batch["task"]:
             task = task_from_message(str(text))
-            record, m = self.worker.run(task)
-            if self._report_load:
-                m["load_s"], self._report_load = self.worker.load_s, False
+            future: Future[tuple[dict[str, Any], dict[str, Any]]] = Future()
+            self._inbox.put((task, future))
+            calls.append((task, future))
+        keys, lines, metrics = [], [], []
+        for task, future in calls:
+            record, m = future.result()
+            with self._lock:
+                if self._report_load:
+                    m["load_s"], m["slots"], self._report_load = self.worker.load_s, self.worker.slots, False
+                    if self.worker.note is not None:
+                        m["note"] = self.worker.note
             keys.append(task.key)
             lines.append(json.dumps(record, ensure_ascii=False) + "\n")
             metrics.append(json.dumps(m))
@@ -182,6 +202,24 @@ class RayEngine:
             "line": np.array(lines, dtype=object),
             "metrics": np.array(metrics, dtype=object),
         }
+
+    def _drive(self) -> None:
+        """The worker's thread: take the calls' tasks (waiting only while it holds none), advance them, answer
+        each call's future as its record finishes. An unexpected failure fails every call waiting then (a bad
+        record is not one: it is an error line), and the thread goes on."""
+        futures: dict[str, Future[tuple[dict[str, Any], dict[str, Any]]]] = {}
+        while True:
+            new = take_waiting(self._inbox, wait=not self.worker.held)
+            try:
+                for task, future in new:
+                    futures[task.key] = future
+                    self.worker.submit(task)
+                for task, record, metrics in self.worker.advance():
+                    futures.pop(task.key).set_result((record, metrics))
+            except Exception as exc:  # noqa: BLE001 - handed to the waiting calls (Ray gives up on their records)
+                for future in futures.values():
+                    future.set_exception(exc)
+                futures.clear()
 
 
 def _root_cause(exc: BaseException) -> str:
@@ -194,7 +232,10 @@ def _root_cause(exc: BaseException) -> str:
 
 def _dataset(ray: Any, tasks: Sequence[Task], source: Any, settings: WorkerSettings, workers: int) -> Any:
     """The pending tasks as a Ray Data dataset, one record per block (so lines come back per record), mapped by
-    a pool of at most ``workers`` ``RayEngine`` actors of ``settings.threads`` CPUs each."""
+    a pool of at most ``workers`` ``RayEngine`` actors of ``settings.threads`` CPUs each, each given up to
+    ``max_batch`` + 1 records at once (its slots, and the next record ready for the first slot that frees; 1 on the
+    one-at-a-time path)."""
+    calls = settings.max_batch + 1 if settings.max_batch > 1 else 1
     ctx = ray.data.DataContext.get_current()
     ctx.enable_progress_bars = False
     ctx.execution_options.preserve_order = False
@@ -208,7 +249,12 @@ def _dataset(ray: Any, tasks: Sequence[Task], source: Any, settings: WorkerSetti
             RayEngine,
             batch_size=1,
             batch_format="numpy",
-            compute=ray.data.ActorPoolStrategy(size=min(workers, len(items)), max_tasks_in_flight_per_actor=1),
+            compute=ray.data.ActorPoolStrategy(
+                size=min(workers, len(items)),
+                max_tasks_in_flight_per_actor=calls,
+                max_concurrent_calls_per_actor=calls,
+                enable_true_multi_threading=True,  # the calls wait together on the actor's one worker thread
+            ),
             num_cpus=settings.threads,
             max_task_retries=1,  # Ray Data's default retries a record that kills its actor forever
             fn_constructor_kwargs=dict(source=source, settings=settings),
@@ -233,15 +279,20 @@ def run_ray(
         output.summary.ray_init_s = time.perf_counter() - t0
         workers, threads = plan_actors(ray, address, job.workers, job.threads, say)
         output.summary.workers, output.summary.threads = workers, threads
-        settings = WorkerSettings(threads, defaults, job.backend)
+        settings = WorkerSettings(threads, defaults, job.backend, job.max_batch)
         with _shipped(ray, model_dir, job.ship_model) as source:
             ds = _dataset(ray, tasks, source, settings, workers)
             written = set()
+            notes: set[str | None] = {None}  # each worker note said once
             try:
                 for row in ds.iter_rows():
                     metrics = json.loads(str(row["metrics"]))
                     if "load_s" in metrics:
                         output.summary.load_s.append(float(metrics["load_s"]))
+                        output.summary.slots = max(output.summary.slots, int(metrics["slots"]))
+                    if metrics.get("note") not in notes:
+                        notes.add(metrics["note"])
+                        say(metrics["note"])
                     output.write(str(row["line"]).encode("utf-8"), metrics)
                     written.add(str(row["key"]))
             except Exception as exc:  # Ray Data stops the dataset (e.g. an actor cannot load the model)

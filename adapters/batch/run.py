@@ -65,6 +65,8 @@ def _check_job(job: BatchJob) -> None:
         raise BatchError(f"backend must be a BackendConfig, got {type(job.backend).__name__}")
     if job.backend.threads is not None:
         raise BatchError("backend.threads: set the job's threads (each worker's), not the backend's")
+    if isinstance(job.max_batch, bool) or not isinstance(job.max_batch, int) or job.max_batch < 1:
+        raise BatchError(f"max_batch must be an int >= 1, got {job.max_batch!r}")
 
 
 def _pending(job: BatchJob, defaults: Mapping[str, Any], say: Callable[[str], object]) -> _Pending:
@@ -137,8 +139,8 @@ def run_batch(job: BatchJob, *, progress: bool = True, log: Callable[[str], obje
             output.write(record)
         if pending.tasks and job.ray is None:
             assert threads is not None
-            settings = WorkerSettings(threads, defaults, job.backend)
-            run_embedded(output, pending.tasks, model_dir, settings, workers=job.workers, pin=job.pin)
+            settings = WorkerSettings(threads, defaults, job.backend, job.max_batch)
+            run_embedded(output, pending.tasks, model_dir, settings, workers=job.workers, pin=job.pin, say=say)
         elif pending.tasks:
             from .ray import run_ray
 

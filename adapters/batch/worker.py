@@ -1,10 +1,13 @@
-"""One batch worker: an Engine that turns a ``Task`` into its output line and metrics. Both runners use it: each
+"""One batch worker: an Engine that turns tasks into their output lines and metrics, up to ``max_batch`` records at
+once on its batch driver (``batched.py``), or one at a time with ``Engine.generate``. Both runners use it: each
 embedded worker process holds one (``local.py``), and so does each Ray Data actor (``ray.py``)."""
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import os
+import queue
 import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -14,8 +17,9 @@ import attrs
 
 from ortspec.backends.onnx.config import BackendConfig
 
-from .output import output_record
-from .records import Task, error_record
+from .batched import BatchedRecords, Finished
+from .output import failure_lines, result_lines
+from .records import Task
 
 
 @contextlib.contextmanager
@@ -35,76 +39,115 @@ def file_lock(path: Path) -> Iterator[None]:
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
+def take_waiting(inbox: Any, *, wait: bool, timeout: float | None = None) -> list[Any]:
+    """Everything waiting in ``inbox`` (a ``queue.Queue`` or a multiprocessing queue), for a worker's next
+    ``advance``; ``wait``: first wait up to ``timeout`` seconds for one item (a worker that holds no task), raising
+    ``queue.Empty`` if none came. A worker that holds tasks never waits: its passes go on."""
+    items = [inbox.get(timeout=timeout)] if wait else []
+    with contextlib.suppress(queue.Empty):
+        while True:
+            items.append(inbox.get_nowait())
+    return items
+
+
+def _max_batch(value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"max_batch must be an int >= 1, got {value!r}")
+    return value
+
+
 @attrs.frozen
 class WorkerSettings:
     """How every worker of a run opens its Engine and what it generates with: ``threads`` intra-op threads,
-    ``backend`` (the rest of how the model is opened: ``BackendConfig``), and the job's ``defaults``
-    (``GenerationOptions`` keywords; a record's own win). Pickled to each worker."""
+    ``backend`` (the rest of how the model is opened: ``BackendConfig``), the job's ``defaults``
+    (``GenerationOptions`` keywords; a record's own win) and ``max_batch``, the records a worker decodes at once
+    (1: one ``Engine.generate`` per record). Pickled to each worker."""
 
     threads: int
     defaults: Mapping[str, Any] = attrs.field(factory=dict, converter=dict)
     backend: BackendConfig = attrs.field(factory=BackendConfig)
+    max_batch: int = attrs.field(default=1, validator=lambda _i, _a, v: _max_batch(v))
 
 
 class BatchWorker:
-    """One Engine and the job's defaults: turns a task into its output record and its metrics.
+    """One Engine and the job's defaults: turns tasks into their output records and metrics.
+
+    ``submit`` and ``advance`` are how a runner feeds it: with ``max_batch`` > 1 the tasks run on the Engine's batch
+    driver (``BatchedRecords``: ``slots`` = ``max_batch`` records decode together, a submitted task joins when a
+    slot frees), else, or when the folder cannot be batched (``note`` says why), one at a time with ``run``
+    (``Engine.generate``, ``slots`` = 1). Either way each record's line is what ``run`` gives it.
 
     Loading warms what the first speculative generation would otherwise measure (the verify drift, and the verify
     cost curve for ``draft_width="auto"``). The cost curve is cached per machine; workers measure it one at a time
     (a file lock), so all but the first read the same curve, and every worker picks the same draft widths.
-    ``load_s``: seconds the load and warm-up took."""
+    ``load_s``: seconds the load and warm-up took. One thread uses a worker at a time."""
 
     def __init__(self, model_dir: str | os.PathLike[str], settings: WorkerSettings, *, name: str = "worker") -> None:
         from ortspec.adapters.engine import Engine
         from ortspec.adapters.engine.cache import cache_root
+        from ortspec.backends.base import BackendError
+        from ortspec.backends.onnx import ModelFolderError
 
         t0 = time.perf_counter()
         self.name = name
         self.defaults = dict(settings.defaults)
-        self.engine = Engine.from_dir(
-            model_dir,
-            attrs.evolve(settings.backend, threads=settings.threads),
-            drafter=False,
-        )  # prompt lookup only: batch workers open no shared-KV drafter (docs/drafter.md)
+        config = attrs.evolve(settings.backend, threads=settings.threads)
+        self.note: str | None = None
+        engine: Engine | None = None
+        if settings.max_batch > 1:  # one session: the Engine's own backend is its batch backend's lone slot
+            try:
+                engine = Engine.from_dir(model_dir, config, drafter=False, batch_slots=settings.max_batch)
+            except ModelFolderError:
+                raise
+            except (BackendError, ValueError) as exc:
+                self.note = f"the model cannot run batched, so each worker runs one record at a time: {exc}"
+        if engine is None:  # prompt lookup only: batch workers open no shared-KV drafter (docs/drafter.md)
+            engine = Engine.from_dir(model_dir, config, drafter=False)
+        self.engine = engine
         if self.defaults.get("speculative") is not None:
             with file_lock(cache_root() / "measurements" / ".measure.lock"):
                 if self.defaults.get("draft_width", "auto") == "auto":
                     self.engine.pass_costs()
                 self.engine.verify_drift()
+        self.batched: BatchedRecords | None = None  # the batched path, or None (one at a time)
+        if settings.max_batch > 1 and self.note is None:
+            self.batched = BatchedRecords(self.engine, self.defaults, name)
+        self._queue: collections.deque[Task] = collections.deque()  # the one-at-a-time path's tasks
         self.load_s = time.perf_counter() - t0
 
-    def run(self, task: Task) -> tuple[dict[str, Any], dict[str, Any]]:
-        """(output record, metrics) for ``task``; every failure is an error record. The metrics (``worker``,
-        ``ok``; when ok: ``tokens``, ``prompt_tokens``, ``prefill_s``, ``decode_s``, ``total_s``, ``steps``,
-        ``proposed``, ``accepted``) are what ``BatchSummary.add`` counts."""
-        from ortspec.driver import GenerationError
+    @property
+    def slots(self) -> int:
+        """Records this worker decodes at once."""
+        return self.batched.slots if self.batched is not None else 1
 
-        metrics: dict[str, Any] = {"worker": self.name, "ok": False}
+    @property
+    def held(self) -> int:
+        """Tasks submitted whose line ``advance`` has not returned yet."""
+        return self.batched.held if self.batched is not None else len(self._queue)
+
+    def submit(self, task: Task) -> None:
+        """Take ``task``; its line comes back from a later ``advance``."""
+        if self.batched is not None:
+            self.batched.submit(task)
+        else:
+            self._queue.append(task)
+
+    def advance(self) -> list[Finished]:
+        """Work on the submitted tasks: one pass of the batch driver, or one whole record one at a time; returns
+        the ``(task, output record, metrics)`` of the records that finished (none when nothing is held)."""
+        if self.batched is not None:
+            return self.batched.step()
+        if not self._queue:
+            return []
+        task = self._queue.popleft()
+        return [(task, *self.run(task))]
+
+    def run(self, task: Task) -> tuple[dict[str, Any], dict[str, Any]]:
+        """(output record, metrics) for ``task`` with ``Engine.generate``; every failure is an error record. The
+        metrics are what ``BatchSummary.add`` counts (``output.result_lines``)."""
         options = {**self.defaults, **task.options}
         try:
             result = self.engine.generate(task.prompt, **options)
-        except GenerationError as exc:
-            partial = exc.partial
-            record = error_record(
-                task.id,
-                task.line,
-                str(exc),
-                partial={"text": partial.text, "token_ids": list(partial.token_ids)},
-            )
-            return record, metrics
         except Exception as exc:  # a bad record never stops the run
-            message = str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"
-            return error_record(task.id, task.line, message), metrics
-        t = result.timings
-        metrics.update(
-            ok=True,
-            tokens=len(result.token_ids),
-            prompt_tokens=result.prompt_tokens,
-            prefill_s=t.prefill_s,
-            decode_s=t.decode_s,
-            total_s=t.total_s,
-            steps=result.stats.steps,
-            proposed=result.stats.proposed_tokens,
-            accepted=result.stats.accepted_tokens,
-        )
-        return output_record(task, result), metrics
+            return failure_lines(task, exc, self.name)
+        return result_lines(task, result, self.name)

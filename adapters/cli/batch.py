@@ -12,6 +12,7 @@ from .options import add_command, lookup_options, model_options, positive_int
 EXAMPLES = """\
 examples:
   ortspec batch prompts.jsonl results.jsonl --workers 2 --threads 1
+  ortspec batch prompts.jsonl results.jsonl --max-batch 32     # 32 records decode together per worker
   ortspec batch prompts.jsonl results.jsonl --defaults '{"temperature": 0.7, "top_p": 0.9}'
   ortspec batch prompts.jsonl results.jsonl --ray              # a local Ray instance; --ray auto joins a cluster
 
@@ -49,6 +50,13 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     )
     r = p.add_argument_group("workers")
     r.add_argument("--workers", type=positive_int, default=1, metavar="N", help="Engines running at once (default 1)")
+    r.add_argument(
+        "--max-batch",
+        type=positive_int,
+        default=16,
+        metavar="N",
+        help="records each worker decodes at once, joining as slots free (default %(default)s); 1: one at a time",
+    )
     r.add_argument(
         "--ray",
         nargs="?",

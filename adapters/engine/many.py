@@ -1,4 +1,5 @@
-"""``Engine.generate_many``: many prompts with one set of options, continuous batching on the Engine's folder.
+"""Requests on the batch driver: ``Engine.generate_many`` (many prompts with one set of options) and the pieces any
+batched caller shares with it (``batch_request``, ``submit``): continuous batching on the Engine's folder.
 
 Each prompt becomes a request of an ``ortspec.BatchDriver`` over the Engine's batch backend (``OrtBatchBackend``):
 the same core options and proposer as ``Engine.generate`` would use, so every result is the prompt's alone. What
@@ -12,11 +13,11 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
 from ortspec.adapters.engine.options import GenerationOptions, Prompt, make_proposer
-from ortspec.batch_driver import BatchDriver
+from ortspec.batch_driver import BatchDriver, BatchSequence
 from ortspec.core import CostAwareWidth, PricedWidth, Proposer, WidthPolicy
 from ortspec.core.checks import ArgumentError
 from ortspec.core.state import Options
-from ortspec.driver import GenerateResult
+from ortspec.driver import GenerateResult, StreamCallback
 
 if TYPE_CHECKING:
     from ortspec.adapters.engine.engine import Engine
@@ -41,34 +42,46 @@ def batch_request(engine: Engine, prompt: Prompt, options: GenerationOptions) ->
     return BatchRequest(ids, core_options, proposer, batch_width(engine, proposer, options.draft_width))
 
 
+def submit(
+    engine: Engine, driver: BatchDriver, request: BatchRequest, callback: StreamCallback | None = None
+) -> BatchSequence:
+    """``request`` on ``driver`` (a driver over ``engine.batch_backend()``: ``batch_driver``), decoded as
+    ``Engine.generate`` would decode it alone. The caller drives the passes and holds the Engine's lock while it
+    does."""
+    return driver.submit(
+        request.ids,
+        request.options,
+        request.proposer,
+        draft_width=request.draft_width,
+        detokenize=engine.tokenizer.decode,
+        callback=callback,
+    )
+
+
+def batch_driver(engine: Engine, *, priced: bool = True) -> BatchDriver:
+    """A driver over the Engine's batch backend, reusing cached prefixes as the Engine's ``prefix_reuse`` says;
+    ``priced``: give it the backend's measured ``decode_costs`` (measured once, kept on disk), so a ``PricedWidth``
+    policy (``draft_width="auto"``) speculates less as the batch fills (other widths ignore them)."""
+    return BatchDriver(
+        engine.batch_backend(),
+        decode_costs=engine.batch_decode_costs() if priced else None,
+        prefix_reuse=engine.prefix_reuse,
+    )
+
+
 def generate_many(engine: Engine, prompts: Sequence[Prompt], options: GenerationOptions) -> list[GenerateResult]:
     """See ``Engine.generate_many``."""
     if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
         raise ArgumentError("prompts", f"prompts must be a list of prompts, got {type(prompts).__name__}")
     requests = [batch_request(engine, prompt, options) for prompt in prompts]
     with engine._lock:  # the measurements above and the batch backend are the Engine's
-        driver = batch_driver(engine, requests[0].draft_width if requests else 1)  # one options: one width
-        sequences = [
-            driver.submit(r.ids, r.options, r.proposer, draft_width=r.draft_width, detokenize=engine.tokenizer.decode)
-            for r in requests
-        ]
+        driver = batch_driver(engine, priced=any(isinstance(r.draft_width, PricedWidth) for r in requests))
+        sequences = [submit(engine, driver, request) for request in requests]
         driver.run()
     for sequence in sequences:
         if sequence.error is not None:
             raise sequence.error
     return [sequence.result() for sequence in sequences]
-
-
-def batch_driver(engine: Engine, width: int | WidthPolicy) -> BatchDriver:
-    """A driver over the Engine's batch backend, reusing cached prefixes as the Engine's ``prefix_reuse`` says; a
-    ``PricedWidth`` policy (``draft_width="auto"``) gets the backend's measured ``decode_costs``, so its sequences
-    speculate less as the batch fills."""
-    priced = isinstance(width, PricedWidth)
-    return BatchDriver(
-        engine.batch_backend(),
-        decode_costs=engine.batch_decode_costs() if priced else None,
-        prefix_reuse=engine.prefix_reuse,
-    )
 
 
 def batch_proposer(speculative: object) -> Proposer | None:
