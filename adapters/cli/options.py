@@ -153,7 +153,8 @@ def model_options(
         type=positive_int,
         default=None,
         metavar="TOKENS",
-        help="KV capacity in tokens: prompt + output (default: the model's context length)",
+        help="KV capacity in tokens: prompt + output (default: the model's context length; for each slot of a "
+        "batched engine, at most 2048)",
     )
     g.add_argument(
         "--static-shapes",
