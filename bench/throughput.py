@@ -62,7 +62,7 @@ from bench.peers import OrtGenAIRunner, make_peer
 from bench.workloads import CATEGORIES, Workload, build_workloads, encode_chat, python_version_tag
 from ortspec import BackendConfig, Engine
 from ortspec.adapters.engine.engine import BATCH_SLOTS
-from ortspec.adapters.engine.many import batch_driver, batch_request, submit
+from ortspec.adapters.engine.many import batch_request, generate_requests
 from ortspec.adapters.engine.options import GenerationOptions
 from ortspec.adapters.engine.tokenizer import Tokenizer
 from ortspec.driver import GenerateResult
@@ -237,17 +237,9 @@ def quick_requests(requests: Sequence[Request], tokenizer: Tokenizer) -> list[Re
 
 
 def generate_batched(engine: Engine, requests: Sequence[tuple[Any, GenerationOptions]]) -> list[GenerateResult]:
-    """``Engine.generate_many`` with each request's own options (its number of tokens and seed), built from the same
-    pieces (``ortspec.adapters.engine.many``: ``batch_request``, ``batch_driver``, ``submit``), as ``ortspec batch``
-    and the batched server run them."""
-    prepared = [batch_request(engine, prompt, options) for prompt, options in requests]
-    driver = batch_driver(engine)
-    sequences = [submit(engine, driver, request) for request in prepared]
-    driver.run()
-    for sequence in sequences:
-        if sequence.error is not None:
-            raise sequence.error
-    return [sequence.result() for sequence in sequences]
+    """``Engine.generate_many`` with each request's own options (its number of tokens and seed):
+    ``ortspec.adapters.engine.many.generate_requests``, as ``ortspec batch`` and the batched server run them."""
+    return generate_requests(engine, [batch_request(engine, prompt, options) for prompt, options in requests])
 
 
 def _ortspec_run(

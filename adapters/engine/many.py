@@ -73,8 +73,14 @@ def generate_many(engine: Engine, prompts: Sequence[Prompt], options: Generation
     """See ``Engine.generate_many``."""
     if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
         raise ArgumentError("prompts", f"prompts must be a list of prompts, got {type(prompts).__name__}")
-    requests = [batch_request(engine, prompt, options) for prompt in prompts]
-    with engine._lock:  # the measurements above and the batch backend are the Engine's
+    return generate_requests(engine, [batch_request(engine, prompt, options) for prompt in prompts])
+
+
+def generate_requests(engine: Engine, requests: Sequence[BatchRequest]) -> list[GenerateResult]:
+    """Every request (``batch_request``: each with its own options) on one batch driver of ``engine``, run until
+    all are done; their results in order, each what ``Engine.generate`` gives it alone. The first failure raises
+    (``GenerationError`` with its partial result)."""
+    with engine._lock:  # the measurements and the batch backend are the Engine's
         driver = batch_driver(engine, priced=any(isinstance(r.draft_width, PricedWidth) for r in requests))
         sequences = [submit(engine, driver, request) for request in requests]
         driver.run()
