@@ -41,6 +41,7 @@ from ortspec.adapters.batch.output import OutputWriter
 from ortspec.adapters.batch.worker import BatchWorker, WorkerSettings
 from ortspec.adapters.engine.tokenizer import Tokenizer
 from ortspec.core import PromptLookup
+from ortspec.core.width import acceptance_rate
 
 CONFIGS = ("embedded 1x2", "embedded 2x1", "ray 1x2", "ray 2x1")
 # What `ortspec batch` uses by default: prompt lookup (3-gram, up to 16 tokens), cost-aware width, chat template.
@@ -173,7 +174,8 @@ def summarize(runs: list[dict], configs: Sequence[str]) -> dict[str, Any]:
             "per_worker_tokens_per_s": mean([r["tokens"] / r["generate_s"] for r in rs]),
             "utilization": mean([r["generate_s"] / (workers * r["wall_s"]) for r in rs]),
             "generate_s": generate,
-            "acceptance": mean([r["accepted"] / r["proposed"] for r in rs if r["proposed"]]),
+            # 0 when nothing was proposed (a batched run whose speculation faded under load: core.acceptance_rate)
+            "acceptance": acceptance_rate(sum(r["accepted"] for r in rs), sum(r["proposed"] for r in rs)),
             "tokens_per_pass": mean([r["tokens"] / r["steps"] for r in rs]),
             "background_cores": mean([r["background_cores_before"] or 0.0 for r in rs]),
         }
