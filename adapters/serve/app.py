@@ -286,32 +286,21 @@ def create_app(engines: Sequence[Engine], settings: ServerSettings, *, clock: Cl
     _handle_errors(app)
     routes = _Routes(pool, metrics, settings)
     app.openapi = functools.partial(openapi_document, app)  # type: ignore[method-assign]
-    # each route's statuses and bodies: openapi.RESPONSES
-    app.add_api_route("/health", routes.health, methods=["GET"], response_model=None, responses=RESPONSES["/health"])
-    app.add_api_route(
-        "/metrics",
-        routes.metrics_text,
-        methods=["GET"],
-        response_model=None,
-        response_class=PlainTextResponse,
-        responses=RESPONSES["/metrics"],
-    )
-    app.add_api_route(
-        "/v1/models", routes.models, methods=["GET"], response_model=None, responses=RESPONSES["/v1/models"]
-    )
-    app.add_api_route(
-        "/v1/completions",
-        routes.completions,
-        methods=["POST"],
-        response_model=None,
-        responses=RESPONSES["/v1/completions"],
-    )
-    app.add_api_route(
-        "/v1/chat/completions",
-        routes.chat_completions,
-        methods=["POST"],
-        response_model=None,
-        responses=RESPONSES["/v1/chat/completions"],
-    )
+    for path, endpoint, method in (
+        ("/health", routes.health, "GET"),
+        ("/metrics", routes.metrics_text, "GET"),
+        ("/v1/models", routes.models, "GET"),
+        ("/v1/completions", routes.completions, "POST"),
+        ("/v1/chat/completions", routes.chat_completions, "POST"),
+    ):  # each route's statuses and bodies: openapi.RESPONSES
+        response_class = PlainTextResponse if path == "/metrics" else JSONResponse
+        app.add_api_route(
+            path,
+            endpoint,
+            methods=[method],
+            response_model=None,
+            response_class=response_class,
+            responses=RESPONSES[path],
+        )
     app.add_middleware(_Guard, metrics=metrics, max_body_bytes=settings.max_body_bytes)
     return app

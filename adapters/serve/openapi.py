@@ -126,25 +126,25 @@ class ChatChoice(BaseModel):
     finish_reason: str = _finish_reason("why the generation ended", streamed=False)
 
 
-class Completion(BaseModel):
-    """``POST /v1/completions`` without ``stream``."""
-
+class _Head(BaseModel):
     id: str
-    object: Literal["text_completion"]
     created: int
     model: str
+
+
+class Completion(_Head):
+    """``POST /v1/completions`` without ``stream``."""
+
+    object: Literal["text_completion"]
     choices: list[CompletionChoice]
     usage: Usage
     ortspec: OrtspecStats
 
 
-class ChatCompletion(BaseModel):
+class ChatCompletion(_Head):
     """``POST /v1/chat/completions`` without ``stream``."""
 
-    id: str
     object: Literal["chat.completion"]
-    created: int
-    model: str
     choices: list[ChatChoice]
     usage: Usage
     ortspec: OrtspecStats
@@ -174,29 +174,26 @@ class ChatChunkChoice(BaseModel):
     finish_reason: str | None = _finish_reason("set on the last chunk only", streamed=True)
 
 
-class CompletionChunk(BaseModel):
-    """A streamed completion's chunk. With ``stream_options.include_usage``: ``usage`` is null on every chunk but
-    a last one with no choices and the usage."""
+class _Chunk(_Head):
+    """With ``stream_options.include_usage``: ``usage`` is null on every chunk but a last one with no choices and
+    the usage."""
 
-    id: str
+    usage: Usage | None = None
+    ortspec: OrtspecStats | None = Field(default=None, description="on the chunk with the finish reason")
+
+
+class CompletionChunk(_Chunk):
+    """A streamed completion's chunk."""
+
     object: Literal["text_completion"]
-    created: int
-    model: str
     choices: list[CompletionChunkChoice]
-    usage: Usage | None = None
-    ortspec: OrtspecStats | None = Field(default=None, description="on the chunk with the finish reason")
 
 
-class ChatCompletionChunk(BaseModel):
-    """A streamed chat completion's chunk (``usage`` and ``ortspec`` as for ``CompletionChunk``)."""
+class ChatCompletionChunk(_Chunk):
+    """A streamed chat completion's chunk."""
 
-    id: str
     object: Literal["chat.completion.chunk"]
-    created: int
-    model: str
     choices: list[ChatChunkChoice]
-    usage: Usage | None = None
-    ortspec: OrtspecStats | None = Field(default=None, description="on the chunk with the finish reason")
 
 
 _STREAM_MODELS: tuple[type[BaseModel], ...] = (CompletionChunk, ChatCompletionChunk, ErrorBody)
