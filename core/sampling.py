@@ -10,10 +10,14 @@ The rules, in order (every step is deterministic; float32 for the processors, fl
    ``repetition_penalty`` (Hugging Face / CTRL): for every id in prompt + generated tokens before this position,
    ``z = z / rp`` where ``z > 0`` else ``z * rp``; then ``presence_penalty`` and ``frequency_penalty`` (OpenAI):
    for every id generated before this position (the prompt does not count), ``z -= count * frequency_penalty +
-   presence_penalty``; then ``logit_bias``: ``z[id] += bias``.
+   presence_penalty``; then ``logit_bias``: ``z[id] += bias``. The arithmetic saturates: option values, the
+   penalty and every processed logit are held within float32's finite range (+-``F32_MAX``), so a processor
+   never turns a finite logit into an infinite one, whatever the values; a row's own non-finite values are left
+   as they are, for the check below.
 2. **Greedy** (``temperature == 0``): the pick is the argmax of ``z``, the lowest id on ties. Filters do not matter
    (they always keep the argmax).
-3. **Sampling** (``temperature = T > 0``): with ``s = (z - z_max) / T`` (float32) the distribution is
+3. **Sampling** (``temperature = T > 0``, at least ``F32_TINY``, float32's smallest normal number, so that ``T``
+   in float32 is not 0): with ``s = (z - z_max) / T`` (float32) the distribution is
    ``p = exp(s)`` over the tokens that survive, in this order: tokens with ``s < -40`` (less likely than
    ``e**-40`` times the most likely) are never sampled; ``top_k > 0`` keeps the ``k`` largest ``z`` (the lowest
    ids among equals); then ``p`` is numpy's float32 ``exp`` of the survivors' ``s`` (``p = 1`` at the top);
@@ -52,6 +56,8 @@ from .checks import ArgumentError, check_number, is_int, token_ids
 from .declare import Bounds, option
 
 UNLIKELY = 40.0  # in units of (z_max - z) / T: tokens beyond it are never sampled
+F32_MAX = float(np.finfo(np.float32).max)  # the processors saturate at +-F32_MAX
+F32_TINY = float(np.finfo(np.float32).tiny)  # the least temperature and repetition penalty (float32's smallest normal)
 _MASK64 = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15
 
@@ -96,6 +102,23 @@ def _to_float(value: object) -> object:
     return float(value) if is_int(value) else value  # type: ignore[arg-type]
 
 
+def _check_temperature(instance: object, field: object, value: float) -> None:
+    if 0.0 < value < F32_TINY:
+        raise ArgumentError(
+            "temperature", f"temperature must be 0 (greedy) or at least {F32_TINY:g} (float32), got {value!r}"
+        )
+
+
+def _f32(value: float) -> np.float32:
+    """An option's value as the processors use it: float32, saturated at +-``F32_MAX`` (never infinite)."""
+    return np.float32(min(max(value, -F32_MAX), F32_MAX))
+
+
+def _saturated(new: np.ndarray, old: np.ndarray) -> np.ndarray:
+    """``new`` (a processor's result for the logits ``old``) held within +-``F32_MAX`` where ``old`` is finite."""
+    return np.where(np.isfinite(old), np.clip(new, -F32_MAX, F32_MAX), new)
+
+
 @attrs.frozen(kw_only=True)
 class Sampling:
     """The options that shape each pick, declared once: the Engine's keywords, the command line's flags, the
@@ -109,6 +132,7 @@ class Sampling:
         "sampling temperature; 0 decodes greedily",
         bounds=Bounds(minimum=0),
         converter=_to_float,
+        validator=_check_temperature,
     )
     top_k: int = option(0, "sample from the k most likely tokens only; 0 = off", bounds=Bounds("int", minimum=0))
     top_p: float = option(
@@ -133,7 +157,7 @@ class Sampling:
     repetition_penalty: float = option(
         1.0,
         "divide the logits of tokens already in the context by this (multiply when negative); 1 = off",
-        bounds=Bounds(minimum=0, low_open=True),
+        bounds=Bounds(minimum=F32_TINY),
         converter=_to_float,
     )
     presence_penalty: float = option(
@@ -193,29 +217,33 @@ class StepContext:
         if s.presence_penalty or s.frequency_penalty:
             self._gen_ids, self._gen_counts = np.unique(np.asarray(generated, dtype=np.int64), return_counts=True)
         self._bias_ids = np.asarray([i for i, _ in s.logit_bias], dtype=np.int64)
-        self._bias = np.asarray([b for _, b in s.logit_bias], dtype=np.float32)
+        self._bias = np.asarray([_f32(b) for _, b in s.logit_bias], dtype=np.float32)
 
     def processed(self, row: np.ndarray, drafted: Sequence[int]) -> np.ndarray:
         """``z`` for a row whose context ends with ``drafted`` (draft tokens before it): a float32 copy."""
         s = self.sampling
         z = np.array(row, dtype=np.float32, copy=True)
-        if s.repetition_penalty != 1.0:
-            assert self._rep_ids is not None
-            ids = np.union1d(self._rep_ids, np.asarray(drafted, dtype=np.int64)) if drafted else self._rep_ids
-            v = z[ids]
-            rp = np.float32(s.repetition_penalty)
-            z[ids] = np.where(v > 0, v / rp, v * rp)
-        if s.presence_penalty or s.frequency_penalty:
-            assert self._gen_ids is not None and self._gen_counts is not None
-            ids, counts = self._gen_ids, self._gen_counts
-            if drafted:
-                ids, counts = np.unique(
-                    np.concatenate([np.repeat(ids, counts), np.asarray(drafted, dtype=np.int64)]), return_counts=True
-                )
-            penalty = counts.astype(np.float32) * np.float32(s.frequency_penalty) + np.float32(s.presence_penalty)
-            z[ids] -= penalty
-        if len(self._bias_ids):
-            z[self._bias_ids] += self._bias
+        with np.errstate(over="ignore"):  # what overflows is saturated (_saturated)
+            if s.repetition_penalty != 1.0:
+                assert self._rep_ids is not None
+                ids = np.union1d(self._rep_ids, np.asarray(drafted, dtype=np.int64)) if drafted else self._rep_ids
+                v = z[ids]
+                rp = _f32(s.repetition_penalty)
+                z[ids] = _saturated(np.where(v > 0, v / rp, v * rp), v)
+            if s.presence_penalty or s.frequency_penalty:
+                assert self._gen_ids is not None and self._gen_counts is not None
+                ids, counts = self._gen_ids, self._gen_counts
+                if drafted:
+                    ids, counts = np.unique(
+                        np.concatenate([np.repeat(ids, counts), np.asarray(drafted, dtype=np.int64)]),
+                        return_counts=True,
+                    )
+                penalty = counts.astype(np.float32) * _f32(s.frequency_penalty) + _f32(s.presence_penalty)
+                v = z[ids]
+                z[ids] = _saturated(v - np.clip(penalty, -F32_MAX, F32_MAX), v)
+            if len(self._bias_ids):
+                v = z[self._bias_ids]
+                z[self._bias_ids] = _saturated(v + self._bias, v)
         return z
 
     def pick(self, row: np.ndarray, i: int, drafted: Sequence[int], *, margin: bool, top_n: int) -> Pick:
@@ -230,7 +258,8 @@ class StepContext:
         scale = max(s.repetition_penalty, 1.0 / s.repetition_penalty)
         if s.temperature == 0.0:
             return _greedy_pick(z, best, scale, margin, top_n)
-        return _sampled_pick(z, best, s, uniform(_seed(s), self.first_index + i), scale, margin, top_n)
+        with np.errstate(over="ignore"):  # (z - z_max) / T past float32's range is -inf: outside the window
+            return _sampled_pick(z, best, s, uniform(_seed(s), self.first_index + i), scale, margin, top_n)
 
 
 def _seed(s: Sampling) -> int:

@@ -9,9 +9,10 @@ per token). The rules:
 
 - The pick at each position follows ``core/sampling.py``'s docstring, re-implemented here one token at a time:
   processors (repetition penalty over prompt + generated, presence/frequency penalties over generated, logit bias;
-  float32), then the argmax (lowest id on ties) at temperature 0, or, at temperature T, the inverse-CDF draw with
-  SplitMix64's uniform over the tokens that survive the window (``(z_max - z) / T <= 40``), top-k, top-p and
-  min-p. A row whose pick is NaN or infinite (a NaN anywhere, +inf at the top, every logit -inf) is an error.
+  float32, saturating at +-float32's largest finite value), then the argmax (lowest id on ties) at temperature 0,
+  or, at temperature T, the inverse-CDF draw with SplitMix64's uniform over the tokens that survive the window
+  (``(z_max - z) / T <= 40``), top-k, top-p and min-p. A row whose pick is NaN or infinite (a NaN anywhere, +inf
+  at the top, every logit -inf) is an error.
 - The context limit is the smaller of ``max_context`` and ``capacity``. An empty prompt or one longer than the
   limit is an error; a prompt that fills it ends at once (``context_full``, no token).
 - After each token, in this order: EOS (kept), stop token sequences (the first listed that the tokens end with),
@@ -128,21 +129,35 @@ def reference_pick(
     return pick_after(row, rules, History.of(prompt, generated), top_n)
 
 
+F32_MAX = float(np.finfo(np.float32).max)
+
+
+def _f32(value: float) -> np.float32:
+    """An option's value in float32, saturated at +-F32_MAX."""
+    return np.float32(min(max(value, -F32_MAX), F32_MAX))
+
+
 def pick_after(
     row: np.ndarray, rules: PickRules, history: History, top_n: int = 0
 ) -> tuple[int, tuple[float, tuple[tuple[int, float], ...]] | None]:
     """``reference_pick`` for the tokens summed up in ``history``."""
     z = np.array(row, dtype=np.float32)
-    if rules.repetition_penalty != 1.0 and history.seen:
-        rp = np.float32(rules.repetition_penalty)
-        ids = np.fromiter(history.seen, dtype=np.int64)  # each id once: the penalty applies once per id
-        z[ids] = np.where(z[ids] > 0, z[ids] / rp, z[ids] * rp)
-    if (rules.presence_penalty or rules.frequency_penalty) and history.counts:
-        ids = np.fromiter(history.counts.keys(), dtype=np.int64)
-        counts = np.fromiter(history.counts.values(), dtype=np.float32)
-        z[ids] -= counts * np.float32(rules.frequency_penalty) + np.float32(rules.presence_penalty)
-    for t, b in rules.logit_bias:
-        z[t] += np.float32(b)
+    finite = np.isfinite(z)  # the processors saturate these at +-F32_MAX; the others stay as they are
+    with np.errstate(over="ignore"):
+        if rules.repetition_penalty != 1.0 and history.seen:
+            rp = _f32(rules.repetition_penalty)
+            ids = np.fromiter(history.seen, dtype=np.int64)  # each id once: the penalty applies once per id
+            z[ids] = np.where(z[ids] > 0, z[ids] / rp, z[ids] * rp)
+            z = np.where(finite, np.clip(z, -F32_MAX, F32_MAX), z)
+        if (rules.presence_penalty or rules.frequency_penalty) and history.counts:
+            ids = np.fromiter(history.counts.keys(), dtype=np.int64)
+            counts = np.fromiter(history.counts.values(), dtype=np.float32)
+            penalty = counts * _f32(rules.frequency_penalty) + _f32(rules.presence_penalty)
+            z[ids] -= np.clip(penalty, -F32_MAX, F32_MAX)
+            z = np.where(finite, np.clip(z, -F32_MAX, F32_MAX), z)
+        for t, b in rules.logit_bias:
+            z[t] += _f32(b)
+            z = np.where(finite, np.clip(z, -F32_MAX, F32_MAX), z)
     if np.isnan(z).any() or not math.isfinite(float(z.max())):
         raise ReferenceError("not finite at the pick")
     zmax = float(z.max())
@@ -156,7 +171,8 @@ def pick_after(
         order = np.lexsort((ids, -x))[:top_n]
         return token, (float(x[token] - logz), tuple((int(i), float(x[i] - logz)) for i in order))
     t = rules.temperature
-    ids = np.flatnonzero((z - np.float32(zmax)) / np.float32(t) >= -40.0)  # the window
+    with np.errstate(over="ignore"):  # past float32's range is -inf: outside the window
+        ids = np.flatnonzero((z - np.float32(zmax)) / np.float32(t) >= -40.0)  # the window
     if rules.top_k:
         ids = np.sort(ids[np.lexsort((ids, -z[ids]))][: rules.top_k])
     p = np.exp((z[ids] - np.float32(zmax)) / np.float32(t))

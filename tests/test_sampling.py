@@ -25,7 +25,7 @@ import pytest
 from ortspec import Options, PromptLookup, generate
 from ortspec.backends.fake import FakeBackend, FakeModel
 from ortspec.core.checks import ArgumentError
-from ortspec.core.sampling import Sampling, StepContext, splitmix64, uniform
+from ortspec.core.sampling import F32_MAX, F32_TINY, Sampling, StepContext, splitmix64, uniform
 from property_tests.reference import PickRules, reference_pick
 
 ROW = np.array([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0], dtype=np.float32)
@@ -279,6 +279,8 @@ def test_greedy_is_the_temperature_zero_case():
         (dict(seed=-1), "seed"),
         (dict(seed=2**64), "seed"),
         (dict(repetition_penalty=0.0), "repetition_penalty"),
+        (dict(repetition_penalty=5e-324), "repetition_penalty"),  # 0 in float32
+        (dict(temperature=2.6e-125, seed=1), "temperature"),  # 0 in float32
         (dict(presence_penalty=float("inf")), "presence_penalty"),
         (dict(frequency_penalty="x"), "frequency_penalty"),
         (dict(logit_bias={-1: 1.0}), "logit_bias"),
@@ -307,3 +309,35 @@ def test_a_non_finite_row_is_refused_even_where_filters_would_drop_it():
         ctx.pick(row, 0, (), margin=False, top_n=0)
     with pytest.raises(ValueError, match="not finite"):
         ctx.pick(np.full(8, -np.inf, np.float32), 0, (), margin=False, top_n=0)
+
+
+BIG = 1.7e308  # a finite float64 far past float32's range
+
+
+@pytest.mark.parametrize(
+    "rules, prompt, generated, token",
+    [
+        # 10 / F32_TINY and 5 / F32_TINY both saturate at F32_MAX: a tie, the lowest id
+        (dict(repetition_penalty=F32_TINY), (2, 3), (), 2),
+        (dict(presence_penalty=-BIG), (0,), (5,), 5),  # -0.5 + F32_MAX
+        (dict(presence_penalty=-BIG, frequency_penalty=BIG), (0,), (0,), 0),  # the two cancel, no inf - inf
+        (dict(frequency_penalty=BIG), (0,), (0, 0), 1),  # token 0 falls to -F32_MAX
+        (dict(logit_bias={7: BIG}), (0,), (), 7),
+        (dict(logit_bias={7: BIG, 6: BIG}), (0,), (), 6),  # both round to F32_MAX: a tie
+        (dict(logit_bias={7: BIG}, temperature=1.0, seed=1), (0,), (), 7),  # nothing else within the window
+        (dict(temperature=F32_TINY, seed=3), (0,), (), 0),  # the least temperature: only the top survives
+    ],
+)
+def test_extreme_option_values_saturate_instead_of_making_a_finite_row_non_finite(rules, prompt, generated, token):
+    """Found by fuzzing the server: ``repetition_penalty=1.6e-171`` divided a positive logit to +inf, a penalty or
+    bias past float32's range was +-inf in float32 (and inf - inf a NaN), and a temperature that is 0 in float32
+    divided 0 by 0; each failed the generation (a 500). The processors saturate at +-F32_MAX, the least temperature
+    and repetition penalty are F32_TINY (a smaller one is refused, above), so a finite row always gives a pick,
+    the one the saturated values say, and the property suite's reference agrees."""
+    row = ROW * 10  # 10 / F32_TINY is past float32's range
+    pick = StepContext(Sampling(**rules), prompt, generated).pick(row, 0, (), margin=True, top_n=2)
+    assert pick.token == token and math.isfinite(pick.logprob)
+    bias = tuple(sorted(rules.get("logit_bias", {}).items()))
+    got, _ = reference_pick(row, PickRules(**(rules | {"logit_bias": bias})), prompt, generated)
+    assert got == token
+    assert float(np.max(StepContext(Sampling(**rules), prompt, generated).processed(row, ()))) <= F32_MAX

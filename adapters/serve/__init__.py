@@ -26,7 +26,9 @@ Rooms, each knowing only the ones below it:
 - ``batch_pool.py``: ``BatchPool``: every request on one batched Engine (``engine.scheduler.BatchScheduler``).
 - ``pool.py``: ``WorkerPool``: the workers, the bounded queue, routing by the longest cached prefix, leases and
   cancellation (a cancelled or timed-out job stops within one target pass).
-- ``errors.py``: ``APIError`` (the OpenAI error object) and the mapping from a failure to its response.
+- ``openapi.py``: the OpenAPI document: every status each route returns and every body (``RESPONSES``).
+- ``errors.py``: ``APIError`` and ``ErrorBody`` (the OpenAI error object) and the mapping from a failure to its
+  response.
 - ``metrics.py``: the Prometheus metrics. ``settings.py``: ``ServerSettings``.
 - ``run.py``: ``load_serving`` (the ``--workers`` / ``--max-batch`` rule), ``load_engines``, ``serve_in_thread``,
   ``cmd_serve``.

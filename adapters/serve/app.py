@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import time
 import uuid
@@ -21,7 +22,7 @@ from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from sse_starlette import EventSourceResponse
 from starlette.concurrency import run_in_threadpool
@@ -43,6 +44,7 @@ from ortspec.adapters.serve.models import (
     prompt_of,
     validation_error,
 )
+from ortspec.adapters.serve.openapi import RESPONSES, openapi_document
 from ortspec.adapters.serve.pool import WorkerPool
 from ortspec.adapters.serve.responses import LogprobFormatter, ResponseShape, ortspec_stats
 from ortspec.adapters.serve.settings import ServerSettings
@@ -300,10 +302,22 @@ def create_app(
     app.state.pool, app.state.metrics, app.state.settings = pool, metrics, settings
     _handle_errors(app)
     routes = _Routes(pool, metrics, settings)
-    app.add_api_route("/health", routes.health, methods=["GET"])
-    app.add_api_route("/metrics", routes.metrics_text, methods=["GET"])
-    app.add_api_route("/v1/models", routes.models, methods=["GET"])
-    app.add_api_route("/v1/completions", routes.completions, methods=["POST"], response_model=None)
-    app.add_api_route("/v1/chat/completions", routes.chat_completions, methods=["POST"], response_model=None)
+    app.openapi = functools.partial(openapi_document, app)  # type: ignore[method-assign]
+    for path, endpoint, method in (
+        ("/health", routes.health, "GET"),
+        ("/metrics", routes.metrics_text, "GET"),
+        ("/v1/models", routes.models, "GET"),
+        ("/v1/completions", routes.completions, "POST"),
+        ("/v1/chat/completions", routes.chat_completions, "POST"),
+    ):  # each route's statuses and bodies: openapi.RESPONSES
+        response_class = PlainTextResponse if path == "/metrics" else JSONResponse
+        app.add_api_route(
+            path,
+            endpoint,
+            methods=[method],
+            response_model=None,
+            response_class=response_class,
+            responses=RESPONSES[path],
+        )
     app.add_middleware(_Guard, metrics=metrics, max_body_bytes=settings.max_body_bytes)
     return app

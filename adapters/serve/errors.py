@@ -13,13 +13,31 @@ from collections.abc import Mapping
 from typing import Any
 
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel
 
 from ortspec.core.checks import ArgumentError
 from ortspec.driver import GenerateResult, GenerationError
 
 
+class ErrorDetail(BaseModel):
+    """What went wrong. ``type``: ``invalid_request_error`` (the client's mistake), ``rate_limit_error`` (the queue
+    is full), ``timeout_error`` or ``server_error``; ``param``: the request field at fault, if one is;
+    ``code``: a machine-readable word (``model_not_found``, ``context_length_exceeded``, ``queue_full``, ...)."""
+
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorBody(BaseModel):
+    """The body of every error response, and of a stream's error event: the OpenAI error object."""
+
+    error: ErrorDetail
+
+
 class APIError(Exception):
-    """An error response: ``{"error": {"message", "type", "param", "code"}}`` with an HTTP status."""
+    """An error response: an ``ErrorBody`` with an HTTP status."""
 
     def __init__(
         self,
@@ -36,7 +54,8 @@ class APIError(Exception):
         self.headers = dict(headers or {})
 
     def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+        detail = ErrorDetail(message=self.message, type=self.type, param=self.param, code=self.code)
+        return ErrorBody(error=detail).model_dump()
 
     def response(self) -> JSONResponse:
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)

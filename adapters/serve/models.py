@@ -74,7 +74,7 @@ class _GenerationRequest(_SamplingRequest):  # type: ignore[valid-type, misc]
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = 1
+    n: int = Field(default=1, json_schema_extra={"minimum": 1, "maximum": 1})  # documented: n=1 only
     user: str | None = None
     ortspec: OrtspecOptions | None = None
 
