@@ -58,14 +58,17 @@ def _serving(case_and_draw: tuple[schemathesis.Case, int]) -> schemathesis.Case:
 
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir):
-    return Engine.from_dir(tiny_model_dir, BackendConfig(threads=1), prefix_reuse=True)
+    """The default server's Engine: one batched Engine (``ortspec serve``'s ``load_serving``), 2 slots."""
+    return Engine.from_dir(tiny_model_dir, BackendConfig(threads=1), prefix_reuse=True, batch_slots=2)
 
 
 @pytest.fixture
 def api(engine):
-    """A fresh app's schema, read from its ``/openapi.json``; requests go to the app in process. One app per test:
-    Schemathesis ends the app's lifespan (which closes its pool) when the test that started it ends."""
-    app = create_app([engine], ServerSettings(model_name=MODEL, measure_at_startup=False, default_max_tokens=16))
+    """A fresh app's schema, read from its ``/openapi.json``; requests go to the app in process (the batched pool,
+    as ``ortspec serve`` runs by default). One app per test: Schemathesis ends the app's lifespan (which closes its
+    pool) when the test that started it ends."""
+    settings = ServerSettings(model_name=MODEL, measure_at_startup=False, default_max_tokens=16)
+    app = create_app([engine], settings, batch=engine.batch_backend())
     return schemathesis.openapi.from_asgi("/openapi.json", app)
 
 
