@@ -278,8 +278,8 @@ MUTANTS: dict[str, Mutant] = {
     ),
     "repetition-penalty-divides-negative-logits": Mutant(
         "core/sampling.py",
-        "z[ids] = np.where(v > 0, v / rp, v * rp)",
-        "z[ids] = v / rp",
+        "z[ids] = _saturated(np.where(v > 0, v / rp, v * rp), v)",
+        "z[ids] = _saturated(v / rp, v)",
     ),
     "repetition-penalty-ignores-the-prompt": Mutant(
         "core/sampling.py",
@@ -288,8 +288,8 @@ MUTANTS: dict[str, Mutant] = {
     ),
     "presence-penalty-per-occurrence": Mutant(
         "core/sampling.py",
-        "counts.astype(np.float32) * np.float32(s.frequency_penalty) + np.float32(s.presence_penalty)",
-        "counts.astype(np.float32) * np.float32(s.frequency_penalty + s.presence_penalty)",
+        "penalty = counts.astype(np.float32) * _f32(s.frequency_penalty) + _f32(s.presence_penalty)",
+        "penalty = counts.astype(np.float32) * _f32(s.frequency_penalty + s.presence_penalty)",
     ),
     "frequency-penalty-counts-the-prompt": Mutant(
         "core/sampling.py",
@@ -298,8 +298,8 @@ MUTANTS: dict[str, Mutant] = {
     ),
     "logit-bias-replaces-the-logit": Mutant(
         "core/sampling.py",
-        "z[self._bias_ids] += self._bias",
-        "z[self._bias_ids] = self._bias",
+        "z[self._bias_ids] = _saturated(v + self._bias, v)",
+        "z[self._bias_ids] = _saturated(self._bias, v)",
     ),
     "logit-bias-alone-is-plain-greedy": Mutant(
         "core/sampling.py",
