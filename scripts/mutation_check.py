@@ -354,10 +354,13 @@ MUTANTS: dict[str, Mutant] = {
         "        backend.rewind(self._slot, outcome.rewind_to)\n",
         "",
     ),
-    "batch-driver-first-row-of-the-last-chunk": Mutant(
-        "ortspec/batch_driver.py",
-        "outcome = step(state, logits[-1], None, ())",
-        "outcome = step(state, logits[0], None, ())",
+    # (a prompt chunk now asks for its last row only, so "the first row of the last chunk" is that row: the bug
+    # class moved to the backend that cuts the rows out)
+    "batch-backend-forgets-the-rows-it-did-not-compute": Mutant(
+        "backends/onnx/batch.py",
+        "skipped = width - inputs.kept  # positions before the first with logits",
+        "skipped = 0  # positions before the first with logits",
+        ("tests/test_ort_batch.py",),
     ),
     "batch-driver-rows-to-the-wrong-sequence": Mutant(
         "ortspec/batch_driver.py",
