@@ -503,7 +503,7 @@ def summarize(measured: Mapping[str, Any]) -> list[dict[str, Any]]:
     return rows
 
 
-def choose_precision(results: Mapping[str, Any]) -> dict[str, Any] | None:
+def fastest_precision(results: Mapping[str, Any]) -> dict[str, Any] | None:
     """The precision whose fastest ortspec batched greedy column, with every output equal to alone, is fastest
     (None unless both were measured)."""
     best = {}
@@ -607,15 +607,16 @@ def markdown(report: Mapping[str, Any]) -> str:
             lines += ["", "**ortspec outputs differing from alone**: " + "; ".join(mismatches) + "."]
         for peer, why in result["missing"].items():
             lines += ["", f"{peer} is missing: {why}."]
-    choice = report["precision_choice"]
+    choice = report["fastest_precision"]
     lines += ["", "## Precision", ""]
     if choice is None:
         lines.append("Both precisions must be measured in one run (`--precision both`) to choose between them.")
     else:
         by = "; ".join(f"{p}: {r['column']}, {r['tokens_per_s']:.1f} tok/s" for p, r in choice["by"].items())
         lines.append(
-            f"Fastest batched greedy column with every output equal to alone, per precision: {by}. By these "
-            f"numbers the default precision of `ortspec demo`, `serve` and `batch` is **{choice['precision']}**."
+            f"Fastest batched greedy column with every output equal to alone, per precision: {by}. The faster "
+            f"precision is **{choice['precision']}**; the default precision also weighs what each costs in quality "
+            "(`python scripts/precision_quality.py`, docs/precision.md)."
         )
     return "\n".join(lines) + "\n"
 
@@ -677,7 +678,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "requests": len(dataset),
             },
             "precisions": results,
-            "precision_choice": choose_precision(results),
+            "fastest_precision": fastest_precision(results),
         }
         text = markdown(report)
         out.parent.mkdir(parents=True, exist_ok=True)
