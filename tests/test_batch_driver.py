@@ -216,6 +216,16 @@ def test_without_a_prefill_budget_every_prefilling_sequence_gets_its_chunk_and_a
     assert second.result().token_ids == alone([4, 5], Options(max_tokens=2)).token_ids
 
 
+def test_a_fresh_driver_has_the_same_settings_and_knows_nothing_of_the_slots():
+    backend = FakeBatchBackend(MODEL, 2, 256)
+    d = BatchDriver(backend, prefill_chunk=3, prefill_budget=2, decode_costs=(0.0, 1.0, 1.5), prefix_reuse=False)
+    d.submit([1, 2, 3], Options(max_tokens=2)).wait()
+    assert d.resident_tokens(0) != ()
+    new = d.fresh()
+    assert (new.prefill_chunk, new.prefill_budget, new.decode_costs, new.prefix_reuse) == (3, 2, (0.0, 1.0, 1.5), False)
+    assert new.resident_tokens(0) == () and new.passes == 0 and not new.running and not new.waiting
+
+
 @pytest.mark.parametrize("budget", [0, -3, True, 2.5, "512"])
 def test_a_bad_prefill_budget_is_refused_naming_it(budget):
     with pytest.raises(ValueError, match="prefill_budget"):
