@@ -63,7 +63,8 @@ def main() -> int:
             f"{platform.processor() or platform.machine()} ({platform.machine()}, a 2-core machine shared with other "
             f"work), {args.threads} intra-op threads, `{Path(args.model).name}`; {len(prompts)} chat prompts "
             f"({prompt_tokens} prompt tokens in all) x {args.new_tokens} new tokens, greedy, plain decoding, EOS "
-            f"ignored; generate_many runs up to {BATCH_SLOTS} sequences per pass.",
+            f"ignored; generate_many runs up to {BATCH_SLOTS} sequences per pass, folding in at most "
+            f"{engine.prefill_budget or 'unbounded'} prompt tokens per pass (the Engine's `prefill_budget`).",
             "",
             "| run | wall s | new tokens/s | ratio |",
             "| --- | --: | --: | --: |",

@@ -1,9 +1,11 @@
 """Load test of ``ortspec serve``: concurrent streaming clients against real servers on this machine, one server
-configuration after another (``SERVER_CONFIGS``: the batched Engine and today's worker design).
+configuration after another (``SERVER_CONFIGS``: the batched Engine and today's worker design; on request, the
+batched Engine without its prompt-token budget per pass, ``--prefill-budget none``).
 
-    python -m bench.serve_load                  # every configuration this server has, at 16, 32 and 64 clients
+    python -m bench.serve_load                  # batched and workers (those this server has), at 16, 32, 64 clients
     python -m bench.serve_load --quick          # smoke test: 4 clients x 1 short request, ~2 minutes
     python -m bench.serve_load --configs workers --concurrency 16 --requests 3
+    python -m bench.serve_load --configs batched,batched-unbudgeted --concurrency 16 --out docs/serve/prefill-budget
 
 It computes every prompt's reference text with an in-process ``Engine`` (plain greedy, no speculation, no prefix
 reuse) before any server starts, then, for each configuration, starts ``ortspec serve`` as a subprocess on a free
@@ -25,10 +27,11 @@ loopback port with a queue bound of at least the largest concurrency, and runs w
 The report puts each configuration's row beside the worker design's at the same concurrency (tokens/s, TTFT p50
 and peak RSS ratios) and says whether the issue's server target (batched at 16 clients >= 4x workers) was met.
 
-``ortspec serve`` with ``--max-batch`` (one batched Engine) runs both configurations; a server without the flag
-runs ``workers`` only (``--configs`` selects among those available). Results go to ``<out>/serve_load.{json,md}``
-(machine, date, settings, every number); the exit status is 1 if any phase failed its condition (a load phase's
-errors or text mismatches, the prefix-reuse TTFT target, an overload answer other than 200 or 429 + Retry-After).
+``ortspec serve`` with ``--max-batch`` (one batched Engine) runs every configuration (by default batched and
+workers); a server without the flag runs ``workers`` only (``--configs`` selects among those available). Results
+go to ``<out>/serve_load.{json,md}`` (machine, date, settings, every number); the exit status is 1 if any phase
+failed its condition (a load phase's errors or text mismatches, the prefix-reuse TTFT target, an overload answer
+other than 200 or 429 + Retry-After).
 
 Cost on this 2-core machine (SmolLM2-135M-Instruct fp32), estimated from quick runs: per configuration 112
 requests (16 + 32 + 64 clients x 1 request: 66,000 prompt tokens, at most 9,000 generated), plus the references
@@ -93,6 +96,7 @@ class ServerConfig:
     slots: int
     needs_max_batch: bool = False
     args_with_max_batch: tuple[str, ...] = ()
+    by_default: bool = True  # run when --configs is not given
 
     def cli_args(self, cores: int, has_max_batch: bool) -> list[str]:
         extra = self.args_with_max_batch if has_max_batch else ()
@@ -102,6 +106,13 @@ class ServerConfig:
 SERVER_CONFIGS = {
     "batched": ServerConfig(("--max-batch", "16", "--threads", CORES), slots=16, needs_max_batch=True),
     "workers": ServerConfig(("--workers", "2", "--threads", "1"), slots=2, args_with_max_batch=("--max-batch", "1")),
+    # the batched Engine without a prompt-token budget per pass (every prompt's next chunk in the same pass)
+    "batched-unbudgeted": ServerConfig(
+        ("--max-batch", "16", "--threads", CORES, "--prefill-budget", "none"),
+        slots=16,
+        needs_max_batch=True,
+        by_default=False,
+    ),
 }
 
 QUICK = {  # --quick: the defaults it changes (an option given explicitly wins)
@@ -131,6 +142,11 @@ def server_has_max_batch() -> bool:
 
 def available_configs(has_max_batch: bool) -> list[str]:
     return [name for name, c in SERVER_CONFIGS.items() if has_max_batch or not c.needs_max_batch]
+
+
+def default_configs(has_max_batch: bool) -> list[str]:
+    """What a run without ``--configs`` runs: the available configurations run by default."""
+    return [name for name in available_configs(has_max_batch) if SERVER_CONFIGS[name].by_default]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -429,8 +445,8 @@ def _parser() -> argparse.ArgumentParser:
     add("--model", help="model folder (default: SmolLM2-135M-Instruct fp32, converted on first use)")
     add(
         "--configs",
-        help=f"server configurations, in order, from {', '.join(SERVER_CONFIGS)} (default: every one "
-        "this server has; the first also runs the prefix-reuse and overload phases)",
+        help=f"server configurations, in order, from {', '.join(SERVER_CONFIGS)} (default: batched and workers, "
+        "those this server has; the first also runs the prefix-reuse and overload phases)",
     )
     add("--concurrency", default="16,32,64", help="concurrent clients of each load phase (default 16,32,64)")
     add("--requests", type=int, default=1, help="requests per client in a load phase (default 1)")
@@ -474,7 +490,7 @@ def parse_args(argv: Sequence[str] | None, has_max_batch: bool) -> argparse.Name
     if args.concurrency[0] < 1 or args.requests < 1:
         parser.error("--concurrency and --requests must be at least 1")
     available = available_configs(has_max_batch)
-    args.configs = args.configs.split(",") if args.configs else available
+    args.configs = args.configs.split(",") if args.configs else default_configs(has_max_batch)
     unknown = [c for c in args.configs if c not in SERVER_CONFIGS]
     if unknown:
         parser.error(f"--configs: unknown {unknown}; known: {list(SERVER_CONFIGS)}")

@@ -5,10 +5,14 @@
             slot whose resident tokens serve its prompt best (core.prefix.reuse_score; least recently released,
             then lowest, on ties), the core decides how much of the shared prefix it reuses
             (core.prefix.reusing), and backend.rewind(slot, reused) keeps that much (backend.reset(slot) for none)
-        for every running sequence, one row:
-            prefilling: the next chunk of its prompt (at most prefill_chunk tokens) at the chunk's position,
-                        from the reused length on, asking for the logits of its last position only
-            decoding:   (pending, *draft) at state.kv_len; width, draft = speculation.draft(state, vocab, plain_cost)
+        for every running sequence, in the order they were admitted, at most one row:
+            prefilling: the next chunk of its prompt at the chunk's position, from the reused length on, asking
+                        for the logits of its last position only; a chunk is min(prefill_chunk, what is left of
+                        its prompt, what is left of the pass's prefill_budget), so the pass folds in at most
+                        prefill_budget prompt tokens, first come first; a prefilling sequence that gets no token
+                        sits the pass out (no row), and the first one always gets >= 1 (progress)
+            decoding:   every pass, budget or not:
+                        (pending, *draft) at state.kv_len; width, draft = speculation.draft(state, vocab, plain_cost)
                         (core.draft_width / take_draft, exactly as ``Generation`` asks; plain_cost: what one
                         more one-token row costs in a pass with this many decoding sequences, priced by
                         core.width.marginal_row_cost on the backend's decode_costs, so speculation fades as
@@ -50,11 +54,35 @@ from collections.abc import Iterator, Sequence
 import numpy as np
 
 from ortspec.backends.base import BackendError, BatchBackend, BatchRow
+from ortspec.core.checks import check_int
 from ortspec.core.prefix import common_prefix_length, resident_tokens, reuse_score, reusing
 from ortspec.core.proposers import Proposer
 from ortspec.core.state import Commit, DecodeState, Detokenize, Options, step
 from ortspec.core.width import WidthPolicy, marginal_row_cost
 from ortspec.driver import GenerateResult, GenerationAborted, GenerationError, Speculation, StreamCallback, Timings
+
+# The default prompt-token budget of one pass (BatchDriver's prefill_budget; why this value: its docstring).
+DEFAULT_PREFILL_BUDGET = 512
+
+
+def check_prefill_budget(prefill_budget: object) -> int | None:
+    """``prefill_budget`` as given: an int >= 1, or None (unbounded); ``ArgumentError`` naming it otherwise."""
+    return None if prefill_budget is None else check_int("prefill_budget", prefill_budget, 1)
+
+
+class _PromptBudget:
+    """What is left of one pass's prompt-token budget (``None``: unbounded), granted first come first."""
+
+    def __init__(self, tokens: int | None) -> None:
+        self._left = tokens
+
+    def take(self, wanted: int) -> int:
+        """Grant up to ``wanted`` tokens (>= 0) out of what is left, and spend them."""
+        if self._left is None:
+            return wanted
+        granted = min(wanted, self._left)
+        self._left -= granted
+        return granted
 
 
 class Phase(enum.Enum):
@@ -192,13 +220,21 @@ class BatchSequence:
         """End a cancelled sequence (before the pass it would have joined)."""
         self._phase = Phase.DONE
 
-    def _row(self, prefill_chunk: int, vocab_size: int, plain_cost: float) -> BatchRow:
-        """This sequence's row of the next pass (a proposer failure raises ``ProposerError``); ``plain_cost``: the
-        price of a plain step in this pass (``Speculation.draft``)."""
+    @property
+    def _prompt_left(self) -> int:
+        """Prompt tokens still to prefill (0 once decoding)."""
+        return len(self.state.prompt_tokens) - self._prefilled if self._phase is Phase.PREFILL else 0
+
+    def _row(self, chunk: int, vocab_size: int, plain_cost: float) -> BatchRow:
+        """This sequence's row of the next pass (a proposer failure raises ``ProposerError``): while prefilling,
+        its next ``chunk`` prompt tokens (1 <= chunk <= ``_prompt_left``, the driver's choice); decoding, its
+        pending token and draft, ``plain_cost`` being the price of a plain step in this pass
+        (``Speculation.draft``)."""
         assert self._slot is not None
         state = self.state
         if self._phase is Phase.PREFILL:
-            end = min(self._prefilled + prefill_chunk, len(state.prompt_tokens))
+            assert 1 <= chunk <= self._prompt_left
+            end = self._prefilled + chunk
             # only the last chunk's last row is read; earlier chunks' rows not at all (one is the least to ask)
             return BatchRow(self._slot, state.prompt_tokens[self._prefilled : end], self._prefilled, last_logits=1)
         self._width, self._draft = self._speculation.draft(state, vocab_size, plain_cost)
@@ -263,7 +299,15 @@ class BatchDriver:
     free; ``step`` runs one pass, ``run`` passes until every sequence is done. Not thread-safe.
 
     ``prefill_chunk``: the most prompt tokens one sequence folds in per pass, so a long prompt is prefilled over
-    several passes while the others decode. ``decode_costs``: the backend's measured cost of a pass of ``n``
+    several passes while the others decode. ``prefill_budget``: the most prompt tokens one pass folds in, summed
+    over every prefilling sequence (first come first; ``None``: unbounded, every prefilling sequence gets its
+    chunk). A prompt pass is compute-bound (on 2 CPU threads 128 tokens take 93 ms and 512 take 359 ms: the same
+    cost per token, docs/batch-pass-cost.md), so folding many prompts into one pass buys no throughput; it only
+    holds every decoding sequence, and every newcomer's first token, until the whole pass ends. The default,
+    ``DEFAULT_PREFILL_BUDGET`` (512), is the default chunk: a request alone is prefilled exactly as without a
+    budget, and with many arriving at once each gets its first token as soon as its own prompt is in, while the
+    decoding ones wait at most about one chunk's time per pass (measured: docs/serve/prefill_budget.md).
+    ``decode_costs``: the backend's measured cost of a pass of ``n``
     one-token rows ÷ one alone, for ``n = 0 .. slots`` (``core.width.marginal_row_cost``;
     ``Engine.batch_decode_costs`` measures it); without it a plain step is priced as alone (1.0), so a
     ``PricedWidth`` policy speculates as it would alone. ``prefix_reuse``: a request takes the free slot holding
@@ -276,17 +320,19 @@ class BatchDriver:
         backend: BatchBackend,
         *,
         prefill_chunk: int = 512,
+        prefill_budget: int | None = DEFAULT_PREFILL_BUDGET,
         decode_costs: Sequence[float] | None = None,
         prefix_reuse: bool = True,
     ) -> None:
-        if isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int) or prefill_chunk < 1:
-            raise ValueError(f"prefill_chunk must be an int >= 1, got {prefill_chunk!r}")
+        check_int("prefill_chunk", prefill_chunk, 1)
+        check_prefill_budget(prefill_budget)
         if decode_costs is not None and (len(decode_costs) < 2 or any(not c >= 0 for c in decode_costs)):
             raise ValueError(f"decode_costs must hold >= 2 costs >= 0 (index = rows in the pass), got {decode_costs!r}")
         if not isinstance(prefix_reuse, bool):
             raise ValueError(f"prefix_reuse must be True or False, got {prefix_reuse!r}")
         self._backend = backend
         self.prefill_chunk = prefill_chunk
+        self.prefill_budget = prefill_budget
         self.decode_costs = tuple(decode_costs) if decode_costs is not None else None
         self.prefix_reuse = prefix_reuse
         self._waiting: collections.deque[BatchSequence] = collections.deque()
@@ -354,8 +400,9 @@ class BatchDriver:
         try:
             self._drop_cancelled()
             self._admit()
-            batch = self._gather(list(self._running))
-            batch += self._gather(self._admit())  # into the slots of sequences whose proposer just failed
+            budget = _PromptBudget(self.prefill_budget)
+            batch = self._gather(list(self._running), budget)
+            batch += self._gather(self._admit(), budget)  # into the slots of sequences whose proposer just failed
             if not batch:
                 return False
             self._run_pass(batch)
@@ -404,17 +451,33 @@ class BatchDriver:
             return min(self._free)
         return max(self._free, key=lambda s: (reuse_score(self._resident[s], prompt), -self._released_at[s], -s))
 
-    def _gather(self, sequences: list[BatchSequence]) -> list[tuple[BatchSequence, BatchRow]]:
-        """The ``sequences``' rows for the next pass; a sequence whose proposer fails is failed and freed."""
+    def _gather(self, sequences: list[BatchSequence], budget: _PromptBudget) -> list[tuple[BatchSequence, BatchRow]]:
+        """The ``sequences``' rows for the next pass, in their order: every decoding one's, and each prefilling
+        one's next chunk as far as ``budget`` goes (one granted no token has no row); a sequence whose proposer
+        fails is failed and freed."""
         batch = []
         plain_cost = self.plain_cost()
         for sequence in sequences:
+            chunk = budget.take(min(self.prefill_chunk, sequence._prompt_left))
+            if sequence.phase is Phase.PREFILL and chunk == 0:
+                continue  # the budget is spent: it sits this pass out
             try:
-                batch.append((sequence, sequence._row(self.prefill_chunk, self._backend.vocab_size, plain_cost)))
+                batch.append((sequence, sequence._row(chunk, self._backend.vocab_size, plain_cost)))
             except Exception as exc:
                 sequence._fail(exc)
                 self._release(sequence)
         return batch
+
+    def fresh(self) -> BatchDriver:
+        """A new driver on the same backend with the same settings, knowing nothing of what the slots hold (each is
+        emptied when next taken): what a caller goes on with after this one failed."""
+        return BatchDriver(
+            self._backend,
+            prefill_chunk=self.prefill_chunk,
+            prefill_budget=self.prefill_budget,
+            decode_costs=self.decode_costs,
+            prefix_reuse=self.prefix_reuse,
+        )
 
     def _run_pass(self, batch: list[tuple[BatchSequence, BatchRow]]) -> None:
         """The one backend pass; then each sequence decides with its own rows, its commits are buffered and the

@@ -4,7 +4,10 @@ the ``BatchDriver`` equals that request decoded alone.
 A batch is one model, a few slots and several requests (``scenarios`` of ``strategies.py``: greedy, seeded sampling
 and penalties mixed; stops, EOS mid-block, context full), each with its own proposer and width policy, joining at
 a drawn pass, some cancelled at a drawn pass or after a drawn number of delivered tokens, some streamed through a
-callback and some read through the iterator, prompts prefilled in chunks of a drawn size. Some requests share a
+callback and some read through the iterator, prompts prefilled in chunks of a drawn size under a drawn per-pass
+prompt-token budget (tiny ones, 1 to 3, included; or none), so prefilling sequences sit passes out while the others
+decode: no pass folds in more prompt tokens than the budget, and every decoding sequence has a row in every pass. Some
+requests share a
 prefix with an earlier one (its next turn: its prompt, its output and new tokens; its prompt again or a part of
 it; only a few of its tokens, then others) and join at a drawn later pass, so the driver's prefix reuse sends
 them to a slot that holds some of their KV, whatever that slot held before; before every pass, each row's slot
@@ -114,7 +117,7 @@ def follow_up(draw, model: FakeModel, earlier: Request) -> tuple[tuple[int, ...]
 
 @st.composite
 def batches(draw):
-    """A model, a backend capacity, slots, a prefill chunk and the requests."""
+    """A model, a backend capacity, slots, a prefill chunk, a prefill budget and the requests."""
     model: FakeModel = draw(fake_models(nonfinite=draw(st.integers(0, 7)) == 0))
     n = draw(st.integers(1, 6))
     requests: list[Request] = []
@@ -142,10 +145,11 @@ def batches(draw):
     capacity = draw(st.sampled_from([UNBOUNDED, UNBOUNDED, longest + draw(st.integers(0, 12))]))
     slots = draw(st.integers(1, 4))
     chunk = draw(st.sampled_from([1, 2, 3, 5, 8, 16, 512]))
+    budget = draw(st.sampled_from([None, None, 1, 2, 3, 4, 7, 16, 512]))
     # How the driver prices a plain step (widths only: never the output): as alone, or by a cost curve.
     steps = draw(st.lists(st.floats(0.0, 1.5), min_size=slots - 1, max_size=slots - 1))
     costs = draw(st.sampled_from([None, tuple(itertools.accumulate([0.0, 1.0, *steps]))]))
-    return model, capacity, slots, chunk, requests, costs
+    return model, capacity, slots, Prefill(chunk, budget), requests, costs
 
 
 def submit(driver: BatchDriver, req: Request, stream: list) -> BatchSequence:
@@ -165,33 +169,51 @@ def submit(driver: BatchDriver, req: Request, stream: list) -> BatchSequence:
     return sequence
 
 
+class Prefill(NamedTuple):
+    """How the driver prefills: ``chunk`` (``prefill_chunk``) and ``budget`` (``prefill_budget``)."""
+
+    chunk: int
+    budget: int | None
+
+
 class PhaseTracingBackend(FakeBatchBackend):
     """Records, for each pass, the phases of the sequences running in it, and checks that each row's slot holds
     exactly the KV of its own sequence's context up to the row's position (reused from an earlier sequence or
-    not)."""
+    not), that the pass folds in at most the prefill budget's prompt tokens, and that every decoding sequence has
+    a row in it. ``sat_out``: passes in which a prefilling sequence had no row."""
 
     driver: BatchDriver
 
     def __init__(self, model, slots, max_length):
         super().__init__(model, slots, max_length)
         self.phases: list[set[Phase]] = []
+        self.sat_out = 0
 
     def run_pass(self, rows):
-        self.phases.append({s.phase for s in self.driver.running})
-        holder = {s.slot: s for s in self.driver.running}
+        running = self.driver.running
+        self.phases.append({s.phase for s in running})
+        holder = {s.slot: s for s in running}
         for row in rows:
             context = holder[row.slot].state.context_tokens
             assert self.slot_backend(row.slot).resident_tokens() == context[: row.position]
+        in_pass = {row.slot for row in rows}
+        assert all(s.slot in in_pass for s in running if s.phase is Phase.DECODING)
+        prompt_tokens = sum(len(row.tokens) for row in rows if holder[row.slot].phase is Phase.PREFILL)
+        budget = self.driver.prefill_budget
+        assert budget is None or prompt_tokens <= budget
+        self.sat_out += any(s.slot not in in_pass for s in running if s.phase is Phase.PREFILL)
         return super().run_pass(rows)
 
 
 def run_batch(
-    model, capacity, slots, chunk, requests, decode_costs=None
+    model, capacity, slots, prefill: Prefill, requests, decode_costs=None
 ) -> tuple[list[Outcome], PhaseTracingBackend, BatchDriver]:
     """Submit each request at its tick, cancel at its tick, run until every sequence is done (a tick is one call
     of ``step``, which runs a pass unless the driver is idle)."""
     backend = PhaseTracingBackend(model, slots, capacity)
-    driver = backend.driver = BatchDriver(backend, prefill_chunk=chunk, decode_costs=decode_costs)
+    driver = backend.driver = BatchDriver(
+        backend, prefill_chunk=prefill.chunk, prefill_budget=prefill.budget, decode_costs=decode_costs
+    )
     sequences: dict[int, BatchSequence] = {}
     streams: dict[int, list] = {i: [] for i in range(len(requests))}
     tick = 0
@@ -284,8 +306,8 @@ def check_against_plain(req: Request, got: Outcome, plain: Outcome) -> list[str]
 @settings(max_examples=examples(1750))
 @given(batches())
 def test_each_sequence_of_a_batch_is_its_request_decoded_alone(batch):
-    model, capacity, slots, chunk, requests, decode_costs = batch
-    outcomes, backend, driver = run_batch(model, capacity, slots, chunk, requests, decode_costs)
+    model, capacity, slots, prefill, requests, decode_costs = batch
+    outcomes, backend, driver = run_batch(model, capacity, slots, prefill, requests, decode_costs)
     labels = set()
     for req, got in zip(requests, outcomes, strict=True):
         labels.update(check_request(req, got, capacity, decode_costs is not None))
@@ -296,8 +318,10 @@ def test_each_sequence_of_a_batch_is_its_request_decoded_alone(batch):
         labels.add("more requests than slots")
     if max(backend.rows_per_pass, default=0) >= 2:
         labels.add("a pass carried several rows")
-    if any(len(r.scenario.prompt) > chunk for r in requests):
+    if any(len(r.scenario.prompt) > prefill.chunk for r in requests):
         labels.add("a prompt prefilled in chunks")
+    if backend.sat_out:
+        labels.add("a prefilling sequence sat a pass out (the prefill budget was spent)")
     if any({Phase.PREFILL, Phase.DECODING} <= phases for phases in backend.phases):
         labels.add("a prompt chunk and a decoding sequence in one pass")
     if any(r.scenario.options.sampling.temperature > 0 for r in requests) and any(

@@ -382,6 +382,22 @@ MUTANTS: dict[str, Mutant] = {
         "return marginal_row_cost(self.decode_costs, sum(s.phase is Phase.DECODING for s in self._running))",
         "return marginal_row_cost(self.decode_costs, self._backend.slots)",
     ),
+    # -- the batch driver's prompt-token budget per pass ------------------------------------------------------------
+    "batch-driver-ignores-the-prefill-budget": Mutant(
+        "ortspec/batch_driver.py",
+        "budget = _PromptBudget(self.prefill_budget)",
+        "budget = _PromptBudget(None)",
+    ),
+    "batch-driver-leaves-decoding-rows-out-once-the-budget-is-spent": Mutant(
+        "ortspec/batch_driver.py",
+        "if sequence.phase is Phase.PREFILL and chunk == 0:",
+        "if chunk == 0 and (sequence.phase is Phase.PREFILL or budget.take(1) == 0):",
+    ),
+    "batch-driver-decoding-rows-spend-the-prefill-budget": Mutant(
+        "ortspec/batch_driver.py",
+        "chunk = budget.take(min(self.prefill_chunk, sequence._prompt_left))",
+        "chunk = budget.take(min(self.prefill_chunk, sequence._prompt_left or 1))",
+    ),
     # -- the batch driver's prefix reuse per slot -----------------------------------------------------------------
     "batch-driver-reuses-one-token-too-many": Mutant(
         "ortspec/batch_driver.py",

@@ -137,6 +137,101 @@ def test_a_long_prompt_is_prefilled_in_chunks_while_the_others_decode():
     assert second.result().stats.steps == alone(prompt, Options(max_tokens=3)).stats.steps  # a prompt is one step
 
 
+class PassRows(FakeBatchBackend):
+    """Records each pass as {sequence name: ("prefill", prompt tokens) or ("decoding", tokens)} (``names``: the
+    name of each sequence, by its id), from the phase its sequence was in when the pass ran."""
+
+    def __init__(self, slots):
+        super().__init__(MODEL, slots, 256)
+        self.driver: BatchDriver | None = None
+        self.names: dict[int, str] = {}  # id(sequence) -> its name
+        self.passes_rows: list[dict[str, tuple[str, int]]] = []
+
+    def run_pass(self, rows):
+        holder = {s.slot: s for s in self.driver.running}
+        self.passes_rows.append(
+            {self.names[id(holder[row.slot])]: (holder[row.slot].phase.value, len(row.tokens)) for row in rows}
+        )
+        return super().run_pass(rows)
+
+
+def budgeted(slots, chunk, budget):
+    backend = PassRows(slots)
+    backend.driver = BatchDriver(backend, prefill_chunk=chunk, prefill_budget=budget)
+    return backend.driver, backend
+
+
+def submit_named(d, backend, name, prompt, options):
+    sequence = d.submit(prompt, options)
+    backend.names[id(sequence)] = name
+    return sequence
+
+
+def test_a_pass_folds_in_at_most_the_prefill_budget_first_come_first_and_every_decoding_row():
+    d, backend = budgeted(slots=4, chunk=4, budget=5)
+    prompts = {"a": [1, 2, 3], "b": list(range(1, 8)), "c": list(range(3, 9)), "d": list(range(2, 11))}
+    options = {"a": Options(max_tokens=12), "b": Options(max_tokens=3), "c": Options(max_tokens=3)}
+    sequences = {n: submit_named(d, backend, n, p, options.get(n, Options(max_tokens=2))) for n, p in prompts.items()}
+    d.run()
+    prefill = [{n: t for n, (phase, t) in rows.items() if phase == "prefill"} for rows in backend.passes_rows]
+    # Chunks of min(4, what is left of the prompt, what is left of the 5 tokens), in the order they came:
+    # a 3 + b 2; b 4 + c 1; b 1 + c 4; c 1 + d 4; d 4; d 1. A prefilling sequence granted nothing has no row.
+    assert prefill[:6] == [
+        {"a": 3, "b": 2},
+        {"b": 4, "c": 1},
+        {"b": 1, "c": 4},
+        {"c": 1, "d": 4},
+        {"d": 4},
+        {"d": 1},
+    ]
+    for rows in backend.passes_rows:
+        assert sum(t for phase, t in rows.values() if phase == "prefill") <= 5
+    # Every sequence decoding before a pass has a row in it, whatever the budget: `a` decodes from pass 2 on.
+    assert all(backend.passes_rows[i]["a"] == ("decoding", 1) for i in range(1, 6))
+    for name, sequence in sequences.items():
+        want = alone(prompts[name], options.get(name, Options(max_tokens=2)))
+        assert sequence.result().token_ids == want.token_ids
+        assert sequence.result().stats.steps == want.stats.steps  # a prompt is one step, however many chunks
+
+
+def test_without_a_prefill_budget_every_prefilling_sequence_gets_its_chunk_and_a_budget_of_one_still_progresses():
+    d, backend = budgeted(slots=3, chunk=4, budget=None)
+    prompts = {"a": list(range(1, 11)), "b": [4, 5, 6], "c": list(range(2, 8))}
+    for name, prompt in prompts.items():
+        submit_named(d, backend, name, prompt, Options(max_tokens=2))
+    d.step()
+    assert backend.passes_rows[0] == {"a": ("prefill", 4), "b": ("prefill", 3), "c": ("prefill", 4)}
+    d, backend = budgeted(slots=2, chunk=4, budget=1)  # the oldest prefilling sequence gets a token every pass
+    first = submit_named(d, backend, "a", [1, 2, 3], Options(max_tokens=4))
+    second = submit_named(d, backend, "b", [4, 5], Options(max_tokens=2))
+    d.run()
+    assert backend.passes_rows[:5] == [
+        {"a": ("prefill", 1)},
+        {"a": ("prefill", 1)},
+        {"a": ("prefill", 1)},
+        {"a": ("decoding", 1), "b": ("prefill", 1)},
+        {"a": ("decoding", 1), "b": ("prefill", 1)},
+    ]
+    assert first.result().token_ids == alone([1, 2, 3], Options(max_tokens=4)).token_ids
+    assert second.result().token_ids == alone([4, 5], Options(max_tokens=2)).token_ids
+
+
+def test_a_fresh_driver_has_the_same_settings_and_knows_nothing_of_the_slots():
+    backend = FakeBatchBackend(MODEL, 2, 256)
+    d = BatchDriver(backend, prefill_chunk=3, prefill_budget=2, decode_costs=(0.0, 1.0, 1.5), prefix_reuse=False)
+    d.submit([1, 2, 3], Options(max_tokens=2)).wait()
+    assert d.resident_tokens(0) != ()
+    new = d.fresh()
+    assert (new.prefill_chunk, new.prefill_budget, new.decode_costs, new.prefix_reuse) == (3, 2, (0.0, 1.0, 1.5), False)
+    assert new.resident_tokens(0) == () and new.passes == 0 and not new.running and not new.waiting
+
+
+@pytest.mark.parametrize("budget", [0, -3, True, 2.5, "512"])
+def test_a_bad_prefill_budget_is_refused_naming_it(budget):
+    with pytest.raises(ValueError, match="prefill_budget"):
+        BatchDriver(FakeBatchBackend(MODEL, 1, 16), prefill_budget=budget)
+
+
 def test_cancellation_takes_effect_before_the_next_pass_and_frees_the_slot():
     d, backend = driver(slots=1)
     streamed = Recorder()

@@ -199,3 +199,15 @@ def test_when_the_driver_itself_raises_its_requests_fail_and_the_scheduler_goes_
         assert second.result().token_ids == alone([3, 4], Options(max_tokens=5)).token_ids
     finally:
         scheduler.close()
+
+
+def test_the_prefill_budget_reaches_the_driver():
+    backend = FakeBatchBackend(MODEL, 2, 256)
+    scheduler = BatchScheduler(backend, prefill_chunk=8, prefill_budget=2)
+    try:
+        request, seen = submit(scheduler, [1, 2, 3, 4, 5], Options(max_tokens=2))
+        assert seen.ended.wait(GATE_S) and request.error is None
+        assert backend.tokens_per_pass == [2, 2, 1, 1]  # the prompt in chunks of at most 2, then one decode
+        assert request.result().token_ids == alone([1, 2, 3, 4, 5], Options(max_tokens=2)).token_ids
+    finally:
+        scheduler.close()

@@ -11,7 +11,13 @@ import pytest
 pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 
-from bench.serve_load import SERVER_CONFIGS, available_configs, parse_args, server_has_max_batch  # noqa: E402
+from bench.serve_load import (  # noqa: E402
+    SERVER_CONFIGS,
+    available_configs,
+    default_configs,
+    parse_args,
+    server_has_max_batch,
+)
 from bench.serve_load_report import (  # noqa: E402
     Outcome,
     Prompt,
@@ -31,7 +37,7 @@ def test_quick_run_checks_every_stream_on_every_configuration(tiny_model_dir, tm
 
     assert main(["--quick", "--model", str(tiny_model_dir), "--out", str(tmp_path)]) == 0
     result = json.loads((tmp_path / "serve_load.json").read_text())
-    configs = available_configs(server_has_max_batch())
+    configs = default_configs(server_has_max_batch())
     assert [s["config"] for s in result["servers"]] == configs
     assert [(r["config"], r["concurrency"]) for r in result["load"]] == [(c, 4) for c in configs]
     for row in result["load"]:
@@ -51,7 +57,10 @@ def test_configuration_table_and_options():
     assert batched.cli_args(cores=2, has_max_batch=True) == ["--max-batch", "16", "--threads", "2"]
     assert workers.cli_args(cores=2, has_max_batch=False) == ["--workers", "2", "--threads", "1"]
     assert workers.cli_args(cores=2, has_max_batch=True)[-2:] == ["--max-batch", "1"]
-    assert available_configs(False) == ["workers"] and available_configs(True) == ["batched", "workers"]
+    assert available_configs(False) == ["workers"] and default_configs(False) == ["workers"]
+    assert available_configs(True) == ["batched", "workers", "batched-unbudgeted"]
+    assert default_configs(True) == ["batched", "workers"]
+    assert SERVER_CONFIGS["batched-unbudgeted"].cli_args(2, True)[-2:] == ["--prefill-budget", "none"]
 
     args = parse_args(["--concurrency", "64,16,32"], has_max_batch=True)
     assert args.concurrency == [16, 32, 64] and args.max_queue == 64 and args.configs == ["batched", "workers"]

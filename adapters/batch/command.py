@@ -55,6 +55,7 @@ def _job(args: argparse.Namespace) -> BatchJob:
         workers=args.workers,
         threads=args.threads,
         max_batch=args.max_batch,
+        prefill_budget=args.prefill_budget,
         ray=args.ray,
         backend=backend_config(args, threads=None),
         retry_errors=args.retry_errors,

@@ -11,6 +11,7 @@ from typing import Any
 import attrs
 
 from ortspec.backends.onnx.config import BackendConfig
+from ortspec.batch_driver import DEFAULT_PREFILL_BUDGET
 from ortspec.core.width import acceptance_rate
 
 
@@ -38,11 +39,13 @@ class BatchJob:
     may use, and each worker is pinned to its own cores (``pin``). ``max_batch``: the records each worker decodes
     at once on its Engine's batch driver (continuous batching: the next record joins as soon as a slot frees); 1
     runs one ``Engine.generate`` per record, and so does a folder that cannot be batched (a hybrid model, CUDA,
-    static shapes; a note says why). ``ray``: run on Ray Data instead: ``"local"`` starts a local Ray instance,
-    any other value is the address for ``ray.init`` (``"auto"``, ``"ray://host:10001"``); ``ship_model`` then puts
-    the model folder into Ray's object store for nodes that do not have it. ``backend``: how each worker's Engine
-    opens its model (``BackendConfig``: ``provider``, ``max_length``, the fast CUDA path's ``static_shapes`` /
-    ``cuda_graphs``, ...; its ``threads`` must be None: each worker's threads are the job's ``threads``).
+    static shapes; a note says why). ``prefill_budget``: the most prompt tokens one of a worker's batched passes
+    folds in (``BatchDriver``'s; None: unbounded). ``ray``: run on Ray Data instead: ``"local"`` starts a local
+    Ray instance, any other value is the address for ``ray.init`` (``"auto"``, ``"ray://host:10001"``);
+    ``ship_model`` then puts the model folder into Ray's object store for nodes that do not have it.
+    ``backend``: how each worker's Engine opens its model (``BackendConfig``: ``provider``, ``max_length``, the
+    fast CUDA path's ``static_shapes`` / ``cuda_graphs``, ...; its ``threads`` must be None: each worker's
+    threads are the job's ``threads``).
     ``retry_errors``: drop OUTPUT's error lines first and run those records again.
 
     The value is not checked when it is made: ``run_batch`` checks it before anything runs (``BatchError``)."""
@@ -54,6 +57,7 @@ class BatchJob:
     workers: int = 1
     threads: int | None = None
     max_batch: int = 16
+    prefill_budget: int | None = DEFAULT_PREFILL_BUDGET
     ray: str | None = None
     backend: BackendConfig = attrs.field(factory=BackendConfig)
     retry_errors: bool = False

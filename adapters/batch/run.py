@@ -18,6 +18,7 @@ import attrs
 
 from ortspec.adapters.engine.options import speculative_value
 from ortspec.backends.onnx.config import BackendConfig
+from ortspec.batch_driver import check_prefill_budget
 
 from .job import BatchError, BatchJob, BatchSummary
 from .local import available_cores, plan_threads, run_embedded
@@ -67,6 +68,10 @@ def _check_job(job: BatchJob) -> None:
         raise BatchError("backend.threads: set the job's threads (each worker's), not the backend's")
     if isinstance(job.max_batch, bool) or not isinstance(job.max_batch, int) or job.max_batch < 1:
         raise BatchError(f"max_batch must be an int >= 1, got {job.max_batch!r}")
+    try:
+        check_prefill_budget(job.prefill_budget)
+    except ValueError as exc:
+        raise BatchError(str(exc)) from None
 
 
 def _pending(job: BatchJob, defaults: Mapping[str, Any], say: Callable[[str], object]) -> _Pending:
@@ -139,7 +144,7 @@ def run_batch(job: BatchJob, *, progress: bool = True, log: Callable[[str], obje
             output.write(record)
         if pending.tasks and job.ray is None:
             assert threads is not None
-            settings = WorkerSettings(threads, defaults, job.backend, job.max_batch)
+            settings = WorkerSettings.of(job, threads, defaults)
             run_embedded(output, pending.tasks, model_dir, settings, workers=job.workers, pin=job.pin, say=say)
         elif pending.tasks:
             from .ray import run_ray

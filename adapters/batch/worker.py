@@ -16,8 +16,10 @@ from typing import Any
 import attrs
 
 from ortspec.backends.onnx.config import BackendConfig
+from ortspec.batch_driver import DEFAULT_PREFILL_BUDGET, check_prefill_budget
 
 from .batched import BatchedRecords, Finished
+from .job import BatchJob
 from .output import failure_lines, result_lines
 from .records import Task
 
@@ -60,13 +62,22 @@ def _max_batch(value: object) -> int:
 class WorkerSettings:
     """How every worker of a run opens its Engine and what it generates with: ``threads`` intra-op threads,
     ``backend`` (the rest of how the model is opened: ``BackendConfig``), the job's ``defaults``
-    (``GenerationOptions`` keywords; a record's own win) and ``max_batch``, the records a worker decodes at once
-    (1: one ``Engine.generate`` per record). Pickled to each worker."""
+    (``GenerationOptions`` keywords; a record's own win), ``max_batch``, the records a worker decodes at once
+    (1: one ``Engine.generate`` per record), and ``prefill_budget``, the most prompt tokens one of its batched
+    passes folds in (the Engine's). Pickled to each worker."""
 
     threads: int
     defaults: Mapping[str, Any] = attrs.field(factory=dict, converter=dict)
     backend: BackendConfig = attrs.field(factory=BackendConfig)
     max_batch: int = attrs.field(default=1, validator=lambda _i, _a, v: _max_batch(v))
+    prefill_budget: int | None = attrs.field(
+        default=DEFAULT_PREFILL_BUDGET, validator=lambda _i, _a, v: check_prefill_budget(v)
+    )
+
+    @classmethod
+    def of(cls, job: BatchJob, threads: int, defaults: Mapping[str, Any]) -> WorkerSettings:
+        """A run's settings for ``job``: each worker's ``threads`` and the job's generation ``defaults``."""
+        return cls(threads, defaults, job.backend, job.max_batch, job.prefill_budget)
 
 
 class BatchWorker:
@@ -96,7 +107,13 @@ class BatchWorker:
         engine: Engine | None = None
         if settings.max_batch > 1:  # one session: the Engine's own backend is its batch backend's lone slot
             try:
-                engine = Engine.from_dir(model_dir, config, drafter=False, batch_slots=settings.max_batch)
+                engine = Engine.from_dir(
+                    model_dir,
+                    config,
+                    drafter=False,
+                    batch_slots=settings.max_batch,
+                    prefill_budget=settings.prefill_budget,
+                )
             except ModelFolderError:
                 raise
             except (BackendError, ValueError) as exc:

@@ -7,7 +7,7 @@ import argparse
 from types import ModuleType
 from typing import Any
 
-from .options import add_command, lookup_options, model_options, positive_int
+from .options import add_command, lookup_options, model_options, positive_int, prefill_budget_option
 
 EXAMPLES = """\
 examples:
@@ -57,6 +57,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         metavar="N",
         help="records each worker decodes at once, joining as slots free (default %(default)s); 1: one at a time",
     )
+    prefill_budget_option(r)
     r.add_argument(
         "--ray",
         nargs="?",

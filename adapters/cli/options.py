@@ -15,6 +15,7 @@ from typing import Any
 
 from ortspec.adapters.engine.options import SPECULATIVE_CHOICES, GenerationOptions
 from ortspec.adapters.engine.surfaces import SAMPLING_OPTIONS, add_flags, flag
+from ortspec.batch_driver import DEFAULT_PREFILL_BUDGET
 from ortspec.core import MAX_DRAFT, options_of
 
 # -- argument types --------------------------------------------------------------------------------------------
@@ -76,6 +77,11 @@ def margins(text: str) -> list[float]:
     return [margin(part.strip()) for part in text.split(",")]
 
 
+def prefill_budget(text: str) -> int | None:
+    """A batched pass's prompt-token budget: ``none`` (unbounded) or an int >= 1."""
+    return None if text == "none" else int_in(text, 1, expected="'none' or an int >= 1")
+
+
 def stop_text(text: str) -> str:
     if not text:
         raise argparse.ArgumentTypeError("a stop string must not be empty")
@@ -100,6 +106,7 @@ FLAGS = {
     "provider": "--provider",
     "static_shapes": "--static-shapes",
     "cuda_graphs": "--cuda-graphs",
+    "prefill_budget": "--prefill-budget",
 }
 _FLAG_WORDS = re.compile(r"\b(" + "|".join(sorted(FLAGS, key=len, reverse=True)) + r")\b")
 
@@ -191,6 +198,18 @@ def model_options(
             help="shared-KV drafter folder (default: the one `ortspec train-drafter` made for the model, if "
             "any); none = no drafter",
         )
+
+
+def prefill_budget_option(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """``--prefill-budget`` (``ortspec serve``, ``ortspec batch``): the batched Engine's ``prefill_budget``."""
+    p.add_argument(
+        "--prefill-budget",
+        type=prefill_budget,
+        default=DEFAULT_PREFILL_BUDGET,
+        metavar="N|none",
+        help="batched: the most prompt tokens one pass folds in, over every prompt being prefilled, first come "
+        "first (default %(default)s); none: every prompt's next chunk in the same pass",
+    )
 
 
 def lookup_options(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:

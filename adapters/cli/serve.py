@@ -7,12 +7,13 @@ import argparse
 from typing import Any
 
 from .engine_args import model_dir
-from .options import add_command, model_options, port, positive_int
+from .options import add_command, model_options, port, positive_int, prefill_budget_option
 
 EXAMPLES = """\
 examples:
   ortspec serve                                # one batched engine, 16 slots
   ortspec serve --max-batch 32 --port 8080
+  ortspec serve --prefill-budget 256           # newcomers' prompts: at most 256 tokens per pass
   ortspec serve --workers 2 --threads 1        # two engines of one sequence each
   ortspec serve --model ./my-model-folder --speculative none
 
@@ -39,6 +40,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         default=None,
         help="slots of the one batched engine (default 16); 1: the worker design (--workers)",
     )
+    prefill_budget_option(p)
     p.add_argument(
         "--workers",
         type=positive_int,

@@ -35,6 +35,7 @@ from ortspec.adapters.engine.options import (
 from ortspec.adapters.engine.tokenizer import Tokenizer
 from ortspec.backends.base import Backend, BatchBackend
 from ortspec.backends.onnx import BackendConfig, ModelFolder, ModelFolderError
+from ortspec.batch_driver import DEFAULT_PREFILL_BUDGET, check_prefill_budget
 from ortspec.core import (
     MAX_DRAFT,
     CostAwareWidth,
@@ -73,6 +74,10 @@ class Engine:
     tokens before it); only the time to the first token changes. Off by default, so timings compare like with
     like; the server turns it on. :meth:`generate_many` follows it too: with it on, a prompt takes the batch slot
     holding its longest prefix (``BatchDriver``'s ``prefix_reuse``).
+
+    ``prefill_budget``: the most prompt tokens one batched pass folds in, over every prefilling sequence
+    (``BatchDriver``'s; ``None``: unbounded): what :meth:`generate_many`, the batched server and ``ortspec batch``
+    run with (``from_dir`` sets it; default ``DEFAULT_PREFILL_BUDGET``).
     """
 
     def __init__(
@@ -94,6 +99,7 @@ class Engine:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.folder = folder
         self.prefix_reuse = prefix_reuse
+        self.prefill_budget: int | None = DEFAULT_PREFILL_BUDGET
         self.drafter = drafter
         self._draft_cost: float | None = None
         self._lock = threading.RLock()
@@ -116,6 +122,7 @@ class Engine:
         prefix_reuse: bool = False,
         drafter: str | os.PathLike[str] | bool | None = None,
         batch_slots: int | None = None,
+        prefill_budget: int | None = DEFAULT_PREFILL_BUDGET,
     ) -> Engine:
         """Load an ONNX Runtime GenAI folder (``genai_config.json``, the model, ``tokenizer.json``).
 
@@ -136,6 +143,7 @@ class Engine:
         Engine's :meth:`batch_backend`, and the Engine's own one-sequence backend is its lone slot
         (``OrtBatchBackend.lone``), so the weights are in memory once (what ``ortspec serve`` runs); no drafter
         (``drafter`` must not ask for one); ``BackendError`` or ``ValueError`` when the folder cannot run batched.
+        ``prefill_budget``: see the class docstring (an int >= 1 or None).
 
         Raises ``ValueError`` for a bad argument, ``ModelFolderError`` (a ``ValueError``) naming the file and the
         field or tensor when the folder cannot be used (missing or invalid files, a graph that does not match its
@@ -143,11 +151,14 @@ class Engine:
         from ortspec.backends.onnx import OrtBackend
         from ortspec.backends.onnx.drafter import DrafterError, SharedKvProposer
 
+        check_prefill_budget(prefill_budget)
         folder = ModelFolder.load(Path(path))
         tokenizer = Tokenizer.from_folder(folder.path)
         check_tokenizer_fits(folder, tokenizer)
         if batch_slots is not None:
-            return cls._batched(folder, tokenizer, backend_config, batch_slots, prefix_reuse, drafter)
+            engine = cls._batched(folder, tokenizer, backend_config, batch_slots, prefix_reuse, drafter)
+            engine.prefill_budget = prefill_budget
+            return engine
         backend = OrtBackend.from_folder(folder, backend_config)
         proposer = None
         found = find_drafter(folder.path) if drafter in (None, True) else None
@@ -164,7 +175,7 @@ class Engine:
             raise DrafterError(
                 f"no drafter found for {folder.path}; train one with: ortspec train-drafter --model {folder.path}"
             )
-        return cls(
+        engine = cls(
             backend,
             tokenizer,
             eos_token_ids=folder.eos_token_ids,
@@ -173,6 +184,8 @@ class Engine:
             drafter=proposer,
             backend_config=backend_config,
         )
+        engine.prefill_budget = prefill_budget
+        return engine
 
     @classmethod
     def _batched(

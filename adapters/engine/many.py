@@ -59,13 +59,15 @@ def submit(
 
 
 def batch_driver(engine: Engine, *, priced: bool = True) -> BatchDriver:
-    """A driver over the Engine's batch backend, reusing cached prefixes as the Engine's ``prefix_reuse`` says;
-    ``priced``: give it the backend's measured ``decode_costs`` (measured once, kept on disk), so a ``PricedWidth``
-    policy (``draft_width="auto"``) speculates less as the batch fills (other widths ignore them)."""
+    """A driver over the Engine's batch backend, reusing cached prefixes as the Engine's ``prefix_reuse`` says and
+    folding in at most the Engine's ``prefill_budget`` prompt tokens per pass; ``priced``: give it the backend's
+    measured ``decode_costs`` (measured once, kept on disk), so a ``PricedWidth`` policy (``draft_width="auto"``)
+    speculates less as the batch fills (other widths ignore them)."""
     return BatchDriver(
         engine.batch_backend(),
         decode_costs=engine.batch_decode_costs() if priced else None,
         prefix_reuse=engine.prefix_reuse,
+        prefill_budget=engine.prefill_budget,
     )
 
 

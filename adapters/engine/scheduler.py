@@ -37,7 +37,7 @@ from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 from ortspec.backends.base import BatchBackend
-from ortspec.batch_driver import BatchDriver, BatchSequence, Phase
+from ortspec.batch_driver import DEFAULT_PREFILL_BUDGET, BatchDriver, BatchSequence, Phase
 from ortspec.core.proposers import Proposer
 from ortspec.core.state import Commit, Detokenize, Options
 from ortspec.core.width import WidthPolicy
@@ -116,22 +116,24 @@ class ScheduledRequest:
 
 
 class BatchScheduler:
-    """A ``BatchDriver`` on ``backend`` run by a thread of its own (see the module docstring). ``prefill_chunk`` and
-    ``decode_costs``: as for ``BatchDriver``. ``clock``: where deadlines are read (seconds). ``on_pass``: called on
-    the pass thread after every pass with its ``PassReport``."""
+    """A ``BatchDriver`` on ``backend`` run by a thread of its own (see the module docstring). ``prefill_chunk``,
+    ``prefill_budget`` and ``decode_costs``: as for ``BatchDriver``. ``clock``: where deadlines are read
+    (seconds). ``on_pass``: called on the pass thread after every pass with its ``PassReport``."""
 
     def __init__(
         self,
         backend: BatchBackend,
         *,
         prefill_chunk: int = 512,
+        prefill_budget: int | None = DEFAULT_PREFILL_BUDGET,
         decode_costs: Sequence[float] | None = None,
         clock: Clock = time.monotonic,
         on_pass: Callable[[PassReport], object] | None = None,
         name: str = "ortspec-batch",
     ) -> None:
-        self._backend = backend
-        self._driver = BatchDriver(backend, prefill_chunk=prefill_chunk, decode_costs=decode_costs)
+        self._driver = BatchDriver(
+            backend, prefill_chunk=prefill_chunk, prefill_budget=prefill_budget, decode_costs=decode_costs
+        )
         self.slots = backend.slots
         self.clock, self._on_pass = clock, on_pass
         self.passes = 0
@@ -290,8 +292,7 @@ class BatchScheduler:
         for request in self._live:
             request._error = exc
             request.cancel()
-        driver = self._driver
-        self._driver = BatchDriver(self._backend, prefill_chunk=driver.prefill_chunk, decode_costs=driver.decode_costs)
+        self._driver = self._driver.fresh()
 
     def _shut_down(self) -> None:
         with self._changed:

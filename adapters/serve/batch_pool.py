@@ -82,10 +82,12 @@ class BatchPool(PoolCore):
 
     @property
     def scheduler(self) -> BatchScheduler:
-        """The scheduler over ``backend`` (started on first use; with the decode costs ``measure`` took)."""
+        """The scheduler over ``backend`` (started on first use; with the Engine's ``prefill_budget`` and the decode
+        costs ``measure`` took)."""
         if self._scheduler is None:
             self._scheduler = BatchScheduler(
                 self.backend,
+                prefill_budget=self.engine.prefill_budget,
                 decode_costs=self._decode_costs,
                 clock=self.clock,
                 on_pass=self._passed,

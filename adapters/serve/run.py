@@ -33,6 +33,7 @@ from ortspec.adapters.serve.app import create_app
 from ortspec.adapters.serve.settings import ServerSettings
 from ortspec.backends.base import BackendError, BatchBackend
 from ortspec.backends.onnx import BackendConfig, ModelFolderError
+from ortspec.batch_driver import DEFAULT_PREFILL_BUDGET
 
 log = logging.getLogger("ortspec.serve")
 
@@ -89,18 +90,21 @@ def load_serving(
     workers: int = 1,
     max_batch: int | None = None,
     prefix_reuse: bool = True,
+    prefill_budget: int | None = DEFAULT_PREFILL_BUDGET,
 ) -> Serving:
     """The engines ``ortspec serve`` runs for ``--workers`` and ``--max-batch`` (``batch_slots``): one batched
-    Engine (``threads`` None: all usable cores; one session, the weights once: ``Engine.from_dir(batch_slots=)``)
-    or ``load_engines``. A folder that cannot run batched is served by one worker Engine (prefix reuse as
-    ``prefix_reuse`` says), logging why."""
+    Engine (``threads`` None: all usable cores; one session, the weights once: ``Engine.from_dir(batch_slots=)``;
+    at most ``prefill_budget`` prompt tokens per pass, ``--prefill-budget``) or ``load_engines``. A folder that
+    cannot run batched is served by one worker Engine (prefix reuse as ``prefix_reuse`` says), logging why."""
     slots = batch_slots(workers, max_batch)
     if slots is not None:
         backend = backend if backend is not None else BackendConfig()
         if backend.threads is None:
             backend = attrs.evolve(backend, threads=default_threads(1))
         try:  # one session: the Engine's own backend is the batch backend's lone slot
-            engine = Engine.from_dir(model_dir, backend, drafter=False, batch_slots=slots)
+            engine = Engine.from_dir(
+                model_dir, backend, drafter=False, batch_slots=slots, prefill_budget=prefill_budget
+            )
             return Serving([engine], engine.batch_backend())
         except (BackendError, ValueError) as exc:  # the worker design: here, one worker (batch_slots)
             if isinstance(exc, ModelFolderError):
@@ -141,6 +145,7 @@ def cmd_serve(args: argparse.Namespace, model_dir: Path) -> int:
         workers=args.workers,
         max_batch=args.max_batch,
         prefix_reuse=args.prefix_reuse,
+        prefill_budget=args.prefill_budget,
     )
     settings = ServerSettings(
         model_name=args.model_name or Path(model_dir).name,
