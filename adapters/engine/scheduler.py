@@ -20,8 +20,9 @@ Contract:
   raises ``RuntimeError``.
 
 Observable for tests and metrics: ``passes`` (backend passes run), ``rows_per_pass`` (rows -> passes with that
-many rows), ``on_pass`` (called on the pass thread after each pass with its ``PassReport``) and ``wait_until``
-(block until a predicate on the scheduler holds; tested after every pass and whenever a request ends).
+many rows), ``submitted`` and ``ended`` (requests submitted, and done, so far), ``on_pass`` (called on the pass
+thread after each pass with its ``PassReport``) and ``wait_until`` (block until a predicate on the scheduler holds;
+tested after every pass, whenever a request is submitted and whenever one ends).
 
 Each sequence is stepped by the core with its own rows (``BatchDriver``), so a request's output is what the same
 request gives alone, whatever else shares its passes.
@@ -118,7 +119,8 @@ class ScheduledRequest:
 class BatchScheduler:
     """A ``BatchDriver`` on ``backend`` run by a thread of its own (see the module docstring). ``prefill_chunk`` and
     ``decode_costs``: as for ``BatchDriver``. ``clock``: where deadlines are read (seconds). ``on_pass``: called on
-    the pass thread after every pass with its ``PassReport``."""
+    the pass thread after every pass with its ``PassReport``. ``prefix_reuse``: as for ``BatchDriver`` (a request takes
+    the free slot holding its longest prefix)."""
 
     def __init__(
         self,
@@ -126,15 +128,20 @@ class BatchScheduler:
         *,
         prefill_chunk: int = 512,
         decode_costs: Sequence[float] | None = None,
+        prefix_reuse: bool = True,
         clock: Clock = time.monotonic,
         on_pass: Callable[[PassReport], object] | None = None,
         name: str = "ortspec-batch",
     ) -> None:
         self._backend = backend
-        self._driver = BatchDriver(backend, prefill_chunk=prefill_chunk, decode_costs=decode_costs)
+        self._driver = BatchDriver(
+            backend, prefill_chunk=prefill_chunk, decode_costs=decode_costs, prefix_reuse=prefix_reuse
+        )
         self.slots = backend.slots
         self.clock, self._on_pass = clock, on_pass
         self.passes = 0
+        self.submitted = 0  # requests submitted so far
+        self.ended = 0  # requests done so far (their on_done ran)
         self.rows_per_pass: collections.Counter[int] = collections.Counter()
         self._changed = threading.Condition()
         self._inbox: collections.deque[ScheduledRequest] = collections.deque()
@@ -169,6 +176,7 @@ class BatchScheduler:
             if self._closed:
                 raise RuntimeError("the batch scheduler is closed")
             self._inbox.append(request)
+            self.submitted += 1
             self._changed.notify_all()
         return request
 
@@ -282,7 +290,9 @@ class BatchScheduler:
             log.exception("a request's on_done raised")
         finally:
             request.done.set()
-            self._wake()
+            with self._changed:
+                self.ended += 1
+                self._changed.notify_all()
 
     def _fail_all(self, exc: Exception) -> None:
         """The driver itself raised (a bug): end every live request with ``exc`` and go on with a fresh driver on
@@ -291,7 +301,12 @@ class BatchScheduler:
             request._error = exc
             request.cancel()
         driver = self._driver
-        self._driver = BatchDriver(self._backend, prefill_chunk=driver.prefill_chunk, decode_costs=driver.decode_costs)
+        self._driver = BatchDriver(
+            self._backend,
+            prefill_chunk=driver.prefill_chunk,
+            decode_costs=driver.decode_costs,
+            prefix_reuse=driver.prefix_reuse,
+        )
 
     def _shut_down(self) -> None:
         with self._changed:
