@@ -151,6 +151,11 @@ class BatchScheduler:
         self._thread.start()
 
     @property
+    def closed(self) -> bool:
+        """True once ``close`` was called (the pass thread ends after the pass it is in)."""
+        return self._closed
+
+    @property
     def decode_costs(self) -> tuple[float, ...] | None:
         """The driver's ``decode_costs`` (None: a plain step is priced as alone)."""
         return self._driver.decode_costs
