@@ -225,6 +225,15 @@ def test_an_engine_without_batch_slots_runs_no_scheduler(plain):
     assert not plain.shared_passes.available and plain.shared_passes.scheduler is None
 
 
+def test_an_engine_whose_slots_are_handed_over_keeps_its_calls_off_them(plain, batched, tiny_model_dir):
+    engine = Engine.from_dir(tiny_model_dir, BackendConfig(threads=1), batch_slots=2)
+    engine.shared_passes.hand_over()  # what the server's BatchPool and a batch worker's BatchedRecords do
+    assert call(engine, "generate", PROMPTS[0], OPTIONS[1]) == call(plain, "generate", PROMPTS[0], OPTIONS[1])
+    assert engine.shared_passes.scheduler is None
+    with pytest.raises(RuntimeError):
+        batched.shared_passes.hand_over()  # its passes have started
+
+
 def test_an_engine_is_a_context_manager_that_closes(tiny_model_dir):
     with Engine.from_dir(tiny_model_dir, BackendConfig(threads=1), batch_slots=2) as engine:
         text = engine.generate("hi", max_tokens=3).text

@@ -135,7 +135,8 @@ class SharedPasses:
     """An Engine's shared passes: its ``BatchScheduler`` over ``engine.batch_backend()``, started on first use and
     ended by ``close`` (see the module docstring). ``available``: the Engine was opened with ``batch_slots``.
     ``scheduler``: the running scheduler (None until the first shared call), for observers (``passes``,
-    ``rows_per_pass``, ``wait_until``). Thread-safe."""
+    ``rows_per_pass``, ``wait_until``). Thread-safe. One owner drives a batch backend's slots: these passes, or the one
+    ``hand_over`` names."""
 
     def __init__(self, engine: Engine, *, available: bool) -> None:
         self._engine = engine
@@ -162,6 +163,15 @@ class SharedPasses:
                 return SharedCall(self.scheduler, request, self._engine.tokenizer.decode)
             except RuntimeError as exc:  # the scheduler closed (it does only when the Engine closes)
                 raise EngineClosed("this Engine is closed") from exc
+
+    def hand_over(self) -> None:
+        """Another owner drives the batch backend's slots from now on (the server's ``BatchPool``, a batch worker's
+        ``BatchedRecords``), so the Engine's calls keep off them: ``generate`` and the rest run on the lone slot and
+        ``generate_many`` on a driver of its own, as before the shared passes. ``RuntimeError`` once they started."""
+        with self._lock:
+            if self.scheduler is not None:
+                raise RuntimeError("this Engine's shared passes already drive its batch backend")
+            self.available = False
 
     def close(self) -> None:
         """End the passes: every request in flight is cancelled (its call raises ``GenerationError`` caused by
