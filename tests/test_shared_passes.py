@@ -20,8 +20,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ortspec import ArgumentError, BackendConfig, Engine, GenerationAborted, GenerationError
-from ortspec.adapters.engine.shared import EngineClosed
+from ortspec import ArgumentError, BackendConfig, Engine, EngineClosed, GenerationAborted, GenerationError
 from tests.support.gates import GATE_S, GatedBackend
 
 SLOTS = 4
