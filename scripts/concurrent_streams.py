@@ -4,7 +4,8 @@
 ignored) at once on ``Engine.from_dir(folder, batch_slots=--streams)`` (its calls share passes: ``shared.py``); the
 same calls run one after another on ``Engine.from_dir(folder)`` (today's one-sequence Engine). Greedy and prompt
 lookup, each after a warm-up. Prints a markdown table: wall seconds, new tokens/s, the ratio, the shared passes'
-rows per pass, and whether every stream's text is the text of the same call alone.
+rows per pass, how many cores other processes used meanwhile, and whether every stream's text is the text of the
+same call alone.
 
     python scripts/concurrent_streams.py [--model DIR] [--streams 8] [--new-tokens 32] [--threads 2]
 """
@@ -20,7 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.machine import machine_info  # noqa: E402
+from bench.machine import CpuContention, machine_info  # noqa: E402
 from bench.workloads import build_workloads  # noqa: E402
 from ortspec import BackendConfig, Engine  # noqa: E402
 
@@ -79,26 +80,31 @@ def main() -> int:
             scheduler = shared.shared_passes.scheduler
             assert scheduler is not None
             passes, rows_before = scheduler.passes, sum(n * k for n, k in scheduler.rows_per_pass.items())
-            t_shared, got = at_once(shared, prompts, options)
-            rows_run = sum(n * k for n, k in scheduler.rows_per_pass.items()) - rows_before
-            passes = scheduler.passes - passes
-            t_today, want = one_after_another(today, prompts, options)
+            with CpuContention() as load:
+                t_shared, got = at_once(shared, prompts, options)
+                rows_run = sum(n * k for n, k in scheduler.rows_per_pass.items()) - rows_before
+                passes = scheduler.passes - passes
+                t_today, want = one_after_another(today, prompts, options)
             identical += sum(a == b for a, b in zip(got, want, strict=True))
             tokens = len(prompts) * args.new_tokens
-            rows.append((mode, t_today, tokens / t_today, t_shared, tokens / t_shared, rows_run / max(1, passes)))
+            per_pass = rows_run / max(1, passes)
+            rows.append((mode, t_today, tokens / t_today, t_shared, tokens / t_shared, per_pass, load.others_cores))
             print(f"{mode}: one after another {t_today:.2f} s, shared {t_shared:.2f} s", flush=True)
     machine = machine_info()
+    cores = machine.get("cores")
     print(
         f"\nMeasured {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC by "
         f"`python scripts/concurrent_streams.py` on {machine.get('cpu', 'this machine')} "
-        f"({machine.get('cores')} cores, shared with other work), "
+        f"({cores.get('usable', cores) if isinstance(cores, dict) else cores} cores, shared with other work), "
         f"{args.threads} intra-op threads, `{Path(args.model).name}`; {len(prompts)} chat prompts (at most "
         f"{args.max_prompt_tokens} tokens) x {args.new_tokens} new tokens, EOS ignored.\n"
     )
-    print("| decoding | one after another s | tok/s | shared passes s | tok/s | ratio | rows per pass |")
-    print("| --- | --: | --: | --: | --: | --: | --: |")
-    for mode, a, a_rate, b, b_rate, per_pass in rows:
-        print(f"| {mode} | {a:.2f} | {a_rate:.1f} | {b:.2f} | {b_rate:.1f} | {b_rate / a_rate:.2f} | {per_pass:.1f} |")
+    print("| decoding | one after another s | tok/s | shared passes s | tok/s | ratio | rows per pass | other load |")
+    print("| --- | --: | --: | --: | --: | --: | --: | --: |")
+    for mode, a, a_rate, b, b_rate, per_pass, others in rows:
+        load = f"{others:.1f} cores" if others is not None else "?"
+        ratio = b_rate / a_rate
+        print(f"| {mode} | {a:.2f} | {a_rate:.1f} | {b:.2f} | {b_rate:.1f} | {ratio:.2f} | {per_pass:.1f} | {load} |")
     print(f"\nStreams identical to the same call alone: {identical}/{len(prompts) * len(MODES)}.")
     return 0 if identical == len(prompts) * len(MODES) else 1
 
