@@ -293,7 +293,8 @@ class Engine:
         drafter does not run in batches. With ``prefix_reuse``, a prompt reuses the KV of a prompt that shares its
         prefix (a system prompt) and ran earlier in the same call (each call starts with empty slots).
         ``ValueError`` names a bad prompt or option before anything runs; a generation that fails raises its
-        ``GenerationError`` once the others have finished."""
+        ``GenerationError`` once the others have finished. Opened with ``batch_slots``: on the Engine's own slots,
+        its shared passes (whose slots keep what they hold from call to call), beside other threads' calls."""
         from ortspec.adapters.engine.many import generate_many
 
         return generate_many(self, prompts, options)
@@ -542,7 +543,7 @@ class Engine:
         if self._epoch != epoch:
             raise GenerationSuperseded(
                 "another generation started on this Engine before this one finished (one sequence at a time per "
-                "Engine: use one Engine per thread or worker)"
+                "Engine: use one Engine per thread or worker, or open it with batch_slots to share passes)"
             )
 
     def _take_backend(self) -> None:

@@ -117,8 +117,15 @@ class SharedCall:
         self.request.done.wait()  # every commit handed over is queued by now, the last pass's included
         state = self._state
         assert state is not None
-        rest = len(state.generated_tokens) - self._taken  # the taken commit's pass made these after it
-        undelivered = [item[0] for item in (self._items.get() for _ in range(rest)) if item is not None]
+        undelivered: list[Commit] = []  # what the taken commit's pass made after it
+        while len(undelivered) < len(state.generated_tokens) - self._taken:
+            try:
+                item = self._items.get_nowait()
+            except queue.Empty:
+                break
+            if item is None:
+                break
+            undelivered.append(item[0])
         return GenerationAborted(GenerateResult.of(state, undelivered, self.result().timings))
 
     def _raise_error(self) -> None:
