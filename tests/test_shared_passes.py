@@ -157,6 +157,14 @@ def test_a_callback_that_raises_stops_only_its_call_with_the_partial_the_lone_pa
         assert aborted(batched, stop_at) == aborted(plain, stop_at)
     other.join(GATE_S)
     assert outcome(results[0]) == outcome(plain.generate(PROMPTS[1], **OPTIONS[1]))
+
+    def interrupt(text, token_id, finish_reason):
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):  # not an abort: it propagates, and its request is cancelled
+        batched.generate_stream(PROMPTS[0], interrupt, **options)
+    scheduler = batched.shared_passes.scheduler
+    assert scheduler.wait_until(lambda s: s.ended == s.submitted, GATE_S)
     assert call(batched, "generate", PROMPTS[0], options) == call(plain, "generate", PROMPTS[0], options)
 
 

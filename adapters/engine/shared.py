@@ -193,8 +193,11 @@ class SharedPasses:
 def generate(engine: Engine, prompt: Prompt, options: GenerationOptions) -> GenerateResult:
     """``Engine.generate`` on the shared passes."""
     call = engine.shared_passes.call(_ready(engine, prompt, options))
-    for _ in call:
-        pass
+    try:
+        for _ in call:
+            pass
+    finally:  # interrupted (KeyboardInterrupt): in no pass after the current one
+        call.stop()
     return call.result()
 
 
@@ -203,11 +206,14 @@ def generate_stream(
 ) -> GenerateResult:
     """``Engine.generate_stream`` on the shared passes: ``callback`` runs on the caller's thread."""
     call = engine.shared_passes.call(_ready(engine, prompt, options))
-    for commit, finish_reason in call:
-        try:
-            callback(commit.text, commit.token_id, finish_reason)
-        except Exception as exc:
-            raise call.aborted() from exc
+    try:
+        for commit, finish_reason in call:
+            try:
+                callback(commit.text, commit.token_id, finish_reason)
+            except Exception as exc:
+                raise call.aborted() from exc
+    finally:  # interrupted (KeyboardInterrupt): in no pass after the current one
+        call.stop()
     return call.result()
 
 
