@@ -54,6 +54,7 @@ __all__ = [
     "Commit",
     "CostAwareWidth",
     "Engine",
+    "EngineClosed",
     "FinishReason",
     "FixedWidth",
     "GenerateResult",
@@ -83,6 +84,7 @@ __all__ = [
 
 _LAZY = {
     "Engine": ("ortspec.adapters.engine.engine", "Engine"),
+    "EngineClosed": ("ortspec.adapters.engine.shared", "EngineClosed"),
     "GenerationOptions": ("ortspec.adapters.engine.options", "GenerationOptions"),
     "GenerationSuperseded": ("ortspec.adapters.engine.engine", "GenerationSuperseded"),
     "ModelFolderError": ("ortspec.backends.onnx", "ModelFolderError"),

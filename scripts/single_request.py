@@ -3,10 +3,10 @@
 Issue 19's target: a request alone is within 5% of today's latency. For each of ``--prompts`` chat prompts of the
 batch-scaling dataset, greedy and prompt lookup (the server's default speculation), ``--new-tokens`` new tokens
 (EOS ignored), the same request runs on ``Engine.from_dir(folder)`` (``OrtBackend``: today's worker) and through
-the batched path of ``Engine.from_dir(folder, batch_slots=16)`` (``generate_requests``: one sequence on the batch
-driver, as the batched server runs a lone request), interleaved per prompt, each once after a warm-up. Prints and
-writes (``--out``, default docs/single-request.md) the wall times, the ratio batched ÷ today (sum over prompts) and
-whether every output is identical.
+the batched path of ``Engine.from_dir(folder, batch_slots=16)`` (``generate_requests``: one sequence on the
+Engine's shared passes, a ``BatchScheduler`` like the batched server's, running a lone request), interleaved per
+prompt, each once after a warm-up. Prints and writes (``--out``, default docs/single-request.md) the wall times, the
+ratio batched ÷ today (sum over prompts) and whether every output is identical.
 
     python scripts/single_request.py [--model DIR] [--prompts 8] [--new-tokens 64] [--threads 2]
 """

@@ -35,6 +35,7 @@ class BatchedRecords:
 
     def __init__(self, engine: Engine, defaults: Mapping[str, Any], name: str) -> None:
         self.engine = engine
+        engine.shared_passes.hand_over()  # the batch backend's slots are this driver's
         self.defaults = dict(defaults)
         self.name = name
         self.driver = batch_driver(engine)

@@ -22,6 +22,7 @@ from typing import TypeVar
 
 import attrs
 
+from ortspec.adapters.engine import shared
 from ortspec.adapters.engine.cache import cache_root, find_drafter
 from ortspec.adapters.engine.options import (
     DRIFT_WARNING_THRESHOLD,
@@ -32,9 +33,9 @@ from ortspec.adapters.engine.options import (
     takes_options,
     takes_prompts_and_options,
 )
-from ortspec.adapters.engine.tokenizer import Tokenizer
+from ortspec.adapters.engine.tokenizer import Tokenizer, check_tokenizer_fits
 from ortspec.backends.base import Backend, BatchBackend
-from ortspec.backends.onnx import BackendConfig, ModelFolder, ModelFolderError
+from ortspec.backends.onnx import BackendConfig, ModelFolder
 from ortspec.batch_driver import DEFAULT_PREFILL_BUDGET, check_prefill_budget
 from ortspec.core import (
     MAX_DRAFT,
@@ -67,6 +68,9 @@ class Engine:
     calls from several threads run one after another, each correct. An iterator from ``start`` or ``stream`` holds
     it for each pass; if another generation starts on the Engine before the iterator is exhausted, the iterator's
     next pass raises ``GenerationError`` (caused by ``GenerationSuperseded``): two sequences never share the KV.
+    Opened with ``batch_slots``, the Engine's ``generate``, ``stream``, ``generate_stream`` and ``generate_many``
+    calls from any threads share its passes instead (``shared.py``: one ``BatchScheduler``, ``shared_passes``;
+    ``shared.shares_passes`` says which calls); ``start`` keeps the lone slot. ``close`` (or ``with``) ends them.
 
     ``prefix_reuse``: keep the KV of the last sequence and, when the next prompt starts with some of the same
     tokens (the next turn of a chat, another question about the same document), rewind to the longest common
@@ -112,6 +116,7 @@ class Engine:
         self._batch: BatchBackend | None = None  # generate_many's, opened on first use
         self._backend_is_lone_slot = False  # opened for batching: ``backend`` is ``_batch``'s lone slot
         self._batch_decode_costs: tuple[float, ...] | None = None
+        self.shared_passes = shared.SharedPasses(self, available=False)  # available once opened with batch_slots
 
     @classmethod
     def from_dir(
@@ -141,9 +146,10 @@ class Engine:
 
         ``batch_slots``: open the folder once, for batching: an ``OrtBatchBackend`` of that many slots is the
         Engine's :meth:`batch_backend`, and the Engine's own one-sequence backend is its lone slot
-        (``OrtBatchBackend.lone``), so the weights are in memory once (what ``ortspec serve`` runs); no drafter
-        (``drafter`` must not ask for one); ``BackendError`` or ``ValueError`` when the folder cannot run batched.
-        ``prefill_budget``: see the class docstring (an int >= 1 or None).
+        (``OrtBatchBackend.lone``), so the weights are in memory once (what ``ortspec serve`` runs); calls from many
+        threads share passes (the class docstring); no drafter (``drafter`` must not ask for one); ``BackendError``
+        or ``ValueError`` when the folder cannot run batched. ``prefill_budget``: see the class docstring (an int >= 1
+        or None).
 
         Raises ``ValueError`` for a bad argument, ``ModelFolderError`` (a ``ValueError``) naming the file and the
         field or tensor when the folder cannot be used (missing or invalid files, a graph that does not match its
@@ -212,6 +218,7 @@ class Engine:
             backend_config=config,
         )
         engine._batch, engine._backend_is_lone_slot = batch, True
+        engine.shared_passes.available = True
         return engine
 
     # -- text -------------------------------------------------------------------------------------------------
@@ -256,6 +263,8 @@ class Engine:
 
         Everything the caller gave is checked first (``ValueError`` naming it); only then, for a speculative
         generation, are this model's verify drift and cost curve measured (once; ``BackendError`` if that fails)."""
+        if self.shared_passes.closed:
+            raise shared.EngineClosed("this Engine is closed")
         proposer, auto_width = self._proposer(options.speculative)
         ids, core_options = self.prepare(prompt, options)
         draft_width = options.draft_width
@@ -297,7 +306,8 @@ class Engine:
         drafter does not run in batches. With ``prefix_reuse``, a prompt reuses the KV of a prompt that shares its
         prefix (a system prompt) and ran earlier in the same call (each call starts with empty slots).
         ``ValueError`` names a bad prompt or option before anything runs; a generation that fails raises its
-        ``GenerationError`` once the others have finished."""
+        ``GenerationError`` once the others have finished. Opened with ``batch_slots``: on the Engine's own slots,
+        its shared passes (whose slots keep what they hold from call to call), beside other threads' calls."""
         from ortspec.adapters.engine.many import generate_many
 
         return generate_many(self, prompts, options)
@@ -364,6 +374,8 @@ class Engine:
     @takes_options(GenerationOptions)
     def generate(self, prompt: Prompt, options: GenerationOptions) -> GenerateResult:
         """Generate up to ``max_tokens`` tokens after ``prompt`` (text, chat messages or token ids)."""
+        if shared.shares_passes(self, options):
+            return shared.generate(self, prompt, options)
         with self._lock:
             return self.start_with(prompt, options).run()
 
@@ -375,13 +387,29 @@ class Engine:
         callback's exception."""
         if not callable(callback):
             raise ArgumentError("callback", "callback must be callable as callback(text, token_id, finish_reason)")
+        if shared.shares_passes(self, options):
+            return shared.generate_stream(self, prompt, callback, options)
         with self._lock:
             return self.start_with(prompt, options).run(callback)
 
     @takes_options(GenerationOptions)
     def stream(self, prompt: Prompt, options: GenerationOptions) -> Iterator[str]:
         """Yield the generated text in chunks as it is decided (empty chunks are skipped)."""
+        if shared.shares_passes(self, options):
+            return shared.stream(self, prompt, options)
         return (commit.text for commit in self.start_with(prompt, options) if commit.text)
+
+    def close(self) -> None:
+        """End the shared passes (``batch_slots``): the calls they run raise ``GenerationError`` caused by
+        ``EngineClosed``; later generations raise ``EngineClosed``. Idempotent; ``with Engine.from_dir(...) as e``
+        closes on exit."""
+        self.shared_passes.close()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
 
     def resident_tokens(self) -> tuple[int, ...]:
         """The tokens whose KV the backend holds from the last sequence (what ``prefix_reuse`` can reuse; empty
@@ -528,7 +556,7 @@ class Engine:
         if self._epoch != epoch:
             raise GenerationSuperseded(
                 "another generation started on this Engine before this one finished (one sequence at a time per "
-                "Engine: use one Engine per thread or worker)"
+                "Engine: use one Engine per thread or worker, or open it with batch_slots to share passes)"
             )
 
     def _take_backend(self) -> None:
@@ -568,21 +596,3 @@ class Engine:
             RuntimeWarning,
             stacklevel=4,
         )
-
-
-def check_tokenizer_fits(folder: ModelFolder, tokenizer: Tokenizer) -> None:
-    """``ModelFolderError`` when ``tokenizer.json`` cannot be this model's: it makes ids past the model's vocabulary,
-    or lacks its EOS ids. (A tokenizer with fewer entries than the vocabulary is normal: vocabularies are padded.)"""
-    size = tokenizer.vocab_size
-    config = folder.path / "genai_config.json"
-    if size > folder.vocab_size:
-        raise ModelFolderError(
-            f"{tokenizer.path} has {size} tokens but {config} says model.vocab_size = {folder.vocab_size}: "
-            "the tokenizer is for another model"
-        )
-    for eos in folder.eos_token_ids:
-        if tokenizer.id_to_token(eos) is None:
-            raise ModelFolderError(
-                f"{tokenizer.path} has no token {eos}, the model.eos_token_id of {config}: "
-                "the tokenizer is for another model"
-            )

@@ -81,7 +81,14 @@ def generate_many(engine: Engine, prompts: Sequence[Prompt], options: Generation
 def generate_requests(engine: Engine, requests: Sequence[BatchRequest]) -> list[GenerateResult]:
     """Every request (``batch_request``: each with its own options) on one batch driver of ``engine``, run until
     all are done; their results in order, each what ``Engine.generate`` gives it alone. The first failure raises
-    (``GenerationError`` with its partial result)."""
+    (``GenerationError`` with its partial result). On an Engine opened with ``batch_slots`` they run on its shared
+    passes (``shared.generate_all``: its slots have one owner, whatever other threads run there too)."""
+    from ortspec.adapters.engine import shared
+
+    if engine.shared_passes.available:
+        return shared.generate_all(engine, requests)
+    if engine.shared_passes.closed:
+        raise shared.EngineClosed("this Engine is closed")
     with engine._lock:  # the measurements and the batch backend are the Engine's
         driver = batch_driver(engine, priced=any(isinstance(r.draft_width, PricedWidth) for r in requests))
         sequences = [submit(engine, driver, request) for request in requests]

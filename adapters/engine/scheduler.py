@@ -20,8 +20,9 @@ Contract:
   raises ``RuntimeError``.
 
 Observable for tests and metrics: ``passes`` (backend passes run), ``rows_per_pass`` (rows -> passes with that
-many rows), ``on_pass`` (called on the pass thread after each pass with its ``PassReport``) and ``wait_until``
-(block until a predicate on the scheduler holds; tested after every pass and whenever a request ends).
+many rows), ``submitted`` and ``ended`` (requests submitted, and done, so far), ``on_pass`` (called on the pass
+thread after each pass with its ``PassReport``) and ``wait_until`` (block until a predicate on the scheduler holds;
+tested after every pass, whenever a request is submitted and whenever one ends).
 
 Each sequence is stepped by the core with its own rows (``BatchDriver``), so a request's output is what the same
 request gives alone, whatever else shares its passes.
@@ -117,8 +118,8 @@ class ScheduledRequest:
 
 class BatchScheduler:
     """A ``BatchDriver`` on ``backend`` run by a thread of its own (see the module docstring). ``prefill_chunk``,
-    ``prefill_budget`` and ``decode_costs``: as for ``BatchDriver``. ``clock``: where deadlines are read
-    (seconds). ``on_pass``: called on the pass thread after every pass with its ``PassReport``."""
+    ``prefill_budget``, ``decode_costs`` and ``prefix_reuse``: as for ``BatchDriver``. ``clock``: where deadlines
+    are read (seconds). ``on_pass``: called on the pass thread after every pass with its ``PassReport``."""
 
     def __init__(
         self,
@@ -127,16 +128,23 @@ class BatchScheduler:
         prefill_chunk: int = 512,
         prefill_budget: int | None = DEFAULT_PREFILL_BUDGET,
         decode_costs: Sequence[float] | None = None,
+        prefix_reuse: bool = True,
         clock: Clock = time.monotonic,
         on_pass: Callable[[PassReport], object] | None = None,
         name: str = "ortspec-batch",
     ) -> None:
         self._driver = BatchDriver(
-            backend, prefill_chunk=prefill_chunk, prefill_budget=prefill_budget, decode_costs=decode_costs
+            backend,
+            prefill_chunk=prefill_chunk,
+            prefill_budget=prefill_budget,
+            decode_costs=decode_costs,
+            prefix_reuse=prefix_reuse,
         )
         self.slots = backend.slots
         self.clock, self._on_pass = clock, on_pass
         self.passes = 0
+        self.submitted = 0  # requests submitted so far
+        self.ended = 0  # requests done so far (their on_done ran)
         self.rows_per_pass: collections.Counter[int] = collections.Counter()
         self._changed = threading.Condition()
         self._inbox: collections.deque[ScheduledRequest] = collections.deque()
@@ -144,6 +152,11 @@ class BatchScheduler:
         self._closed = False
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
+
+    @property
+    def closed(self) -> bool:
+        """True once ``close`` was called (the pass thread ends after the pass it is in)."""
+        return self._closed
 
     @property
     def decode_costs(self) -> tuple[float, ...] | None:
@@ -171,6 +184,7 @@ class BatchScheduler:
             if self._closed:
                 raise RuntimeError("the batch scheduler is closed")
             self._inbox.append(request)
+            self.submitted += 1
             self._changed.notify_all()
         return request
 
@@ -284,7 +298,9 @@ class BatchScheduler:
             log.exception("a request's on_done raised")
         finally:
             request.done.set()
-            self._wake()
+            with self._changed:
+                self.ended += 1
+                self._changed.notify_all()
 
     def _fail_all(self, exc: Exception) -> None:
         """The driver itself raised (a bug): end every live request with ``exc`` and go on with a fresh driver on

@@ -10,7 +10,7 @@ from typing import Any
 
 from tokenizers import Tokenizer as _HFTokenizer
 
-from ortspec.backends.onnx.folder import ModelFolderError
+from ortspec.backends.onnx.folder import ModelFolder, ModelFolderError
 
 _CHATML = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
@@ -87,3 +87,21 @@ class Tokenizer:
             env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
             self._template = env.from_string(self.chat_template or _CHATML)
         return self._template.render(messages=list(messages), add_generation_prompt=add_generation_prompt)
+
+
+def check_tokenizer_fits(folder: ModelFolder, tokenizer: Tokenizer) -> None:
+    """``ModelFolderError`` when ``tokenizer.json`` cannot be this model's: it makes ids past the model's vocabulary,
+    or lacks its EOS ids. (A tokenizer with fewer entries than the vocabulary is normal: vocabularies are padded.)"""
+    size = tokenizer.vocab_size
+    config = folder.path / "genai_config.json"
+    if size > folder.vocab_size:
+        raise ModelFolderError(
+            f"{tokenizer.path} has {size} tokens but {config} says model.vocab_size = {folder.vocab_size}: "
+            "the tokenizer is for another model"
+        )
+    for eos in folder.eos_token_ids:
+        if tokenizer.id_to_token(eos) is None:
+            raise ModelFolderError(
+                f"{tokenizer.path} has no token {eos}, the model.eos_token_id of {config}: "
+                "the tokenizer is for another model"
+            )

@@ -51,6 +51,7 @@ class BatchPool(PoolCore):
     ) -> None:
         super().__init__(parallel=backend.slots, max_queue=max_queue, timeout_s=timeout_s, metrics=metrics, clock=clock)
         self.engine, self.backend = engine, backend
+        engine.shared_passes.hand_over()  # the batch backend's slots are this pool's scheduler's
         self._jobs: dict[RequestGeneration, None] = {}  # submitted and not ended, oldest first
         self._decode_costs: tuple[float, ...] | None = None  # measured by ``measure``
         self._scheduler: BatchScheduler | None = None  # started on first use, after ``measure``
