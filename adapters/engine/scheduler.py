@@ -37,7 +37,7 @@ from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 from ortspec.backends.base import BatchBackend
-from ortspec.batch_driver import BatchDriver, BatchSequence, Phase
+from ortspec.batch_driver import BatchDriver, BatchSequence, Phase, SlotProposer
 from ortspec.core.proposers import Proposer
 from ortspec.core.state import Commit, Detokenize, Options
 from ortspec.core.width import WidthPolicy
@@ -60,7 +60,7 @@ class Submission(NamedTuple):
 
     prompt_tokens: Sequence[int]
     options: Options
-    proposer: Proposer | None
+    proposer: Proposer | SlotProposer | None
     draft_width: int | WidthPolicy
     detokenize: Detokenize | None
 
@@ -152,7 +152,7 @@ class BatchScheduler:
         self,
         prompt_tokens: Sequence[int],
         options: Options,
-        proposer: Proposer | None = None,
+        proposer: Proposer | SlotProposer | None = None,
         *,
         draft_width: int | WidthPolicy = 8,
         detokenize: Detokenize | None = None,
