@@ -230,3 +230,53 @@ def test_an_engine_opened_for_batching_runs_the_drafter_alone_and_batched(tiny_m
     assert alone.token_ids == plain.token_ids and alone.stats.proposed_tokens > 0
     batched_equals_alone(engine, "auto", "auto", {})
     assert Engine.from_dir(tiny_model_dir, CONFIG, drafter=False, batch_slots=2).slot_drafters() is None
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The server: its batched Engine opens the drafter and serves "auto" and "shared-kv"
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def test_the_batched_server_serves_the_drafter_and_each_request_gets_its_text_alone(tiny_model_dir, drafter_dir):
+    pytest.importorskip("fastapi", reason="the server needs the serve extra: pip install 'ortspec[serve]'")
+    import threading
+
+    import httpx
+
+    from ortspec.adapters.engine import Engine
+    from ortspec.adapters.serve.app import create_app
+    from ortspec.adapters.serve.run import load_serving, serve_in_thread
+    from ortspec.adapters.serve.settings import ServerSettings
+    from ortspec.core.checks import ArgumentError
+
+    reference = Engine.from_dir(tiny_model_dir, CONFIG, drafter=False)
+    without = load_serving(tiny_model_dir, CONFIG, max_batch=2, drafter=False)
+    with pytest.raises(ArgumentError, match="needs a shared-KV drafter"):
+        create_app(without.engines, ServerSettings(model_name="tiny", speculative="shared-kv"), batch=without.batch)
+    serving = load_serving(tiny_model_dir, CONFIG, max_batch=2, drafter=drafter_dir)
+    assert serving.engines[0].slot_drafters() is not None
+    requests = [
+        {"prompt": PROMPTS[0], "max_tokens": 14},
+        {"prompt": PROMPTS[1], "max_tokens": 20, "temperature": 0.8, "seed": 3},
+        {"prompt": PROMPTS[2], "max_tokens": 9},  # waits for a slot: two slots, three requests
+    ]
+    for speculative in ("auto", "shared-kv"):
+        app = create_app(
+            serving.engines, ServerSettings(model_name="tiny", speculative=speculative), batch=serving.batch
+        )
+        out: list[httpx.Response | None] = [None] * len(requests)
+        with serve_in_thread(app) as url:
+
+            def send(i: int, url: str = url, out: list = out) -> None:
+                out[i] = httpx.post(url + "/v1/completions", json={"model": "tiny", **requests[i]}, timeout=120)
+
+            threads = [threading.Thread(target=send, args=(i,)) for i in range(len(requests))]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+        for request, response in zip(requests, out, strict=True):
+            assert response is not None and response.status_code == 200, response and response.text
+            options = {k: v for k, v in request.items() if k != "prompt"}
+            assert response.json()["choices"][0]["text"] == reference.generate(request["prompt"], **options).text
+            assert response.json()["ortspec"]["speculative"] is True
