@@ -280,3 +280,37 @@ def test_the_batched_server_serves_the_drafter_and_each_request_gets_its_text_al
             options = {k: v for k, v in request.items() if k != "prompt"}
             assert response.json()["choices"][0]["text"] == reference.generate(request["prompt"], **options).text
             assert response.json()["ortspec"]["speculative"] is True
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The batch job: a worker's batched Engine opens the drafter; records with "auto" and "shared-kv"
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def test_a_batch_workers_records_use_the_drafter_and_each_line_is_the_record_alone(tiny_model_dir, drafter_dir):
+    import json
+
+    from ortspec.adapters.batch.records import option_fields, parse_record
+    from ortspec.adapters.batch.worker import BatchWorker, WorkerSettings
+
+    defaults = {"speculative": "auto", "chat": False, "ignore_eos": True}
+    records = [
+        {"id": i, "prompt": prompt, "max_tokens": m, **({"speculative": "shared-kv"} if i % 2 else {})}
+        for i, (prompt, m) in enumerate(zip(PROMPTS, MAX_TOKENS, strict=True))
+    ]
+    fields = option_fields()
+    tasks = [parse_record(json.dumps(r), n, defaults, fields) for n, r in enumerate(records, start=1)]
+    batched = BatchWorker(
+        tiny_model_dir, WorkerSettings(threads=1, defaults=defaults, max_batch=2, drafter=drafter_dir)
+    )
+    alone = BatchWorker(tiny_model_dir, WorkerSettings(threads=1, defaults=defaults, drafter=drafter_dir))
+    assert batched.engine.slot_drafters() is not None and batched.note is None
+    for task in tasks:
+        batched.submit(task)  # type: ignore[arg-type]
+    lines = {}
+    while batched.held:
+        for task, record, _ in batched.advance():
+            lines[task.key] = record
+    for task in tasks:  # the same line but its stats (speculation is priced by the pass it joins)
+        line, reference = dict(lines[task.key]), dict(alone.run(task)[0])  # type: ignore[arg-type]
+        assert "error" not in line and line.pop("stats") and reference.pop("stats") and line == reference

@@ -279,7 +279,7 @@ def run_ray(
         output.summary.ray_init_s = time.perf_counter() - t0
         workers, threads = plan_actors(ray, address, job.workers, job.threads, say)
         output.summary.workers, output.summary.threads = workers, threads
-        settings = WorkerSettings(threads, defaults, job.backend, job.max_batch)
+        settings = WorkerSettings(threads, defaults, job.backend, job.max_batch, job.drafter)
         with _shipped(ray, model_dir, job.ship_model) as source:
             ds = _dataset(ray, tasks, source, settings, workers)
             written = set()

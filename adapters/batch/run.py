@@ -46,7 +46,7 @@ def _defaults(job: BatchJob) -> dict[str, Any]:
     defaults["speculative"] = speculative_value(defaults.get("speculative"))
     try:
         check_options(defaults)
-        if defaults["speculative"] is not None:
+        if defaults["speculative"] not in (None, "auto", "shared-kv"):  # those two: the workers' Engines resolve
             from ortspec.adapters.engine.options import make_proposer
 
             make_proposer(defaults["speculative"])
@@ -139,7 +139,7 @@ def run_batch(job: BatchJob, *, progress: bool = True, log: Callable[[str], obje
             output.write(record)
         if pending.tasks and job.ray is None:
             assert threads is not None
-            settings = WorkerSettings(threads, defaults, job.backend, job.max_batch)
+            settings = WorkerSettings(threads, defaults, job.backend, job.max_batch, job.drafter)
             run_embedded(output, pending.tasks, model_dir, settings, workers=job.workers, pin=job.pin, say=say)
         elif pending.tasks:
             from .ray import run_ray

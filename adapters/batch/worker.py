@@ -60,13 +60,14 @@ def _max_batch(value: object) -> int:
 class WorkerSettings:
     """How every worker of a run opens its Engine and what it generates with: ``threads`` intra-op threads,
     ``backend`` (the rest of how the model is opened: ``BackendConfig``), the job's ``defaults``
-    (``GenerationOptions`` keywords; a record's own win) and ``max_batch``, the records a worker decodes at once
-    (1: one ``Engine.generate`` per record). Pickled to each worker."""
+    (``GenerationOptions`` keywords; a record's own win), ``max_batch``, the records a worker decodes at once
+    (1: one ``Engine.generate`` per record), and ``drafter`` (``Engine.from_dir``'s). Pickled to each worker."""
 
     threads: int
     defaults: Mapping[str, Any] = attrs.field(factory=dict, converter=dict)
     backend: BackendConfig = attrs.field(factory=BackendConfig)
     max_batch: int = attrs.field(default=1, validator=lambda _i, _a, v: _max_batch(v))
+    drafter: str | os.PathLike[str] | bool | None = None
 
 
 class BatchWorker:
@@ -96,19 +97,20 @@ class BatchWorker:
         engine: Engine | None = None
         if settings.max_batch > 1:  # one session: the Engine's own backend is its batch backend's lone slot
             try:
-                engine = Engine.from_dir(model_dir, config, drafter=False, batch_slots=settings.max_batch)
+                engine = Engine.from_dir(model_dir, config, drafter=settings.drafter, batch_slots=settings.max_batch)
             except ModelFolderError:
                 raise
             except (BackendError, ValueError) as exc:
                 self.note = f"the model cannot run batched, so each worker runs one record at a time: {exc}"
-        if engine is None:  # prompt lookup only: batch workers open no shared-KV drafter (docs/drafter.md)
-            engine = Engine.from_dir(model_dir, config, drafter=False)
+        if engine is None:
+            engine = Engine.from_dir(model_dir, config, drafter=settings.drafter)
         self.engine = engine
         if self.defaults.get("speculative") is not None:
             with file_lock(cache_root() / "measurements" / ".measure.lock"):
                 if self.defaults.get("draft_width", "auto") == "auto":
                     self.engine.pass_costs()
                 self.engine.verify_drift()
+                self.engine.draft_cost()  # 0.0 without a drafter
         self.batched: BatchedRecords | None = None  # the batched path, or None (one at a time)
         if settings.max_batch > 1 and self.note is None:
             self.batched = BatchedRecords(self.engine, self.defaults, name)

@@ -47,6 +47,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         p,
         threads_help="intra-op threads per worker (default: the cores shared out); workers x threads <= cores",
         load_rewrites=False,
+        drafter=True,
     )
     r = p.add_argument_group("workers")
     r.add_argument("--workers", type=positive_int, default=1, metavar="N", help="Engines running at once (default 1)")
@@ -78,8 +79,9 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     g.add_argument(
         "--speculative",
         default="prompt-lookup",
-        choices=("prompt-lookup", "none"),
-        help="default proposer (default prompt-lookup); none = plain decoding",
+        choices=("prompt-lookup", "auto", "shared-kv", "none"),
+        help="default proposer (default prompt-lookup); auto = per draft, prompt lookup or the shared-KV drafter; "
+        "shared-kv = the drafter alone (needs one: --drafter); none = plain decoding",
     )
     g.add_argument(
         "--max-tokens", type=positive_int, default=128, metavar="N", help="most new tokens (default %(default)s)"
