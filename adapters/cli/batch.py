@@ -7,7 +7,7 @@ import argparse
 from types import ModuleType
 from typing import Any
 
-from .options import add_command, lookup_options, model_options, positive_int
+from .options import add_command, default_proposer_option, lookup_options, model_options, positive_int
 
 EXAMPLES = """\
 examples:
@@ -76,13 +76,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         "--no-pin", dest="pin", action="store_false", help="do not pin each embedded worker to its own cores"
     )
     g = p.add_argument_group("generation defaults (a record's own fields win)")
-    g.add_argument(
-        "--speculative",
-        default="prompt-lookup",
-        choices=("prompt-lookup", "auto", "shared-kv", "none"),
-        help="default proposer (default prompt-lookup); auto = per draft, prompt lookup or the shared-KV drafter; "
-        "shared-kv = the drafter alone (needs one: --drafter); none = plain decoding",
-    )
+    default_proposer_option(g)
     g.add_argument(
         "--max-tokens", type=positive_int, default=128, metavar="N", help="most new tokens (default %(default)s)"
     )

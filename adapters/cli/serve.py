@@ -7,7 +7,7 @@ import argparse
 from typing import Any
 
 from .engine_args import model_dir
-from .options import add_command, model_options, port, positive_int
+from .options import add_command, default_proposer_option, model_options, port, positive_int
 
 EXAMPLES = """\
 examples:
@@ -47,13 +47,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         help="engines of one sequence each, with their own KV and prefix reuse, instead of the batched engine "
         "(default 1; not with --max-batch above 1)",
     )
-    p.add_argument(
-        "--speculative",
-        default="prompt-lookup",
-        choices=("prompt-lookup", "auto", "shared-kv", "none"),
-        help="default proposer (default prompt-lookup); auto = per draft, prompt lookup or the shared-KV drafter; "
-        "shared-kv = the drafter alone (needs one: --drafter); none = plain decoding",
-    )
+    default_proposer_option(p)
     p.add_argument(
         "--max-queue", type=positive_int, default=64, help="requests that may wait for a slot or worker; more: 429"
     )

@@ -17,33 +17,20 @@ from __future__ import annotations
 
 import os
 
-from ..base import BackendError
 from .batch import OrtBatchBackend
-from .drafter import DrafterError, DrafterFolder, SharedKvProposer
-from .session import execution_providers, make_session_options, open_session
+from .drafter import DrafterFolder, SharedKvProposer
 
 
 class SlotDrafters:
-    """A drafter folder's ONNX session on ``batch``'s slots (see the module docstring). ``max_draft``,
-    ``stop_below`` and ``check_fingerprint`` as ``SharedKvProposer``; the target checks (hidden states, sizes, the
-    fingerprint) run when this is made, on the lone slot's target, and raise ``DrafterError``."""
+    """A drafter's ONNX session on ``batch``'s slots (see the module docstring), made from ``lone``, the drafter
+    already bound to the lone slot (``batch.slot_target(batch.slots)``): its session, folder, ``max_draft`` and
+    ``stop_below`` are every slot's. Made by :meth:`open` or :meth:`sharing`."""
 
-    def __init__(
-        self,
-        batch: OrtBatchBackend,
-        folder: DrafterFolder,
-        session,
-        *,
-        max_draft: int | None = None,
-        stop_below: float = 0.0,
-        check_fingerprint: bool = True,
-    ) -> None:
+    def __init__(self, batch: OrtBatchBackend, lone: SharedKvProposer) -> None:
         self.batch = batch
-        self.folder = folder
-        self.session = session
-        self._bound: dict[int, SharedKvProposer] = {}
-        lone = self._bind(batch.slots, max_draft, stop_below, check_fingerprint)
+        self.folder, self.session = lone.folder, lone.session
         self.max_draft, self.stop_below = lone.max_draft, lone.stop_below
+        self._bound: dict[int, SharedKvProposer] = {batch.slots: lone}
 
     @classmethod
     def open(
@@ -54,46 +41,24 @@ class SlotDrafters:
         threads: int | None = 1,
         check_fingerprint: bool = True,
     ) -> SlotDrafters:
-        """Open the drafter in ``folder_or_path`` for ``batch`` (``threads``: the head's intra-op threads, as
-        ``SharedKvProposer.open``). ``DrafterError`` when the folder or graph breaks the contract or does not fit."""
-        folder = folder_or_path if isinstance(folder_or_path, DrafterFolder) else DrafterFolder.load(folder_or_path)
-        try:
-            providers = execution_providers(batch.provider, batch.config.device_id)
-            session = open_session(
-                folder.model_path, providers=providers, session_options=make_session_options(threads=threads)
-            )
-        except BackendError as exc:
-            raise DrafterError(str(exc)) from exc
-        return cls(batch, folder, session, check_fingerprint=check_fingerprint)
+        """Open the drafter in ``folder_or_path`` for ``batch`` (``SharedKvProposer.open`` on its lone slot: the
+        target checks run there, and raise ``DrafterError``)."""
+        target = batch.slot_target(batch.slots)
+        lone = SharedKvProposer.open(target, folder_or_path, threads=threads, check_fingerprint=check_fingerprint)
+        return cls(batch, lone)
 
     @classmethod
     def sharing(cls, batch: OrtBatchBackend, drafter: SharedKvProposer) -> SlotDrafters:
         """The slots' drafters sharing ``drafter``'s session and settings (an Engine's drafter, bound to its own
-        one-sequence backend, on the same folder as ``batch``)."""
-        return cls(
-            batch,
-            drafter.folder,
-            drafter.session,
-            max_draft=drafter.max_draft,
-            stop_below=drafter.stop_below,
-            check_fingerprint=False,  # checked when ``drafter`` was opened, on the same model folder
-        )
+        one-sequence backend, on the same model folder as ``batch``, where its target was checked)."""
+        return cls(batch, _bound(batch, batch.slots, drafter))
 
     def for_slot(self, slot: int) -> SharedKvProposer:
         """The proposer bound to ``slot`` (``batch.slots``: the lone slot); the same object every time.
         ``ValueError`` for a slot that is not the batch's."""
         proposer = self._bound.get(slot)
         if proposer is None:
-            proposer = self._bind(slot, self.max_draft, self.stop_below, False)
-        return proposer
-
-    def _bind(self, slot: int, max_draft: int | None, stop_below: float, check_fingerprint: bool) -> SharedKvProposer:
-        target = self.batch.slot_target(slot)
-        proposer = SharedKvProposer(
-            target, self.folder, self.session, max_draft=max_draft, stop_below=stop_below,
-            check_fingerprint=check_fingerprint,
-        )  # fmt: skip
-        self._bound[slot] = proposer
+            proposer = self._bound[slot] = _bound(self.batch, slot, self.lone())
         return proposer
 
     def lone(self) -> SharedKvProposer:
@@ -102,3 +67,11 @@ class SlotDrafters:
 
     def __repr__(self) -> str:
         return f"SlotDrafters({str(self.folder.path)!r}, slots={self.batch.slots}, max_draft={self.max_draft})"
+
+
+def _bound(batch: OrtBatchBackend, slot: int, like: SharedKvProposer) -> SharedKvProposer:
+    """``like``'s session and settings bound to ``slot`` of ``batch`` (its target checked already)."""
+    return SharedKvProposer(
+        batch.slot_target(slot), like.folder, like.session, max_draft=like.max_draft, stop_below=like.stop_below,
+        check_fingerprint=False,
+    )  # fmt: skip
