@@ -34,7 +34,9 @@ The batched protocol, ``BatchBackend``, is a separate one for continuous batchin
 one sequence's KV cache with its own length, and one pass, ``run_pass(rows)``, that carries a ragged batch of
 ``BatchRow(slot, tokens, position)`` (at most one row per slot, ``position == current_len(slot)``). Each row's
 answer is what ``decode_verify(tokens, position)`` would return for that slot's sequence alone; ``rewind`` and
-``reset`` act on one slot. ``check_batch`` is the one check of a pass, done before any slot changes.
+``reset`` act on one slot. ``check_batch`` is the one check of a pass, done before any slot changes. A row may ask
+for the hidden states of its positions too (``BatchRow.hidden_states``): the per-slot form of ``HiddenStates``,
+for a drafter bound to one slot (``backends/onnx/slot_drafters.py``).
 """
 
 from __future__ import annotations
@@ -174,12 +176,16 @@ class BatchRow:
     """One row of a batched pass: ``tokens`` folded into ``slot``'s KV cache at ``position`` (which must equal
     that slot's ``current_len``). ``last_logits``: the caller reads the logits of the row's last ``last_logits``
     positions only (a prompt chunk: 1), so the backend may skip computing the others; None: every position's
-    (a decode or a verify). ``logits_rows`` is how many rows of logits the pass returns for it."""
+    (a decode or a verify). ``logits_rows`` is how many rows of logits the pass returns for it. ``hidden_states``:
+    the caller will also read the target's final hidden states at those positions (a shared-KV drafter bound to
+    the slot does), so a backend that has them keeps them for the slot until its next row (``OrtBatchBackend``:
+    ``hidden_row``); a row without it costs nothing for them."""
 
     slot: int
     tokens: tuple[int, ...] = attrs.field(converter=_ids)
     position: int
     last_logits: int | None = attrs.field(default=None, validator=_check_last_logits)
+    hidden_states: bool = False
 
     @property
     def logits_rows(self) -> int:

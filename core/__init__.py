@@ -3,7 +3,7 @@
 from .declare import Bounds, OptionSpec, option, options_of, spec
 from .lookup_or_draft import LookupOrDraft
 from .options import Limits, Options
-from .proposers import MAX_DRAFT, Learner, NgramIndex, PromptLookup, Proposer
+from .proposers import MAX_DRAFT, Learner, NgramIndex, PricedProposer, PromptLookup, Proposer
 from .sampling import Sampling
 from .state import (
     Commit,
@@ -33,6 +33,7 @@ __all__ = [
     "FinishReason",
     "FixedWidth",
     "Learner",
+    "PricedProposer",
     "Limits",
     "LookupOrDraft",
     "NgramIndex",

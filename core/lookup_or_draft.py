@@ -55,19 +55,25 @@ class LookupOrDraft:
         )
 
     def _choose(self, context_tokens: Sequence[int], width: int) -> tuple[str, tuple[int, ...]]:
-        """The source for a draft after ``context_tokens`` and, for a lookup source, its draft (cut to its width)."""
+        """The source for a draft after ``context_tokens`` and, for a lookup source, its draft (uncut)."""
         draft, matched = self.lookup.match(context_tokens, width)
         source = "strong" if matched >= self.strong_ngram else "weak"
         policy: CostAwareWidth | None = getattr(self, _POLICY[source])
         if draft and _rate(policy) >= _rate(self.drafter_policy):
-            return source, draft[: _width(policy, width)]
+            return source, draft
         return "drafter", ()
 
     def propose(self, context_tokens: Sequence[int], width: int) -> tuple[int, ...]:
+        return self.propose_at(context_tokens, width, 1.0)
+
+    def propose_at(self, context_tokens: Sequence[int], width: int, plain_cost: float) -> tuple[int, ...]:
+        """``propose`` in a pass where a plain step costs ``plain_cost`` (a ``core.proposers.PricedProposer``): the
+        source is chosen as alone (by the sources' rates, which a cheaper plain step does not reorder), and its
+        width is its policy's ``width_at(plain_cost)``, so speculation fades as a batch fills."""
         source, draft = self._choose(context_tokens, width)
         if source != "drafter":
-            return draft
-        k = _width(self.drafter_policy, width)
+            return draft[: _width(getattr(self, _POLICY[source]), width, plain_cost)]
+        k = _width(self.drafter_policy, width, plain_cost)
         return tuple(self.drafter.propose(context_tokens, k))[:k] if k > 0 else ()
 
     def observe(self, context_tokens: Sequence[int], width: int, draft: Sequence[int], accepted: int) -> LookupOrDraft:
@@ -91,5 +97,5 @@ def _rate(policy: CostAwareWidth | None) -> float:
     return policy.expected_rate(policy.best_width()) if policy is not None else 0.0
 
 
-def _width(policy: CostAwareWidth | None, cap: int) -> int:
-    return min(cap, policy.width()) if policy is not None else cap
+def _width(policy: CostAwareWidth | None, cap: int, plain_cost: float) -> int:
+    return min(cap, policy.width_at(plain_cost)) if policy is not None else cap

@@ -31,6 +31,18 @@ class Proposer(Protocol):
 
 
 @runtime_checkable
+class PricedProposer(Protocol):
+    """A proposer that sizes its drafts with its own width policies (``LookupOrDraft``), and so, like a
+    ``core.width.PricedWidth`` policy, by the price of a plain step in the pass the draft joins: the driver calls
+    ``propose_at(context_tokens, width, plain_cost)`` instead of ``propose`` (``plain_cost``: 1.0 alone; in a
+    batched pass, what one more one-token row costs there)."""
+
+    def propose(self, context_tokens: Sequence[int], width: int) -> tuple[int, ...]: ...
+
+    def propose_at(self, context_tokens: Sequence[int], width: int, plain_cost: float) -> tuple[int, ...]: ...
+
+
+@runtime_checkable
 class Learner(Protocol):
     """A proposer whose choices learn from what the target accepted, as a frozen value (like a width policy):
     ``propose`` stays a pure function of the value and the context; after each verified draft the driver replaces

@@ -5,7 +5,7 @@ imported on first use: they load onnxruntime and tokenizers) wrap a model folder
 """
 
 from ortspec.backends.base import Backend, BackendError, BatchBackend, BatchRow
-from ortspec.batch_driver import BatchDriver, BatchSequence
+from ortspec.batch_driver import BatchDriver, BatchSequence, SlotProposer
 from ortspec.core import (
     MAX_DRAFT,
     AdditiveWidth,
@@ -72,6 +72,7 @@ __all__ = [
     "PromptLookup",
     "Proposer",
     "ProposerError",
+    "SlotProposer",
     "Speculation",
     "Sampling",
     "Stats",

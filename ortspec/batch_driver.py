@@ -40,8 +40,15 @@ on the tokens before it); only the prefill work changes (``cached_prompt_tokens`
 request takes the lowest free slot, emptied. A new driver knows nothing of what its backend's slots hold: it
 starts with every slot empty.
 
-Not yet: batched device picks (rows come back as logits) and proposers that read the target's own state (the
-shared-KV drafter): each proposer sees only its sequence's context tokens.
+Proposers that read the target's own state (the shared-KV drafter: its sequence's KV and last hidden state).
+Such a proposer belongs to a slot, which is known only at admission, so the request carries a ``SlotProposer``
+(``bind(slot) -> Proposer``) instead of a proposer; the driver, the one place that knows slots, calls it when the
+sequence takes its slot and uses what it returns as the sequence's proposer from then on. That sequence's rows ask
+the backend to keep their hidden states (``BatchRow.hidden_states``: the last prompt chunk's, every decode row's),
+and the driver's promise to it is ``Generation``'s: when it is asked for a draft, the slot holds the KV of every
+context token but the last and its last row computed the hidden state before that. The core never sees a slot.
+
+Not yet: batched device picks (rows come back as logits).
 """
 
 from __future__ import annotations
@@ -49,8 +56,9 @@ from __future__ import annotations
 import collections
 import enum
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
+import attrs
 import numpy as np
 
 from ortspec.backends.base import BackendError, BatchBackend, BatchRow
@@ -85,6 +93,15 @@ class _PromptBudget:
         return granted
 
 
+@attrs.frozen
+class SlotProposer:
+    """A proposer that reads its sequence's own slot of the target (a shared-KV drafter bound to the slot's KV and
+    hidden states): ``bind(slot)`` makes the sequence's proposer when the driver admits it into ``slot`` (module
+    docstring). What ``bind`` raises fails that sequence."""
+
+    bind: Callable[[int], Proposer]
+
+
 class Phase(enum.Enum):
     """Where a sequence is: waiting for a slot, prefilling its prompt in chunks, decoding, or done (finished and
     released, failed, or cancelled)."""
@@ -112,6 +129,7 @@ class BatchSequence:
         state: DecodeState,
         speculation: Speculation,
         callback: StreamCallback | None,
+        slot_proposer: SlotProposer | None = None,
     ) -> None:
         self._t_start = time.perf_counter()
         self._t_prefill = self._t_start
@@ -119,6 +137,7 @@ class BatchSequence:
         self._driver = driver
         self.state = state
         self._speculation = speculation
+        self._slot_proposer = slot_proposer  # binds the proposer at admission (its rows keep hidden states)
         self._callback = callback
         self._undelivered: collections.deque[Commit] = collections.deque()
         self._error: GenerationError | None = None
@@ -200,13 +219,16 @@ class BatchSequence:
 
     def _enter(self, backend: BatchBackend, slot: int, resident: Sequence[int]) -> None:
         """Take ``slot``, which holds the KV of ``resident`` at its first positions, and start prefilling after
-        the part of the shared prefix that the core reuses (the slot is rewound to it, or reset)."""
+        the part of the shared prefix that the core reuses (the slot is rewound to it, or reset); a
+        ``SlotProposer`` is bound to the slot."""
         state = reusing(self.state, common_prefix_length(resident, self.state.prompt_tokens))
         reused = state.cached_prefix
         if reused:
             backend.rewind(slot, reused)
         else:
             backend.reset(slot)
+        if self._slot_proposer is not None:
+            self._speculation = Speculation(self._slot_proposer.bind(slot), self._speculation.policy)
         self.state, self._slot, self._phase, self._prefilled = state, slot, Phase.PREFILL, reused
 
     def _resident(self, backend: BatchBackend) -> tuple[int, ...]:
@@ -232,13 +254,16 @@ class BatchSequence:
         (``Speculation.draft``)."""
         assert self._slot is not None
         state = self.state
+        reads_slot = self._slot_proposer is not None  # its proposer reads the hidden state of the last row
         if self._phase is Phase.PREFILL:
             assert 1 <= chunk <= self._prompt_left
             end = self._prefilled + chunk
             # only the last chunk's last row is read; earlier chunks' rows not at all (one is the least to ask)
-            return BatchRow(self._slot, state.prompt_tokens[self._prefilled : end], self._prefilled, last_logits=1)
+            tokens = state.prompt_tokens[self._prefilled : end]
+            last = reads_slot and end == len(state.prompt_tokens)
+            return BatchRow(self._slot, tokens, self._prefilled, last_logits=1, hidden_states=last)
         self._width, self._draft = self._speculation.draft(state, vocab_size, plain_cost)
-        return BatchRow(self._slot, (state.pending_token, *self._draft), state.kv_len)
+        return BatchRow(self._slot, (state.pending_token, *self._draft), state.kv_len, hidden_states=reads_slot)
 
     def _take(self, backend: BatchBackend, row: BatchRow, logits: np.ndarray) -> tuple[Commit, ...]:
         """Decide (core) with this row's logits ``[row.logits_rows, vocab]`` and rewind the slot; return the
@@ -367,21 +392,25 @@ class BatchDriver:
         self,
         prompt_tokens: Sequence[int],
         options: Options | None = None,
-        proposer: Proposer | None = None,
+        proposer: Proposer | SlotProposer | None = None,
         *,
         draft_width: int | WidthPolicy = 8,
         detokenize: Detokenize | None = None,
         callback: StreamCallback | None = None,
     ) -> BatchSequence:
         """A new request, with the arguments of ``ortspec.generate``; it waits for a free slot and joins at the next
-        pass. Raises ``ValueError`` for bad input (before anything runs). A prompt that fills the context is done at
+        pass. ``proposer`` may be a ``SlotProposer``, bound to the slot the request takes (module docstring).
+        Raises ``ValueError`` for bad input (before anything runs). A prompt that fills the context is done at
         once (``context_full``, no token, no pass)."""
         options = options if options is not None else Options()
         backend = self._backend
         state = DecodeState.start(
             prompt_tokens, options, detokenize, capacity=backend.max_length, vocab_size=backend.vocab_size
         )
-        sequence = BatchSequence(self, state, Speculation.of(proposer, draft_width), callback)
+        if isinstance(proposer, SlotProposer):
+            sequence = BatchSequence(self, state, Speculation.of(None, draft_width), callback, proposer)
+        else:
+            sequence = BatchSequence(self, state, Speculation.of(proposer, draft_width), callback)
         if sequence.phase is Phase.WAITING:
             self._waiting.append(sequence)
         return sequence

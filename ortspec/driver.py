@@ -28,7 +28,7 @@ import attrs
 
 from ortspec.backends.base import Backend, DevicePicks, uses_device_picks
 from ortspec.core.prefix import resident_tokens
-from ortspec.core.proposers import Learner, Proposer
+from ortspec.core.proposers import Learner, PricedProposer, Proposer
 from ortspec.core.state import (
     Commit,
     DecodeState,
@@ -179,7 +179,7 @@ class Speculation:
         proposer) and the proposer's answer cut to it (``core.take_draft``; ``()`` when the width is 0). Raises
         ``ProposerError`` when the proposer raises or proposes something that is not a draft. ``plain_cost``: what a
         plain step costs in the pass the step joins (1.0 alone; ``core.width.marginal_row_cost`` in a batch), asked
-        of a ``PricedWidth`` policy."""
+        of a ``PricedWidth`` policy and a ``PricedProposer``."""
         if self.proposer is None:
             return 0, ()
         policy = self.policy
@@ -188,7 +188,11 @@ class Speculation:
         if width == 0:
             return 0, ()
         try:
-            return width, take_draft(state, self.proposer.propose(state.context_tokens, width), width, vocab_size)
+            if isinstance(self.proposer, PricedProposer):
+                proposal = self.proposer.propose_at(state.context_tokens, width, plain_cost)
+            else:
+                proposal = self.proposer.propose(state.context_tokens, width)
+            return width, take_draft(state, proposal, width, vocab_size)
         except Exception as exc:
             raise ProposerError(f"the proposer {self.proposer!r} failed: {type(exc).__name__}: {exc}") from exc
 

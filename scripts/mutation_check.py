@@ -362,6 +362,25 @@ MUTANTS: dict[str, Mutant] = {
         "skipped = 0  # positions before the first with logits",
         ("tests/test_ort_batch.py",),
     ),
+    # -- the shared-KV drafter in batches: each sequence's drafter reads its own slot ------------------------------
+    "slot-drafter-reads-slot-0s-kv": Mutant(
+        "backends/onnx/batch.py",
+        'return int((self.keys if which == "key" else self.values)[layer][slot, head].ctypes.data)',
+        'return int((self.keys if which == "key" else self.values)[layer][0, head].ctypes.data)',
+        ("tests/test_batch_drafter.py",),
+    ),
+    "slot-drafter-reads-another-slots-hidden-state": Mutant(
+        "backends/onnx/batch.py",
+        "first, rows = self._hidden.get(slot, (0, np.empty((0, 0))))",
+        "first, rows = self._hidden.get(min(self._hidden, default=slot), (0, np.empty((0, 0))))",
+        ("tests/test_batch_drafter.py",),
+    ),
+    "batch-driver-binds-the-drafter-to-slot-0": Mutant(
+        "ortspec/batch_driver.py",
+        "self._speculation = Speculation(self._slot_proposer.bind(slot), self._speculation.policy)",
+        "self._speculation = Speculation(self._slot_proposer.bind(0), self._speculation.policy)",
+        ("tests/test_batch_drafter.py",),
+    ),
     "batch-driver-rows-to-the-wrong-sequence": Mutant(
         "ortspec/batch_driver.py",
         "for (sequence, row), logits in zip(batch, outputs, strict=True):",

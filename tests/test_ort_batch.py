@@ -237,7 +237,7 @@ def test_the_lone_slot_is_a_backend_beside_the_slots_on_the_same_session(batch, 
 def test_an_engine_opened_for_batching_has_one_session(tiny_model_dir):
     from ortspec.adapters.engine import Engine
     from ortspec.backends.onnx.config import SLOT_LENGTH
-    from ortspec.core.checks import ArgumentError
+    from ortspec.backends.onnx.drafter import DrafterError
 
     plain = Engine.from_dir(tiny_model_dir, BackendConfig(threads=1))
     batched = Engine.from_dir(tiny_model_dir, BackendConfig(threads=1), batch_slots=2)
@@ -249,7 +249,7 @@ def test_an_engine_opened_for_batching_has_one_session(tiny_model_dir):
     assert [r.token_ids for r in many] == [plain.generate(p, **options).token_ids for p in ["a b c a b", "x y"]]
     with pytest.raises(ValueError, match="opened for batching"):
         batched.batch_backend(4)
-    with pytest.raises(ArgumentError, match="drafter"):
+    with pytest.raises(DrafterError, match="no drafter found"):  # a batched Engine runs a drafter, when it has one
         Engine.from_dir(tiny_model_dir, BackendConfig(threads=1), batch_slots=2, drafter=True)
 
 

@@ -243,3 +243,25 @@ def test_auto_learns_which_source_pays():
     context = loop * 2
     auto = drive(context, auto, 30, lambda c: loop[len(c) % 6])
     assert auto.lookup_drafts > 3 * auto.drafter_drafts
+
+
+def test_auto_fades_with_the_price_of_a_plain_step():
+    """In a batched pass a plain step is one more cheap row: ``LookupOrDraft.propose_at`` sizes each source's draft
+    with its policy's ``width_at(plain_cost)``, so both sources stop drafting when a plain step costs little, and
+    draft as alone at a plain step's full price (``propose``)."""
+    from ortspec.core import CostAwareWidth, LookupOrDraft, PricedProposer
+
+    class Counting:
+        def propose(self, context, width):
+            return tuple(range(width))
+
+    costs = (1.0, 1.1, 1.2, 1.3, 1.4)
+    auto = LookupOrDraft(PromptLookup(ngram=3, max_draft=8), Counting())
+    auto = auto.priced(CostAwareWidth(costs), CostAwareWidth(costs, draft_cost=0.05))
+    assert isinstance(auto, PricedProposer)
+    copies = [1, 2, 3, 4, 5, 6, 1, 2, 3]  # lookup has a strong match
+    fresh = [7, 8, 9, 10, 11]  # no match: the drafter drafts
+    for context in (copies, fresh):
+        assert len(auto.propose(context, 4)) > 0
+        assert auto.propose_at(context, 4, 1.0) == auto.propose(context, 4)
+        assert auto.propose_at(context, 4, 0.05) == ()

@@ -2,10 +2,10 @@
 test_server.py, run against each.
 
 Checked here: concurrent requests (greedy, seeded sampling, stops, streamed or not) share passes and each is served
-what ``Engine.generate`` gives it alone; ``/metrics`` has the batch-size histograms; ``speculative="shared-kv"`` is
-refused with a 400 naming the field; the ``--max-batch`` / ``--workers`` rule; a folder that cannot run batched is
-served by workers, with one log line saying why. Passes go through a gate the test holds: every wait is on an
-event or a pass count.
+what ``Engine.generate`` gives it alone; ``/metrics`` has the batch-size histograms; ``speculative="shared-kv"``
+without a drafter is refused with a 400 naming the field; the ``--max-batch`` / ``--workers`` rule; a folder that
+cannot run batched is served by workers, with one log line saying why. Passes go through a gate the test holds:
+every wait is on an event or a pass count.
 """
 
 from __future__ import annotations
@@ -113,8 +113,8 @@ def test_concurrent_requests_share_passes_and_each_gets_its_text_alone(batched, 
 
 
 def test_the_shared_kv_drafter_is_refused_naming_the_field(batched, reference):
-    """The server offers prompt lookup only; were ``shared-kv`` to reach the batched pool, it is the 400 of
-    ``generate_many``'s rule, naming ``ortspec.speculative``."""
+    """This server's Engine has no drafter; were ``shared-kv`` to reach its batched pool, it is the 400 of the
+    Engine's rule, naming ``ortspec.speculative``."""
     _, _, pool = batched
     request = CompletionRequest(model=MODEL, prompt="hi")
     prepared = Prepared(

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ortspec.adapters.cli.engine_args import backend_config, speculative
+from ortspec.adapters.cli.engine_args import backend_config, drafter, speculative
 
 from .job import BatchError, BatchJob
 from .records import RECORD_KEYS, option_fields, record_options
@@ -61,6 +61,7 @@ def _job(args: argparse.Namespace) -> BatchJob:
         retry_errors=args.retry_errors,
         pin=args.pin,
         ship_model=args.ship_model,
+        drafter=drafter(args),
     )
 
 

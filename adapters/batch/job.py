@@ -46,7 +46,10 @@ class BatchJob:
     ``backend``: how each worker's Engine opens its model (``BackendConfig``: ``provider``, ``max_length``, the
     fast CUDA path's ``static_shapes`` / ``cuda_graphs``, ...; its ``threads`` must be None: each worker's
     threads are the job's ``threads``).
-    ``retry_errors``: drop OUTPUT's error lines first and run those records again.
+    ``retry_errors``: drop OUTPUT's error lines first and run those records again. ``drafter``: the shared-KV
+    drafter each worker's Engine opens (``Engine.from_dir``'s: None, the one found for the model, if any; a folder;
+    False, none), which ``speculative`` ``"auto"`` and ``"shared-kv"`` use (batched: its session shared by the
+    worker's slots).
 
     The value is not checked when it is made: ``run_batch`` checks it before anything runs (``BatchError``)."""
 
@@ -63,6 +66,7 @@ class BatchJob:
     retry_errors: bool = False
     pin: bool = True
     ship_model: bool = False
+    drafter: str | os.PathLike[str] | bool | None = None
 
     @property
     def mode(self) -> str:

@@ -68,8 +68,10 @@ def record_options(raw: Mapping[str, Any], fields: Sequence[str]) -> dict[str, A
     options = {k: v for k, v in raw.items() if k in fields}
     if "speculative" in options:
         options["speculative"] = speculative_value(options["speculative"])
-        if options["speculative"] not in (None, "prompt-lookup"):
-            raise ValueError(f"speculative={raw['speculative']!r}: expected null, 'none' or 'prompt-lookup'")
+        if options["speculative"] not in (None, "prompt-lookup", "auto", "shared-kv"):
+            raise ValueError(
+                f"speculative={raw['speculative']!r}: expected null, 'none', 'prompt-lookup', 'auto' or 'shared-kv'"
+            )
     if options.get("logit_bias") is not None:
         bias = options["logit_bias"]
         if not isinstance(bias, Mapping):

@@ -47,7 +47,7 @@ def _defaults(job: BatchJob) -> dict[str, Any]:
     defaults["speculative"] = speculative_value(defaults.get("speculative"))
     try:
         check_options(defaults)
-        if defaults["speculative"] is not None:
+        if defaults["speculative"] not in (None, "auto", "shared-kv"):  # those two: the workers' Engines resolve
             from ortspec.adapters.engine.options import make_proposer
 
             make_proposer(defaults["speculative"])

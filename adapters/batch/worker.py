@@ -63,8 +63,8 @@ class WorkerSettings:
     """How every worker of a run opens its Engine and what it generates with: ``threads`` intra-op threads,
     ``backend`` (the rest of how the model is opened: ``BackendConfig``), the job's ``defaults``
     (``GenerationOptions`` keywords; a record's own win), ``max_batch``, the records a worker decodes at once
-    (1: one ``Engine.generate`` per record), and ``prefill_budget``, the most prompt tokens one of its batched
-    passes folds in (the Engine's). Pickled to each worker."""
+    (1: one ``Engine.generate`` per record), ``prefill_budget``, the most prompt tokens one of its batched passes
+    folds in (the Engine's), and ``drafter`` (``Engine.from_dir``'s). Pickled to each worker."""
 
     threads: int
     defaults: Mapping[str, Any] = attrs.field(factory=dict, converter=dict)
@@ -73,11 +73,12 @@ class WorkerSettings:
     prefill_budget: int | None = attrs.field(
         default=DEFAULT_PREFILL_BUDGET, validator=lambda _i, _a, v: check_prefill_budget(v)
     )
+    drafter: str | os.PathLike[str] | bool | None = None
 
     @classmethod
     def of(cls, job: BatchJob, threads: int, defaults: Mapping[str, Any]) -> WorkerSettings:
         """A run's settings for ``job``: each worker's ``threads`` and the job's generation ``defaults``."""
-        return cls(threads, defaults, job.backend, job.max_batch, job.prefill_budget)
+        return cls(threads, defaults, job.backend, job.max_batch, job.prefill_budget, job.drafter)
 
 
 class BatchWorker:
@@ -110,7 +111,7 @@ class BatchWorker:
                 engine = Engine.from_dir(
                     model_dir,
                     config,
-                    drafter=False,
+                    drafter=settings.drafter,
                     batch_slots=settings.max_batch,
                     prefill_budget=settings.prefill_budget,
                 )
@@ -118,14 +119,15 @@ class BatchWorker:
                 raise
             except (BackendError, ValueError) as exc:
                 self.note = f"the model cannot run batched, so each worker runs one record at a time: {exc}"
-        if engine is None:  # prompt lookup only: batch workers open no shared-KV drafter (docs/drafter.md)
-            engine = Engine.from_dir(model_dir, config, drafter=False)
+        if engine is None:
+            engine = Engine.from_dir(model_dir, config, drafter=settings.drafter)
         self.engine = engine
         if self.defaults.get("speculative") is not None:
             with file_lock(cache_root() / "measurements" / ".measure.lock"):
                 if self.defaults.get("draft_width", "auto") == "auto":
                     self.engine.pass_costs()
                 self.engine.verify_drift()
+                self.engine.draft_cost()  # 0.0 without a drafter
         self.batched: BatchedRecords | None = None  # the batched path, or None (one at a time)
         if settings.max_batch > 1 and self.note is None:
             self.batched = BatchedRecords(self.engine, self.defaults, name)

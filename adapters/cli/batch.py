@@ -7,7 +7,14 @@ import argparse
 from types import ModuleType
 from typing import Any
 
-from .options import add_command, lookup_options, model_options, positive_int, prefill_budget_option
+from .options import (
+    add_command,
+    default_proposer_option,
+    lookup_options,
+    model_options,
+    positive_int,
+    prefill_budget_option,
+)
 
 EXAMPLES = """\
 examples:
@@ -47,6 +54,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         p,
         threads_help="intra-op threads per worker (default: the cores shared out); workers x threads <= cores",
         load_rewrites=False,
+        drafter=True,
     )
     r = p.add_argument_group("workers")
     r.add_argument("--workers", type=positive_int, default=1, metavar="N", help="Engines running at once (default 1)")
@@ -76,12 +84,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         "--no-pin", dest="pin", action="store_false", help="do not pin each embedded worker to its own cores"
     )
     g = p.add_argument_group("generation defaults (a record's own fields win)")
-    g.add_argument(
-        "--speculative",
-        default="prompt-lookup",
-        choices=("prompt-lookup", "none"),
-        help="default proposer (default prompt-lookup); none = plain decoding",
-    )
+    default_proposer_option(g)
     g.add_argument(
         "--max-tokens", type=positive_int, default=128, metavar="N", help="most new tokens (default %(default)s)"
     )

@@ -51,11 +51,12 @@ def engine(args: argparse.Namespace):
     """The Engine the ``model`` option group describes."""
     from ortspec.adapters.engine import Engine
 
-    return Engine.from_dir(
-        model_dir(args),
-        backend_config(args, threads=args.threads),
-        drafter=False if args.drafter == "none" else args.drafter,
-    )
+    return Engine.from_dir(model_dir(args), backend_config(args, threads=args.threads), drafter=drafter(args))
+
+
+def drafter(args: argparse.Namespace) -> str | bool | None:
+    """``--drafter``: a folder, ``False`` for ``none``, or None (the one found for the model, if any)."""
+    return False if args.drafter == "none" else args.drafter
 
 
 def speculative(args: argparse.Namespace):

@@ -173,6 +173,14 @@ def model_options(
         action="store_true",
         help="with --provider cuda: capture one CUDA graph per pass width and replay it (implies --static-shapes)",
     )
+    if drafter:
+        g.add_argument(
+            "--drafter",
+            metavar="DIR|none",
+            default=None,
+            help="shared-KV drafter folder (default: the one `ortspec train-drafter` made for the model, if "
+            "any); none = no drafter",
+        )
     if not load_rewrites:
         return
     g.add_argument(
@@ -190,14 +198,18 @@ def model_options(
         help="a sliding window named by genai_config.json but ignored by the graph: apply it (config, "
         "default) or run the graph as written (graph)",
     )
-    if drafter:
-        g.add_argument(
-            "--drafter",
-            metavar="DIR|none",
-            default=None,
-            help="shared-KV drafter folder (default: the one `ortspec train-drafter` made for the model, if "
-            "any); none = no drafter",
-        )
+
+
+def default_proposer_option(g: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """``--speculative`` of the commands that run many requests (``serve``, ``batch``): their default proposer,
+    prompt lookup unless it says otherwise."""
+    g.add_argument(
+        "--speculative",
+        default="prompt-lookup",
+        choices=(*SPECULATIVE_CHOICES, "none"),
+        help="default proposer (default prompt-lookup); auto = per draft, prompt lookup or the shared-KV drafter; "
+        "shared-kv = the drafter alone (needs one: --drafter); none = plain decoding",
+    )
 
 
 def prefill_budget_option(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:

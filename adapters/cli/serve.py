@@ -7,13 +7,14 @@ import argparse
 from typing import Any
 
 from .engine_args import model_dir
-from .options import add_command, model_options, port, positive_int, prefill_budget_option
+from .options import add_command, default_proposer_option, model_options, port, positive_int, prefill_budget_option
 
 EXAMPLES = """\
 examples:
   ortspec serve                                # one batched engine, 16 slots
   ortspec serve --max-batch 32 --port 8080
   ortspec serve --prefill-budget 256           # newcomers' prompts: at most 256 tokens per pass
+  ortspec serve --speculative auto              # prompt lookup or the shared-KV drafter, per draft
   ortspec serve --workers 2 --threads 1        # two engines of one sequence each
   ortspec serve --model ./my-model-folder --speculative none
 
@@ -31,7 +32,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         "reuse). Requests queue for a free slot or worker.",
         EXAMPLES,
     )
-    model_options(p)
+    model_options(p, drafter=True)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default %(default)s)")
     p.add_argument("--port", type=port, default=8000, help="port; 0 picks a free one (default %(default)s)")
     p.add_argument(
@@ -48,7 +49,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         help="engines of one sequence each, with their own KV and prefix reuse, instead of the batched engine "
         "(default 1; not with --max-batch above 1)",
     )
-    p.add_argument("--speculative", default="prompt-lookup", choices=("prompt-lookup", "none"), help="default proposer")
+    default_proposer_option(p)
     p.add_argument(
         "--max-queue", type=positive_int, default=64, help="requests that may wait for a slot or worker; more: 429"
     )

@@ -18,12 +18,13 @@ import threading
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import attrs
 
 from ortspec.adapters.engine import shared
-from ortspec.adapters.engine.cache import cache_root, find_drafter
+from ortspec.adapters.engine.cache import cache_root
+from ortspec.adapters.engine.drafters import open_drafter
 from ortspec.adapters.engine.options import (
     DRIFT_WARNING_THRESHOLD,
     GenerationOptions,
@@ -35,7 +36,7 @@ from ortspec.adapters.engine.options import (
 )
 from ortspec.adapters.engine.tokenizer import Tokenizer, check_tokenizer_fits
 from ortspec.backends.base import Backend, BatchBackend
-from ortspec.backends.onnx import BackendConfig, ModelFolder
+from ortspec.backends.onnx import BackendConfig, ModelFolder, OrtBatchBackend
 from ortspec.batch_driver import DEFAULT_PREFILL_BUDGET, check_prefill_budget
 from ortspec.core import (
     MAX_DRAFT,
@@ -51,6 +52,9 @@ from ortspec.core import (
 from ortspec.core.checks import ArgumentError, ids_in_vocab
 from ortspec.core.prefix import common_prefix_length
 from ortspec.driver import GenerateResult, Generation, PassGuard, StreamCallback
+
+if TYPE_CHECKING:
+    from ortspec.backends.onnx.slot_drafters import SlotDrafters
 
 R = TypeVar("R")
 # The sequences generate_many runs at once (the KV caches of its batch backend).
@@ -117,6 +121,7 @@ class Engine:
         self._backend_is_lone_slot = False  # opened for batching: ``backend`` is ``_batch``'s lone slot
         self._batch_decode_costs: tuple[float, ...] | None = None
         self.shared_passes = shared.SharedPasses(self, available=False)  # available once opened with batch_slots
+        self._slot_drafters: SlotDrafters | None = None  # the drafter on the batch backend's slots
 
     @classmethod
     def from_dir(
@@ -147,15 +152,16 @@ class Engine:
         ``batch_slots``: open the folder once, for batching: an ``OrtBatchBackend`` of that many slots is the
         Engine's :meth:`batch_backend`, and the Engine's own one-sequence backend is its lone slot
         (``OrtBatchBackend.lone``), so the weights are in memory once (what ``ortspec serve`` runs); calls from many
-        threads share passes (the class docstring); no drafter (``drafter`` must not ask for one); ``BackendError``
-        or ``ValueError`` when the folder cannot run batched. ``prefill_budget``: see the class docstring (an int >= 1
+        threads share passes (the class docstring); the drafter (found or given as above) is opened once, its session
+        shared by every slot (:meth:`slot_drafters`) and the lone slot (``drafter``); ``BackendError`` or
+        ``ValueError`` when the folder cannot run batched. ``prefill_budget``: see the class docstring (an int >= 1
         or None).
 
         Raises ``ValueError`` for a bad argument, ``ModelFolderError`` (a ``ValueError``) naming the file and the
         field or tensor when the folder cannot be used (missing or invalid files, a graph that does not match its
         config, a tokenizer for another vocabulary), and ``BackendError`` when onnxruntime fails otherwise."""
         from ortspec.backends.onnx import OrtBackend
-        from ortspec.backends.onnx.drafter import DrafterError, SharedKvProposer
+        from ortspec.backends.onnx.drafter import SharedKvProposer
 
         check_prefill_budget(prefill_budget)
         folder = ModelFolder.load(Path(path))
@@ -166,21 +172,7 @@ class Engine:
             engine.prefill_budget = prefill_budget
             return engine
         backend = OrtBackend.from_folder(folder, backend_config)
-        proposer = None
-        found = find_drafter(folder.path) if drafter in (None, True) else None
-        if drafter not in (None, False, True):
-            proposer = SharedKvProposer.open(backend, Path(drafter))  # type: ignore[arg-type]
-        elif found is not None:
-            try:
-                proposer = SharedKvProposer.open(backend, found)
-            except DrafterError as exc:
-                if drafter is True:
-                    raise
-                warnings.warn(f"not using the drafter found at {found}: {exc}", RuntimeWarning, stacklevel=2)
-        elif drafter is True:
-            raise DrafterError(
-                f"no drafter found for {folder.path}; train one with: ortspec train-drafter --model {folder.path}"
-            )
+        proposer = open_drafter(folder, drafter, lambda found: SharedKvProposer.open(backend, found))
         engine = cls(
             backend,
             tokenizer,
@@ -203,21 +195,22 @@ class Engine:
         prefix_reuse: bool,
         drafter: object,
     ) -> Engine:
-        """``from_dir`` with ``batch_slots``: one ``OrtBatchBackend``, the Engine's backend its lone slot."""
-        from ortspec.backends.onnx import OrtBatchBackend
+        """``from_dir`` with ``batch_slots``: one ``OrtBatchBackend``, the Engine's backend its lone slot, the
+        drafter's session shared by the slots."""
+        from ortspec.backends.onnx.slot_drafters import SlotDrafters
 
-        if drafter not in (None, False):
-            raise ArgumentError("drafter", "an Engine opened for batching (batch_slots) runs no shared-KV drafter")
         batch = OrtBatchBackend.from_folder(folder, config, slots=slots)
+        drafters = open_drafter(folder, drafter, lambda found: SlotDrafters.open(batch, found))  # type: ignore[arg-type]
         engine = cls(
             batch.lone(),
             tokenizer,
             eos_token_ids=folder.eos_token_ids,
             folder=folder,
             prefix_reuse=prefix_reuse,
+            drafter=drafters.lone() if drafters is not None else None,
             backend_config=config,
         )
-        engine._batch, engine._backend_is_lone_slot = batch, True
+        engine._batch, engine._backend_is_lone_slot, engine._slot_drafters = batch, True, drafters
         engine.shared_passes.available = True
         return engine
 
@@ -265,20 +258,12 @@ class Engine:
         generation, are this model's verify drift and cost curve measured (once; ``BackendError`` if that fails)."""
         if self.shared_passes.closed:
             raise shared.EngineClosed("this Engine is closed")
-        proposer, auto_width = self._proposer(options.speculative)
+        proposer, auto_width = self._proposer(options.speculative, self.drafter)
         ids, core_options = self.prepare(prompt, options)
-        draft_width = options.draft_width
         with self._lock:
             if proposer is not None:
                 self._warn_if_inexact()
-                if draft_width == "auto":
-                    proposer, draft_width = auto_width()
-                elif isinstance(proposer, LookupOrDraft) and isinstance(draft_width, int):
-                    proposer, _ = auto_width()  # prices both sources
-                    draft_width = FixedWidth(draft_width)  # a cap: each source's own policy picks below it
-            elif draft_width == "auto":
-                draft_width = 1
-            assert not isinstance(draft_width, str)
+            proposer, draft_width = self._priced(proposer, auto_width, options.draft_width)
             cached = 0
             if self.prefix_reuse and self._last is not None:
                 cached = common_prefix_length(self._last.resident_tokens(), ids)
@@ -301,9 +286,9 @@ class Engine:
         """Generate for every prompt of ``prompts`` with the same options, many sequences per target pass; result
         ``i`` is what ``generate(prompts[i], **options)`` gives alone (for sampling without a ``seed``, each prompt
         draws its own). Continuous batching (``ortspec.BatchDriver``) on a second session of this folder with
-        ``BATCH_SLOTS`` KV caches, opened on first use (its own copy of the weights). ``speculative``: None (plain
-        decoding, the default) or prompt lookup (``"prompt-lookup"``, ``"auto"`` or a proposer); the shared-KV
-        drafter does not run in batches. With ``prefix_reuse``, a prompt reuses the KV of a prompt that shares its
+        ``BATCH_SLOTS`` KV caches, opened on first use (its own copy of the weights). ``speculative``: as for
+        ``generate``; the shared-KV drafter (``"shared-kv"``, ``"auto"``) reads each sequence's own slot, its session
+        shared by all (:meth:`slot_drafters`). With ``prefix_reuse``, a prompt reuses the KV of a prompt that shares its
         prefix (a system prompt) and ran earlier in the same call (each call starts with empty slots).
         ``ValueError`` names a bad prompt or option before anything runs; a generation that fails raises its
         ``GenerationError`` once the others have finished. Opened with ``batch_slots``: on the Engine's own slots,
@@ -344,13 +329,24 @@ class Engine:
             )
         if self.folder is None:
             raise ValueError("batching needs an Engine opened from a model folder (Engine.from_dir)")
-        from ortspec.backends.onnx import OrtBatchBackend
-
         # each slot holds what this Engine's own backend holds, so a request's context limit is what it is alone
         config = attrs.evolve(self.backend_config, max_length=self.backend.max_length)
         self._batch = OrtBatchBackend.from_folder(self.folder, config, slots=slots or BATCH_SLOTS)
-        self._batch_decode_costs = None
+        self._batch_decode_costs = self._slot_drafters = None
         return self._batch
+
+    def slot_drafters(self) -> SlotDrafters | None:
+        """The Engine's drafter on the slots of :meth:`batch_backend` (``SlotDrafters``: its session shared, one
+        binding per slot), made on first use; None without a shared-KV drafter (a ``drafter`` given to the
+        constructor that is not a ``SharedKvProposer`` reads only the Engine's own backend)."""
+        from ortspec.backends.onnx.drafter import SharedKvProposer
+        from ortspec.backends.onnx.slot_drafters import SlotDrafters
+
+        batch = self.batch_backend()
+        if self._slot_drafters is None and isinstance(self.drafter, SharedKvProposer):
+            assert isinstance(batch, OrtBatchBackend)
+            self._slot_drafters = SlotDrafters.sharing(batch, self.drafter)
+        return self._slot_drafters
 
     def _check_prompt_fits(self, ids: Sequence[int]) -> None:
         """``ValueError`` when the prompt is longer than the context (the core's rule, ``check_prompt_fits``; one
@@ -418,26 +414,42 @@ class Engine:
         with self._lock:
             return self._last.resident_tokens() if self._last is not None else ()
 
+    def _priced(
+        self, proposer: Proposer | None, auto_width: Callable[[], tuple[Proposer, WidthPolicy]], draft_width: object
+    ) -> tuple[Proposer | None, int | WidthPolicy]:
+        """The proposer and width policy a generation starts with, from ``_proposer``'s answer and the
+        ``draft_width`` option: ``"auto"`` prices the proposer on this backend's measured costs (measured once,
+        under the lock); an int caps ``"auto"``'s sources, each still priced."""
+        with self._lock:
+            if proposer is None:
+                return None, 1 if draft_width == "auto" else draft_width  # type: ignore[return-value]
+            if draft_width == "auto":
+                return auto_width()
+            if isinstance(proposer, LookupOrDraft) and isinstance(draft_width, int):
+                priced, _ = auto_width()  # prices both sources
+                return priced, FixedWidth(draft_width)  # a cap: each source's own policy picks below it
+            return proposer, draft_width  # type: ignore[return-value]
+
     def _proposer(
-        self, speculative: str | Proposer | None
+        self, speculative: str | Proposer | None, drafter: Proposer | None
     ) -> tuple[Proposer | None, Callable[[], tuple[Proposer, WidthPolicy]]]:
-        """The proposer for ``speculative`` and how to price it for ``draft_width="auto"``: a function giving the
-        (priced) proposer and its width policy (called under the lock: it may measure)."""
+        """The proposer for ``speculative`` with ``drafter`` (this Engine's, or None where it cannot run) and how to
+        price it for ``draft_width="auto"``: a function giving the (priced) proposer and its width policy (called
+        under the lock: it may measure). ``"auto"`` without a drafter is prompt lookup."""
         if speculative == "shared-kv":
-            if self.drafter is None:
+            if drafter is None:
                 raise ArgumentError(
                     "speculative",
                     "speculative='shared-kv' needs a drafter: train one with 'ortspec train-drafter' (Engine.from_dir "
                     "finds it) or pass Engine.from_dir(..., drafter=DIR)",
                 )
-            drafter = self.drafter
             limit = int(getattr(drafter, "max_draft", MAX_DRAFT))
             return drafter, lambda: (
                 drafter,
                 CostAwareWidth(self.pass_costs()[: limit + 1], draft_cost=self.draft_cost()),
             )
-        if speculative == "auto" and self.drafter is not None:
-            auto = LookupOrDraft(PromptLookup(ngram=3, max_draft=MAX_DRAFT), self.drafter)
+        if speculative == "auto" and drafter is not None:
+            auto = LookupOrDraft(PromptLookup(ngram=3, max_draft=MAX_DRAFT), drafter)
 
             def priced() -> tuple[Proposer, WidthPolicy]:
                 costs = self.pass_costs()

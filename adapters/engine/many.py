@@ -5,6 +5,11 @@ Each prompt becomes a request of an ``ortspec.BatchDriver`` over the Engine's ba
 the same core options and proposer as ``Engine.generate`` would use, so every result is the prompt's alone. What
 differs is only how the passes are shared (one-token rows of every running sequence go through one session run)
 and, with the Engine's ``prefix_reuse``, how much of a prompt is prefilled (a slot's resident prefix is reused).
+
+The shared-KV drafter (``"shared-kv"``, and ``"auto"``'s drafter) is priced once per request as ``generate``
+prices it (the Engine's measured verify costs and draft cost), then bound to the slot the request takes: the
+request carries a ``SlotProposer`` that puts ``Engine.slot_drafters().for_slot(slot)`` where the Engine's own
+drafter was (``bound_to_slots``).
 """
 
 from __future__ import annotations
@@ -12,15 +17,18 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
-from ortspec.adapters.engine.options import GenerationOptions, Prompt, make_proposer
-from ortspec.batch_driver import BatchDriver, BatchSequence
-from ortspec.core import CostAwareWidth, PricedWidth, Proposer, WidthPolicy
+import attrs
+
+from ortspec.adapters.engine.options import GenerationOptions, Prompt
+from ortspec.batch_driver import BatchDriver, BatchSequence, SlotProposer
+from ortspec.core import LookupOrDraft, PricedProposer, PricedWidth, Proposer, WidthPolicy
 from ortspec.core.checks import ArgumentError
 from ortspec.core.state import Options
 from ortspec.driver import GenerateResult, StreamCallback
 
 if TYPE_CHECKING:
     from ortspec.adapters.engine.engine import Engine
+    from ortspec.backends.onnx.slot_drafters import SlotDrafters
 
 
 class BatchRequest(NamedTuple):
@@ -29,17 +37,36 @@ class BatchRequest(NamedTuple):
 
     ids: list[int]
     options: Options
-    proposer: Proposer | None
+    proposer: Proposer | SlotProposer | None
     draft_width: int | WidthPolicy
 
 
 def batch_request(engine: Engine, prompt: Prompt, options: GenerationOptions) -> BatchRequest:
     """``prompt`` with ``options`` made ready for a batched pass on ``engine``'s folder (``ValueError`` naming a bad
-    prompt or option; ``speculative="shared-kv"`` is refused, ``"auto"`` is prompt lookup). A speculative request
-    with ``draft_width="auto"`` measures the verify cost curve the first time (as ``generate`` does)."""
-    proposer = batch_proposer(options.speculative)
+    prompt or option; ``speculative="shared-kv"`` without a shared-KV drafter is refused, ``"auto"`` without one is
+    prompt lookup). A speculative request prices its proposer as ``generate`` does (``draft_width="auto"`` measures
+    the verify cost curve, and a drafter's cost, the first time); a drafter is bound to the request's slot."""
+    slots = engine.slot_drafters() if options.speculative in ("shared-kv", "auto") else None
+    drafter = engine.drafter if slots is not None else None
+    proposer, auto_width = engine._proposer(options.speculative, drafter)
     ids, core_options = engine.prepare(prompt, options)
-    return BatchRequest(ids, core_options, proposer, batch_width(engine, proposer, options.draft_width))
+    priced, width = engine._priced(proposer, auto_width, options.draft_width)
+    return BatchRequest(ids, core_options, bound_to_slots(priced, drafter, slots), width)
+
+
+def bound_to_slots(
+    proposer: Proposer | None, drafter: Proposer | None, slots: SlotDrafters | None
+) -> Proposer | SlotProposer | None:
+    """``proposer`` with ``drafter`` (the Engine's own, which ``proposer`` is or holds) replaced, per sequence, by
+    the drafter bound to the sequence's slot (a ``SlotProposer``); ``proposer`` itself when it holds no drafter."""
+    if proposer is None or drafter is None or slots is None:
+        return proposer
+    if proposer is drafter:
+        return SlotProposer(slots.for_slot)
+    if isinstance(proposer, LookupOrDraft) and proposer.drafter is drafter:
+        auto = proposer
+        return SlotProposer(lambda slot: attrs.evolve(auto, drafter=slots.for_slot(slot)))
+    return proposer
 
 
 def submit(
@@ -90,7 +117,7 @@ def generate_requests(engine: Engine, requests: Sequence[BatchRequest]) -> list[
     if engine.shared_passes.closed:
         raise shared.EngineClosed("this Engine is closed")
     with engine._lock:  # the measurements and the batch backend are the Engine's
-        driver = batch_driver(engine, priced=any(isinstance(r.draft_width, PricedWidth) for r in requests))
+        driver = batch_driver(engine, priced=any(_priced(request) for request in requests))
         sequences = [submit(engine, driver, request) for request in requests]
         driver.run()
     for sequence in sequences:
@@ -99,20 +126,7 @@ def generate_requests(engine: Engine, requests: Sequence[BatchRequest]) -> list[
     return [sequence.result() for sequence in sequences]
 
 
-def batch_proposer(speculative: object) -> Proposer | None:
-    """The proposer of a batched generation: prompt lookup for ``"auto"`` (the drafter reads one sequence's KV, so
-    it does not run in batches); ``"shared-kv"`` is refused."""
-    if speculative == "shared-kv":
-        raise ArgumentError("speculative", "speculative='shared-kv': the shared-KV drafter does not run in batches")
-    return make_proposer("prompt-lookup" if speculative == "auto" else speculative)  # type: ignore[arg-type]
-
-
-def batch_width(engine: Engine, proposer: Proposer | None, draft_width: object) -> int | WidthPolicy:
-    """The width policy every sequence starts with: ``"auto"`` is the cost-aware policy on this backend's measured
-    verify costs (measured once, as for ``generate``)."""
-    if proposer is None:
-        return 1
-    if draft_width == "auto":
-        return CostAwareWidth(engine.pass_costs())
-    assert not isinstance(draft_width, str)
-    return draft_width  # type: ignore[return-value]
+def _priced(request: BatchRequest) -> bool:
+    """Whether the request's speculation reads the price of a plain step (a ``PricedWidth`` policy, or ``"auto"``'s
+    sources, each with its own)."""
+    return isinstance(request.draft_width, PricedWidth) or isinstance(request.proposer, (SlotProposer, PricedProposer))

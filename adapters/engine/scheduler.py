@@ -38,7 +38,7 @@ from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 from ortspec.backends.base import BatchBackend
-from ortspec.batch_driver import DEFAULT_PREFILL_BUDGET, BatchDriver, BatchSequence, Phase
+from ortspec.batch_driver import DEFAULT_PREFILL_BUDGET, BatchDriver, BatchSequence, Phase, SlotProposer
 from ortspec.core.proposers import Proposer
 from ortspec.core.state import Commit, Detokenize, Options
 from ortspec.core.width import WidthPolicy
@@ -61,7 +61,7 @@ class Submission(NamedTuple):
 
     prompt_tokens: Sequence[int]
     options: Options
-    proposer: Proposer | None
+    proposer: Proposer | SlotProposer | None
     draft_width: int | WidthPolicy
     detokenize: Detokenize | None
 
@@ -167,7 +167,7 @@ class BatchScheduler:
         self,
         prompt_tokens: Sequence[int],
         options: Options,
-        proposer: Proposer | None = None,
+        proposer: Proposer | SlotProposer | None = None,
         *,
         draft_width: int | WidthPolicy = 8,
         detokenize: Detokenize | None = None,

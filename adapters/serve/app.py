@@ -50,6 +50,7 @@ from ortspec.adapters.serve.responses import LogprobFormatter, ResponseShape, or
 from ortspec.adapters.serve.settings import ServerSettings
 from ortspec.backends.base import BatchBackend
 from ortspec.backends.onnx import route_onnxruntime_logging
+from ortspec.core.checks import ArgumentError
 from ortspec.core.state import Commit, TokenLogprob
 from ortspec.driver import GenerateResult
 
@@ -280,6 +281,12 @@ def create_app(
     to pay). The measurements run at startup (``settings.measure_at_startup``).
     ``clock``: where request deadlines and durations are read (seconds; tests pass one they move by hand). The
     pool, metrics and settings are on ``app.state``."""
+    if settings.speculative == "shared-kv" and any(engine.drafter is None for engine in engines):
+        raise ArgumentError(
+            "speculative",
+            "speculative='shared-kv' needs a shared-KV drafter, and the engines have none: train one with 'ortspec "
+            "train-drafter' (found by default) or give --drafter DIR",
+        )
     metrics = Metrics()
     pool: WorkerPool | BatchPool
     limits = {"max_queue": settings.max_queue, "timeout_s": settings.request_timeout_s, "metrics": metrics}

@@ -97,11 +97,12 @@ class BatchPool(PoolCore):
         return self._scheduler
 
     def measure(self) -> None:
-        """Measure the Engine's verify drift and verify cost curve (the width policy of speculative requests) and
-        the batch backend's decode costs (how a plain step is priced in a pass: speculation fades as the batch
-        fills). Before serving: measuring the decode costs empties the slots."""
+        """Measure the Engine's verify drift, verify cost curve and drafter's cost (the width policies of
+        speculative requests) and the batch backend's decode costs (how a plain step is priced in a pass:
+        speculation fades as the batch fills). Before serving: measuring the decode costs empties the slots."""
         self.engine.verify_drift()
         self.engine.pass_costs()
+        self.engine.draft_cost()
         if self._scheduler is None:
             self._decode_costs = cached_batch_decode_costs(self.backend, self.engine.measurement_file())
 

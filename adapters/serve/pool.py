@@ -95,11 +95,13 @@ class WorkerPool(PoolCore):
         return len(self._waiters)
 
     def measure(self) -> None:
-        """Measure each worker's verify drift and verify cost curve (one after another, so they do not disturb
-        each other). A measurement drops an Engine's resident KV: call this before serving."""
+        """Measure each worker's verify drift, verify cost curve and drafter's cost (with a drafter), one after
+        another, so they do not disturb each other. A measurement drops an Engine's resident KV: call this before
+        serving."""
         for w in self.workers:
             w.engine.verify_drift()
             w.engine.pass_costs()
+            w.engine.draft_cost()
             w.resident = w.engine.resident_tokens()
 
     def close(self) -> None:

@@ -26,7 +26,7 @@ import attrs
 import uvicorn
 from fastapi import FastAPI
 
-from ortspec.adapters.cli.engine_args import backend_config
+from ortspec.adapters.cli.engine_args import backend_config, drafter
 from ortspec.adapters.engine import Engine
 from ortspec.adapters.engine.options import speculative_value
 from ortspec.adapters.serve.app import create_app
@@ -52,15 +52,17 @@ def load_engines(
     *,
     workers: int = 1,
     prefix_reuse: bool = True,
+    drafter: str | os.PathLike[str] | bool | None = None,
 ) -> list[Engine]:
     """One Engine per worker on ``model_dir`` (each its own session and KV), each opened with ``backend`` (a
-    ``BackendConfig``; its ``threads`` None: the usable cores shared out among the workers)."""
+    ``BackendConfig``; its ``threads`` None: the usable cores shared out among the workers) and ``drafter``
+    (``Engine.from_dir``'s: by default the shared-KV drafter found for the model, if any)."""
     if workers < 1:
         raise ValueError(f"--workers must be >= 1, got {workers}")
     backend = backend if backend is not None else BackendConfig()
     if backend.threads is None:
         backend = attrs.evolve(backend, threads=default_threads(workers))
-    return [Engine.from_dir(model_dir, backend, prefix_reuse=prefix_reuse, drafter=False) for _ in range(workers)]
+    return [Engine.from_dir(model_dir, backend, prefix_reuse=prefix_reuse, drafter=drafter) for _ in range(workers)]
 
 
 def batch_slots(workers: int, max_batch: int | None) -> int | None:
@@ -91,11 +93,14 @@ def load_serving(
     max_batch: int | None = None,
     prefix_reuse: bool = True,
     prefill_budget: int | None = DEFAULT_PREFILL_BUDGET,
+    drafter: str | os.PathLike[str] | bool | None = None,
 ) -> Serving:
     """The engines ``ortspec serve`` runs for ``--workers`` and ``--max-batch`` (``batch_slots``): one batched
-    Engine (``threads`` None: all usable cores; one session, the weights once: ``Engine.from_dir(batch_slots=)``;
-    at most ``prefill_budget`` prompt tokens per pass, ``--prefill-budget``) or ``load_engines``. A folder that
-    cannot run batched is served by one worker Engine (prefix reuse as ``prefix_reuse`` says), logging why."""
+    Engine (``threads`` None: all usable cores; one session, the weights once: ``Engine.from_dir(batch_slots=)``,
+    the drafter's session shared by its slots; at most ``prefill_budget`` prompt tokens per pass,
+    ``--prefill-budget``) or ``load_engines``. ``drafter``: ``Engine.from_dir``'s (by default the shared-KV drafter
+    found for the model, if any). A folder that cannot run batched is served by one worker Engine (prefix reuse as
+    ``prefix_reuse`` says), logging why."""
     slots = batch_slots(workers, max_batch)
     if slots is not None:
         backend = backend if backend is not None else BackendConfig()
@@ -103,15 +108,17 @@ def load_serving(
             backend = attrs.evolve(backend, threads=default_threads(1))
         try:  # one session: the Engine's own backend is the batch backend's lone slot
             engine = Engine.from_dir(
-                model_dir, backend, drafter=False, batch_slots=slots, prefill_budget=prefill_budget
+                model_dir, backend, drafter=drafter, batch_slots=slots, prefill_budget=prefill_budget
             )
             return Serving([engine], engine.batch_backend())
         except (BackendError, ValueError) as exc:  # the worker design: here, one worker (batch_slots)
             if isinstance(exc, ModelFolderError):
                 raise
             log.warning("this folder cannot run batched (%s); serving with one worker (one sequence per pass)", exc)
-            return Serving([Engine.from_dir(model_dir, backend, drafter=False, prefix_reuse=prefix_reuse)], None)
-    return Serving(load_engines(model_dir, backend, workers=workers, prefix_reuse=prefix_reuse), None)
+            one = Engine.from_dir(model_dir, backend, drafter=drafter, prefix_reuse=prefix_reuse)
+            return Serving([one], None)
+    engines = load_engines(model_dir, backend, workers=workers, prefix_reuse=prefix_reuse, drafter=drafter)
+    return Serving(engines, None)
 
 
 @contextlib.contextmanager
@@ -146,6 +153,7 @@ def cmd_serve(args: argparse.Namespace, model_dir: Path) -> int:
         max_batch=args.max_batch,
         prefix_reuse=args.prefix_reuse,
         prefill_budget=args.prefill_budget,
+        drafter=drafter(args),
     )
     settings = ServerSettings(
         model_name=args.model_name or Path(model_dir).name,

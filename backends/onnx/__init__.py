@@ -6,8 +6,9 @@ onnxruntime's log), ``model_graph`` (checking the graph against the folder; the 
 (device buffers and the argmax/margin reductions), ``kv`` (the KV store), ``binding`` (the IO bindings: default
 and static-shape), ``recurrent`` (hybrid models' recurrent states), ``cuda_graphs`` (CUDA graphs per pass width,
 the phase timer) and ``backend`` (``OrtBackend``, the protocol composed from them); ``batch``
-(``OrtBatchBackend``, the batched protocol on the CPU); ``drafter`` (the shared-KV drafter, which reads an
-``OrtBackend`` through its ``SharedKvTarget`` protocol).
+(``OrtBatchBackend``, the batched protocol on the CPU; ``SlotTarget``, one of its slots as a drafter's target);
+``drafter`` (the shared-KV drafter, which reads an ``OrtBackend`` through its ``SharedKvTarget`` protocol) and
+``slot_drafters`` (``SlotDrafters``: the drafter on a batch backend's slots, one session, one binding per slot).
 """
 
 from .arrays import argmax_margin

@@ -59,8 +59,10 @@ import attrs
 import numpy as np
 
 from ..base import BackendError, BatchRow, check_batch, check_position, check_slot, check_tokens
+from .arrays import ArrayModule, HostArrays
 from .config import BackendConfig
 from .folder import ModelFolder
+from .kv import KV_KINDS
 from .model_graph import DecoderGraph, LoadedGraph, inspect_graph, load_rewrites, read_graph_facts
 from .session import execution_providers, open_session
 
@@ -133,17 +135,31 @@ def pass_groups(rows: Sequence[BatchRow]) -> list[PassGroup]:
     return groups
 
 
-class _Logits:
-    """A logits buffer, grown and never shrunk; ``view(count, width, vocab)`` is ``[count, width, vocab]``."""
+class _Grown:
+    """An output buffer, grown and never shrunk; ``view(count, width, size)`` is ``[count, width, size]``."""
 
     def __init__(self, dtype: np.dtype) -> None:
         self._array = np.empty(0, dtype)
 
-    def view(self, count: int, width: int, vocab: int) -> np.ndarray:
-        size = count * width * vocab
-        if self._array.size < size:
-            self._array = np.empty(size, self._array.dtype)
-        return self._array[:size].reshape(count, width, vocab)
+    def view(self, count: int, width: int, size: int) -> np.ndarray:
+        total = count * width * size
+        if self._array.size < total:
+            self._array = np.empty(total, self._array.dtype)
+        return self._array[:total].reshape(count, width, size)
+
+
+@attrs.frozen
+class _Outputs:
+    """The buffers one session run writes: ``logits`` ``[B, kept, vocab]`` and, when the graph has them, the
+    hidden states of the same positions ``[B, kept, hidden]`` (``hidden`` None without them)."""
+
+    logits: _Grown
+    hidden: _Grown | None
+
+    @classmethod
+    def of(cls, graph: DecoderGraph) -> _Outputs:
+        hidden = _Grown(graph.hidden_dtype) if graph.hidden_name and graph.hidden_dtype is not None else None
+        return cls(_Grown(graph.logits_dtype), hidden)
 
 
 class OrtBatchBackend:
@@ -151,7 +167,11 @@ class OrtBatchBackend:
     see the module docstring). Public attributes: ``session``, ``folder``, ``config``, ``graph`` (the checked
     :class:`DecoderGraph`), ``threads`` (intra-op), ``keys`` / ``values`` (per layer, ``[slots, kv_heads,
     max_length, head_size]`` host arrays, owned here) and ``runs`` (session runs so far; a pass takes one or
-    more). The logits that ``run_pass`` returns are views of the backend's buffer, valid until its next call."""
+    more). The logits that ``run_pass`` returns are views of the backend's buffer, valid until its next call.
+
+    For a shared-KV drafter bound to one slot (:meth:`slot_target`): ``hidden_row(slot, position)``, the hidden
+    state a row that asked for them (``BatchRow.hidden_states``) computed, kept until the slot's next row, and
+    ``kv_pointer(slot, layer, which, head)``, the address of a KV head of the slot inside the buffers."""
 
     def __init__(
         self, session, folder: ModelFolder, config: BackendConfig, slots: int, *, loaded: LoadedGraph | None = None
@@ -179,8 +199,10 @@ class OrtBatchBackend:
         self.values = [np.zeros(shape, self.graph.kv_dtype) for _ in self.graph.kv_names]
         self._slots = slots
         self._lengths = [0] * (slots + 1)  # the last is the lone slot's
-        self._pass_logits = _Logits(self.graph.logits_dtype)
-        self._lone_logits = _Logits(self.graph.logits_dtype)
+        self._pass_outputs = _Outputs.of(self.graph)
+        self._lone_outputs = _Outputs.of(self.graph)
+        # per slot (the lone one too): the first position and the rows of the hidden states its last row kept
+        self._hidden: dict[int, tuple[int, np.ndarray]] = {}
         self._bindings: dict[tuple[int, int], Any] = {}  # (first slot, count) -> IO binding with the KV bound
         self._lone: LoneSlot | None = None
         self.runs = 0
@@ -229,6 +251,7 @@ class OrtBatchBackend:
     def reset(self, slot: int) -> None:
         check_slot(slot, self.slots)
         self._lengths[slot] = 0
+        self._hidden.pop(slot, None)
 
     def current_len(self, slot: int) -> int:
         check_slot(slot, self.slots)
@@ -245,6 +268,8 @@ class OrtBatchBackend:
         """The rows' session runs (one per group: see the module docstring); returns each row's
         ``[len(tokens), vocab]`` float32 logits, views valid until the next call."""
         check_batch(rows, self)
+        if self.graph.hidden_name is None and any(row.hidden_states for row in rows):
+            raise BackendError(f"{self.folder.model_path} has no hidden-states output, which a row asked for")
         groups = pass_groups(rows)
         if len(groups) == 1:
             return self._run_group(groups[0].rows, groups[0].idle_at_zero)
@@ -270,15 +295,17 @@ class OrtBatchBackend:
         """One run of ``tokens`` at ``position`` in the lone slot (the protocol's checks first); its logits rows."""
         check_tokens(tokens, self._vocab)
         check_position(int(position), self._lengths[self._slots], len(tokens), self._max_length, what)
-        row = BatchRow(self._slots, tokens, int(position), last_logits=last_logits)
-        return self._run_group([row], False, self._lone_logits)[0]
+        hidden = self.graph.hidden_name is not None  # kept as views of the lone buffers: no copy
+        row = BatchRow(self._slots, tokens, int(position), last_logits=last_logits, hidden_states=hidden)
+        return self._run_group([row], False, self._lone_outputs)[0]
 
     def _run_group(
-        self, rows: Sequence[BatchRow], idle_at_zero: bool, logits: _Logits | None = None
+        self, rows: Sequence[BatchRow], idle_at_zero: bool, outputs: _Outputs | None = None
     ) -> list[np.ndarray]:
         """One session run over the checked ``rows`` of one group; idle slots of the bound range start at 0 when
-        ``idle_at_zero`` (a prefill group: every row must start there), else at their own length. ``logits``: the
-        buffer to write (the passes' unless given)."""
+        ``idle_at_zero`` (a prefill group: every row must start there), else at their own length. ``outputs``: the
+        buffers to write (the passes' unless given: then the hidden states a row keeps are copied out, since the
+        pass's next group may overwrite them)."""
         lo = min(row.slot for row in rows)
         hi = max(row.slot for row in rows)
         width = max(len(row.tokens) for row in rows)
@@ -298,16 +325,21 @@ class OrtBatchBackend:
             inputs.ids[row.slot - lo, : len(row.tokens)] = row.tokens
         saved = self._save_overwritten(lo, starts, width)
         try:
-            out = self._run(lo, inputs, logits if logits is not None else self._pass_logits)
+            out, hidden = self._run(lo, inputs, outputs if outputs is not None else self._pass_outputs)
         finally:
             self._restore(saved)
         self.runs += 1
-        for row in rows:
-            self._lengths[row.slot] += len(row.tokens)
         skipped = width - inputs.kept  # positions before the first with logits
-        return [
-            out[row.slot - lo, len(row.tokens) - row.logits_rows - skipped : len(row.tokens) - skipped] for row in rows
-        ]
+        answers = []
+        for row in rows:
+            first = len(row.tokens) - row.logits_rows  # the row's first position with logits, from its start
+            answers.append(out[row.slot - lo, first - skipped : len(row.tokens) - skipped])
+            self._hidden.pop(row.slot, None)
+            if row.hidden_states and hidden is not None:
+                states = hidden[row.slot - lo, first - skipped : len(row.tokens) - skipped]
+                self._hidden[row.slot] = (row.position + first, states if outputs is not None else states.copy())
+            self._lengths[row.slot] += len(row.tokens)
+        return answers
 
     def _idle_start(self, slot: int, width: int, at_zero: bool) -> int:
         """Where an idle slot's row of padding starts: 0 in a prefill group, else its length, moved back so that
@@ -351,9 +383,10 @@ class OrtBatchBackend:
         self._bindings[lo, count] = binding
         return binding
 
-    def _run(self, lo: int, inputs: _PassInputs, buffer: _Logits) -> np.ndarray:
+    def _run(self, lo: int, inputs: _PassInputs, buffers: _Outputs) -> tuple[np.ndarray, np.ndarray | None]:
         """Bind the slot range starting at ``lo`` and ``inputs``, run the session, return the logits
-        ``[B, kept, vocab]`` (of the last ``inputs.kept`` positions) as float32."""
+        ``[B, kept, vocab]`` (of the last ``inputs.kept`` positions) as float32 and the hidden states of the same
+        positions ``[B, kept, hidden]`` (None when the graph has none)."""
         graph = self.graph
         count, width = inputs.ids.shape
         binding = self._range_binding(lo, count)
@@ -365,16 +398,63 @@ class OrtBatchBackend:
             binding.bind_input(graph.position_name, CPU, 0, graph.position_dtype, shape, inputs.positions.ctypes.data)
         if graph.keep_name is not None:
             binding.bind_input(graph.keep_name, CPU, 0, np.int64, [1], inputs.keep.ctypes.data)
-        logits = buffer.view(count, inputs.kept, self._vocab)
+        logits = buffers.logits.view(count, inputs.kept, self._vocab)
         shape = list(logits.shape)
         binding.bind_output(graph.logits_name, CPU, 0, graph.logits_dtype, shape, logits.ctypes.data)
-        if graph.hidden_name:
-            binding.bind_output(graph.hidden_name, CPU)  # not read here; onnxruntime allocates it
+        hidden = None
+        if graph.hidden_name and buffers.hidden is not None:
+            # without the keep_logits rewrite the output holds every position: kept == width then
+            hidden = buffers.hidden.view(count, inputs.kept, graph.hidden_size)
+            shape = list(hidden.shape)
+            binding.bind_output(graph.hidden_name, CPU, 0, graph.hidden_dtype, shape, hidden.ctypes.data)
         try:
             self.session.run_with_iobinding(binding)
         except Exception as exc:  # noqa: BLE001 - ORT raises its own exception types
             raise BackendError(f"onnxruntime failed on a batched pass of {count} x {width} tokens: {exc}") from exc
-        return logits if logits.dtype == np.float32 else logits.astype(np.float32)
+        return (logits if logits.dtype == np.float32 else logits.astype(np.float32)), hidden
+
+    # ------------------------------------------------------------------------------------------------------------
+    # a slot as a shared-KV drafter's target
+    @property
+    def hidden_size(self) -> int:
+        """Width of a hidden state (0: the graph has no hidden-states output)."""
+        return self.graph.hidden_size
+
+    def slot_target(self, slot: int) -> SlotTarget:
+        """``slot`` (``slots`` names the lone slot) as a shared-KV drafter's target (:class:`SlotTarget`)."""
+        self._check_any_slot(slot)
+        return SlotTarget(self, slot)
+
+    def hidden_row(self, slot: int, position: int) -> np.ndarray:
+        """The final hidden state at ``position`` that ``slot``'s last row computed and kept (it asked for them:
+        ``BatchRow.hidden_states``; the lone slot's rows always do), ``[hidden_size]`` of ``graph.hidden_dtype``,
+        valid until the slot's next row; ``BackendError`` for a position that row did not keep or past the
+        slot's length."""
+        self._check_any_slot(slot)
+        first, rows = self._hidden.get(slot, (0, np.empty((0, 0))))
+        if not first <= position < min(first + len(rows), self._lengths[slot]):
+            raise BackendError(
+                f"hidden_row({slot}, {position}): the slot's last row kept the hidden states of positions "
+                f"[{first}, {first + len(rows)}) and the slot holds {self._lengths[slot]}"
+            )
+        return rows[position - first]
+
+    def kv_pointer(self, slot: int, layer: int, which: str, head: int) -> int:
+        """The address of KV head ``head`` of ``layer`` (``which``: ``"key"`` or ``"value"``) of ``slot`` at
+        position 0, inside the batch buffers: ``[max_length, head_size]`` elements of ``graph.kv_dtype``, the first
+        ``current_len(slot)`` valid and contiguous. ``ValueError`` for a bad index."""
+        self._check_any_slot(slot)
+        heads = self.folder.num_kv_heads
+        if not 0 <= layer < len(self.keys) or not 0 <= head < heads or which not in KV_KINDS:
+            raise ValueError(
+                f"kv_pointer({slot}, {layer}, {which!r}, {head}): expected layer in [0, {len(self.keys)}), which "
+                f"'key' or 'value', head in [0, {heads})"
+            )
+        return int((self.keys if which == "key" else self.values)[layer][slot, head].ctypes.data)
+
+    def _check_any_slot(self, slot: int) -> None:
+        if isinstance(slot, bool) or not isinstance(slot, (int, np.integer)) or not 0 <= slot <= self._slots:
+            raise ValueError(f"slot must be an int in [0, {self._slots}] ({self._slots}: the lone slot), got {slot!r}")
 
     def __repr__(self) -> str:
         return (
@@ -403,6 +483,7 @@ class LoneSlot:
 
     def reset(self) -> None:
         self.batch._lengths[self.batch.slots] = 0
+        self.batch._hidden.pop(self.batch.slots, None)
 
     def current_len(self) -> int:
         return self.batch._lengths[self.batch.slots]
@@ -421,3 +502,44 @@ class LoneSlot:
 
     def __repr__(self) -> str:
         return f"LoneSlot({self.batch!r})"
+
+
+class SlotTarget:
+    """One slot of an ``OrtBatchBackend`` (the lone one too) as what a shared-KV drafter reads
+    (``backends/onnx/drafter.py``'s ``SharedKvTarget``): the slot's length, the hidden states its last row kept
+    (``BatchRow.hidden_states``) and the address of each of its KV heads inside the batch's buffers (layer ``l``'s
+    ``[slots + 1, kv_heads, max_length, head_size]``: head ``h`` of slot ``s`` starts at ``[s, h, 0]``). A view:
+    it owns nothing, and another slot's rows never change what it reads."""
+
+    def __init__(self, batch: OrtBatchBackend, slot: int) -> None:
+        self.batch = batch
+        self.slot = slot
+        self.folder = batch.folder
+        self.provider = CPU
+        self.device_id = batch.config.device_id
+        self.device_type = CPU
+        self.array_module: ArrayModule = HostArrays(batch.config.device_id)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.batch.vocab_size
+
+    @property
+    def hidden_size(self) -> int:
+        return self.batch.hidden_size
+
+    @property
+    def kv_dtype(self) -> np.dtype:
+        return self.batch.graph.kv_dtype
+
+    def current_len(self) -> int:
+        return self.batch._lengths[self.slot]
+
+    def hidden_row(self, position: int) -> np.ndarray:
+        return self.batch.hidden_row(self.slot, position)
+
+    def kv_pointer(self, layer: int, which: str, head: int) -> int:
+        return self.batch.kv_pointer(self.slot, layer, which, head)
+
+    def __repr__(self) -> str:
+        return f"SlotTarget(slot={self.slot}, {self.batch!r})"

@@ -21,7 +21,8 @@ applies:
   The rewrite adds an int64 input ``KEEP_LOGITS_INPUT`` (shape ``[1]``: ``L``) and slices the LM head's input to
   its last ``L`` positions, so ``logits`` is ``[batch, L, vocab]``; with ``L`` = the pass width it computes what the
   file computes. Applied where the logits output is made by a ``MatMul`` or ``MatMulNBits`` (the builder's LM
-  head); elsewhere the graph is left as it is (``DecoderGraph.keep_name`` None).
+  head); elsewhere the graph is left as it is (``DecoderGraph.keep_name`` None). The hidden-states output (the LM
+  head's input, when the graph has one) is sliced the same way: ``[batch, L, hidden]``, the logits' positions.
 """
 
 from __future__ import annotations
@@ -430,8 +431,9 @@ def lm_head(model, logits_name: str):
 
 
 def _keep_last_logits(onnx, model, logits_name: str) -> bool:
-    """Slice the LM head's input to its last ``KEEP_LOGITS_INPUT`` positions (axis 1); False (and nothing
-    changed) when the logits are not made by a plain LM head."""
+    """Slice the LM head's input to its last ``KEEP_LOGITS_INPUT`` positions (axis 1); when that input is a graph
+    output (the hidden states), the output is the sliced tensor too, so it holds the same positions as the
+    logits. False (and nothing changed) when the logits are not made by a plain LM head."""
     head = lm_head(model, logits_name)
     if head is None:
         return False
@@ -440,10 +442,19 @@ def _keep_last_logits(onnx, model, logits_name: str) -> bool:
     prefix = "/ortspec/keep_logits"
     graph.initializer.append(onnx.numpy_helper.from_array(np.array([2**62], np.int64), f"{prefix}/end"))
     graph.initializer.append(onnx.numpy_helper.from_array(np.array([1], np.int64), f"{prefix}/axis"))
-    start, kept = f"{prefix}/start", f"{prefix}/hidden"
+    start, every, kept = f"{prefix}/start", head.input[0], f"{prefix}/hidden"
+    output = next((o for o in graph.output if o.name == every), None)
+    if output is not None:  # the hidden states output: every position's goes by another name, the kept keep it
+        every, kept = f"{prefix}/every_hidden", output.name
+        for node in graph.node:
+            node.input[:] = [every if name == kept else name for name in node.input]
+            node.output[:] = [every if name == kept else name for name in node.output]
+        dims = output.type.tensor_type.shape.dim
+        if len(dims) > 1:
+            dims[1].dim_param = KEEP_LOGITS_INPUT
     nodes = [
         helper.make_node("Neg", [KEEP_LOGITS_INPUT], [start], name=f"{prefix}/Neg"),
-        helper.make_node("Slice", [head.input[0], start, f"{prefix}/end", f"{prefix}/axis"], [kept], name=prefix),
+        helper.make_node("Slice", [every, start, f"{prefix}/end", f"{prefix}/axis"], [kept], name=prefix),
     ]
     head.input[0] = kept
     at = list(graph.node).index(head)
