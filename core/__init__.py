@@ -21,6 +21,7 @@ from .state import (
     step_from_picks,
     take_draft,
 )
+from .suffix import DraftRule, SuffixProposer, SuffixSnapshot
 from .width import AdditiveWidth, CostAwareWidth, FixedWidth, PricedWidth, WidthPolicy, marginal_row_cost
 
 __all__ = [
@@ -30,6 +31,7 @@ __all__ = [
     "Commit",
     "CostAwareWidth",
     "DecodeState",
+    "DraftRule",
     "FinishReason",
     "FixedWidth",
     "Learner",
@@ -43,6 +45,8 @@ __all__ = [
     "Sampling",
     "Stats",
     "StepOutcome",
+    "SuffixProposer",
+    "SuffixSnapshot",
     "TokenLogprob",
     "PricedWidth",
     "WidthPolicy",
