@@ -54,7 +54,15 @@ from ortspec.core.prefix import common_prefix_length, resident_tokens, reuse_sco
 from ortspec.core.proposers import Proposer
 from ortspec.core.state import Commit, DecodeState, Detokenize, Options, step
 from ortspec.core.width import WidthPolicy, marginal_row_cost
-from ortspec.driver import GenerateResult, GenerationAborted, GenerationError, Speculation, StreamCallback, Timings
+from ortspec.driver import (
+    FinishCallback,
+    GenerateResult,
+    GenerationAborted,
+    GenerationError,
+    Speculation,
+    StreamCallback,
+    Timings,
+)
 
 
 class Phase(enum.Enum):
@@ -84,8 +92,10 @@ class BatchSequence:
         state: DecodeState,
         speculation: Speculation,
         callback: StreamCallback | None,
+        on_finish: FinishCallback | None = None,
     ) -> None:
         self._t_start = time.perf_counter()
+        self._on_finish = on_finish
         self._t_prefill = self._t_start
         self._t_first: float | None = None
         self._driver = driver
@@ -224,6 +234,8 @@ class BatchSequence:
             self._t_first = time.perf_counter()
         if self.state.finished:
             self._phase = Phase.DONE
+            if self._on_finish is not None:
+                self._on_finish(self.state)
         return outcome.commits
 
     def _described(self, undelivered: tuple[Commit, ...]) -> GenerateResult:
@@ -326,16 +338,19 @@ class BatchDriver:
         draft_width: int | WidthPolicy = 8,
         detokenize: Detokenize | None = None,
         callback: StreamCallback | None = None,
+        on_finish: FinishCallback | None = None,
     ) -> BatchSequence:
         """A new request, with the arguments of ``ortspec.generate``; it waits for a free slot and joins at the next
-        pass. Raises ``ValueError`` for bad input (before anything runs). A prompt that fills the context is done at
+        pass. ``on_finish``: called once with the finished state, at the end of the pass that finished it (not for a
+        sequence that fails or is cancelled; ``driver.FinishCallback``). Raises ``ValueError`` for bad input (before
+        anything runs). A prompt that fills the context is done at
         once (``context_full``, no token, no pass)."""
         options = options if options is not None else Options()
         backend = self._backend
         state = DecodeState.start(
             prompt_tokens, options, detokenize, capacity=backend.max_length, vocab_size=backend.vocab_size
         )
-        sequence = BatchSequence(self, state, Speculation.of(proposer, draft_width), callback)
+        sequence = BatchSequence(self, state, Speculation.of(proposer, draft_width), callback, on_finish)
         if sequence.phase is Phase.WAITING:
             self._waiting.append(sequence)
         return sequence

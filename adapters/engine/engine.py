@@ -24,6 +24,7 @@ import attrs
 
 from ortspec.adapters.engine.cache import cache_root, find_drafter
 from ortspec.adapters.engine.options import (
+    AUTO_LOOKUP,
     DRIFT_WARNING_THRESHOLD,
     GenerationOptions,
     Prompt,
@@ -32,12 +33,14 @@ from ortspec.adapters.engine.options import (
     takes_options,
     takes_prompts_and_options,
 )
+from ortspec.adapters.engine.suffix_cache import SuffixCache
 from ortspec.adapters.engine.tokenizer import Tokenizer
 from ortspec.backends.base import Backend, BatchBackend
 from ortspec.backends.onnx import BackendConfig, ModelFolder, ModelFolderError
 from ortspec.core import (
     MAX_DRAFT,
     CostAwareWidth,
+    DecodeState,
     FixedWidth,
     LookupOrDraft,
     Options,
@@ -85,16 +88,20 @@ class Engine:
         prefix_reuse: bool = False,
         drafter: Proposer | None = None,
         backend_config: BackendConfig | None = None,
+        suffix_cache: SuffixCache | None = None,
     ) -> None:
         """``drafter``: a proposer bound to ``backend`` that reads the target (a ``SharedKvProposer``), used by
         ``speculative="shared-kv"`` and ``"auto"``; :meth:`from_dir` opens the one found beside the model.
-        ``backend_config``: how ``folder`` was opened (what :meth:`generate_many` opens its batch backend with)."""
+        ``backend_config``: how ``folder`` was opened (what :meth:`generate_many` opens its batch backend with).
+        ``suffix_cache``: this Engine's recent outputs, what ``speculative="suffix"`` drafts from across requests
+        (default: a new ``SuffixCache()``; an Engine is one model, so the cache is one model's)."""
         self.backend = backend
         self.tokenizer = tokenizer
         self.eos_token_ids = frozenset(eos_token_ids)
         self.folder = folder
         self.prefix_reuse = prefix_reuse
         self.drafter = drafter
+        self.suffix_cache = suffix_cache if suffix_cache is not None else SuffixCache()
         self._draft_cost: float | None = None
         self._lock = threading.RLock()
         self._epoch = 0  # bumped by every generation and measurement: the backend's current owner
@@ -270,6 +277,7 @@ class Engine:
                 detokenize=self.tokenizer.decode,
                 cached_prefix=cached,
                 guard=PassGuard(self._lock, functools.partial(self._check_still_current, self._epoch)),
+                on_finish=self.record_output,
             )
             self._last = generation
             return generation
@@ -280,9 +288,9 @@ class Engine:
         ``i`` is what ``generate(prompts[i], **options)`` gives alone (for sampling without a ``seed``, each prompt
         draws its own). Continuous batching (``ortspec.BatchDriver``) on a second session of this folder with
         ``BATCH_SLOTS`` KV caches, opened on first use (its own copy of the weights). ``speculative``: None (plain
-        decoding, the default) or prompt lookup (``"prompt-lookup"``, ``"auto"`` or a proposer); the shared-KV
-        drafter does not run in batches. With ``prefix_reuse``, a prompt reuses the KV of a prompt that shares its
-        prefix (a system prompt) and ran earlier in the same call (each call starts with empty slots).
+        decoding, the default), ``"prompt-lookup"``, ``"suffix"``, ``"auto"`` (its lookup) or a proposer; the
+        shared-KV drafter does not run in batches. With ``prefix_reuse``, a prompt reuses the KV of a prompt that
+        shares its prefix (a system prompt) and ran earlier in the same call (each call starts with empty slots).
         ``ValueError`` names a bad prompt or option before anything runs; a generation that fails raises its
         ``GenerationError`` once the others have finished."""
         from ortspec.adapters.engine.many import generate_many
@@ -405,9 +413,20 @@ class Engine:
                 return auto.priced(CostAwareWidth(costs), drafter_policy), FixedWidth(len(costs) - 1)
 
             return auto, priced
-        proposer = make_proposer("prompt-lookup" if speculative == "auto" else speculative)
+        proposer = self.context_proposer(speculative)
         assert proposer is not None or speculative is None
         return proposer, lambda: (proposer, CostAwareWidth(self.pass_costs()))  # type: ignore[return-value]
+
+    def context_proposer(self, speculative: str | Proposer | None) -> Proposer | None:
+        """The proposer for a ``speculative`` that drafts from the context alone (``make_proposer``): ``"auto"`` is
+        ``AUTO_LOOKUP`` (what it is without a drafter); ``"suffix"`` drafts from the suffix cache's snapshot taken
+        now (a request's proposer is made as it starts)."""
+        name = AUTO_LOOKUP if speculative == "auto" else speculative
+        return make_proposer(name, self.suffix_cache.snapshot() if name == "suffix" else None)
+
+    def record_output(self, state: DecodeState) -> None:
+        """Record a finished generation's output in the suffix cache (every generation's ``on_finish``)."""
+        self.suffix_cache.add(state.prompt_tokens, state.generated_tokens)
 
     # -- measurements -----------------------------------------------------------------------------------------
     def verify_drift(self) -> float:

@@ -12,12 +12,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
-from ortspec.adapters.engine.options import GenerationOptions, Prompt, make_proposer
+from ortspec.adapters.engine.options import GenerationOptions, Prompt
 from ortspec.batch_driver import BatchDriver, BatchSequence
 from ortspec.core import CostAwareWidth, PricedWidth, Proposer, WidthPolicy
 from ortspec.core.checks import ArgumentError
 from ortspec.core.state import Options
-from ortspec.driver import GenerateResult, StreamCallback
+from ortspec.driver import FinishCallback, GenerateResult, StreamCallback
 
 if TYPE_CHECKING:
     from ortspec.adapters.engine.engine import Engine
@@ -31,15 +31,18 @@ class BatchRequest(NamedTuple):
     options: Options
     proposer: Proposer | None
     draft_width: int | WidthPolicy
+    on_finish: FinishCallback  # records the finished output in the Engine's suffix cache (``Engine.record_output``)
 
 
 def batch_request(engine: Engine, prompt: Prompt, options: GenerationOptions) -> BatchRequest:
     """``prompt`` with ``options`` made ready for a batched pass on ``engine``'s folder (``ValueError`` naming a bad
-    prompt or option; ``speculative="shared-kv"`` is refused, ``"auto"`` is prompt lookup). A speculative request
-    with ``draft_width="auto"`` measures the verify cost curve the first time (as ``generate`` does)."""
-    proposer = batch_proposer(options.speculative)
+    prompt or option; ``speculative="shared-kv"`` is refused, ``"auto"`` is what it is without a drafter). A
+    speculative request with ``draft_width="auto"`` measures the verify cost curve the first time (as ``generate``
+    does)."""
+    proposer = batch_proposer(engine, options.speculative)
     ids, core_options = engine.prepare(prompt, options)
-    return BatchRequest(ids, core_options, proposer, batch_width(engine, proposer, options.draft_width))
+    width = batch_width(engine, proposer, options.draft_width)
+    return BatchRequest(ids, core_options, proposer, width, engine.record_output)
 
 
 def submit(
@@ -55,6 +58,7 @@ def submit(
         draft_width=request.draft_width,
         detokenize=engine.tokenizer.decode,
         callback=callback,
+        on_finish=request.on_finish,
     )
 
 
@@ -90,12 +94,13 @@ def generate_requests(engine: Engine, requests: Sequence[BatchRequest]) -> list[
     return [sequence.result() for sequence in sequences]
 
 
-def batch_proposer(speculative: object) -> Proposer | None:
-    """The proposer of a batched generation: prompt lookup for ``"auto"`` (the drafter reads one sequence's KV, so
-    it does not run in batches); ``"shared-kv"`` is refused."""
+def batch_proposer(engine: Engine, speculative: object) -> Proposer | None:
+    """The proposer of a batched generation on ``engine``: ``"auto"`` is what it is on an Engine without a drafter
+    (the drafter reads one sequence's KV, so it does not run in batches); ``"shared-kv"`` is refused; ``"suffix"``
+    drafts from the Engine's suffix cache as it is now."""
     if speculative == "shared-kv":
         raise ArgumentError("speculative", "speculative='shared-kv': the shared-KV drafter does not run in batches")
-    return make_proposer("prompt-lookup" if speculative == "auto" else speculative)  # type: ignore[arg-type]
+    return engine.context_proposer(speculative)  # type: ignore[arg-type]
 
 
 def batch_width(engine: Engine, proposer: Proposer | None, draft_width: object) -> int | WidthPolicy:
