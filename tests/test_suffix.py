@@ -118,3 +118,58 @@ def test_a_growing_shared_context_drafts_as_a_fresh_one(prefix, steps, width):
     for token in steps:
         assert proposer.propose(shared, width) == proposer.propose(tuple(shared), width)
         shared = shared.extended([token])
+
+
+# -- the Engine's suffix cache (a tiny random model) ------------------------------------------------------------------
+
+PROMPT = "the cat sat on the mat and then"
+
+
+@pytest.fixture
+def engine(tiny_model_dir):
+    from ortspec import BackendConfig, Engine
+
+    return Engine.from_dir(tiny_model_dir, BackendConfig(threads=1))
+
+
+def test_an_engine_drafts_a_finished_output_for_the_next_request_and_outputs_stay_plain(engine):
+    plain = engine.generate(PROMPT, max_tokens=24, ignore_eos=True)
+    assert engine.suffix_cache.tokens == 0  # nothing is recorded before a request drafts by suffix
+    first = engine.generate(PROMPT, max_tokens=24, ignore_eos=True, speculative="suffix", draft_width=8)
+    assert engine.suffix_cache.tokens > len(first.token_ids)
+    second = engine.generate(PROMPT, max_tokens=24, ignore_eos=True, speculative="suffix", draft_width=8)
+    assert first.token_ids == second.token_ids == plain.token_ids
+    assert second.stats.accepted_tokens >= 16  # the first one's output, drafted from the cache
+    assert second.stats.steps < plain.stats.steps
+
+
+def test_streams_and_batches_record_what_they_finished(engine):
+    from ortspec.adapters.engine.suffix_cache import PROMPT_TAIL
+
+    engine.suffix_cache.snapshot()  # recording on
+    text = "".join(engine.stream(PROMPT, max_tokens=10, ignore_eos=True, speculative="suffix"))
+    assert text == engine.generate(PROMPT, max_tokens=10, ignore_eos=True).text
+    recorded = engine.suffix_cache.tokens
+    assert recorded >= 10
+    prompts = [PROMPT, "a b a b a b", "hello there"]
+    many = engine.generate_many(prompts, max_tokens=9, ignore_eos=True, speculative="suffix", draft_width=4)
+    assert [r.token_ids for r in many] == [engine.generate(p, max_tokens=9, ignore_eos=True).token_ids for p in prompts]
+    assert engine.suffix_cache.tokens - recorded >= 3 * 9
+    assert PROMPT_TAIL > 0
+
+
+def test_an_unknown_speculative_name_lists_the_names(engine):
+    from ortspec import ArgumentError
+
+    with pytest.raises(ArgumentError, match="suffix"):
+        engine.generate(PROMPT, max_tokens=2, speculative="suffixes")
+
+
+def test_the_server_and_batch_offer_suffix():
+    from ortspec.adapters.batch.records import record_options
+    from ortspec.adapters.serve.settings import ServerSettings
+
+    assert ServerSettings(model_name="m", speculative="suffix").speculative == "suffix"
+    assert record_options({"speculative": "suffix"}, ["speculative"]) == {"speculative": "suffix"}
+    with pytest.raises(ValueError, match="'suffix'"):
+        record_options({"speculative": "shared-kv"}, ["speculative"])

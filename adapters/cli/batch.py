@@ -7,6 +7,8 @@ import argparse
 from types import ModuleType
 from typing import Any
 
+from ortspec.adapters.engine.options import CONTEXT_PROPOSERS
+
 from .options import add_command, lookup_options, model_options, positive_int
 
 EXAMPLES = """\
@@ -78,8 +80,9 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     g.add_argument(
         "--speculative",
         default="prompt-lookup",
-        choices=("prompt-lookup", "none"),
-        help="default proposer (default prompt-lookup); none = plain decoding",
+        choices=(*CONTEXT_PROPOSERS, "none"),
+        help="default proposer (default prompt-lookup; suffix also drafts from the worker Engine's earlier "
+        "outputs); none = plain decoding",
     )
     g.add_argument(
         "--max-tokens", type=positive_int, default=128, metavar="N", help="most new tokens (default %(default)s)"

@@ -243,8 +243,9 @@ def generation_options(p: argparse.ArgumentParser, default_tokens: int = 128, ma
         default="auto",
         choices=(*SPECULATIVE_CHOICES, "none"),
         help="draft proposer: auto (default) = per draft, prompt lookup or the shared-KV drafter, whichever has "
-        "earned more (prompt lookup alone without a drafter); shared-kv = the drafter alone; none = plain "
-        "decoding. The output is the same either way",
+        "earned more (prompt lookup alone without a drafter); shared-kv = the drafter alone; suffix = the longest "
+        "suffix match in the context and the Engine's earlier outputs; none = plain decoding. The output is the "
+        "same either way",
     )
     g.add_argument("--ignore-eos", action="store_true", help="do not stop at the model's end-of-sequence token")
     d = lookup_options(p)

@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from ortspec.adapters.engine.options import CONTEXT_PROPOSERS
+
 from .engine_args import model_dir
 from .options import add_command, model_options, port, positive_int
 
@@ -46,7 +48,9 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         help="engines of one sequence each, with their own KV and prefix reuse, instead of the batched engine "
         "(default 1; not with --max-batch above 1)",
     )
-    p.add_argument("--speculative", default="prompt-lookup", choices=("prompt-lookup", "none"), help="default proposer")
+    p.add_argument(
+        "--speculative", default="prompt-lookup", choices=(*CONTEXT_PROPOSERS, "none"), help="default proposer"
+    )
     p.add_argument(
         "--max-queue", type=positive_int, default=64, help="requests that may wait for a slot or worker; more: 429"
     )

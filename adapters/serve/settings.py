@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import attrs
 
+from ortspec.adapters.engine.options import CONTEXT_PROPOSERS
 from ortspec.core.checks import ArgumentError, int_at_least
 
-# The proposers the server offers: prompt lookup only (its workers open no shared-KV drafter: see docs/drafter.md).
-SERVED_PROPOSERS = ("prompt-lookup",)
+# The proposers the server offers: those that draft from the context alone (its engines open no shared-KV drafter:
+# see docs/drafter.md); "suffix" drafts from each Engine's suffix cache.
+SERVED_PROPOSERS = CONTEXT_PROPOSERS
 
 
 def _check_speculative(instance: object, attribute: object, value: object) -> None:
@@ -20,7 +22,7 @@ class ServerSettings:
     """What the server does with requests (the engines are made by the caller).
 
     ``model_name``: the id served by ``/v1/models``; a request naming another model is a 404. ``speculative``: the
-    proposer every request uses unless it asks otherwise (``"prompt-lookup"`` or None). ``max_queue``: requests
+    proposer every request uses unless it asks otherwise (one of ``SERVED_PROPOSERS`` or None). ``max_queue``: requests
     that may wait for a worker; one more is refused with 429. ``request_timeout_s``: from arrival to the end of
     the generation (queue wait included); past it the request ends with 504. ``default_max_tokens``: for a request
     without ``max_tokens`` (None: until EOS or the context is full). ``max_body_bytes``: a larger request body
