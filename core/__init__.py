@@ -3,7 +3,7 @@
 from .declare import Bounds, OptionSpec, option, options_of, spec
 from .lookup_or_draft import LookupOrDraft
 from .options import Limits, Options
-from .proposers import MAX_DRAFT, Learner, NgramIndex, PromptLookup, Proposer
+from .proposers import MAX_DRAFT, Learner, Lookup, NgramIndex, PromptLookup, Proposer
 from .sampling import Sampling
 from .state import (
     Commit,
@@ -36,6 +36,7 @@ __all__ = [
     "FixedWidth",
     "Learner",
     "Limits",
+    "Lookup",
     "LookupOrDraft",
     "NgramIndex",
     "OptionSpec",

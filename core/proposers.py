@@ -42,6 +42,18 @@ class Learner(Protocol):
     def observe(self, context_tokens: Sequence[int], width: int, draft: Sequence[int], accepted: int) -> Learner: ...
 
 
+@runtime_checkable
+class Lookup(Protocol):
+    """A proposer that also says how long a match its draft follows (``PromptLookup``, ``suffix.SuffixProposer``):
+    what ``LookupOrDraft`` weighs against a drafter."""
+
+    def propose(self, context_tokens: Sequence[int], width: int) -> tuple[int, ...]: ...
+
+    def match(self, context_tokens: Sequence[int], width: int) -> tuple[tuple[int, ...], int]:
+        """``propose``'s draft and the length of the context suffix it matched (0 with no draft)."""
+        ...
+
+
 @attrs.frozen
 class PromptLookup:
     """Prompt-lookup (n-gram) drafting: find the context's last ``n`` tokens earlier in the context and propose

@@ -44,7 +44,6 @@ from ortspec.core import (
     FixedWidth,
     LookupOrDraft,
     Options,
-    PromptLookup,
     Proposer,
     WidthPolicy,
     check_prompt_fits,
@@ -404,7 +403,7 @@ class Engine:
                 CostAwareWidth(self.pass_costs()[: limit + 1], draft_cost=self.draft_cost()),
             )
         if speculative == "auto" and self.drafter is not None:
-            auto = LookupOrDraft(PromptLookup(ngram=3, max_draft=MAX_DRAFT), self.drafter)
+            auto = LookupOrDraft(self.context_proposer("auto"), self.drafter)  # type: ignore[arg-type]
 
             def priced() -> tuple[Proposer, WidthPolicy]:
                 costs = self.pass_costs()
