@@ -37,7 +37,7 @@ from collections.abc import Iterable, Sequence
 
 import attrs
 
-from .checks import int_at_least
+from .checks import int_at_least, number_in
 from .proposers import MAX_DRAFT, NgramIndex, ngram_index
 from .tokens import Shared
 
@@ -46,26 +46,20 @@ from .tokens import Shared
 SEPARATOR = 0xFFFF_FFFF
 
 
-def _positive(instance: object, attribute: attrs.Attribute[float], value: float) -> None:
-    if not value > 0:
-        raise ValueError(f"{attribute.name} must be > 0, got {value!r}")
-
-
-def _probability(instance: object, attribute: attrs.Attribute[float], value: float) -> None:
-    if not 0 <= value <= 1:
-        raise ValueError(f"{attribute.name} must be in [0, 1], got {value!r}")
-
-
 @attrs.frozen
 class DraftRule:
-    """How long a match is looked for and how far a draft follows it (the module docstring's rule)."""
+    """How long a match is looked for and how far a draft follows it (the module docstring's rule): ``anchor``, the
+    longest n-gram looked up for candidates; ``occurrences``, the most recent candidates per source; ``max_match``,
+    the longest match measured (tokens); ``levels``, the match lengths tried per source; ``spec_factor``, a draft
+    holds at most floor(spec_factor x match length) tokens; ``min_prob``, the path stops when its probability drops
+    below it; ``max_draft``, the most tokens of any draft."""
 
-    anchor: int = attrs.field(default=3, validator=int_at_least(1))  # longest n-gram looked up for candidates
-    occurrences: int = attrs.field(default=32, validator=int_at_least(1))  # most recent candidates per source
-    max_match: int = attrs.field(default=32, validator=int_at_least(1))  # longest match measured, in tokens
-    levels: int = attrs.field(default=4, validator=int_at_least(1))  # match lengths tried per source
-    spec_factor: float = attrs.field(default=2.0, validator=_positive)  # draft <= floor(spec_factor * match length)
-    min_prob: float = attrs.field(default=0.1, validator=_probability)  # stop when the path's probability drops below
+    anchor: int = attrs.field(default=3, validator=int_at_least(1))
+    occurrences: int = attrs.field(default=32, validator=int_at_least(1))
+    max_match: int = attrs.field(default=32, validator=int_at_least(1))
+    levels: int = attrs.field(default=4, validator=int_at_least(1))
+    spec_factor: float = attrs.field(default=2.0, validator=number_in(0, MAX_DRAFT, low_open=True))
+    min_prob: float = attrs.field(default=0.1, validator=number_in(0, 1))
     max_draft: int = attrs.field(default=MAX_DRAFT, validator=int_at_least(1))
 
 
@@ -96,7 +90,7 @@ class SuffixSnapshot:
     """
 
     max_tokens: int = attrs.field(default=65536, validator=int_at_least(2))
-    keep: float = attrs.field(default=0.75, validator=_probability)
+    keep: float = attrs.field(default=0.75, validator=number_in(0, 1))
     anchor: int = attrs.field(default=3, validator=int_at_least(1))  # the n-gram lengths indexed: 1..anchor
     corpus: Shared[int] = attrs.field(factory=Shared, eq=False)
     starts: tuple[int, ...] = ()
