@@ -173,3 +173,36 @@ def test_the_server_and_batch_offer_suffix():
     assert record_options({"speculative": "suffix"}, ["speculative"]) == {"speculative": "suffix"}
     with pytest.raises(ValueError, match="'suffix'"):
         record_options({"speculative": "shared-kv"}, ["speculative"])
+
+
+def test_the_cache_takes_outputs_from_many_threads_while_others_take_snapshots():
+    import threading
+
+    from ortspec.adapters.engine.suffix_cache import PROMPT_TAIL, SuffixCache
+
+    cache = SuffixCache(max_tokens=100_000)
+    first = cache.snapshot()
+    start = threading.Barrier(8)
+    snapshots = []
+
+    def add(k: int) -> None:
+        start.wait()
+        for i in range(50):
+            cache.add([1] * PROMPT_TAIL, [k, i, k, i])
+
+    def take() -> None:
+        start.wait()
+        snapshots.extend(cache.snapshot() for _ in range(200))
+
+    threads = [threading.Thread(target=add, args=(k,)) for k in range(6)]
+    threads += [threading.Thread(target=take) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    final = cache.snapshot()
+    assert final.documents == 6 * 50 and len(final) == 6 * 50 * (PROMPT_TAIL + 4 + 1)
+    assert len(first) == 0  # a snapshot is a value: what came later is not in it
+    for s in snapshots:  # each one a consistent prefix of the final corpus
+        assert list(s.corpus) == list(final.corpus[: len(s)])
+        assert s.starts == final.starts[: s.documents]
