@@ -78,7 +78,7 @@ class Scored:
 NO_DRAFT = Scored((), 0.0, 0)
 
 
-@attrs.frozen
+@attrs.frozen(eq=False)
 class SuffixSnapshot:
     """Recent documents (token ids, oldest first) as one corpus, each followed by ``SEPARATOR``: an immutable value.
 
@@ -86,13 +86,14 @@ class SuffixSnapshot:
     values keep seeing exactly what they held. ``starts``: where each document begins in the corpus. ``max_tokens``:
     the cap on the corpus (separators included); ``keep``: the fraction of it kept when the cap is passed (the
     oldest documents go, and the corpus is rebuilt once: O(what is kept), amortized over ``(1 - keep) *
-    max_tokens`` added tokens). A document longer than the kept size keeps its last tokens.
+    max_tokens`` added tokens). A document longer than the kept size keeps its last tokens. Compared by identity
+    (comparing corpora would cost their length).
     """
 
     max_tokens: int = attrs.field(default=65536, validator=int_at_least(2))
     keep: float = attrs.field(default=0.75, validator=number_in(0, 1))
     anchor: int = attrs.field(default=3, validator=int_at_least(1))  # the n-gram lengths indexed: 1..anchor
-    corpus: Shared[int] = attrs.field(factory=Shared, eq=False)
+    corpus: Shared[int] = attrs.field(factory=Shared)
     starts: tuple[int, ...] = ()
 
     def __attrs_post_init__(self) -> None:
