@@ -162,3 +162,16 @@ def test_a_folder_that_cannot_batch_is_served_by_workers_saying_why(tiny_model_d
     (record,) = [r for r in caplog.records if r.name == "ortspec.serve"]
     assert "cannot run batched" in record.getMessage() and "buffer sharing is off" in record.getMessage()
     assert "serving with one worker" in record.getMessage()
+
+
+def test_suffix_requests_record_their_outputs_in_the_engines_cache_and_get_their_text_alone(tiny_model_dir, reference):
+    engine = Engine.from_dir(tiny_model_dir, BackendConfig(threads=1))
+    batch = OrtBatchBackend.from_folder(engine.folder, BackendConfig(threads=1), slots=2)
+    app = create_app([engine], ServerSettings(model_name=MODEL, speculative="suffix"), batch=batch)
+    prompt = "the quick brown fox jumps over the lazy dog. the quick brown fox"
+    want = reference.generate(prompt, max_tokens=20).text
+    with serve_in_thread(app) as url:
+        for _ in range(2):  # the second drafts from the first one's output
+            response = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 20})
+            assert response.json()["choices"][0]["text"] == want
+            assert engine.suffix_cache.tokens > 20  # recorded at the end of the pass that finished it
