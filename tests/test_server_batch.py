@@ -3,7 +3,8 @@ test_server.py, run against each.
 
 Checked here: concurrent requests (greedy, seeded sampling, stops, streamed or not) share passes and each is served
 what ``Engine.generate`` gives it alone; ``/metrics`` has the batch-size histograms; ``speculative="shared-kv"`` is
-refused with a 400 naming the field; the ``--max-batch`` / ``--workers`` rule; a folder that cannot run batched is
+refused with a 400 naming the field; a server on ``speculative="suffix"`` records each finished output in its
+Engine's suffix cache; the ``--max-batch`` / ``--workers`` rule; a folder that cannot run batched is
 served by workers, with one log line saying why. Passes go through a gate the test holds: every wait is on an
 event or a pass count.
 """
