@@ -3,7 +3,7 @@
 from .declare import Bounds, OptionSpec, option, options_of, spec
 from .lookup_or_draft import LookupOrDraft
 from .options import Limits, Options
-from .proposers import MAX_DRAFT, Learner, NgramIndex, PricedProposer, PromptLookup, Proposer
+from .proposers import MAX_DRAFT, Learner, Lookup, NgramIndex, PricedProposer, PromptLookup, Proposer
 from .sampling import Sampling
 from .state import (
     Commit,
@@ -21,6 +21,7 @@ from .state import (
     step_from_picks,
     take_draft,
 )
+from .suffix import DraftRule, SuffixProposer, SuffixSnapshot
 from .width import AdditiveWidth, CostAwareWidth, FixedWidth, PricedWidth, WidthPolicy, marginal_row_cost
 
 __all__ = [
@@ -30,11 +31,13 @@ __all__ = [
     "Commit",
     "CostAwareWidth",
     "DecodeState",
+    "DraftRule",
     "FinishReason",
     "FixedWidth",
     "Learner",
     "PricedProposer",
     "Limits",
+    "Lookup",
     "LookupOrDraft",
     "NgramIndex",
     "OptionSpec",
@@ -44,6 +47,8 @@ __all__ = [
     "Sampling",
     "Stats",
     "StepOutcome",
+    "SuffixProposer",
+    "SuffixSnapshot",
     "TokenLogprob",
     "PricedWidth",
     "WidthPolicy",

@@ -50,6 +50,19 @@ def int_at_least(minimum: int, name: str | None = None) -> Callable[[Any, Any, A
     return validate
 
 
+def number_in(low: float, high: float, *, low_open: bool = False) -> Callable[[Any, Any, Any], None]:
+    """An attrs validator: the field is a number (not a bool) in ``[low, high]`` (``(low, high]`` when
+    ``low_open``); ``ArgumentError`` naming the field."""
+
+    def validate(instance: Any, attribute: Any, value: Any) -> None:
+        is_number = not isinstance(value, bool) and isinstance(value, (int, float))
+        if not is_number or not (low < value if low_open else low <= value) or not value <= high:
+            interval = f"{'(' if low_open else '['}{low}, {high}]"
+            raise ArgumentError(attribute.name, f"{attribute.name} must be a number in {interval}, got {value!r}")
+
+    return validate
+
+
 def token_ids(name: str, values: Iterable[object]) -> tuple[int, ...]:
     """``values`` as a tuple of ints; ``ArgumentError`` naming ``name`` at the first one that is not an int >= 0."""
     out = []

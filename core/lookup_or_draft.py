@@ -14,7 +14,7 @@ from typing import Any
 import attrs
 
 from .checks import int_at_least
-from .proposers import PromptLookup, Proposer
+from .proposers import Lookup, Proposer
 from .width import CostAwareWidth
 
 _POLICY = {"strong": "lookup_policy", "weak": "weak_lookup_policy", "drafter": "drafter_policy"}
@@ -38,7 +38,7 @@ class LookupOrDraft:
     ``drafter_drafts`` count the verified drafts of each source.
     """
 
-    lookup: PromptLookup
+    lookup: Lookup  # prompt lookup, or the suffix proposer
     drafter: Proposer
     lookup_policy: CostAwareWidth | None = None  # strong matches
     weak_lookup_policy: CostAwareWidth | None = None

@@ -54,6 +54,18 @@ class Learner(Protocol):
     def observe(self, context_tokens: Sequence[int], width: int, draft: Sequence[int], accepted: int) -> Learner: ...
 
 
+@runtime_checkable
+class Lookup(Protocol):
+    """A proposer that also says how long a match its draft follows (``PromptLookup``, ``suffix.SuffixProposer``):
+    what ``LookupOrDraft`` weighs against a drafter."""
+
+    def propose(self, context_tokens: Sequence[int], width: int) -> tuple[int, ...]: ...
+
+    def match(self, context_tokens: Sequence[int], width: int) -> tuple[tuple[int, ...], int]:
+        """``propose``'s draft and the length of the context suffix it matched (0 with no draft)."""
+        ...
+
+
 @attrs.frozen
 class PromptLookup:
     """Prompt-lookup (n-gram) drafting: find the context's last ``n`` tokens earlier in the context and propose
@@ -90,7 +102,7 @@ class PromptLookup:
         if limit < 1 or n_ctx < 2:
             return (), 0
         if isinstance(context_tokens, Shared):
-            index = context_tokens.derived(("ngrams", self.min_ngram, self.ngram), self._new_index)
+            index = ngram_index(context_tokens, self.min_ngram, self.ngram)
             if index.covers(n_ctx):
                 for n in range(min(self.ngram, n_ctx - 1), self.min_ngram - 1, -1):
                     after = index.last_before(n, context_tokens[n_ctx - n :], n_ctx)
@@ -110,10 +122,19 @@ class PromptLookup:
                 end = at + 4 * n - 1
         return (), 0
 
-    def _new_index(self, head: tuple[int, ...], items: Sequence[int]) -> NgramIndex:
-        index = NgramIndex(head, range(self.min_ngram, self.ngram + 1))
+
+def ngram_index(tokens: Shared[int], shortest: int, longest: int) -> NgramIndex:
+    """The index of ``tokens``' n-grams of ``shortest`` to ``longest`` tokens: derived from its storage (one per
+    storage, head and lengths; ``Shared.derived``), so every proposer asking for the same lengths shares it and each
+    step extends it by the new tokens only. It may cover more or fewer tokens than ``tokens`` holds: check
+    ``covers``."""
+
+    def build(head: tuple[int, ...], items: Sequence[int]) -> NgramIndex:
+        index = NgramIndex(head, range(shortest, longest + 1))
         index.follow([], items)
         return index
+
+    return tokens.derived(("ngrams", shortest, longest), build)
 
 
 class NgramIndex:
@@ -137,11 +158,17 @@ class NgramIndex:
     def last_before(self, n: int, suffix: Sequence[int], context_len: int) -> int | None:
         """The position right after the most recent occurrence of ``suffix`` (``n`` tokens) that ends before the
         last of the first ``context_len`` history tokens; None when there is none."""
+        recent = self.recent_before(n, suffix, context_len, 1)
+        return recent[0] if recent else None
+
+    def recent_before(self, n: int, suffix: Sequence[int], context_len: int, count: int) -> list[int]:
+        """``last_before`` for the ``count`` most recent occurrences (fewer when there are fewer), most recent
+        first."""
         positions = self.tables[n].get(_ngram_key(suffix))
         if not positions:
-            return None
-        i = bisect_right(positions, context_len - 1) - 1
-        return positions[i] if i >= 0 else None
+            return []
+        end = bisect_right(positions, context_len - 1)
+        return positions[max(end - count, 0) : end][::-1]
 
     def follow(self, items: Sequence[int], new: Sequence[int]) -> None:
         """Index the n-grams that end in the history ``head + items + new`` at or after ``covered``."""

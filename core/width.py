@@ -20,7 +20,7 @@ from typing import Protocol, runtime_checkable
 
 import attrs
 
-from .checks import int_at_least
+from .checks import int_at_least, number_in
 from .proposers import MAX_DRAFT
 
 
@@ -77,11 +77,6 @@ def _to_costs(value: Iterable[float]) -> tuple[float, ...]:
     return tuple(value)
 
 
-def _check_decay(instance: object, attribute: object, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
-        raise ValueError(f"decay must be a number in [0, 1], got {value!r}")
-
-
 def _check_draft_cost(instance: object, attribute: object, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value < float("inf"):
         raise ValueError(f"draft_cost must be a finite number >= 0, got {value!r}")
@@ -109,7 +104,7 @@ class CostAwareWidth:
     """
 
     pass_costs: tuple[float, ...] = attrs.field(converter=_to_costs, validator=_check_costs)
-    decay: float = attrs.field(default=0.85, validator=_check_decay)
+    decay: float = attrs.field(default=0.85, validator=number_in(0, 1))
     successes: float = 1.0
     trials: float = 2.0
     probe_every: int = attrs.field(default=8, validator=int_at_least(1))

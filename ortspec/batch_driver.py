@@ -67,7 +67,15 @@ from ortspec.core.prefix import common_prefix_length, resident_tokens, reuse_sco
 from ortspec.core.proposers import Proposer
 from ortspec.core.state import Commit, DecodeState, Detokenize, Options, step
 from ortspec.core.width import WidthPolicy, marginal_row_cost
-from ortspec.driver import GenerateResult, GenerationAborted, GenerationError, Speculation, StreamCallback, Timings
+from ortspec.driver import (
+    FinishCallback,
+    GenerateResult,
+    GenerationAborted,
+    GenerationError,
+    Speculation,
+    StreamCallback,
+    Timings,
+)
 
 # The default prompt-token budget of one pass (BatchDriver's prefill_budget; why this value: its docstring).
 DEFAULT_PREFILL_BUDGET = 512
@@ -130,8 +138,10 @@ class BatchSequence:
         speculation: Speculation,
         callback: StreamCallback | None,
         slot_proposer: SlotProposer | None = None,
+        on_finish: FinishCallback | None = None,
     ) -> None:
         self._t_start = time.perf_counter()
+        self._on_finish = on_finish
         self._t_prefill = self._t_start
         self._t_first: float | None = None
         self._driver = driver
@@ -285,6 +295,8 @@ class BatchSequence:
             self._t_first = time.perf_counter()
         if self.state.finished:
             self._phase = Phase.DONE
+            if self._on_finish is not None:
+                self._on_finish(self.state)
         return outcome.commits
 
     def _described(self, undelivered: tuple[Commit, ...]) -> GenerateResult:
@@ -397,20 +409,22 @@ class BatchDriver:
         draft_width: int | WidthPolicy = 8,
         detokenize: Detokenize | None = None,
         callback: StreamCallback | None = None,
+        on_finish: FinishCallback | None = None,
     ) -> BatchSequence:
         """A new request, with the arguments of ``ortspec.generate``; it waits for a free slot and joins at the next
         pass. ``proposer`` may be a ``SlotProposer``, bound to the slot the request takes (module docstring).
-        Raises ``ValueError`` for bad input (before anything runs). A prompt that fills the context is done at
+        ``on_finish``: called once with the finished state, at the end of the pass that finished it (not for a
+        sequence that fails or is cancelled; ``driver.FinishCallback``). Raises ``ValueError`` for bad input (before
+        anything runs). A prompt that fills the context is done at
         once (``context_full``, no token, no pass)."""
         options = options if options is not None else Options()
         backend = self._backend
         state = DecodeState.start(
             prompt_tokens, options, detokenize, capacity=backend.max_length, vocab_size=backend.vocab_size
         )
-        if isinstance(proposer, SlotProposer):
-            sequence = BatchSequence(self, state, Speculation.of(None, draft_width), callback, proposer)
-        else:
-            sequence = BatchSequence(self, state, Speculation.of(proposer, draft_width), callback)
+        slot_proposer = proposer if isinstance(proposer, SlotProposer) else None
+        speculation = Speculation.of(None if slot_proposer is not None else proposer, draft_width)  # type: ignore[arg-type]
+        sequence = BatchSequence(self, state, speculation, callback, slot_proposer, on_finish)
         if sequence.phase is Phase.WAITING:
             self._waiting.append(sequence)
         return sequence

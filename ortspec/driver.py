@@ -205,6 +205,10 @@ class Speculation:
         return Speculation(proposer, self.policy.observe(len(draft), accepted))
 
 
+FinishCallback = Callable[[DecodeState], object]
+"""``on_finish(state)``: what a generation calls once with its finished state (its ``context_tokens`` are the prompt
+and every committed token), e.g. to record the output; it must not raise."""
+
 StreamCallback = Callable[[str, int, "FinishReason | None"], object]
 """``callback(text, token_id, finish_reason)``, called for every generated token in order: the text it releases
 (often '' while text is held back), its id, and the finish reason on the last token (None before). The one
@@ -258,6 +262,8 @@ class Generation:
     ``guard``: how every pass is guarded (``PassGuard``). Pass a lock itself as the lease (not a Python class whose
     ``__enter__`` acquires it): a KeyboardInterrupt can land just after a Python-level ``acquire()`` returns, before
     ``__exit__`` is armed, and leave the lock held; a lock's own ``with`` cannot be split that way.
+    ``on_finish``: called once with the finished state when the iterator has delivered the last commit (not when
+    the generation fails or is abandoned before; ``FinishCallback``).
     """
 
     def __init__(
@@ -271,8 +277,10 @@ class Generation:
         detokenize: Detokenize | None = None,
         cached_prefix: int = 0,
         guard: PassGuard | None = None,
+        on_finish: FinishCallback | None = None,
     ) -> None:
         self._t_start = time.perf_counter()
+        self._on_finish = on_finish
         options = options if options is not None else Options()
         self._speculation = Speculation.of(proposer, draft_width)
         self.state = DecodeState.start(
@@ -328,6 +336,9 @@ class Generation:
                 self._delivered += 1
                 yield self._commits[self._delivered - 1]
             if self.state.finished:
+                if self._on_finish is not None:
+                    on_finish, self._on_finish = self._on_finish, None
+                    on_finish(self.state)
                 return
             self._guarded(self._step)
 

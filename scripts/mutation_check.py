@@ -51,6 +51,10 @@ UNIT_TESTS: dict[str, tuple[str, ...]] = {
     "adapters/batch/records.py": ("tests/test_batch_resume.py", "tests/test_batch.py"),
     "adapters/batch/batched.py": ("tests/test_batch_slots.py",),
     "adapters/batch/local.py": ("tests/test_batch.py::test_a_record_that_kills_its_worker_is_an_error_line",),
+    "core/suffix.py": (
+        "tests/test_suffix.py::test_a_snapshot_is_unchanged_by_what_is_added_after_it",
+        "tests/test_suffix.py",
+    ),
     "core/tokens.py": ("tests/test_shared_sequence.py", "tests/test_proposers.py"),
     "core/prefix.py": ("tests/test_batch_driver.py", "tests/test_server_routing.py", "tests/test_driver.py"),
 }
@@ -307,6 +311,17 @@ MUTANTS: dict[str, Mutant] = {
         "",
     ),
     # -- prompt lookup --------------------------------------------------------------------------------------------
+    # -- the suffix cache: a request drafts from its snapshot alone; the corpus stays under its cap --------------
+    "suffix-snapshot-sees-later-outputs": Mutant(
+        "core/suffix.py",
+        "found = _best(corpus_tokens, cache.index(), len(cache), tail, limit, self.rule, context_end=None)",
+        "found = _best(corpus_tokens, cache.index(), len(corpus_tokens), tail, limit, self.rule, context_end=None)",
+    ),
+    "suffix-cache-never-evicts": Mutant(
+        "core/suffix.py",
+        "kept = [*self.corpus[cut:], *doc, SEPARATOR]",
+        "kept = [*self.corpus, *doc, SEPARATOR]",
+    ),
     "lookup-oldest-match": Mutant(
         "core/proposers.py",
         "while (at := data.rfind(needle, 0, end)) >= 0:",

@@ -592,3 +592,16 @@ def test_result_timings_and_rate():
     assert 0 <= t.first_token_s <= t.total_s
     assert 0 <= t.decode_s <= t.total_s
     assert r.tokens_per_second >= 0
+
+
+def test_on_finish_is_told_the_finished_state_once_when_the_last_commit_is_delivered():
+    finished: list = []
+    run = Generation(FakeBackend(make_model(), 256), [1, 2, 3], Options(max_tokens=5), on_finish=finished.append)
+    commits = iter(run)
+    next(commits)
+    assert finished == []  # abandoned here, it would never be told
+    result = run.run()
+    assert len(finished) == 1 and finished[0].finished
+    assert tuple(finished[0].generated_tokens) == result.token_ids and len(result.token_ids) == 5
+    list(run)
+    assert len(finished) == 1

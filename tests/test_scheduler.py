@@ -211,3 +211,16 @@ def test_the_prefill_budget_reaches_the_driver():
         assert request.result().token_ids == alone([1, 2, 3, 4, 5], Options(max_tokens=2)).token_ids
     finally:
         scheduler.close()
+
+
+def test_a_finished_request_reports_its_final_state_once_and_a_cancelled_one_never(scheduler, gate):
+    finished: list = []
+    done, seen = submit(scheduler, [1, 2, 3], Options(max_tokens=6), on_finish=finished.append)
+    assert seen.ended.wait(GATE_S)
+    gate.hold()
+    cancelled, seen2 = submit(scheduler, [4, 5], Options(max_tokens=50), on_finish=finished.append)
+    cancelled.cancel()
+    gate.open()
+    assert seen2.ended.wait(GATE_S)
+    assert [tuple(s.generated_tokens) for s in finished] == [done.result().token_ids]
+    assert finished[0].finished and finished[0].prompt_tokens == (1, 2, 3)

@@ -3,9 +3,10 @@ test_server.py, run against each.
 
 Checked here: concurrent requests (greedy, seeded sampling, stops, streamed or not) share passes and each is served
 what ``Engine.generate`` gives it alone; ``/metrics`` has the batch-size histograms; ``speculative="shared-kv"``
-without a drafter is refused with a 400 naming the field; the ``--max-batch`` / ``--workers`` rule; a folder that
-cannot run batched is served by workers, with one log line saying why. Passes go through a gate the test holds:
-every wait is on an event or a pass count.
+without a drafter is refused with a 400 naming the field; a server on ``speculative="suffix"`` records each
+finished output in its Engine's suffix cache; the ``--max-batch`` / ``--workers`` rule; a folder that cannot run
+batched is served by workers, with one log line saying why. Passes go through a gate the test holds: every wait is
+on an event or a pass count.
 """
 
 from __future__ import annotations
@@ -162,3 +163,16 @@ def test_a_folder_that_cannot_batch_is_served_by_workers_saying_why(tiny_model_d
     (record,) = [r for r in caplog.records if r.name == "ortspec.serve"]
     assert "cannot run batched" in record.getMessage() and "buffer sharing is off" in record.getMessage()
     assert "serving with one worker" in record.getMessage()
+
+
+def test_suffix_requests_record_their_outputs_in_the_engines_cache_and_get_their_text_alone(tiny_model_dir, reference):
+    engine = Engine.from_dir(tiny_model_dir, BackendConfig(threads=1))
+    batch = OrtBatchBackend.from_folder(engine.folder, BackendConfig(threads=1), slots=2)
+    app = create_app([engine], ServerSettings(model_name=MODEL, speculative="suffix"), batch=batch)
+    prompt = "the quick brown fox jumps over the lazy dog. the quick brown fox"
+    want = reference.generate(prompt, max_tokens=20).text
+    with serve_in_thread(app) as url:
+        for _ in range(2):  # the second drafts from the first one's output
+            response = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 20})
+            assert response.json()["choices"][0]["text"] == want
+            assert engine.suffix_cache.tokens > 20  # recorded at the end of the pass that finished it

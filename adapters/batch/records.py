@@ -17,7 +17,7 @@ from typing import Any
 
 import attrs
 
-from ortspec.adapters.engine.options import GenerationOptions, speculative_value
+from ortspec.adapters.engine.options import SPECULATIVE_CHOICES, GenerationOptions, speculative_value
 
 from .job import BatchError
 
@@ -68,10 +68,9 @@ def record_options(raw: Mapping[str, Any], fields: Sequence[str]) -> dict[str, A
     options = {k: v for k, v in raw.items() if k in fields}
     if "speculative" in options:
         options["speculative"] = speculative_value(options["speculative"])
-        if options["speculative"] not in (None, "prompt-lookup", "auto", "shared-kv"):
-            raise ValueError(
-                f"speculative={raw['speculative']!r}: expected null, 'none', 'prompt-lookup', 'auto' or 'shared-kv'"
-            )
+        if options["speculative"] is not None and options["speculative"] not in SPECULATIVE_CHOICES:
+            names = ", ".join(repr(name) for name in SPECULATIVE_CHOICES)
+            raise ValueError(f"speculative={raw['speculative']!r}: expected null, 'none' or one of {names}")
     if options.get("logit_bias") is not None:
         bias = options["logit_bias"]
         if not isinstance(bias, Mapping):

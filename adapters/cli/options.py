@@ -207,8 +207,9 @@ def default_proposer_option(g: argparse.ArgumentParser | argparse._ArgumentGroup
         "--speculative",
         default="prompt-lookup",
         choices=(*SPECULATIVE_CHOICES, "none"),
-        help="default proposer (default prompt-lookup); auto = per draft, prompt lookup or the shared-KV drafter; "
-        "shared-kv = the drafter alone (needs one: --drafter); none = plain decoding",
+        help="default proposer (default prompt-lookup); suffix = also drafts from the Engine's earlier outputs; "
+        "auto = per draft, prompt lookup or the shared-KV drafter; shared-kv = the drafter alone (needs one: "
+        "--drafter); none = plain decoding",
     )
 
 
@@ -274,8 +275,9 @@ def generation_options(p: argparse.ArgumentParser, default_tokens: int = 128, ma
         default="auto",
         choices=(*SPECULATIVE_CHOICES, "none"),
         help="draft proposer: auto (default) = per draft, prompt lookup or the shared-KV drafter, whichever has "
-        "earned more (prompt lookup alone without a drafter); shared-kv = the drafter alone; none = plain "
-        "decoding. The output is the same either way",
+        "earned more (prompt lookup alone without a drafter); shared-kv = the drafter alone; suffix = the longest "
+        "suffix match in the context and the Engine's earlier outputs; none = plain decoding. The output is the "
+        "same either way",
     )
     g.add_argument("--ignore-eos", action="store_true", help="do not stop at the model's end-of-sequence token")
     d = lookup_options(p)

@@ -26,6 +26,7 @@ from ortspec.adapters.engine import shared
 from ortspec.adapters.engine.cache import cache_root
 from ortspec.adapters.engine.drafters import open_drafter
 from ortspec.adapters.engine.options import (
+    AUTO_LOOKUP,
     DRIFT_WARNING_THRESHOLD,
     GenerationOptions,
     Prompt,
@@ -34,6 +35,7 @@ from ortspec.adapters.engine.options import (
     takes_options,
     takes_prompts_and_options,
 )
+from ortspec.adapters.engine.suffix_cache import SuffixCache
 from ortspec.adapters.engine.tokenizer import Tokenizer, check_tokenizer_fits
 from ortspec.backends.base import Backend, BatchBackend
 from ortspec.backends.onnx import BackendConfig, ModelFolder, OrtBatchBackend
@@ -41,10 +43,10 @@ from ortspec.batch_driver import DEFAULT_PREFILL_BUDGET, check_prefill_budget
 from ortspec.core import (
     MAX_DRAFT,
     CostAwareWidth,
+    DecodeState,
     FixedWidth,
     LookupOrDraft,
     Options,
-    PromptLookup,
     Proposer,
     WidthPolicy,
     check_prompt_fits,
@@ -98,10 +100,13 @@ class Engine:
         prefix_reuse: bool = False,
         drafter: Proposer | None = None,
         backend_config: BackendConfig | None = None,
+        suffix_cache: SuffixCache | None = None,
     ) -> None:
         """``drafter``: a proposer bound to ``backend`` that reads the target (a ``SharedKvProposer``), used by
         ``speculative="shared-kv"`` and ``"auto"``; :meth:`from_dir` opens the one found beside the model.
-        ``backend_config``: how ``folder`` was opened (what :meth:`generate_many` opens its batch backend with)."""
+        ``backend_config``: how ``folder`` was opened (what :meth:`generate_many` opens its batch backend with).
+        ``suffix_cache``: this Engine's recent outputs, what ``speculative="suffix"`` drafts from across requests
+        (default: a new ``SuffixCache()``; an Engine is one model, so the cache is one model's)."""
         self.backend = backend
         self.tokenizer = tokenizer
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -109,6 +114,7 @@ class Engine:
         self.prefix_reuse = prefix_reuse
         self.prefill_budget: int | None = DEFAULT_PREFILL_BUDGET
         self.drafter = drafter
+        self.suffix_cache = suffix_cache if suffix_cache is not None else SuffixCache()
         self._draft_cost: float | None = None
         self._lock = threading.RLock()
         self._epoch = 0  # bumped by every generation and measurement: the backend's current owner
@@ -277,6 +283,7 @@ class Engine:
                 detokenize=self.tokenizer.decode,
                 cached_prefix=cached,
                 guard=PassGuard(self._lock, functools.partial(self._check_still_current, self._epoch)),
+                on_finish=self.record_output,
             )
             self._last = generation
             return generation
@@ -288,8 +295,9 @@ class Engine:
         draws its own). Continuous batching (``ortspec.BatchDriver``) on a second session of this folder with
         ``BATCH_SLOTS`` KV caches, opened on first use (its own copy of the weights). ``speculative``: as for
         ``generate``; the shared-KV drafter (``"shared-kv"``, ``"auto"``) reads each sequence's own slot, its session
-        shared by all (:meth:`slot_drafters`). With ``prefix_reuse``, a prompt reuses the KV of a prompt that shares its
-        prefix (a system prompt) and ran earlier in the same call (each call starts with empty slots).
+        shared by all (:meth:`slot_drafters`); ``"suffix"`` drafts from the suffix cache. With ``prefix_reuse``, a
+        prompt reuses the KV of a prompt that shares its prefix (a system prompt) and ran earlier in the same call
+        (each call starts with empty slots).
         ``ValueError`` names a bad prompt or option before anything runs; a generation that fails raises its
         ``GenerationError`` once the others have finished. Opened with ``batch_slots``: on the Engine's own slots,
         its shared passes (whose slots keep what they hold from call to call), beside other threads' calls."""
@@ -449,7 +457,7 @@ class Engine:
                 CostAwareWidth(self.pass_costs()[: limit + 1], draft_cost=self.draft_cost()),
             )
         if speculative == "auto" and drafter is not None:
-            auto = LookupOrDraft(PromptLookup(ngram=3, max_draft=MAX_DRAFT), drafter)
+            auto = LookupOrDraft(self.context_proposer("auto"), drafter)  # type: ignore[arg-type]
 
             def priced() -> tuple[Proposer, WidthPolicy]:
                 costs = self.pass_costs()
@@ -458,9 +466,20 @@ class Engine:
                 return auto.priced(CostAwareWidth(costs), drafter_policy), FixedWidth(len(costs) - 1)
 
             return auto, priced
-        proposer = make_proposer("prompt-lookup" if speculative == "auto" else speculative)
+        proposer = self.context_proposer(speculative)
         assert proposer is not None or speculative is None
         return proposer, lambda: (proposer, CostAwareWidth(self.pass_costs()))  # type: ignore[return-value]
+
+    def context_proposer(self, speculative: str | Proposer | None) -> Proposer | None:
+        """The proposer for a ``speculative`` that drafts from the context alone (``make_proposer``): ``"auto"`` is
+        ``AUTO_LOOKUP`` (what it is without a drafter); ``"suffix"`` drafts from the suffix cache's snapshot taken
+        now (a request's proposer is made as it starts)."""
+        name = AUTO_LOOKUP if speculative == "auto" else speculative
+        return make_proposer(name, self.suffix_cache.snapshot() if name == "suffix" else None)
+
+    def record_output(self, state: DecodeState) -> None:
+        """Record a finished generation's output in the suffix cache (every generation's ``on_finish``)."""
+        self.suffix_cache.add(state.prompt_tokens, state.generated_tokens)
 
     # -- measurements -----------------------------------------------------------------------------------------
     def verify_drift(self) -> float:

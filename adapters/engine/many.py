@@ -24,7 +24,7 @@ from ortspec.batch_driver import BatchDriver, BatchSequence, SlotProposer
 from ortspec.core import LookupOrDraft, PricedProposer, PricedWidth, Proposer, WidthPolicy
 from ortspec.core.checks import ArgumentError
 from ortspec.core.state import Options
-from ortspec.driver import GenerateResult, StreamCallback
+from ortspec.driver import FinishCallback, GenerateResult, StreamCallback
 
 if TYPE_CHECKING:
     from ortspec.adapters.engine.engine import Engine
@@ -39,6 +39,7 @@ class BatchRequest(NamedTuple):
     options: Options
     proposer: Proposer | SlotProposer | None
     draft_width: int | WidthPolicy
+    on_finish: FinishCallback  # records the finished output in the Engine's suffix cache (``Engine.record_output``)
 
 
 def batch_request(engine: Engine, prompt: Prompt, options: GenerationOptions) -> BatchRequest:
@@ -51,7 +52,7 @@ def batch_request(engine: Engine, prompt: Prompt, options: GenerationOptions) ->
     proposer, auto_width = engine._proposer(options.speculative, drafter)
     ids, core_options = engine.prepare(prompt, options)
     priced, width = engine._priced(proposer, auto_width, options.draft_width)
-    return BatchRequest(ids, core_options, bound_to_slots(priced, drafter, slots), width)
+    return BatchRequest(ids, core_options, bound_to_slots(priced, drafter, slots), width, engine.record_output)
 
 
 def bound_to_slots(
@@ -82,6 +83,7 @@ def submit(
         draft_width=request.draft_width,
         detokenize=engine.tokenizer.decode,
         callback=callback,
+        on_finish=request.on_finish,
     )
 
 

@@ -13,25 +13,50 @@ from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import attrs
 
-from ortspec.core import MAX_DRAFT, Limits, PromptLookup, Proposer, Sampling, WidthPolicy, option
+from ortspec.core import (
+    MAX_DRAFT,
+    Limits,
+    PromptLookup,
+    Proposer,
+    Sampling,
+    SuffixProposer,
+    SuffixSnapshot,
+    WidthPolicy,
+    option,
+)
 from ortspec.core.checks import ArgumentError
 from ortspec.driver import StreamCallback
 
 Prompt = str | Sequence[int] | Sequence[Mapping[str, str]]
 
-SPECULATIVE_CHOICES = ("prompt-lookup", "shared-kv", "auto")
+# Every name ``speculative`` takes and what it drafts with: the one table (the Engine, the command line, the server
+# and batch read it).
+SPECULATIVE_NAMES = {
+    "prompt-lookup": "what followed the context's last 3 tokens earlier in the context",
+    "suffix": "the most frequent continuation of the context's longest suffix match, in the context and in the "
+    "Engine's recent outputs (its suffix cache)",
+    "shared-kv": "the Engine's drafter",
+    "auto": "per draft, a lookup or the drafter, whichever has earned more (without a drafter: the lookup alone)",
+}
+SPECULATIVE_CHOICES = tuple(SPECULATIVE_NAMES)
+# The lookup "auto" drafts with: alone without a drafter, beside it with one.
+AUTO_LOOKUP = "prompt-lookup"
 # Verify-vs-decode logit drift (in logits) above which speculative output is no longer guaranteed to equal plain.
 DRIFT_WARNING_THRESHOLD = 1e-3
 
 
-def make_proposer(speculative: str | Proposer | None) -> Proposer | None:
-    """``None`` (plain decoding), ``"prompt-lookup"`` (3-gram lookup drafting up to ``MAX_DRAFT`` tokens), or any
-    proposer. (``"shared-kv"`` and ``"auto"`` need an Engine's drafter: ``Engine.start_with`` resolves them.)"""
+def make_proposer(speculative: str | Proposer | None, snapshot: SuffixSnapshot | None = None) -> Proposer | None:
+    """``None`` (plain decoding), ``"prompt-lookup"`` (3-gram lookup drafting up to ``MAX_DRAFT`` tokens),
+    ``"suffix"`` (suffix drafting over the context and ``snapshot``, the Engine's suffix cache as a request starts),
+    or any proposer. (``"shared-kv"`` and ``"auto"`` need an Engine's drafter: ``Engine.start_with`` resolves
+    them.)"""
     if speculative is None:
         return None
     if isinstance(speculative, str):
         if speculative == "prompt-lookup":
             return PromptLookup(ngram=3, max_draft=MAX_DRAFT)
+        if speculative == "suffix":
+            return SuffixProposer(cache=snapshot)
         if speculative in SPECULATIVE_CHOICES:
             raise ArgumentError(
                 "speculative", f"speculative={speculative!r} needs an Engine (it reads the Engine's drafter)"
@@ -78,8 +103,9 @@ class GenerationOptions(Sampling, Limits):
 
     speculative: str | Proposer | None = option(
         None,
-        "how drafts are made: None (plain decoding), 'prompt-lookup', 'shared-kv' (the Engine's drafter), 'auto' "
-        "(per draft, prompt lookup or the drafter, whichever has earned more), or a proposer object ('none' is None)",
+        "how drafts are made: None (plain decoding), 'prompt-lookup', 'suffix' (the longest suffix match in the "
+        "context and the Engine's recent outputs), 'shared-kv' (the Engine's drafter), 'auto' (per draft, prompt "
+        "lookup or the drafter, whichever has earned more), or a proposer object ('none' is None)",
         converter=speculative_value,
         validator=_check_speculative,
     )

@@ -42,7 +42,7 @@ from ortspec.batch_driver import DEFAULT_PREFILL_BUDGET, BatchDriver, BatchSeque
 from ortspec.core.proposers import Proposer
 from ortspec.core.state import Commit, Detokenize, Options
 from ortspec.core.width import WidthPolicy
-from ortspec.driver import GenerateResult
+from ortspec.driver import FinishCallback, GenerateResult
 
 log = logging.getLogger("ortspec.scheduler")
 
@@ -64,6 +64,7 @@ class Submission(NamedTuple):
     proposer: Proposer | SlotProposer | None
     draft_width: int | WidthPolicy
     detokenize: Detokenize | None
+    on_finish: FinishCallback | None = None
 
 
 class ScheduledRequest:
@@ -174,11 +175,16 @@ class BatchScheduler:
         on_commit: Callable[[Commit], object] | None = None,
         on_done: Callable[[ScheduledRequest], object] | None = None,
         deadline: float | None = None,
+        on_finish: FinishCallback | None = None,
     ) -> ScheduledRequest:
         """A new request (the arguments of ``BatchDriver.submit``; check them first, as ``Engine.prepare`` does: a
         submission the driver refuses ends with ``error`` its ``ValueError``). From any thread."""
         request = ScheduledRequest(
-            self, Submission(prompt_tokens, options, proposer, draft_width, detokenize), on_commit, on_done, deadline
+            self,
+            Submission(prompt_tokens, options, proposer, draft_width, detokenize, on_finish),
+            on_commit,
+            on_done,
+            deadline,
         )
         with self._changed:
             if self._closed:
@@ -245,7 +251,12 @@ class BatchScheduler:
             s = request.submission
             try:
                 request.sequence = self._driver.submit(
-                    s.prompt_tokens, s.options, s.proposer, draft_width=s.draft_width, detokenize=s.detokenize
+                    s.prompt_tokens,
+                    s.options,
+                    s.proposer,
+                    draft_width=s.draft_width,
+                    detokenize=s.detokenize,
+                    on_finish=s.on_finish,
                 )
             except ValueError as exc:
                 request._error = exc

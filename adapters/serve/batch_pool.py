@@ -134,6 +134,7 @@ class BatchPool(PoolCore):
             on_commit=job.deliver,
             on_done=lambda done: self._ended(job, done),
             deadline=deadline,
+            on_finish=request.on_finish,
         )
         job.on_cancel = scheduled.cancel
         return job

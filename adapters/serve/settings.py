@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import attrs
 
+from ortspec.adapters.engine.options import SPECULATIVE_CHOICES
 from ortspec.core.checks import ArgumentError, int_at_least
 
-# The proposers the server offers ("auto" and "shared-kv" use the engines' shared-KV drafter: docs/drafter.md).
-SERVED_PROPOSERS = ("prompt-lookup", "auto", "shared-kv")
+# The proposers the server offers: every name (docs/drafter.md: "auto" and "shared-kv" use the engines' shared-KV
+# drafter; "suffix" drafts from each Engine's suffix cache).
+SERVED_PROPOSERS = SPECULATIVE_CHOICES
 
 
 def _check_speculative(instance: object, attribute: object, value: object) -> None:
@@ -20,8 +22,8 @@ class ServerSettings:
     """What the server does with requests (the engines are made by the caller).
 
     ``model_name``: the id served by ``/v1/models``; a request naming another model is a 404. ``speculative``: the
-    proposer every request uses unless it asks otherwise (``"prompt-lookup"``, ``"auto"``, ``"shared-kv"`` or None;
-    ``"shared-kv"`` needs engines with a drafter, ``"auto"`` without one is prompt lookup). ``max_queue``: requests
+    proposer every request uses unless it asks otherwise (one of ``SERVED_PROPOSERS`` or None; ``"shared-kv"``
+    needs engines with a drafter, ``"auto"`` without one is its lookup alone). ``max_queue``: requests
     that may wait for a worker; one more is refused with 429. ``request_timeout_s``: from arrival to the end of
     the generation (queue wait included); past it the request ends with 504. ``default_max_tokens``: for a request
     without ``max_tokens`` (None: until EOS or the context is full). ``max_body_bytes``: a larger request body

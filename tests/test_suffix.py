@@ -1,0 +1,208 @@
+"""The suffix proposer's rules (core/suffix.py): longest match, counts, the draft-length rule, the snapshot's
+memory cap and eviction, and snapshot isolation."""
+
+from __future__ import annotations
+
+import attrs
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ortspec.core.suffix import SEPARATOR, DraftRule, SuffixProposer, SuffixSnapshot
+from ortspec.core.tokens import Shared
+
+
+def test_the_longest_match_wins_over_a_more_recent_shorter_one():
+    # "1 2 3" was followed by 40 long ago; "9 3" (a 1-token match of the tail "... 2 3") more recently by 50
+    context = [1, 2, 3, 40, 41, 7, 9, 3, 50, 51, 8, 1, 2, 3]
+    draft, matched = SuffixProposer().match(context, 8)
+    assert matched == 3
+    assert draft[:2] == (40, 41)
+
+
+def test_the_most_frequent_continuation_wins_over_the_most_recent():
+    context = [5, 6, 70, 0, 5, 6, 70, 0, 5, 6, 70, 0, 5, 6, 80, 0, 5, 6]
+    draft, matched = SuffixProposer(DraftRule(min_prob=0.5)).match(context, 1)
+    assert draft == (70,)  # 3 of 4 occurrences of "0 5 6" went on with 70, the latest with 80
+
+
+def test_the_path_stops_when_its_probability_drops_below_the_floor():
+    # after "1 2": 3 then 4 (twice), 3 then 5 (twice): p(3) = 1, p(3 4) = 0.5
+    context = [1, 2, 3, 4, 9, 1, 2, 3, 4, 9, 1, 2, 3, 5, 9, 1, 2, 3, 5, 9, 1, 2]
+    rule = DraftRule(anchor=2, max_match=2, spec_factor=8.0)
+    assert SuffixProposer(attrs.evolve(rule, min_prob=0.6)).propose(context, 8) == (3,)
+    assert SuffixProposer(attrs.evolve(rule, min_prob=0.4)).propose(context, 8)[:2] in ((3, 4), (3, 5))
+
+
+def test_the_draft_length_follows_the_match_length():
+    context = [*range(100, 120), 1, 2, *range(100, 104)]  # the tail "100..103" matches 4 tokens (1 2 stops it)
+    rule = DraftRule(spec_factor=1.5, max_draft=16)
+    draft, matched = SuffixProposer(rule).match(context, 16)
+    assert matched == 4
+    assert draft == tuple(range(104, 110))  # floor(1.5 * 4) = 6 tokens
+    assert SuffixProposer(rule).propose(context, 3) == (104, 105, 106)  # and never past the width
+
+
+def test_a_context_match_runs_on_into_its_own_draft():
+    assert SuffixProposer().propose([7, 8, 7, 8, 7, 8], 6) == (7, 8, 7, 8, 7, 8)
+
+
+def test_no_draft_without_a_match_or_width():
+    assert SuffixProposer().propose([1, 2, 3, 4], 8) == ()
+    assert SuffixProposer().propose([1, 2, 1, 2], 0) == ()
+    assert SuffixProposer().propose([], 4) == ()
+
+
+def test_the_snapshot_drafts_what_followed_in_earlier_documents():
+    snapshot = SuffixSnapshot().with_document([11, 12, 13, 14, 15, 16])
+    proposer = SuffixProposer(cache=snapshot)
+    draft, matched = proposer.match([1, 2, 11, 12, 13], 8)
+    assert matched == 3 and draft == (14, 15, 16)  # and stops at the document's end (its separator)
+    assert SuffixProposer().propose([1, 2, 11, 12, 13], 8) == ()
+
+
+def test_no_match_crosses_a_document_boundary():
+    snapshot = SuffixSnapshot().with_document([1, 2, 3]).with_document([4, 5, 6])
+    assert SEPARATOR in snapshot.corpus
+    draft, matched = SuffixProposer(cache=snapshot).match([9, 3, 4], 8)
+    assert matched == 1 and draft == (5, 6)  # "3 4" never occurred: a separator lies between them
+
+
+def test_the_memory_cap_evicts_the_oldest_documents():
+    snapshot = SuffixSnapshot(max_tokens=40, keep=0.5)
+    for i in range(20):
+        snapshot = snapshot.with_document(range(100 * i, 100 * i + 5))
+        assert len(snapshot) <= 40
+        assert list(snapshot.corpus[-6:]) == [*range(100 * i, 100 * i + 5), SEPARATOR]
+        assert snapshot.corpus[snapshot.starts[0]] % 100 == 0
+        assert [snapshot.corpus[s - 1] for s in snapshot.starts[1:]] == [SEPARATOR] * (snapshot.documents - 1)
+    assert snapshot.documents < 20
+
+
+def test_a_document_over_the_cap_keeps_its_last_tokens():
+    snapshot = SuffixSnapshot(max_tokens=10, keep=1.0).with_document([1, 2]).with_document(range(50))
+    assert list(snapshot.corpus) == [*range(41, 50), SEPARATOR]
+    assert snapshot.starts == (0,)
+
+
+def test_a_snapshot_is_unchanged_by_what_is_added_after_it():
+    context = [1, 2, 11, 12]
+    old = SuffixSnapshot(max_tokens=30).with_document([11, 12, 13, 14])
+    before = SuffixProposer(cache=old).propose(context, 8)
+    new = old
+    for _ in range(10):  # the same tail followed by something else, many times, then evictions
+        new = new.with_document([11, 12, 99, 98])
+    assert SuffixProposer(cache=old).propose(context, 8) == before == (13, 14)
+    assert list(old.corpus) == [11, 12, 13, 14, SEPARATOR]
+    assert SuffixProposer(cache=new).propose(context, 8) == (99, 98)
+
+
+def test_bad_rules_are_refused():
+    with pytest.raises(ValueError, match="min_prob"):
+        DraftRule(min_prob=1.5)
+    with pytest.raises(ValueError, match="spec_factor"):
+        DraftRule(spec_factor=0)
+    with pytest.raises(ValueError, match="max_tokens"):
+        SuffixSnapshot(max_tokens=1)
+
+
+tokens = st.lists(st.integers(0, 5), max_size=60)
+
+
+@settings(max_examples=60, deadline=None)
+@given(tokens, st.lists(st.integers(0, 5), min_size=1, max_size=8), st.integers(1, 10))
+def test_a_growing_shared_context_drafts_as_a_fresh_one(prefix, steps, width):
+    """The index a ``Shared`` context carries (grown one step at a time) answers as one built from scratch."""
+    shared = Shared([]).with_head(tuple(prefix))
+    proposer = SuffixProposer(DraftRule(anchor=3, occurrences=4, levels=2))
+    for token in steps:
+        assert proposer.propose(shared, width) == proposer.propose(tuple(shared), width)
+        shared = shared.extended([token])
+
+
+# -- the Engine's suffix cache (a tiny random model) ------------------------------------------------------------------
+
+PROMPT = "the cat sat on the mat and then"
+
+
+@pytest.fixture
+def engine(tiny_model_dir):
+    from ortspec import BackendConfig, Engine
+
+    return Engine.from_dir(tiny_model_dir, BackendConfig(threads=1))
+
+
+def test_an_engine_drafts_a_finished_output_for_the_next_request_and_outputs_stay_plain(engine):
+    plain = engine.generate(PROMPT, max_tokens=24, ignore_eos=True)
+    assert engine.suffix_cache.tokens == 0  # nothing is recorded before a request drafts by suffix
+    first = engine.generate(PROMPT, max_tokens=24, ignore_eos=True, speculative="suffix", draft_width=8)
+    assert engine.suffix_cache.tokens > len(first.token_ids)
+    second = engine.generate(PROMPT, max_tokens=24, ignore_eos=True, speculative="suffix", draft_width=8)
+    assert first.token_ids == second.token_ids == plain.token_ids
+    assert second.stats.accepted_tokens >= 16  # the first one's output, drafted from the cache
+    assert second.stats.steps < plain.stats.steps
+
+
+def test_streams_and_batches_record_what_they_finished(engine):
+    from ortspec.adapters.engine.suffix_cache import PROMPT_TAIL
+
+    engine.suffix_cache.snapshot()  # recording on
+    text = "".join(engine.stream(PROMPT, max_tokens=10, ignore_eos=True, speculative="suffix"))
+    assert text == engine.generate(PROMPT, max_tokens=10, ignore_eos=True).text
+    recorded = engine.suffix_cache.tokens
+    assert recorded >= 10
+    prompts = [PROMPT, "a b a b a b", "hello there"]
+    many = engine.generate_many(prompts, max_tokens=9, ignore_eos=True, speculative="suffix", draft_width=4)
+    assert [r.token_ids for r in many] == [engine.generate(p, max_tokens=9, ignore_eos=True).token_ids for p in prompts]
+    assert engine.suffix_cache.tokens - recorded >= 3 * 9
+    assert PROMPT_TAIL > 0
+
+
+def test_an_unknown_speculative_name_lists_the_names(engine):
+    from ortspec import ArgumentError
+
+    with pytest.raises(ArgumentError, match="suffix"):
+        engine.generate(PROMPT, max_tokens=2, speculative="suffixes")
+
+
+def test_the_server_and_batch_offer_suffix():
+    from ortspec.adapters.batch.records import record_options
+    from ortspec.adapters.serve.settings import ServerSettings
+
+    assert ServerSettings(model_name="m", speculative="suffix").speculative == "suffix"
+    assert record_options({"speculative": "suffix"}, ["speculative"]) == {"speculative": "suffix"}
+    with pytest.raises(ValueError, match="'suffix'"):
+        record_options({"speculative": "shared-kv"}, ["speculative"])
+
+
+def test_the_cache_takes_outputs_from_many_threads_while_others_take_snapshots():
+    import threading
+
+    from ortspec.adapters.engine.suffix_cache import PROMPT_TAIL, SuffixCache
+
+    cache = SuffixCache(max_tokens=100_000)
+    first = cache.snapshot()
+    start = threading.Barrier(8)
+    snapshots = []
+
+    def add(k: int) -> None:
+        start.wait()
+        for i in range(50):
+            cache.add([1] * PROMPT_TAIL, [k, i, k, i])
+
+    def take() -> None:
+        start.wait()
+        snapshots.extend(cache.snapshot() for _ in range(200))
+
+    threads = [threading.Thread(target=add, args=(k,)) for k in range(6)]
+    threads += [threading.Thread(target=take) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    final = cache.snapshot()
+    assert final.documents == 6 * 50 and len(final) == 6 * 50 * (PROMPT_TAIL + 4 + 1)
+    assert len(first) == 0  # a snapshot is a value: what came later is not in it
+    for s in snapshots:  # each one a consistent prefix of the final corpus
+        assert list(s.corpus) == list(final.corpus[: len(s)])
+        assert s.starts == final.starts[: s.documents]
