@@ -1,9 +1,11 @@
 """Throughput of ``Engine.generate_many`` (continuous batching) against the same prompts one at a time.
 
-    python -m bench.generate_many [--model DIR] [--n 8] [--new-tokens 64] [--threads 2] [--out docs/generate-many.md]
+    python -m bench.generate_many [--model DIR] [--n 8] [--new-tokens 64] [--threads 2] [--speculative none]
+                                  [--out docs/generate-many.md]
 
 The dataset is the batch-scaling one (``bench.workloads``: ``--n`` chat prompts per category, four categories, up to
-``--max-prompt-tokens`` prompt tokens), greedy, plain decoding, ``--new-tokens`` new tokens each (EOS ignored, so
+``--max-prompt-tokens`` prompt tokens), greedy, plain decoding (or ``--speculative``: ``prompt-lookup``, or ``auto``
+and ``shared-kv`` with the drafter found for the model, both ways), ``--new-tokens`` new tokens each (EOS ignored, so
 every record does the same work either way). One Engine (``--threads`` intra-op threads) runs every prompt for 4
 tokens both ways (the warm-up), then the prompts one after another with ``generate``, then all of them with
 ``generate_many``; every output is compared with the one-at-a-time
@@ -31,6 +33,9 @@ def main() -> int:
     ap.add_argument("--new-tokens", type=int, default=64, help="new tokens per prompt (default 64)")
     ap.add_argument("--max-prompt-tokens", type=int, default=1000, help="longest prompt (default 1000 tokens)")
     ap.add_argument("--threads", type=int, default=2, help="intra-op threads (default 2)")
+    ap.add_argument(
+        "--speculative", default="none", choices=("none", "prompt-lookup", "auto", "shared-kv"), help="both ways"
+    )
     ap.add_argument("--out", type=Path, default=Path("docs/generate-many.md"), help="the report")
     args = ap.parse_args()
     if args.model is None:
@@ -40,7 +45,8 @@ def main() -> int:
     engine = Engine.from_dir(args.model, BackendConfig(threads=args.threads))
     workloads = build_workloads(args.n, args.max_prompt_tokens, engine.tokenizer)
     prompts = [w.messages for w in workloads]
-    options = dict(max_tokens=args.new_tokens, ignore_eos=True)
+    speculative = None if args.speculative == "none" else args.speculative
+    options = dict(max_tokens=args.new_tokens, ignore_eos=True, speculative=speculative)
     # Warm-up, the same for both: every prompt once, 4 tokens (opens the batch session; onnxruntime's first run of
     # each shape allocates, and a batch pass sees many shapes: every batch size as sequences finish).
     engine.generate_many(prompts, max_tokens=4, ignore_eos=True)
@@ -62,7 +68,8 @@ def main() -> int:
             f"Measured {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC by `python -m bench.generate_many` on "
             f"{platform.processor() or platform.machine()} ({platform.machine()}, a 2-core machine shared with other "
             f"work), {args.threads} intra-op threads, `{Path(args.model).name}`; {len(prompts)} chat prompts "
-            f"({prompt_tokens} prompt tokens in all) x {args.new_tokens} new tokens, greedy, plain decoding, EOS "
+            f"({prompt_tokens} prompt tokens in all) x {args.new_tokens} new tokens, greedy, "
+            f"{'plain decoding' if speculative is None else f'speculative={speculative!r}'} (both ways), EOS "
             f"ignored; generate_many runs up to {BATCH_SLOTS} sequences per pass, folding in at most "
             f"{engine.prefill_budget or 'unbounded'} prompt tokens per pass (the Engine's `prefill_budget`).",
             "",
@@ -72,6 +79,10 @@ def main() -> int:
             f"| `generate_many` | {t_many:.1f} | {tokens / t_many:.1f} | {t_alone / t_many:.2f} |",
             "",
             f"Outputs identical to one at a time: {same}/{len(prompts)}.",
+            "",
+            "With `--speculative auto` or `shared-kv`, generate_many drafts with the Engine's shared-KV drafter too: "
+            "one drafter session for every slot, each sequence reading its own slot's KV and hidden state, its "
+            "widths priced by the pass it joins ([drafter.md](drafter.md), In batches).",
             "",
         ]
     )

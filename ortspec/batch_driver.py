@@ -4,7 +4,8 @@
         drop the cancelled sequences; admit waiting requests into free slots, first come first: each takes the free
             slot whose resident tokens serve its prompt best (core.prefix.reuse_score; least recently released,
             then lowest, on ties), the core decides how much of the shared prefix it reuses
-            (core.prefix.reusing), and backend.rewind(slot, reused) keeps that much (backend.reset(slot) for none)
+            (core.prefix.reusing), and backend.rewind(slot, reused) keeps that much (backend.reset(slot) for none);
+            a request that carries a SlotProposer gets its proposer now: slot_proposer.bind(slot)
         for every running sequence, in the order they were admitted, at most one row:
             prefilling: the next chunk of its prompt at the chunk's position, from the reused length on, asking
                         for the logits of its last position only; a chunk is min(prefill_chunk, what is left of

@@ -382,7 +382,7 @@ MUTANTS: dict[str, Mutant] = {
         "backends/onnx/batch.py",
         'return int((self.keys if which == "key" else self.values)[layer][slot, head].ctypes.data)',
         'return int((self.keys if which == "key" else self.values)[layer][0, head].ctypes.data)',
-        ("tests/test_batch_drafter.py",),
+        ("tests/test_batch_drafter.py::test_each_slots_drafter_reads_its_own_slot",),
     ),
     "slot-drafter-reads-another-slots-hidden-state": Mutant(
         "backends/onnx/batch.py",

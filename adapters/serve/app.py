@@ -287,6 +287,15 @@ def create_app(
             "speculative='shared-kv' needs a shared-KV drafter, and the engines have none: train one with 'ortspec "
             "train-drafter' (found by default) or give --drafter DIR",
         )
+    if (
+        batch is not None
+        and len(engines) == 1
+        and engines[0].drafter is not None
+        and engines[0].batch_backend() is not batch
+    ):
+        raise ValueError(
+            "a batched server's Engine with a drafter runs on its own batch_backend(), whose slots it reads"
+        )
     metrics = Metrics()
     pool: WorkerPool | BatchPool
     limits = {"max_queue": settings.max_queue, "timeout_s": settings.request_timeout_s, "metrics": metrics}
