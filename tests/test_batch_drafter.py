@@ -232,6 +232,27 @@ def test_an_engine_opened_for_batching_runs_the_drafter_alone_and_batched(tiny_m
     assert Engine.from_dir(tiny_model_dir, CONFIG, drafter=False, batch_slots=2).slot_drafters() is None
 
 
+def test_drafter_calls_from_many_threads_run_on_the_shared_passes_each_as_alone(tiny_model_dir, drafter_dir):
+    import concurrent.futures
+
+    from ortspec.adapters.engine import Engine
+
+    with Engine.from_dir(tiny_model_dir, CONFIG, drafter=drafter_dir) as one:
+        alone = [one.generate(p, max_tokens=16, ignore_eos=True) for p in PROMPTS]
+    with Engine.from_dir(tiny_model_dir, CONFIG, drafter=drafter_dir, batch_slots=2) as engine:
+        calls = [dict(speculative=s, draft_width=w) for s, w in (("shared-kv", 3), ("auto", "auto"))] * 2
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            results = list(
+                pool.map(
+                    lambda pc: engine.generate(pc[0], max_tokens=16, ignore_eos=True, **pc[1]), zip(PROMPTS, calls)
+                )
+            )
+        scheduler = engine.shared_passes.scheduler
+        assert scheduler is not None and scheduler.ended == len(PROMPTS)  # every call ran on the shared passes
+    assert [r.token_ids for r in results] == [a.token_ids for a in alone]
+    assert sum(r.stats.proposed_tokens for r in results[::2]) > 0  # the slots' drafters drafted
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # The server: its batched Engine opens the drafter and serves "auto" and "shared-kv"
 # ----------------------------------------------------------------------------------------------------------------

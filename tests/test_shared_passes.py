@@ -6,7 +6,7 @@ and each gets exactly what the same call gives alone on an Engine without ``batc
 reason, stop, the callback's ``(text, token_id, finish_reason)`` triples); more calls than slots wait for one; an
 abandoned ``stream`` (closed or dropped) is in no pass after the current one; a callback that raises stops only its
 own call, with the partial the lone path reports; ``close`` while busy ends the calls with their partial results and
-refuses later ones; what stays on the lone slot (``start``, ``speculative="shared-kv"``) and the errors raised
+refuses later ones; what stays on the lone slot (``start``) and the errors raised
 before anything is queued; an Engine without ``batch_slots`` runs no scheduler. Every wait is on the gate (the
 batch backend's passes, held by the test) or the scheduler's counts, never on time.
 """

@@ -5,9 +5,9 @@ share one target pass per step (up to ``batch_slots`` sequences at once; the res
 Contract:
 
 - Which calls share passes: ``shares_passes`` (the one rule). An Engine opened without ``batch_slots`` never does
-  (every call runs on its own backend, as ``Engine`` says). On one opened with it, every call does except those the
-  batch driver cannot serve: ``speculative="shared-kv"``, and ``"auto"`` on an Engine with a drafter (the drafter
-  reads one sequence's KV); those, and ``Engine.start`` (the step-by-step ``Generation``), run on the lone slot.
+  (every call runs on its own backend, as ``Engine`` says). On one opened with it, every call does, whatever its
+  proposer (a shared-KV drafter is bound to the slot the call takes: ``many.bound_to_slots``); only ``Engine.start``
+  (the step-by-step ``Generation``) runs on the lone slot.
 - Each call is made ready by ``many.batch_request`` (the one path that builds a batched request: the same core
   options, proposer and width as ``Engine.generate`` would use), so bad options raise the same ``ValueError`` before
   anything is queued, and the output (tokens, text, finish reason, stop, logprobs, stats) is what the call gives
@@ -49,11 +49,10 @@ class EngineClosed(RuntimeError):
 
 def shares_passes(engine: Engine, options: GenerationOptions) -> bool:
     """Whether a ``generate`` / ``stream`` / ``generate_stream`` call with ``options`` runs on ``engine``'s shared
-    passes (the module docstring): the Engine was opened with ``batch_slots`` and the batch driver can serve the
-    call's proposer. The one place this rule lives."""
-    speculative = options.speculative
-    lone_only = speculative == "shared-kv" or (speculative == "auto" and engine.drafter is not None)
-    return engine.shared_passes.available and not lone_only
+    passes (the module docstring): the Engine was opened with ``batch_slots`` (and did not hand its slots over), so
+    the batch driver serves every proposer. The one place this rule lives."""
+    del options  # every option is served batched
+    return engine.shared_passes.available
 
 
 class SharedCall:
