@@ -244,7 +244,8 @@ def test_drafter_calls_from_many_threads_run_on_the_shared_passes_each_as_alone(
         with concurrent.futures.ThreadPoolExecutor(4) as pool:
             results = list(
                 pool.map(
-                    lambda pc: engine.generate(pc[0], max_tokens=16, ignore_eos=True, **pc[1]), zip(PROMPTS, calls)
+                    lambda pc: engine.generate(pc[0], max_tokens=16, ignore_eos=True, **pc[1]),
+                    zip(PROMPTS, calls, strict=True),
                 )
             )
         scheduler = engine.shared_passes.scheduler
