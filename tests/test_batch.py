@@ -325,3 +325,5 @@ def test_the_backend_config_opens_every_worker_and_threads_are_the_jobs(tmp_path
         run_batch(BatchJob(src, tmp_path / "out.jsonl", backend=BackendConfig(threads=2)), progress=False)
     with pytest.raises(BatchError, match="backend must be a BackendConfig"):
         run_batch(BatchJob(src, tmp_path / "out.jsonl", backend="cuda"), progress=False)  # type: ignore[arg-type]
+    with pytest.raises(BatchError, match="prefill_budget must be an int >= 1, got 0"):
+        run_batch(BatchJob(src, tmp_path / "out.jsonl", prefill_budget=0), progress=False)

@@ -81,8 +81,11 @@ def drain(worker: BatchWorker, snapshots: list | None = None) -> dict:
 
 
 def test_each_line_is_the_record_alone_and_slots_refill_as_they_free(tiny_model_dir, alone):
-    worker = BatchWorker(tiny_model_dir, WorkerSettings(threads=1, defaults=DEFAULTS, max_batch=3))
+    # a tiny prompt-token budget per pass: the records' prompts are prefilled a few tokens a pass, first come first
+    settings = WorkerSettings(threads=1, defaults=DEFAULTS, max_batch=3, prefill_budget=5)
+    worker = BatchWorker(tiny_model_dir, settings)
     assert worker.slots == 3 and worker.note is None
+    assert worker.batched is not None and worker.batched.driver.prefill_budget == 5
     todo = tasks(tiny_model_dir)
     for task in todo:
         worker.submit(task)
@@ -112,6 +115,10 @@ def test_max_batch_1_is_the_one_at_a_time_path(tiny_model_dir, alone):
     parser = build_parser()
     assert _job(parser.parse_args(["batch", "in.jsonl", "out.jsonl"])).max_batch == 16
     assert _job(parser.parse_args(["batch", "in.jsonl", "out.jsonl", "--max-batch", "1"])).max_batch == 1
+    job = _job(parser.parse_args(["batch", "in.jsonl", "out.jsonl"]))
+    assert job.prefill_budget == 512 and WorkerSettings.of(job, 1, {}).prefill_budget == 512
+    job = _job(parser.parse_args(["batch", "in.jsonl", "out.jsonl", "--prefill-budget", "none"]))
+    assert job.prefill_budget is None and WorkerSettings.of(job, 1, {}).prefill_budget is None
 
 
 def test_a_folder_that_cannot_batch_runs_one_at_a_time_and_says_why_once(tiny_model_dir, tmp_path):

@@ -521,6 +521,11 @@ def test_cli_has_a_serve_command():
 
     args = build_parser().parse_args(["serve", "--workers", "2", "--port", "0", "--no-prefix-reuse"])
     assert args.workers == 2 and args.port == 0 and args.prefix_reuse is False and args.speculative == "prompt-lookup"
+    assert args.prefill_budget == 512
+    assert build_parser().parse_args(["serve", "--prefill-budget", "none"]).prefill_budget is None
+    assert build_parser().parse_args(["serve", "--prefill-budget", "64"]).prefill_budget == 64
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--prefill-budget", "0"])
 
 
 @pytest.mark.real_model

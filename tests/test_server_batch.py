@@ -153,6 +153,14 @@ def test_load_serving_is_one_batched_engine_on_every_core(tiny_model_dir):
     assert serving.engines[0].backend_config.threads == default_threads(1)
     # one session: the Engine's own backend is the batch backend's lone slot (the weights are loaded once)
     assert serving.engines[0].backend is serving.batch.lone()
+    assert serving.engines[0].prefill_budget == 512
+    # --prefill-budget reaches the pool's scheduler through the Engine
+    serving = load_serving(tiny_model_dir, BackendConfig(threads=1), max_batch=2, prefill_budget=7)
+    pool = create_app(serving.engines, ServerSettings(model_name=MODEL), batch=serving.batch).state.pool
+    try:
+        assert pool.scheduler._driver.prefill_budget == 7
+    finally:
+        pool.close()
 
 
 def test_a_folder_that_cannot_batch_is_served_by_workers_saying_why(tiny_model_dir, caplog):
