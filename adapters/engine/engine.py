@@ -12,22 +12,19 @@ the sampling keywords say otherwise; ``speculative`` only changes how fast the s
 from __future__ import annotations
 
 import functools
-import hashlib
 import os
 import threading
-import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING
 
 import attrs
 
 from ortspec.adapters.engine import shared
-from ortspec.adapters.engine.cache import cache_root
 from ortspec.adapters.engine.drafters import open_drafter
+from ortspec.adapters.engine.measured import EngineMeasurements
 from ortspec.adapters.engine.options import (
     AUTO_LOOKUP,
-    DRIFT_WARNING_THRESHOLD,
     GenerationOptions,
     Prompt,
     make_proposer,
@@ -58,7 +55,6 @@ from ortspec.driver import GenerateResult, Generation, PassGuard, StreamCallback
 if TYPE_CHECKING:
     from ortspec.backends.onnx.slot_drafters import SlotDrafters
 
-R = TypeVar("R")
 # The sequences generate_many runs at once (the KV caches of its batch backend).
 BATCH_SLOTS = 16
 
@@ -67,7 +63,7 @@ class GenerationSuperseded(RuntimeError):
     """Another generation started on the same Engine before this one finished; this one cannot continue."""
 
 
-class Engine:
+class Engine(EngineMeasurements):
     """Plain and speculative generation (greedy or seeded sampling) on one model folder, one sequence at a time.
 
     Threads: ``generate`` and ``generate_stream`` hold the Engine's lock for the whole generation, so concurrent
@@ -481,106 +477,6 @@ class Engine:
         """Record a finished generation's output in the suffix cache (every generation's ``on_finish``)."""
         self.suffix_cache.add(state.prompt_tokens, state.generated_tokens)
 
-    # -- measurements -----------------------------------------------------------------------------------------
-    def verify_drift(self) -> float:
-        """Largest logit difference between this backend's verify passes and one-token decodes (~30 passes; see
-        ``measurements.measure_verify_drift``): 0 or ~1e-5 on float32 kernels, tenths of a logit on int8 kernels
-        with batch-dependent activation quantization. Measured once per model file, provider, thread count and
-        onnxruntime version and kept in the user cache (``measurement_file``), with a probe that fits any
-        ``max_length``. Above ``DRIFT_WARNING_THRESHOLD`` the first speculative generation warns that its output can
-        differ from plain output. ``BackendError`` if the measurement fails."""
-        if self._drift is None:
-            from ortspec.adapters.engine.measurements import cached_verify_drift
-
-            self._drift = self._measured(
-                "verify drift", lambda before: cached_verify_drift(self.backend, self.measurement_file(), before=before)
-            )
-        return self._drift
-
-    def pass_costs(self, kmax: int = MAX_DRAFT) -> tuple[float, ...]:
-        """This backend's verify cost curve (pass over 1 + K tokens ÷ a decode step, K = 0..kmax), measured once
-        (a few seconds) and kept like ``verify_drift``. ``BackendError`` if the measurement fails."""
-        if self._pass_costs is None or len(self._pass_costs) != kmax + 1:
-            from ortspec.adapters.engine.measurements import cached_pass_costs
-
-            self._pass_costs = self._measured(
-                "verify cost curve",
-                lambda before: cached_pass_costs(self.backend, self.measurement_file(), kmax, before=before),
-            )
-        return self._pass_costs
-
-    def batch_decode_costs(self) -> tuple[float, ...]:
-        """The batch backend's ``decode_costs`` (a pass of ``n`` one-token rows ÷ one alone, ``n = 0 .. slots``;
-        ``measurements.measure_batch_decode_costs``): how the batch driver prices a plain step so that speculation
-        fades as the batch fills. Measured once (a second or two) and kept like ``verify_drift``. It empties the
-        batch backend's slots: call it before the batch backend is in use. ``BackendError`` if it fails."""
-        if self._batch_decode_costs is None:
-            from ortspec.adapters.engine.measurements import cached_batch_decode_costs
-
-            backend = self.batch_backend()
-            self._batch_decode_costs = self._measured(
-                "batch decode costs", lambda before: cached_batch_decode_costs(backend, self.measurement_file())
-            )
-        return self._batch_decode_costs
-
-    def draft_cost(self) -> float:
-        """The drafter's time per draft token ÷ a decode step (``measurements.measure_draft_cost``), measured once
-        per model, drafter, provider and thread count (a second or two) and kept like ``verify_drift``; 0.0
-        without a drafter. ``BackendError`` if the measurement fails."""
-        if self.drafter is None:
-            return 0.0
-        if self._draft_cost is None:
-            from ortspec.adapters.engine.measurements import cached_draft_cost
-
-            drafter, path = self.drafter, getattr(getattr(self.drafter, "folder", None), "path", None)
-            if path is not None:
-                files = sorted(p for p in Path(path).iterdir() if p.is_file())
-                key = "|".join(
-                    [str(Path(path).resolve())] + [f"{p.name}:{p.stat().st_size}:{p.stat().st_mtime_ns}" for p in files]
-                )
-            else:
-                key = f"{type(drafter).__name__}@{id(drafter)}"
-            self._draft_cost = self._measured(
-                "drafter's cost",
-                lambda before: cached_draft_cost(self.backend, drafter, self.measurement_file(), key, before=before),
-            )
-        return self._draft_cost
-
-    def measurement_file(self) -> Path | None:
-        """Where this engine's measurements are kept (``measurements.cached_measurement``): one file per model
-        file (its path, and the size and modification time of it and of its external data), provider, thread
-        count, onnxruntime version and load-time rewrites (``OrtBackend.variant``), under the user cache. None
-        without a model folder: nothing to key it on, so the measurements are made once per Engine."""
-        if self.folder is None:
-            return None
-        import onnxruntime
-
-        model = self.folder.model_path.resolve()
-        files = sorted(p for p in model.parent.iterdir() if p.name.startswith(model.name))
-        key = "|".join(
-            [str(model)]
-            + [f"{p.name}:{p.stat().st_size}:{p.stat().st_mtime_ns}" for p in files]
-            + [str(getattr(self.backend, "provider", "?")), str(getattr(self.backend, "threads", "?"))]
-            + [onnxruntime.__version__]
-            # a load-time rewrite or session setting makes another model: its own measurements
-            + ([variant] if (variant := str(getattr(self.backend, "variant", ""))) else [])
-        )
-        return cache_root() / "measurements" / (hashlib.sha256(key.encode()).hexdigest()[:16] + ".json")
-
-    def _measured(self, what: str, measure: Callable[[Callable[[], None]], R]) -> R:
-        """Run ``measure(before)`` under the lock; ``before()`` is called just before the backend is used (a cache
-        hit never calls it), and takes the backend. A failure becomes a ``BackendError`` saying what was measured."""
-        from ortspec.backends.base import BackendError
-
-        with self._lock:
-            try:
-                return measure(self._take_backend)
-            except Exception as exc:
-                raise BackendError(
-                    f"measuring this model's {what} failed (a speculative generation measures it once, then reads it "
-                    f"from the cache): {type(exc).__name__}: {exc}"
-                ) from exc
-
     def _check_still_current(self, epoch: int) -> None:
         """Before each pass of the generation started at ``epoch`` (the caller holds the lock): raise
         ``GenerationSuperseded`` when a newer generation (or a measurement) has taken the backend since."""
@@ -589,41 +485,3 @@ class Engine:
                 "another generation started on this Engine before this one finished (one sequence at a time per "
                 "Engine: use one Engine per thread or worker, or open it with batch_slots to share passes)"
             )
-
-    def _take_backend(self) -> None:
-        """A measurement is about to use (and reset) the backend (the caller holds the lock): it supersedes any
-        generation in flight, and the KV of the last sequence is gone."""
-        self._epoch += 1
-        self._last = None
-
-    def _warn_if_inexact(self) -> None:
-        """Warn once when speculative output may differ from plain output here: the measured verify drift
-        exceeds ``DRIFT_WARNING_THRESHOLD``, or (CPU) the graph has ``MatMulNBits`` nodes at accuracy level 4,
-        whose int8-activation kernels give results that depend on how many tokens a pass holds (a one-off
-        measurement can miss that on some contexts; see docs/quantization-data.md)."""
-        if self._drift_warned:
-            return
-        drift = self.verify_drift()
-        levels = dict(getattr(getattr(self.backend, "graph_facts", None), "matmul_nbits", {}) or {})
-        level4 = sum(count for (_bits, level), count in levels.items() if level == 4)
-        batch_dependent = bool(level4) and getattr(self.backend, "provider", "cpu") == "cpu"
-        if drift <= DRIFT_WARNING_THRESHOLD and not batch_dependent:
-            return
-        self._drift_warned = True
-        why = f"a verify pass differed from one-token decodes by up to {drift:.3g} logits"
-        if batch_dependent:
-            why += (
-                f", and its {level4} MatMulNBits nodes run at accuracy level 4 (int8 activations), whose results "
-                "depend on how many tokens a pass holds"
-            )
-        remedy = (
-            "load it with matmul_accuracy_level=1 (float32 compute; see docs/quantization-data.md) or use a float32 "
-            "model"
-            if any(level != 1 for (_bits, level) in levels)
-            else "use a float32 model where exactness matters"
-        )
-        warnings.warn(
-            f"on this model {why}: speculative output can differ from plain output here; {remedy}",
-            RuntimeWarning,
-            stacklevel=4,
-        )

@@ -1,0 +1,180 @@
+"""The Engine's measurements of its model on this machine: the verify drift, the verify cost curve, the batch
+backend's decode costs and a drafter's cost, each measured once per model file, provider, thread count and
+onnxruntime version and kept in the user cache (``measurements.cached_measurement``), and the warning when
+speculative output may differ from plain output. ``EngineMeasurements`` is a part of ``Engine`` (its base class):
+it reads the Engine's backend, folder and drafter, and measures under the Engine's lock, superseding any generation
+in flight (``_take_backend``)."""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+from ortspec.adapters.engine.cache import cache_root
+from ortspec.adapters.engine.options import DRIFT_WARNING_THRESHOLD
+from ortspec.backends.base import Backend, BatchBackend
+from ortspec.backends.onnx import ModelFolder
+from ortspec.core import MAX_DRAFT, Proposer
+
+R = TypeVar("R")
+
+
+class EngineMeasurements:
+    """What ``Engine`` measures (the module docstring). The attributes below are the Engine's (set by its
+    ``__init__``)."""
+
+    backend: Backend
+    folder: ModelFolder | None
+    drafter: Proposer | None
+    _lock: threading.RLock
+    _epoch: int
+    _last: Any
+    _drift: float | None
+    _drift_warned: bool
+    _pass_costs: tuple[float, ...] | None
+    _batch_decode_costs: tuple[float, ...] | None
+    _draft_cost: float | None
+
+    def batch_backend(self, slots: int | None = None) -> BatchBackend:
+        raise NotImplementedError
+
+    def verify_drift(self) -> float:
+        """Largest logit difference between this backend's verify passes and one-token decodes (~30 passes; see
+        ``measurements.measure_verify_drift``): 0 or ~1e-5 on float32 kernels, tenths of a logit on int8 kernels
+        with batch-dependent activation quantization. Measured once per model file, provider, thread count and
+        onnxruntime version and kept in the user cache (``measurement_file``), with a probe that fits any
+        ``max_length``. Above ``DRIFT_WARNING_THRESHOLD`` the first speculative generation warns that its output can
+        differ from plain output. ``BackendError`` if the measurement fails."""
+        if self._drift is None:
+            from ortspec.adapters.engine.measurements import cached_verify_drift
+
+            self._drift = self._measured(
+                "verify drift", lambda before: cached_verify_drift(self.backend, self.measurement_file(), before=before)
+            )
+        return self._drift
+
+    def pass_costs(self, kmax: int = MAX_DRAFT) -> tuple[float, ...]:
+        """This backend's verify cost curve (pass over 1 + K tokens ÷ a decode step, K = 0..kmax), measured once
+        (a few seconds) and kept like ``verify_drift``. ``BackendError`` if the measurement fails."""
+        if self._pass_costs is None or len(self._pass_costs) != kmax + 1:
+            from ortspec.adapters.engine.measurements import cached_pass_costs
+
+            self._pass_costs = self._measured(
+                "verify cost curve",
+                lambda before: cached_pass_costs(self.backend, self.measurement_file(), kmax, before=before),
+            )
+        return self._pass_costs
+
+    def batch_decode_costs(self) -> tuple[float, ...]:
+        """The batch backend's ``decode_costs`` (a pass of ``n`` one-token rows ÷ one alone, ``n = 0 .. slots``;
+        ``measurements.measure_batch_decode_costs``): how the batch driver prices a plain step so that speculation
+        fades as the batch fills. Measured once (a second or two) and kept like ``verify_drift``. It empties the
+        batch backend's slots: call it before the batch backend is in use. ``BackendError`` if it fails."""
+        if self._batch_decode_costs is None:
+            from ortspec.adapters.engine.measurements import cached_batch_decode_costs
+
+            backend = self.batch_backend()
+            self._batch_decode_costs = self._measured(
+                "batch decode costs", lambda before: cached_batch_decode_costs(backend, self.measurement_file())
+            )
+        return self._batch_decode_costs
+
+    def draft_cost(self) -> float:
+        """The drafter's time per draft token ÷ a decode step (``measurements.measure_draft_cost``), measured once
+        per model, drafter, provider and thread count (a second or two) and kept like ``verify_drift``; 0.0
+        without a drafter. ``BackendError`` if the measurement fails."""
+        if self.drafter is None:
+            return 0.0
+        if self._draft_cost is None:
+            from ortspec.adapters.engine.measurements import cached_draft_cost
+
+            drafter, path = self.drafter, getattr(getattr(self.drafter, "folder", None), "path", None)
+            if path is not None:
+                files = sorted(p for p in Path(path).iterdir() if p.is_file())
+                key = "|".join(
+                    [str(Path(path).resolve())] + [f"{p.name}:{p.stat().st_size}:{p.stat().st_mtime_ns}" for p in files]
+                )
+            else:
+                key = f"{type(drafter).__name__}@{id(drafter)}"
+            self._draft_cost = self._measured(
+                "drafter's cost",
+                lambda before: cached_draft_cost(self.backend, drafter, self.measurement_file(), key, before=before),
+            )
+        return self._draft_cost
+
+    def measurement_file(self) -> Path | None:
+        """Where this engine's measurements are kept (``measurements.cached_measurement``): one file per model
+        file (its path, and the size and modification time of it and of its external data), provider, thread
+        count, onnxruntime version and load-time rewrites (``OrtBackend.variant``), under the user cache. None
+        without a model folder: nothing to key it on, so the measurements are made once per Engine."""
+        if self.folder is None:
+            return None
+        import onnxruntime
+
+        model = self.folder.model_path.resolve()
+        files = sorted(p for p in model.parent.iterdir() if p.name.startswith(model.name))
+        key = "|".join(
+            [str(model)]
+            + [f"{p.name}:{p.stat().st_size}:{p.stat().st_mtime_ns}" for p in files]
+            + [str(getattr(self.backend, "provider", "?")), str(getattr(self.backend, "threads", "?"))]
+            + [onnxruntime.__version__]
+            # a load-time rewrite or session setting makes another model: its own measurements
+            + ([variant] if (variant := str(getattr(self.backend, "variant", ""))) else [])
+        )
+        return cache_root() / "measurements" / (hashlib.sha256(key.encode()).hexdigest()[:16] + ".json")
+
+    def _measured(self, what: str, measure: Callable[[Callable[[], None]], R]) -> R:
+        """Run ``measure(before)`` under the lock; ``before()`` is called just before the backend is used (a cache
+        hit never calls it), and takes the backend. A failure becomes a ``BackendError`` saying what was measured."""
+        from ortspec.backends.base import BackendError
+
+        with self._lock:
+            try:
+                return measure(self._take_backend)
+            except Exception as exc:
+                raise BackendError(
+                    f"measuring this model's {what} failed (a speculative generation measures it once, then reads it "
+                    f"from the cache): {type(exc).__name__}: {exc}"
+                ) from exc
+
+    def _take_backend(self) -> None:
+        """A measurement is about to use (and reset) the backend (the caller holds the lock): it supersedes any
+        generation in flight, and the KV of the last sequence is gone."""
+        self._epoch += 1
+        self._last = None
+
+    def _warn_if_inexact(self) -> None:
+        """Warn once when speculative output may differ from plain output here: the measured verify drift
+        exceeds ``DRIFT_WARNING_THRESHOLD``, or (CPU) the graph has ``MatMulNBits`` nodes at accuracy level 4,
+        whose int8-activation kernels give results that depend on how many tokens a pass holds (a one-off
+        measurement can miss that on some contexts; see docs/quantization-data.md)."""
+        if self._drift_warned:
+            return
+        drift = self.verify_drift()
+        levels = dict(getattr(getattr(self.backend, "graph_facts", None), "matmul_nbits", {}) or {})
+        level4 = sum(count for (_bits, level), count in levels.items() if level == 4)
+        batch_dependent = bool(level4) and getattr(self.backend, "provider", "cpu") == "cpu"
+        if drift <= DRIFT_WARNING_THRESHOLD and not batch_dependent:
+            return
+        self._drift_warned = True
+        why = f"a verify pass differed from one-token decodes by up to {drift:.3g} logits"
+        if batch_dependent:
+            why += (
+                f", and its {level4} MatMulNBits nodes run at accuracy level 4 (int8 activations), whose results "
+                "depend on how many tokens a pass holds"
+            )
+        remedy = (
+            "load it with matmul_accuracy_level=1 (float32 compute; see docs/quantization-data.md) or use a float32 "
+            "model"
+            if any(level != 1 for (_bits, level) in levels)
+            else "use a float32 model where exactness matters"
+        )
+        warnings.warn(
+            f"on this model {why}: speculative output can differ from plain output here; {remedy}",
+            RuntimeWarning,
+            stacklevel=4,
+        )
