@@ -346,7 +346,9 @@ class BatchDriver:
     budget, and it measured best (docs/serve/prefill-budget/in-process.md: 16 requests at once, 9,472 prompt
     tokens, on the process's CPU clock): against ``None``, the first token's p50 0.58x, its p99 the same, the
     worst stall p99 0.17x, 6% more tokens per CPU second; 1024 stalled twice as long, 256 took more passes for a
-    later first token and 4% fewer tokens per CPU second. ``decode_costs``: the backend's measured cost of a pass
+    later first token and 4% fewer tokens per CPU second. The price: the decoding done beside the prompts delays
+    the last first token (the server, measured under heavy load, README, saw it later in two runs of three).
+    ``decode_costs``: the backend's measured cost of a pass
     of ``n`` one-token rows ÷ one alone, for ``n = 0 .. slots`` (``core.width.marginal_row_cost``;
     ``Engine.batch_decode_costs`` measures it); without it a plain step is priced as alone (1.0), so a
     ``PricedWidth`` policy speculates as it would alone. ``prefix_reuse``: a request takes the free slot holding

@@ -86,3 +86,14 @@ def test_the_batch_backend_is_kept_until_another_slot_count_is_asked_for(tiny_mo
     two = engine.batch_backend(2)
     assert two.slots == 2 and engine.batch_backend() is two
     assert engine.generate_many(["hello"], max_tokens=3)[0].text == engine.generate("hello", max_tokens=3).text
+
+
+def test_the_engines_prefill_budget_changes_no_result(tiny_model_dir, engine):
+    budgeted = Engine.from_dir(tiny_model_dir, BackendConfig(threads=1), prefill_budget=3)
+    assert budgeted.prefill_budget == 3 and engine.prefill_budget == 512
+    options = dict(max_tokens=8, speculative="prompt-lookup", draft_width=4)
+    got = budgeted.generate_many(PROMPTS, **options)  # every prompt prefilled 3 tokens a pass, first come first
+    assert [r.token_ids for r in got] == [r.token_ids for r in engine.generate_many(PROMPTS, **options)]
+    with pytest.raises(ArgumentError) as info:
+        Engine.from_dir(tiny_model_dir, prefill_budget=0)
+    assert info.value.argument == "prefill_budget"
