@@ -4,8 +4,9 @@ Rule 1: everything that decides what is committed lives in this file: which draf
 candidates are committed and in what order the stop rules see them, when a generation ends and why, how many
 draft tokens a step may verify, how much KV the backend keeps, what text is released to the stream, and what a
 partly delivered generation reports. The driver, the backends and the Engine only carry these decisions out.
-The one piece kept apart is the arithmetic of a single pick (processors, filters, the seeded draw), in
-``core/sampling.py``: a pure function of one row that this file calls for every position it decides.
+Three pieces of arithmetic are kept apart, each called from here: a single pick (processors, filters, the seeded
+draw; ``core/sampling.py``, a pure function of one row), a step's text (incremental detokenization, the stop-string
+search and hold-back; ``core/text.py``), and a grammar's position and mask (``core/constraint.py``).
 
 Theory of operation
 -------------------
@@ -75,12 +76,11 @@ from .checks import ArgumentError, check_int, ids_in_vocab, token_ids
 from .options import Options
 from .prefix import reused_length
 from .sampling import NonFiniteRow, Pick, StepContext
+from .text import TextTracker
 from .tokens import Shared
 from .width import acceptance_rate
 
 Detokenize = Callable[[Sequence[int]], str]
-
-_REPLACEMENT_CHAR = "\ufffd"
 
 
 class FinishReason(enum.StrEnum):
@@ -470,7 +470,7 @@ def _advance(
 
     # Commit: each candidate passes the rules in order; the first rule that fires ends the generation.
     limit = state.context_limit
-    text = _TextTracker(state)
+    text = TextTracker(state)
     generated = state.generated_tokens
     logprobs = state.logprobs
     commits: list[Commit] = []
@@ -535,66 +535,3 @@ def _matched_stop_sequence(generated: Sequence[int], sequences: tuple[tuple[int,
         if len(generated) >= n and tuple(generated[-n:]) == seq:
             return seq
     return None
-
-
-class _TextTracker:
-    """Incremental detokenization and stop-string hold-back for one step (local scratch, never shared)."""
-
-    def __init__(self, state: DecodeState) -> None:
-        self.detokenize = state.detokenize
-        self.text = state.text
-        self.streamed = state.streamed_chars
-        self.detok_start = state._detok_start
-        self.detok_end = state._detok_end
-        self.checked = len(state.text)  # stop strings were already searched in text[:checked]
-        self.stop_strings = state.options.stop_strings
-        self.longest_stop = max((len(s) for s in self.stop_strings), default=0)
-
-    def add(self, generated: Sequence[int], flush: bool) -> None:
-        """Decode what the newest token completes. A trailing partial character waits for the next token,
-        unless ``flush`` (the generation ends here), when it is kept as U+FFFD."""
-        if self.detokenize is None:
-            return
-        prefix = self.detokenize(generated[self.detok_start : self.detok_end])
-        full = self.detokenize(generated[self.detok_start :])
-        if len(full) > len(prefix) and (flush or not full.endswith(_REPLACEMENT_CHAR)):
-            self.text += full[len(prefix) :]
-            self.detok_start, self.detok_end = self.detok_end, len(generated)
-
-    def find_stop(self) -> str | None:
-        """Cut the text before the earliest-completing stop string that the new text completes; return it."""
-        if not self.stop_strings or len(self.text) == self.checked:
-            return None
-        start = max(0, self.checked - self.longest_stop + 1)
-        self.checked = len(self.text)
-        best: tuple[int, int, str] | None = None
-        for s in self.stop_strings:
-            at = self.text.find(s, start)
-            if at >= 0 and (best is None or (at + len(s), at) < best[:2]):
-                best = (at + len(s), at, s)
-        if best is None:
-            return None
-        self.text = self.text[: best[1]]
-        self.checked = len(self.text)
-        return best[2]
-
-    def release(self, final: bool) -> str:
-        """The text this commit releases: all of it when the generation ends, else all but what could still
-        start a stop string."""
-        end = len(self.text) if final else len(self.text) - self._held_back()
-        if end <= self.streamed:
-            return ""
-        out = self.text[self.streamed : end]
-        self.streamed = end
-        return out
-
-    def _held_back(self) -> int:
-        """Length of the longest suffix of the text that is a proper prefix of some stop string."""
-        best = 0
-        tail = self.text[-self.longest_stop :] if self.longest_stop else ""
-        for s in self.stop_strings:
-            for n in range(min(len(s) - 1, len(tail)), best, -1):
-                if tail.endswith(s[:n]):
-                    best = n
-                    break
-        return best
