@@ -16,6 +16,7 @@ from ortspec.adapters.engine.options import GenerationOptions, Prompt, make_prop
 from ortspec.batch_driver import BatchDriver, BatchSequence
 from ortspec.core import CostAwareWidth, PricedWidth, Proposer, WidthPolicy
 from ortspec.core.checks import ArgumentError
+from ortspec.core.forced import forcing
 from ortspec.core.state import Options
 from ortspec.driver import GenerateResult, StreamCallback
 
@@ -39,7 +40,8 @@ def batch_request(engine: Engine, prompt: Prompt, options: GenerationOptions) ->
     with ``draft_width="auto"`` measures the verify cost curve the first time (as ``generate`` does)."""
     proposer = batch_proposer(options.speculative)
     ids, core_options = engine.prepare(prompt, options)
-    return BatchRequest(ids, core_options, proposer, batch_width(engine, proposer, options.draft_width))
+    width = batch_width(engine, proposer, options.draft_width)
+    return BatchRequest(ids, core_options, forcing(proposer, core_options, len(ids)), width)
 
 
 def submit(
