@@ -14,7 +14,17 @@ from collections.abc import Sequence
 import attrs
 
 from .constraint import Constraint, Grammar
+from .options import Options
 from .proposers import Learner, Proposer
+
+
+def forcing(proposer: Proposer | None, options: Options, prompt_len: int) -> Proposer | None:
+    """The proposer of a speculative generation with ``options``: ``proposer`` with the grammar's forced tokens in
+    front (``ForcedTokens``) when the options hold a grammar; unchanged otherwise, and None (plain decoding) stays
+    None."""
+    if proposer is None or options.grammar is None:
+        return proposer
+    return ForcedTokens(options.grammar, prompt_len, proposer)
 
 
 @attrs.frozen
