@@ -2,7 +2,7 @@
 the ``BatchDriver`` equals that request decoded alone.
 
 A batch is one model, a few slots and several requests (``scenarios`` of ``strategies.py``: greedy, seeded sampling
-and penalties mixed; stops, EOS mid-block, context full; a quarter constrained by a fake grammar), each with its own
+and penalties mixed; stops, EOS mid-block, context full; one in eight constrained by a fake grammar), each with its own
 proposer and width policy, joining at a drawn pass, some cancelled at a drawn pass or after a drawn number of
 delivered tokens, some streamed through a callback and some read through the iterator, prompts prefilled in chunks
 of a drawn size. Some requests share a prefix with an earlier one (its next turn: its prompt, its output and new
@@ -130,7 +130,7 @@ def batches(draw):
         earlier = draw(st.sampled_from(requests)) if requests and draw(st.integers(0, 2)) == 0 else None
         prompt, follows = follow_up(draw, model, earlier) if earlier is not None else (None, None)
         sc = draw(scenarios(model=model, prompt=prompt))
-        if draw(st.integers(0, 3)) == 0:  # structured output: a fake grammar masks every row
+        if draw(st.integers(0, 7)) == 0:  # structured output: a fake grammar masks every row
             grammar = draw(fake_grammars(model.vocab_size, sc.options.eos_token_ids))
             sc = attrs.evolve(sc, options=attrs.evolve(sc.options, grammar=grammar))
         if draw(st.integers(0, 9)) == 0:

@@ -141,13 +141,13 @@ def check_constrained(sc: Scenario, data) -> None:
         event("constrained: accepted several draft tokens in one pass")
 
 
-@settings(max_examples=examples(150))
+@settings(max_examples=examples(100))
 @given(scenarios(mode="greedy"), st.data())
 def test_constrained_greedy_speculative_equals_constrained_plain(sc, data):
     check_constrained(sc, data)
 
 
-@settings(max_examples=examples(150))
+@settings(max_examples=examples(100))
 @given(scenarios(mode="sampling"), st.data())
 def test_constrained_sampling_speculative_equals_constrained_plain(sc, data):
     check_constrained(sc, data)
