@@ -145,6 +145,13 @@ def test_response_format_is_obeyed_streamed_or_not_and_a_bad_one_is_a_400(server
         client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=40, response_format=rf, stream=True)
     )
     assert text == want.text and finish == "stop"
+    # Alternatives the grammar forbids (-inf) are left out: JSON has no -inf.
+    yes_no = {"type": "regex", "regex": "(yes|no)"}
+    lp = client.chat.completions.create(
+        model=MODEL, messages=CHAT, max_tokens=8, response_format=yes_no, logprobs=True, top_logprobs=20
+    )
+    assert lp.choices[0].message.content in ("yes", "no")
+    assert all(len(t.top_logprobs) <= 20 for t in lp.choices[0].logprobs.content)
     bad = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strin"}}}
     body = {"model": MODEL, "messages": CHAT, "response_format": bad}
     answer = httpx.post(server + "/v1/chat/completions", json=body)
