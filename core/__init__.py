@@ -1,6 +1,8 @@
 """The pure core: decoding rules, proposers and width policies. No I/O, no devices, no process state."""
 
+from .constraint import Grammar, Matcher
 from .declare import Bounds, OptionSpec, option, options_of, spec
+from .forced import ForcedTokens
 from .lookup_or_draft import LookupOrDraft
 from .options import Limits, Options
 from .proposers import MAX_DRAFT, Learner, NgramIndex, PromptLookup, Proposer
@@ -32,9 +34,12 @@ __all__ = [
     "DecodeState",
     "FinishReason",
     "FixedWidth",
+    "ForcedTokens",
+    "Grammar",
     "Learner",
     "Limits",
     "LookupOrDraft",
+    "Matcher",
     "NgramIndex",
     "OptionSpec",
     "Options",
