@@ -130,6 +130,7 @@ class Constraint:
         limit = min(len(path), target_len)
         while same < limit and path[same] == target(same):
             same += 1
+        self._storage, self._from_storage = None, 0  # until the move succeeds
         if len(path) > same:
             self._matcher.rollback(len(path) - same)
             del path[same:]

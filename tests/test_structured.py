@@ -16,8 +16,10 @@ from ortspec.adapters.engine.structured import ResponseFormat
 from ortspec.backends.fake import FakeBackend, FakeBatchBackend, FakeModel
 from ortspec.backends.onnx import BackendConfig
 from ortspec.core import FinishReason, Options, PromptLookup
+from ortspec.core.constraint import Constraint
 from ortspec.core.forced import ForcedTokens
 from ortspec.core.state import DecodeState, step, step_from_picks
+from ortspec.core.tokens import Shared
 from tests.support.grammars import FakeGrammar
 
 ENUMS = {
@@ -73,6 +75,20 @@ GRAMMAR = FakeGrammar(
     transitions=(((1, 1),), ((2, 2), (3, 1), (4, 3)), ((5, 1),), ()),
     accepting=frozenset({3}),
 )
+
+
+def test_a_constraint_answers_for_the_path_asked_whatever_was_asked_before():
+    matcher = GRAMMAR.matcher()
+    constraint = Constraint(matcher)
+    base = Shared.of([1])
+    longer = base.extended([2, 5])  # the same storage: the matcher's moves along it cost the new tokens only
+    assert np.flatnonzero(constraint.allowed(longer, (), ())).tolist() == [2, 3, 4]
+    assert np.flatnonzero(constraint.allowed(base, (2,), ())).tolist() == [5]  # the 5 rolled back
+    assert np.flatnonzero(constraint.allowed(longer, (3,), {7})).tolist() == [2, 3, 4]
+    assert np.flatnonzero(constraint.allowed(longer, (4,), {7})).tolist() == [7]  # complete: EOS only
+    assert constraint.complete(longer.extended([4])) and not constraint.complete(longer)
+    assert constraint.forced((0, 1, 2), 1) == (5,)
+    assert matcher.consumed == 3 + 0 + 2 + 1  # each move consumed only what the path did not share
 
 
 def test_every_token_obeys_the_grammar_and_a_complete_grammar_ends_the_generation():
