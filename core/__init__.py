@@ -1,6 +1,8 @@
 """The pure core: decoding rules, proposers and width policies. No I/O, no devices, no process state."""
 
+from .constraint import Grammar, Matcher
 from .declare import Bounds, OptionSpec, option, options_of, spec
+from .forced import ForcedTokens
 from .lookup_or_draft import LookupOrDraft
 from .options import Limits, Options
 from .proposers import MAX_DRAFT, Learner, Lookup, NgramIndex, PricedProposer, PromptLookup, Proposer
@@ -34,11 +36,14 @@ __all__ = [
     "DraftRule",
     "FinishReason",
     "FixedWidth",
+    "ForcedTokens",
+    "Grammar",
     "Learner",
     "PricedProposer",
     "Limits",
     "Lookup",
     "LookupOrDraft",
+    "Matcher",
     "NgramIndex",
     "OptionSpec",
     "Options",

@@ -9,10 +9,12 @@ keywords, so each of these is declared here and nowhere else.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from typing import Any
 
 import attrs
 
 from .checks import ArgumentError, int_at_least, is_int, token_ids
+from .constraint import Grammar
 from .declare import Bounds, option
 from .sampling import Sampling
 
@@ -91,6 +93,11 @@ def _to_stops(value: object) -> tuple[Stop, ...]:
     return tuple(out)
 
 
+def _is_grammar(instance: object, field: object, value: Any) -> None:
+    if not isinstance(value, Grammar):
+        raise ArgumentError("grammar", f"grammar must have a matcher() method (core.constraint.Grammar), got {value!r}")
+
+
 @attrs.frozen(kw_only=True, slots=False)  # not slotted: the Engine's options combine it with ``Sampling``
 class Limits:
     """The options every layer shares, declared once (``core/declare.py``): when to stop, and what to report."""
@@ -135,12 +142,14 @@ class Options(Limits):
     see the module docstring). ``eos_token_ids``: the tokens that end generation (kept). ``max_context`` bounds
     prompt + generated tokens; ``None`` leaves the bound to the backend's KV capacity (the state's context limit
     is the smaller of the two). ``sampling``: how each pick is made (``core/sampling.py``); sampling
-    (``temperature > 0``) needs a ``seed``: the core has no randomness of its own.
+    (``temperature > 0``) needs a ``seed``: the core has no randomness of its own. ``grammar``: a constraint every
+    generated token obeys (``core/constraint.py``: structured outputs); None: unconstrained.
     """
 
     eos_token_ids: frozenset[int] = attrs.field(default=frozenset(), converter=_to_eos_ids)
     max_context: int | None = attrs.field(default=None, validator=attrs.validators.optional(int_at_least(1)))
     sampling: Sampling = attrs.field(default=Sampling(), validator=attrs.validators.instance_of(Sampling))
+    grammar: Grammar | None = attrs.field(default=None, validator=attrs.validators.optional(_is_grammar))
 
     def __attrs_post_init__(self) -> None:
         if self.sampling.temperature > 0 and self.sampling.seed is None:
@@ -149,8 +158,9 @@ class Options(Limits):
     @property
     def device_picks_suffice(self) -> bool:
         """True when every pick is the raw row's argmax and nothing else is read from the row (no logprobs): a
-        backend that makes argmax picks where its logits live (``DevicePicks``) may then stand in for the rows."""
-        return not self.top_logprobs and self.sampling.is_plain_greedy
+        backend that makes argmax picks where its logits live (``DevicePicks``) may then stand in for the rows (a
+        grammar's mask needs the rows)."""
+        return not self.top_logprobs and self.sampling.is_plain_greedy and self.grammar is None
 
     @property
     def replay_seed(self) -> int | None:

@@ -31,7 +31,9 @@ The rules, in order (every step is deterministic; float32 for the processors, fl
    ``seed XOR (index * 0x9E3779B97F4A7C15)`` (64-bit arithmetic); ``index`` is the position of the token among the
    generated tokens (0 for the first). No RNG object, no state: the same seed replays the same tokens.
 
-A row that is not finite where the pick is made (a NaN anywhere, or a top that is +inf or -inf) is refused.
+A row that is not finite where the pick is made (a NaN anywhere, or a top that is +inf or -inf) is refused. A
+constrained generation's row is masked after the processors (``core/constraint.py``: the tokens its grammar
+forbids are ``-inf``), so every rule above sees the masked row.
 
 **Margins** (for the core's tie guard): how far the raw logits may all drift, at most ``d`` each, before the pick
 could change, stated as a gap ``M`` with the guarantee that the pick is unchanged whenever ``2 d < M``. Greedy:
@@ -53,6 +55,7 @@ import attrs
 import numpy as np
 
 from .checks import ArgumentError, check_number, is_int, token_ids
+from .constraint import masked
 from .declare import Bounds, option
 
 UNLIKELY = 40.0  # in units of (z_max - z) / T: tokens beyond it are never sampled
@@ -246,12 +249,26 @@ class StepContext:
                 z[self._bias_ids] = _saturated(v + self._bias, v)
         return z
 
-    def pick(self, row: np.ndarray, i: int, drafted: Sequence[int], *, margin: bool, top_n: int) -> Pick:
+    def pick(
+        self,
+        row: np.ndarray,
+        i: int,
+        drafted: Sequence[int],
+        *,
+        margin: bool,
+        top_n: int,
+        allowed: np.ndarray | None = None,
+    ) -> Pick:
         """The pick from ``row``, the ``i``-th row of the step (its context ends with ``drafted``); its
-        ``margin`` is computed only when asked (else +inf), its alternatives when ``top_n`` > 0. Raises
-        ``NonFiniteRow`` for a row that is not finite where the pick is made."""
+        ``margin`` is computed only when asked (else +inf), its alternatives when ``top_n`` > 0. ``allowed``: a
+        grammar's ``[vocab]`` bool mask for this row (``core/constraint.py``): the tokens it forbids are ``-inf``
+        after the processors. Raises ``NonFiniteRow`` for a row that is not finite where the pick is made."""
         s = self.sampling
         z = self.processed(row, drafted) if s.processes else np.asarray(row)
+        if allowed is not None:
+            if not allowed.any():
+                raise NonFiniteRow(f"logits row {i}: the grammar allows no token here (and no EOS: it does not accept)")
+            z = masked(z, allowed)
         best = int(np.argmax(z))  # the first maximum; a NaN anywhere is picked, and refused
         if not math.isfinite(float(z[best])):
             raise NonFiniteRow(f"logits row {i} is not finite where the pick is made (value {z[best]})")

@@ -4,8 +4,9 @@ Rule 1: everything that decides what is committed lives in this file: which draf
 candidates are committed and in what order the stop rules see them, when a generation ends and why, how many
 draft tokens a step may verify, how much KV the backend keeps, what text is released to the stream, and what a
 partly delivered generation reports. The driver, the backends and the Engine only carry these decisions out.
-The one piece kept apart is the arithmetic of a single pick (processors, filters, the seeded draw), in
-``core/sampling.py``: a pure function of one row that this file calls for every position it decides.
+Three pieces of arithmetic are kept apart, each called from here: a single pick (processors, filters, the seeded
+draw; ``core/sampling.py``, a pure function of one row), a step's text (incremental detokenization, the stop-string
+search and hold-back; ``core/text.py``), and a grammar's position and mask (``core/constraint.py``).
 
 Theory of operation
 -------------------
@@ -33,7 +34,8 @@ the picks itself (``step_from_picks``); the rules after the picks are the same c
 
 Each candidate then passes the commit rules, one token at a time and in this order, even in the middle of a
 block: EOS (the EOS token is kept), stop token sequences, stop strings (the earliest completion in the text wins
-and the text is cut before it), ``max_tokens`` (``MAX_TOKENS``), the context limit (``CONTEXT_FULL``). The
+and the text is cut before it), a grammar that is complete (``GRAMMAR_COMPLETE``), ``max_tokens``
+(``MAX_TOKENS``), the context limit (``CONTEXT_FULL``). The
 first rule that fires ends the generation, and no candidate after that token is ever committed. Because the
 rules see the same tokens in the same order whatever the draft was, speculative and plain runs end identically.
 
@@ -43,6 +45,10 @@ committed within ``max_tokens`` and the context limit. So no pass writes a KV po
 The step returns ``rewind_to``, the KV length the backend must keep: ``kv_len`` of the new state. The pass left
 ``kv_len + 1 + K`` positions; the committed ones stay, and the last committed token becomes the next pending
 token (it is re-fed, so its KV entry is recomputed by the next pass).
+
+Structured outputs (``Options.grammar``). Every row is masked by the grammar's state after the tokens before that
+row (``generated + draft[:i]``): the picks are plain constrained decoding's, and a draft the grammar forbids is
+simply not accepted. EOS is allowed only where the grammar accepts. The rules are in ``core/constraint.py``.
 
 Near ties (opt-in, ``Options.tie_margin``). A K-token pass can round differently from a 1-token pass and flip an
 argmax whose top two logits almost tie. With the guard on, a pick from a multi-token pass whose margin is below
@@ -72,15 +78,15 @@ import attrs
 import numpy as np
 
 from .checks import ArgumentError, check_int, ids_in_vocab, token_ids
+from .constraint import Constraint
 from .options import Options
 from .prefix import reused_length
 from .sampling import NonFiniteRow, Pick, StepContext
+from .text import TextTracker
 from .tokens import Shared
 from .width import acceptance_rate
 
 Detokenize = Callable[[Sequence[int]], str]
-
-_REPLACEMENT_CHAR = "\ufffd"
 
 
 class FinishReason(enum.StrEnum):
@@ -90,11 +96,12 @@ class FinishReason(enum.StrEnum):
     STOP_SEQUENCE = "stop_sequence"  # a stop token sequence or a stop string
     MAX_TOKENS = "max_tokens"  # Options.max_tokens tokens were generated
     CONTEXT_FULL = "context_full"  # prompt + generated tokens reached the context limit
+    GRAMMAR_COMPLETE = "grammar_complete"  # the output is a complete match of Options.grammar that nothing extends
 
     @property
     def openai(self) -> str:
-        """``"stop"`` (EOS or a stop sequence) or ``"length"`` (a token or context limit)."""
-        return "stop" if self in (FinishReason.EOS_TOKEN, FinishReason.STOP_SEQUENCE) else "length"
+        """``"stop"`` (EOS, a stop sequence, a complete grammar) or ``"length"`` (a token or context limit)."""
+        return "length" if self in (FinishReason.MAX_TOKENS, FinishReason.CONTEXT_FULL) else "stop"
 
 
 @attrs.frozen
@@ -180,6 +187,8 @@ class DecodeState:
     _detok_end: int = 0
     # Set when the tie guard refused the first pick of a multi-token pass: the next step must be plain.
     _plain_step_next: bool = False
+    # The grammar's position (core/constraint.py), opened from options.grammar by ``start``; None: unconstrained.
+    constraint: Constraint | None = attrs.field(default=None, eq=False, repr=False)
 
     @classmethod
     def start(
@@ -200,7 +209,8 @@ class DecodeState:
 
         Raises ``ValueError`` for an empty prompt, a prompt id outside the vocabulary, a prompt longer than the
         context limit, or stop strings without a ``detokenize`` function. A prompt that fills the context limit
-        gives a state that has already finished (``CONTEXT_FULL``, no token)."""
+        gives a state that has already finished (``CONTEXT_FULL``, no token), as does a grammar that the empty
+        output completes (``GRAMMAR_COMPLETE``)."""
         if not isinstance(options, Options):
             raise ValueError(f"options must be an ortspec Options, got {type(options).__name__}")
         if isinstance(prompt_tokens, (str, bytes)):
@@ -221,13 +231,22 @@ class DecodeState:
         if capacity is not None:
             capacity = check_int("capacity", capacity, 1)
         cached = reused_length(cached_prefix, len(prompt))
+        grammar = options.grammar
+        constraint = Constraint(grammar.matcher()) if grammar is not None else None
         state = cls(
-            prompt_tokens=prompt, options=options, detokenize=detokenize, capacity=capacity, cached_prefix=cached
+            prompt_tokens=prompt,
+            options=options,
+            detokenize=detokenize,
+            capacity=capacity,
+            cached_prefix=cached,
+            constraint=constraint,
         )
         limit = state.context_limit
         bound = "max_context" if limit == options.max_context else "the context (the KV capacity)"
         check_prompt_fits(len(prompt), limit, holds=f"{bound} is {limit}")
-        if len(prompt) == state.context_limit:
+        if constraint is not None and constraint.complete(()):  # the empty output already completes the grammar
+            state = attrs.evolve(state, finish_reason=FinishReason.GRAMMAR_COMPLETE)
+        elif len(prompt) == state.context_limit:
             state = attrs.evolve(state, finish_reason=FinishReason.CONTEXT_FULL)
         return state
 
@@ -360,12 +379,14 @@ def step(
 
     context = StepContext(state.options.sampling, state.prompt_tokens, state.generated_tokens)
     want_margin = bool(k) and state.options.tie_margin > 0
+    constraint, generated, eos_ids = state.constraint, state.generated_tokens, state.options.eos_token_ids
     picks: dict[int, Pick] = {}
 
     def row_pick(i: int) -> Pick:
         if i not in picks:
             top_n = state.options.top_logprobs
-            picks[i] = context.pick(all_rows[i], i, draft[:i], margin=want_margin, top_n=top_n)
+            allowed = None if constraint is None else constraint.allowed(generated, draft[:i], eos_ids)
+            picks[i] = context.pick(all_rows[i], i, draft[:i], margin=want_margin, top_n=top_n, allowed=allowed)
         return picks[i]
 
     def logprob(i: int, token: int) -> TokenLogprob:
@@ -396,8 +417,8 @@ def step_from_picks(
     ``top_logprobs`` > 0 is refused here."""
     if state.options.top_logprobs:
         raise ValueError("step_from_picks cannot report logprobs (it has no logits); use step()")
-    if not state.options.sampling.is_plain_greedy:
-        raise ValueError("step_from_picks takes argmax picks: sampling, penalties and logit_bias need step()")
+    if not state.options.device_picks_suffice:
+        raise ValueError("step_from_picks takes argmax picks: sampling, penalties, logit_bias, grammars need step()")
     draft = check_draft(state, draft, vocab_size)
     ids = ids_in_vocab("picks", picks, vocab_size)
     if len(ids) != len(draft) + 1:
@@ -469,8 +490,8 @@ def _advance(
     plain_step_next = not candidates or nonfinite_cut
 
     # Commit: each candidate passes the rules in order; the first rule that fires ends the generation.
-    limit = state.context_limit
-    text = _TextTracker(state)
+    limit, constraint = state.context_limit, state.constraint
+    text = TextTracker(state)
     generated = state.generated_tokens
     logprobs = state.logprobs
     commits: list[Commit] = []
@@ -480,19 +501,22 @@ def _advance(
         generated = generated.extended((token,))
         eos = token in opts.eos_token_ids
         seq = None if eos else _matched_stop_sequence(generated, opts.stop_token_sequences)
+        grammar_done = not eos and seq is None and constraint is not None and constraint.complete(generated)
         bound = None
         if len(generated) >= opts.max_tokens:
             bound = FinishReason.MAX_TOKENS
         elif limit is not None and len(state.prompt_tokens) + len(generated) >= limit:
             bound = FinishReason.CONTEXT_FULL
         # A token that ends the generation also flushes a trailing partial character, before the stop check.
-        text.add(generated, flush=eos or seq is not None or bound is not None)
+        text.add(generated, flush=eos or seq is not None or grammar_done or bound is not None)
         if eos:
             finish = FinishReason.EOS_TOKEN
         elif seq is not None:
             finish, matched = FinishReason.STOP_SEQUENCE, seq
         elif (stop := text.find_stop()) is not None:
             finish, matched = FinishReason.STOP_SEQUENCE, stop
+        elif grammar_done:
+            finish = FinishReason.GRAMMAR_COMPLETE
         else:
             finish = bound
         lp = logprob(i, token) if logprob is not None else None
@@ -535,66 +559,3 @@ def _matched_stop_sequence(generated: Sequence[int], sequences: tuple[tuple[int,
         if len(generated) >= n and tuple(generated[-n:]) == seq:
             return seq
     return None
-
-
-class _TextTracker:
-    """Incremental detokenization and stop-string hold-back for one step (local scratch, never shared)."""
-
-    def __init__(self, state: DecodeState) -> None:
-        self.detokenize = state.detokenize
-        self.text = state.text
-        self.streamed = state.streamed_chars
-        self.detok_start = state._detok_start
-        self.detok_end = state._detok_end
-        self.checked = len(state.text)  # stop strings were already searched in text[:checked]
-        self.stop_strings = state.options.stop_strings
-        self.longest_stop = max((len(s) for s in self.stop_strings), default=0)
-
-    def add(self, generated: Sequence[int], flush: bool) -> None:
-        """Decode what the newest token completes. A trailing partial character waits for the next token,
-        unless ``flush`` (the generation ends here), when it is kept as U+FFFD."""
-        if self.detokenize is None:
-            return
-        prefix = self.detokenize(generated[self.detok_start : self.detok_end])
-        full = self.detokenize(generated[self.detok_start :])
-        if len(full) > len(prefix) and (flush or not full.endswith(_REPLACEMENT_CHAR)):
-            self.text += full[len(prefix) :]
-            self.detok_start, self.detok_end = self.detok_end, len(generated)
-
-    def find_stop(self) -> str | None:
-        """Cut the text before the earliest-completing stop string that the new text completes; return it."""
-        if not self.stop_strings or len(self.text) == self.checked:
-            return None
-        start = max(0, self.checked - self.longest_stop + 1)
-        self.checked = len(self.text)
-        best: tuple[int, int, str] | None = None
-        for s in self.stop_strings:
-            at = self.text.find(s, start)
-            if at >= 0 and (best is None or (at + len(s), at) < best[:2]):
-                best = (at + len(s), at, s)
-        if best is None:
-            return None
-        self.text = self.text[: best[1]]
-        self.checked = len(self.text)
-        return best[2]
-
-    def release(self, final: bool) -> str:
-        """The text this commit releases: all of it when the generation ends, else all but what could still
-        start a stop string."""
-        end = len(self.text) if final else len(self.text) - self._held_back()
-        if end <= self.streamed:
-            return ""
-        out = self.text[self.streamed : end]
-        self.streamed = end
-        return out
-
-    def _held_back(self) -> int:
-        """Length of the longest suffix of the text that is a proper prefix of some stop string."""
-        best = 0
-        tail = self.text[-self.longest_stop :] if self.longest_stop else ""
-        for s in self.stop_strings:
-            for n in range(min(len(s) - 1, len(tail)), best, -1):
-                if tail.endswith(s[:n]):
-                    best = n
-                    break
-        return best

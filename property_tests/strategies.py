@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 from ortspec.backends.fake import FakeModel
 from ortspec.core import AdditiveWidth, CostAwareWidth, Options, PromptLookup, Sampling
 from property_tests.reference import PickRules, PlainDecoder, ReferenceError, plain_continuation
+from tests.support.grammars import FakeGrammar
 
 # Byte-level pieces: ASCII words and the bytes of 2-, 3- and 4-byte characters (é, €, 中, 𝄞), alone and glued to
 # ASCII, so text arrives in partial characters and stop strings span tokens.
@@ -95,6 +96,30 @@ def prompts(draw, vocab: int) -> tuple[int, ...]:
         tail = draw(st.lists(ids, max_size=4))
         return tuple(motif * reps + tail)
     return tuple(draw(st.lists(ids, min_size=1, max_size=30)))
+
+
+@st.composite
+def fake_grammars(draw, vocab: int, eos: frozenset[int]) -> FakeGrammar:
+    """Up to 6 states; each allows no token, one (a forced token), a few, or many, each to a drawn state; never an
+    EOS id (a grammar's tokens are text)."""
+    n = draw(st.integers(1, 6))
+    ids = [t for t in range(vocab) if t not in eos]
+    token = st.sampled_from(ids) if ids else st.nothing()
+    transitions = []
+    for _ in range(n):
+        kind = draw(st.sampled_from(["few", "few", "one", "one", "many", "none"]))
+        if kind == "none" or not ids:
+            tokens: list[int] = []
+        elif kind == "one":
+            tokens = [draw(token)]
+        elif kind == "few":
+            tokens = draw(st.lists(token, min_size=1, max_size=min(len(ids), 5), unique=True))
+        else:
+            many = min(len(ids), 8)
+            tokens = ids if len(ids) <= 64 else draw(st.lists(token, min_size=many, max_size=64, unique=True))
+        transitions.append(tuple(sorted((t, draw(st.integers(0, n - 1))) for t in tokens)))
+    accepting = frozenset(s for s in range(n) if not transitions[s] or draw(st.integers(0, 3)) == 0)
+    return FakeGrammar(vocab, tuple(transitions), accepting)
 
 
 @attrs.frozen

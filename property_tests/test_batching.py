@@ -2,16 +2,16 @@
 the ``BatchDriver`` equals that request decoded alone.
 
 A batch is one model, a few slots and several requests (``scenarios`` of ``strategies.py``: greedy, seeded sampling
-and penalties mixed; stops, EOS mid-block, context full), each with its own proposer and width policy, joining at
-a drawn pass, some cancelled at a drawn pass or after a drawn number of delivered tokens, some streamed through a
-callback and some read through the iterator, prompts prefilled in chunks of a drawn size under a drawn per-pass
-prompt-token budget (tiny ones, 1 to 3, included; or none), so prefilling sequences sit passes out while the others
-decode: no pass folds in more prompt tokens than the budget, and every decoding sequence has a row in every pass. Some
-requests share a
-prefix with an earlier one (its next turn: its prompt, its output and new tokens; its prompt again or a part of
-it; only a few of its tokens, then others) and join at a drawn later pass, so the driver's prefix reuse sends
-them to a slot that holds some of their KV, whatever that slot held before; before every pass, each row's slot
-must hold exactly its own sequence's context up to the row's position.
+and penalties mixed; stops, EOS mid-block, context full; one in eight constrained by a fake grammar), each with its
+own proposer and width policy, joining at a drawn pass, some cancelled at a drawn pass or after a drawn number of
+delivered tokens, some streamed through a callback and some read through the iterator, prompts prefilled in chunks
+of a drawn size under a drawn per-pass prompt-token budget (tiny ones, 1 to 3, included; or none), so prefilling
+sequences sit passes out while the others decode: no pass folds in more prompt tokens than the budget, and every
+decoding sequence has a row in every pass. Some requests share a prefix with an earlier one (its next turn: its
+prompt, its output and new tokens; its prompt again or a part of it; only a few of its tokens, then others) and join
+at a drawn later pass, so the driver's prefix reuse sends them to a slot that holds some of their KV, whatever that
+slot held before; before every pass, each row's slot must hold exactly its own sequence's context up to the row's
+position.
 
 Each request is also decoded alone twice: with ``generate`` and no proposer (plain decoding, which the equivalence
 suite proves equal to the reference) and with a ``Generation`` holding the same proposer and width policy. The
@@ -33,7 +33,15 @@ from ortspec import BatchDriver, BatchSequence, GenerateResult, Generation, Gene
 from ortspec.backends.fake import FakeBackend, FakeBatchBackend, FakeModel
 from ortspec.batch_driver import Phase
 from property_tests.conftest import examples
-from property_tests.strategies import FaultyProposer, Scenario, fake_models, proposers_for, scenarios, width_policies
+from property_tests.strategies import (
+    FaultyProposer,
+    Scenario,
+    fake_grammars,
+    fake_models,
+    proposers_for,
+    scenarios,
+    width_policies,
+)
 
 UNBOUNDED = 4096  # a scenario's capacity when it does not bound the context
 
@@ -125,6 +133,9 @@ def batches(draw):
         earlier = draw(st.sampled_from(requests)) if requests and draw(st.integers(0, 2)) == 0 else None
         prompt, follows = follow_up(draw, model, earlier) if earlier is not None else (None, None)
         sc = draw(scenarios(model=model, prompt=prompt))
+        if draw(st.integers(0, 7)) == 0:  # structured output: a fake grammar masks every row
+            grammar = draw(fake_grammars(model.vocab_size, sc.options.eos_token_ids))
+            sc = attrs.evolve(sc, options=attrs.evolve(sc.options, grammar=grammar))
         if draw(st.integers(0, 9)) == 0:
             proposer = ("faulty", draw(st.integers(0, 6)), draw(st.sampled_from(["raise", "out_of_range"])))
         else:

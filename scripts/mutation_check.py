@@ -39,6 +39,7 @@ PROPERTY_TESTS = ("property_tests/test_prompt_lookup.py", "property_tests/test_e
 # Modules of the core and the driver are also checked by the property suite (PROPERTY_CHECKED).
 UNIT_TESTS: dict[str, tuple[str, ...]] = {
     "core/state.py": ("tests/test_commit_rules.py", "tests/test_core_rules.py", "tests/test_driver.py"),
+    "core/text.py": ("tests/test_commit_rules.py", "tests/test_core_rules.py", "tests/test_driver.py"),
     "core/sampling.py": ("tests/test_sampling_rules.py", "tests/test_sampling.py", "tests/test_core_rules.py"),
     "core/proposers.py": ("tests/test_proposers.py",),
     "ortspec/driver.py": ("tests/test_driver.py",),
@@ -156,48 +157,48 @@ MUTANTS: dict[str, Mutant] = {
         "        elif i == len(candidates) - 1 and (stop := text.find_stop()) is not None:",
     ),
     "first-listed-stop-string-wins": Mutant(
-        "core/state.py",
+        "core/text.py",
         "if at >= 0 and (best is None or (at + len(s), at) < best[:2]):",
         "if at >= 0 and best is None:",
     ),
     "stop-string-search-misses-token-boundaries": Mutant(
-        "core/state.py",
+        "core/text.py",
         "start = max(0, self.checked - self.longest_stop + 1)",
         "start = self.checked",
     ),
     # -- streamed text: hold-back, partial characters, the final flush --------------------------------------------
     "stream-no-hold-back": Mutant(
-        "core/state.py",
+        "core/text.py",
         "end = len(self.text) if final else len(self.text) - self._held_back()",
         "end = len(self.text)",
     ),
     "stream-held-back-text-never-released": Mutant(
-        "core/state.py",
+        "core/text.py",
         "end = len(self.text) if final else len(self.text) - self._held_back()",
         "end = len(self.text) - self._held_back()",
     ),
     "stream-hold-back-only-first-stop-string": Mutant(
-        "core/state.py",
+        "core/text.py",
         "        for s in self.stop_strings:\n            for n in range(",
         "        for s in self.stop_strings[:1]:\n            for n in range(",
     ),
     "stream-hold-back-shortest-prefix": Mutant(
-        "core/state.py",
+        "core/text.py",
         "for n in range(min(len(s) - 1, len(tail)), best, -1):",
         "for n in range(best + 1, min(len(s) - 1, len(tail)) + 1):",
     ),
     "partial-character-not-waited-for": Mutant(
-        "core/state.py",
+        "core/text.py",
         "if len(full) > len(prefix) and (flush or not full.endswith(_REPLACEMENT_CHAR)):",
         "if len(full) > len(prefix):",
     ),
     "partial-character-dropped-at-finish": Mutant(
         "core/state.py",
-        "text.add(generated, flush=eos or seq is not None or bound is not None)",
+        "text.add(generated, flush=eos or seq is not None or grammar_done or bound is not None)",
         "text.add(generated, flush=False)",
     ),
     "detokenize-without-left-context": Mutant(
-        "core/state.py",
+        "core/text.py",
         "self.detok_start, self.detok_end = self.detok_end, len(generated)",
         "self.detok_start, self.detok_end = len(generated), len(generated)",
     ),
@@ -231,6 +232,25 @@ MUTANTS: dict[str, Mutant] = {
         "core/state.py",
         "    limit = state.context_limit\n    if limit is not None:\n        budget = min(",
         "    limit = state.options.max_context\n    if limit is not None:\n        budget = min(",
+    ),
+    # -- structured outputs (core/constraint.py) ------------------------------------------------------------------
+    "grammar-mask-ignores-the-draft-prefix": Mutant(
+        "core/state.py",
+        "constraint.allowed(generated, draft[:i], eos_ids)",
+        "constraint.allowed(generated, (), eos_ids)",
+        ("tests/test_structured.py", "property_tests/test_grammar.py"),
+    ),
+    "grammar-allows-eos-anywhere": Mutant(
+        "core/constraint.py",
+        "mask[eos] = self._matcher.accepting()",
+        "mask[eos] = True",
+        ("tests/test_structured.py", "property_tests/test_grammar.py"),
+    ),
+    "grammar-never-completes": Mutant(
+        "core/state.py",
+        "grammar_done = not eos and seq is None and constraint is not None and constraint.complete(generated)",
+        "grammar_done = False",
+        ("tests/test_structured.py", "property_tests/test_grammar.py"),
     ),
     # -- logprobs -------------------------------------------------------------------------------------------------
     "logprobs-not-normalised": Mutant(

@@ -133,6 +133,31 @@ def test_chat_streamed_equals_not_streamed_equals_engine(client, reference):
     assert any("ortspec" in (c.model_extra or {}) for c in chunks)
 
 
+def test_response_format_is_obeyed_streamed_or_not_and_a_bad_one_is_a_400(server, client, reference):
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+    schema["additionalProperties"] = False
+    rf = {"type": "json_schema", "json_schema": {"name": "flag", "schema": schema, "strict": True}}
+    want = reference.generate(CHAT, max_tokens=40, response_format=rf)
+    full = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=40, response_format=rf)
+    assert full.choices[0].message.content == want.text and json.loads(want.text)["ok"] in (True, False)
+    assert full.choices[0].finish_reason == "stop"
+    text, finish, _, _ = _stream_text(
+        client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=40, response_format=rf, stream=True)
+    )
+    assert text == want.text and finish == "stop"
+    # Alternatives the grammar forbids (-inf) are left out: JSON has no -inf.
+    yes_no = {"type": "regex", "regex": "(yes|no)"}
+    lp = client.chat.completions.create(
+        model=MODEL, messages=CHAT, max_tokens=8, response_format=yes_no, logprobs=True, top_logprobs=20
+    )
+    assert lp.choices[0].message.content in ("yes", "no")
+    assert all(len(t.top_logprobs) <= 20 for t in lp.choices[0].logprobs.content)
+    bad = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strin"}}}
+    body = {"model": MODEL, "messages": CHAT, "response_format": bad}
+    answer = httpx.post(server + "/v1/chat/completions", json=body)
+    assert answer.status_code == 400 and answer.json()["error"]["param"] == "response_format"
+
+
 def test_streamed_completion_and_raw_sse_end_with_done(server, client, reference):
     prompt = "abc abc abc abc"
     want = reference.generate(prompt, max_tokens=20)

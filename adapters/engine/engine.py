@@ -32,6 +32,7 @@ from ortspec.adapters.engine.options import (
     takes_options,
     takes_prompts_and_options,
 )
+from ortspec.adapters.engine.structured import GrammarCompiler, LlgGrammar, ResponseFormat
 from ortspec.adapters.engine.suffix_cache import SuffixCache
 from ortspec.adapters.engine.tokenizer import Tokenizer, check_tokenizer_fits
 from ortspec.backends.base import Backend, BatchBackend
@@ -49,6 +50,7 @@ from ortspec.core import (
     check_prompt_fits,
 )
 from ortspec.core.checks import ArgumentError, ids_in_vocab
+from ortspec.core.forced import forcing
 from ortspec.core.prefix import common_prefix_length
 from ortspec.driver import GenerateResult, Generation, PassGuard, StreamCallback
 
@@ -124,6 +126,8 @@ class Engine(EngineMeasurements):
         self._batch_decode_costs: tuple[float, ...] | None = None
         self.shared_passes = shared.SharedPasses(self, available=False)  # available once opened with batch_slots
         self._slot_drafters: SlotDrafters | None = None  # the drafter on the batch backend's slots
+        self._grammars: GrammarCompiler | None = None  # response_format's compiler, made on first use
+        self._grammar_lock = threading.Lock()  # not the Engine's lock: a request is checked while others generate
 
     @classmethod
     def from_dir(
@@ -266,6 +270,7 @@ class Engine(EngineMeasurements):
             if proposer is not None:
                 self._warn_if_inexact()
             proposer, draft_width = self._priced(proposer, auto_width, options.draft_width)
+            proposer = forcing(proposer, core_options, len(ids))
             cached = 0
             if self.prefix_reuse and self._last is not None:
                 cached = common_prefix_length(self._last.resident_tokens(), ids)
@@ -308,11 +313,22 @@ class Engine(EngineMeasurements):
             **options.limits(),
             eos_token_ids=() if options.ignore_eos else self.eos_token_ids,
             sampling=options.sampling(),
+            grammar=self._grammar(options.response_format),
         )
         ids = self.prompt_ids(prompt, chat=options.chat, system=options.system)
         self._check_prompt_fits(ids)
         ids_in_vocab("stop", [t for seq in core_options.stop_token_sequences for t in seq], self.backend.vocab_size)
         return ids, core_options
+
+    def _grammar(self, response_format: ResponseFormat | None) -> LlgGrammar | None:
+        """``response_format`` compiled for this model (``ArgumentError`` naming it when it is refused)."""
+        if response_format is None:
+            return None
+        with self._grammar_lock:
+            if self._grammars is None:
+                vocab = self.backend.vocab_size
+                self._grammars = GrammarCompiler(self.tokenizer.to_json(), vocab, sorted(self.eos_token_ids))
+            return self._grammars.grammar(response_format)
 
     def batch_backend(self, slots: int | None = None) -> BatchBackend:
         """The batch backend of :meth:`generate_many` and the batched server: ``slots`` KV caches on this folder

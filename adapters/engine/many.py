@@ -23,6 +23,7 @@ from ortspec.adapters.engine.options import GenerationOptions, Prompt
 from ortspec.batch_driver import BatchDriver, BatchSequence, SlotProposer
 from ortspec.core import LookupOrDraft, PricedProposer, PricedWidth, Proposer, WidthPolicy
 from ortspec.core.checks import ArgumentError
+from ortspec.core.forced import forcing
 from ortspec.core.state import Options
 from ortspec.driver import FinishCallback, GenerateResult, StreamCallback
 
@@ -52,7 +53,25 @@ def batch_request(engine: Engine, prompt: Prompt, options: GenerationOptions) ->
     proposer, auto_width = engine._proposer(options.speculative, drafter)
     ids, core_options = engine.prepare(prompt, options)
     priced, width = engine._priced(proposer, auto_width, options.draft_width)
-    return BatchRequest(ids, core_options, bound_to_slots(priced, drafter, slots), width, engine.record_output)
+    forced = with_forced_tokens(bound_to_slots(priced, drafter, slots), core_options, len(ids))
+    return BatchRequest(ids, core_options, forced, width, engine.record_output)
+
+
+def with_forced_tokens(
+    proposer: Proposer | SlotProposer | None, options: Options, prompt_len: int
+) -> Proposer | SlotProposer | None:
+    """``core.forced.forcing`` for a batched request: the grammar's forced tokens in front of its proposer, or of
+    the proposer a ``SlotProposer`` binds to the sequence's slot."""
+    if not isinstance(proposer, SlotProposer):
+        return forcing(proposer, options, prompt_len)
+    bind = proposer.bind
+
+    def bound(slot: int) -> Proposer:
+        forced = forcing(bind(slot), options, prompt_len)
+        assert forced is not None  # forcing keeps a proposer a proposer
+        return forced
+
+    return SlotProposer(bound)
 
 
 def bound_to_slots(

@@ -13,6 +13,7 @@ from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import attrs
 
+from ortspec.adapters.engine.structured import ResponseFormat
 from ortspec.core import (
     MAX_DRAFT,
     Limits,
@@ -118,6 +119,13 @@ class GenerationOptions(Sampling, Limits):
     chat: bool = option(False, "format a text prompt as one user turn with the model's chat template")
     system: str | None = option(None, "with chat: a system turn before the user turn")
     ignore_eos: bool = option(False, "do not stop at the model's EOS tokens")
+    response_format: ResponseFormat | None = option(
+        None,
+        "constrain the output (structured outputs): {'type': 'json_object'}, {'type': 'json_schema', 'json_schema': "
+        "{'name', 'schema', 'strict'}}, or ortspec's {'type': 'regex', 'regex': R} and {'type': 'grammar', 'grammar': "
+        "LARK}; a dict or its JSON text",
+        converter=ResponseFormat.parse,
+    )
 
     def limits(self) -> dict[str, Any]:
         """The ``Limits`` keywords of the core's ``Options``."""

@@ -52,6 +52,10 @@ class Tokenizer:
                 template = cfg["chat_template"]
         return cls(tok, template, path=path)
 
+    def to_json(self) -> str:
+        """The tokenizer as ``tokenizer.json`` text (what a grammar engine reads)."""
+        return self._tok.to_str()
+
     @property
     def vocab_size(self) -> int:
         """Entries of the tokenizer, added (special) tokens included."""

@@ -77,6 +77,14 @@ class _GenerationRequest(_SamplingRequest):  # type: ignore[valid-type, misc]
     n: int = Field(default=1, json_schema_extra={"minimum": 1, "maximum": 1})  # documented: n=1 only
     user: str | None = None
     ortspec: OrtspecOptions | None = None
+    response_format: dict[str, Any] | None = Field(
+        default=None,
+        description=(
+            'structured outputs: {"type": "text"}, {"type": "json_object"}, {"type": "json_schema", "json_schema": '
+            '{"name", "schema", "strict"}}, or ortspec\'s {"type": "regex", "regex": R} and {"type": "grammar", '
+            '"grammar": LARK}; the output obeys it (a 400 names response_format when it cannot be used)'
+        ),
+    )
 
     @field_validator("n")
     @classmethod
@@ -162,6 +170,7 @@ def argument_fields(request: GenerationRequest) -> dict[str, str]:
         "stop": "stop",
         "top_logprobs": logprobs_field,
         "speculative": "ortspec.speculative",
+        "response_format": "response_format",
     }
     return fields | {name: name for name in SAMPLING_OPTIONS}
 
@@ -218,6 +227,7 @@ def prepare_options(
         "stop": request.stop,
         "top_logprobs": _logprob_options(request),
         "speculative": (settings.speculative or "prompt-lookup") if speculative else None,
+        "response_format": request.response_format,
     }
     for name in SAMPLING_OPTIONS:
         value = getattr(request, name)

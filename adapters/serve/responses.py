@@ -7,6 +7,7 @@ from the result.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -51,14 +52,18 @@ class LogprobFormatter:
     def token(self, token_id: int) -> str:
         return self.decode([token_id], skip_special_tokens=False)
 
+    def top(self, lp: TokenLogprob) -> list[tuple[int, float]]:
+        """The alternatives to report: at most ``alternatives``, none at -inf (a token the row could never pick, e.g.
+        one a ``response_format`` forbids; JSON has no -inf)."""
+        return [(t, p) for t, p in lp.top[: self.alternatives] if p > -math.inf]
+
     def chat(self, items: Sequence[TokenLogprob]) -> dict[str, Any]:
         def entry(token_id: int, logprob: float) -> dict[str, Any]:
             text = self.token(token_id)
             return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
 
         content = [
-            entry(lp.token_id, lp.logprob) | {"top_logprobs": [entry(t, p) for t, p in lp.top[: self.alternatives]]}
-            for lp in items
+            entry(lp.token_id, lp.logprob) | {"top_logprobs": [entry(t, p) for t, p in self.top(lp)]} for lp in items
         ]
         return {"content": content, "refusal": None}
 
@@ -71,7 +76,7 @@ class LogprobFormatter:
         return {
             "tokens": tokens,
             "token_logprobs": [lp.logprob for lp in items],
-            "top_logprobs": [{self.token(t): p for t, p in lp.top[: self.alternatives]} for lp in items],
+            "top_logprobs": [{self.token(t): p for t, p in self.top(lp)} for lp in items],
             "text_offset": offsets,
         }
 
