@@ -186,16 +186,19 @@ def scenarios(
     mode: str | None = None,
     model: FakeModel | None = None,
     prompt: tuple[int, ...] | None = None,
+    max_new: tuple[int, int] | None = None,
 ) -> Scenario:
     """A model, a prompt and options with one rule planted at a drawn token: ``end`` (one of ``END_KINDS``), or
     a kind drawn evenly when None; pick rules of ``mode`` ("greedy" or "sampling"; drawn when None). ``model``:
     this model instead of a drawn one (several requests to one model); ``prompt``: this prompt instead of a drawn
-    one (e.g. the next turn of an earlier request)."""
+    one (e.g. the next turn of an earlier request); ``max_new``: the token budget's bounds instead of the drawn
+    ones (the rule is planted within it, and only that much of the continuation is decoded)."""
     model = model if model is not None else draw(_built(fake_models, nonfinite))
     prompt = prompt if prompt is not None else draw(_built(prompts, model.vocab_size))
     # Hypothesis favours the first option and small integers; they are chosen so that its simplest examples
     # still reach deep into a generation (a medium budget, a rule planted late, a wide oracle draft).
-    max_new = draw(_sampled((9, 48), (49, 80), (9, 48), (1, 8)).flatmap(lambda r: _integers(*r)))
+    budgets = _sampled((9, 48), (49, 80), (9, 48), (1, 8)) if max_new is None else st.just(max_new)
+    max_new = draw(budgets.flatmap(lambda r: _integers(*r)))
     if mode is None:
         mode = draw(_sampled("greedy", "sampling"))
     rules = draw(_built(pick_rules, model.vocab_size, mode))

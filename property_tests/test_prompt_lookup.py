@@ -42,7 +42,7 @@ def contexts(draw) -> list[int]:
     return draw(st.lists(ids, max_size=40))
 
 
-@settings(max_examples=examples(3000))
+@settings(max_examples=examples(1500))
 @given(contexts(), st.integers(0, 40), st.integers(1, 6), st.integers(1, 32), st.data())
 def test_prompt_lookup_equals_its_reference(context, width, ngram, max_draft, data):
     min_ngram = data.draw(st.integers(1, ngram), label="min_ngram")

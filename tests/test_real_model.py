@@ -3,7 +3,8 @@ on its int4 conversion at MatMulNBits accuracy level 1 (converted on first use t
 
 Speculative output must equal greedy output token for token, at the default settings (tie guard off): on fp32 a
 verify pass agrees with one-token decodes to ~5e-5 logits. Every speculative test also asserts that drafts were
-verified and some accepted, so that it tests speculation and not greedy decoding twice.
+verified and some accepted, so that it tests speculation and not greedy decoding twice. The engine is deterministic,
+so a generation several tests assert on runs once (``generated``).
 """
 
 from __future__ import annotations
@@ -35,12 +36,26 @@ PROMPTS = [
 ]
 
 
+@pytest.fixture(scope="module")
+def generated(real_engine):
+    """``real_engine.generate(prompt, chat=True, **options)`` for options of plain values, each distinct call run
+    once in this module (the same call gives the same result: greedy, or sampling with a seed)."""
+    runs = {}
+
+    def generate(prompt, **options):
+        key = (prompt, tuple(sorted(options.items())))
+        if key not in runs:
+            runs[key] = real_engine.generate(prompt, chat=True, **options)
+        return runs[key]
+
+    return generate
+
+
 @pytest.mark.parametrize("prompt", PROMPTS, ids=["code-edit", "repeat", "list", "open-ended"])
-def test_speculative_equals_greedy(real_engine, prompt):
-    greedy = real_engine.generate(prompt, chat=True, max_tokens=96)
+def test_speculative_equals_greedy(generated, prompt):
+    greedy = generated(prompt, max_tokens=96)
     for draft_width in ("auto", 8):
-        spec = real_engine.generate(prompt, chat=True, max_tokens=96, speculative="prompt-lookup",
-                                    draft_width=draft_width)  # fmt: skip
+        spec = generated(prompt, max_tokens=96, speculative="prompt-lookup", draft_width=draft_width)
         assert spec.token_ids == greedy.token_ids
         assert spec.text == greedy.text
         assert spec.finish_reason == greedy.finish_reason
@@ -48,21 +63,21 @@ def test_speculative_equals_greedy(real_engine, prompt):
         assert_speculated(spec)
 
 
-def test_tie_guard_keeps_output_and_speculation(real_engine):
-    greedy = real_engine.generate(PROMPTS[0], chat=True, max_tokens=96)
-    spec = real_engine.generate(PROMPTS[0], chat=True, max_tokens=96, speculative="prompt-lookup", tie_margin=0.05)
+def test_tie_guard_keeps_output_and_speculation(generated):
+    greedy = generated(PROMPTS[0], max_tokens=96)
+    spec = generated(PROMPTS[0], max_tokens=96, speculative="prompt-lookup", tie_margin=0.05)
     assert spec.token_ids == greedy.token_ids
     assert_speculated(spec)
 
 
-def test_copy_task_accepts_drafts(real_engine):
-    spec = real_engine.generate(PROMPTS[1], chat=True, max_tokens=64, speculative="prompt-lookup")
+def test_copy_task_accepts_drafts(generated):
+    spec = generated(PROMPTS[1], max_tokens=96, speculative="prompt-lookup", draft_width="auto")
     assert spec.stats.accepted_tokens >= 20, spec.stats
     assert spec.stats.steps < len(spec.token_ids)
 
 
-def test_stop_string_mid_block(real_engine):
-    greedy = real_engine.generate(PROMPTS[1], chat=True, max_tokens=64)
+def test_stop_string_mid_block(real_engine, generated):
+    greedy = generated(PROMPTS[1], max_tokens=96)  # its text up to the word is the 64-token run's
     word = "Swiss-Austrian"
     assert word in greedy.text, greedy.text
     for speculative in (None, PromptLookup(max_draft=12)):
@@ -76,11 +91,11 @@ def test_stop_string_mid_block(real_engine):
             assert_speculated(r)
 
 
-def test_eos_ends_generation(real_engine):
+def test_eos_ends_generation(real_engine, generated):
     """EOS inside an accepted block: the passage is copied with drafts and ends with EOS."""
-    greedy = real_engine.generate(PROMPTS[1], chat=True, max_tokens=96)
+    greedy = generated(PROMPTS[1], max_tokens=96)
     assert greedy.finish_reason == FinishReason.EOS_TOKEN
-    r = real_engine.generate(PROMPTS[1], chat=True, max_tokens=96, speculative="prompt-lookup", draft_width=8)
+    r = generated(PROMPTS[1], max_tokens=96, speculative="prompt-lookup", draft_width=8)
     assert r.finish_reason == FinishReason.EOS_TOKEN and r.token_ids == greedy.token_ids
     assert r.token_ids[-1] in real_engine.eos_token_ids
     assert_speculated(r)
