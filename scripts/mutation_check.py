@@ -354,13 +354,13 @@ MUTANTS: dict[str, Mutant] = {
     ),
     "lookup-index-keeps-oldest": Mutant(
         "core/proposers.py",
-        "return positions[i] if i >= 0 else None",
-        "return positions[0] if i >= 0 else None",
+        "return positions[max(end - count, 0) : end][::-1]",
+        "return positions[:end][:count][::-1]",
     ),
     "lookup-index-includes-last-token": Mutant(
         "core/proposers.py",
-        "i = bisect_right(positions, context_len - 1) - 1",
-        "i = bisect_right(positions, context_len) - 1",
+        "end = bisect_right(positions, context_len - 1)",
+        "end = bisect_right(positions, context_len)",
     ),
     "shared-extends-an-older-value-in-place": Mutant(
         "core/tokens.py",
