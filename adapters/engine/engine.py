@@ -390,7 +390,7 @@ class Engine(EngineMeasurements):
     @takes_options(GenerationOptions)
     def generate(self, prompt: Prompt, options: GenerationOptions) -> GenerateResult:
         """Generate up to ``max_tokens`` tokens after ``prompt`` (text, chat messages or token ids)."""
-        if shared.shares_passes(self, options):
+        if shared.shares_passes(self):
             return shared.generate(self, prompt, options)
         with self._lock:
             return self.start_with(prompt, options).run()
@@ -403,7 +403,7 @@ class Engine(EngineMeasurements):
         callback's exception."""
         if not callable(callback):
             raise ArgumentError("callback", "callback must be callable as callback(text, token_id, finish_reason)")
-        if shared.shares_passes(self, options):
+        if shared.shares_passes(self):
             return shared.generate_stream(self, prompt, callback, options)
         with self._lock:
             return self.start_with(prompt, options).run(callback)
@@ -411,7 +411,7 @@ class Engine(EngineMeasurements):
     @takes_options(GenerationOptions)
     def stream(self, prompt: Prompt, options: GenerationOptions) -> Iterator[str]:
         """Yield the generated text in chunks as it is decided (empty chunks are skipped)."""
-        if shared.shares_passes(self, options):
+        if shared.shares_passes(self):
             return shared.stream(self, prompt, options)
         return (commit.text for commit in self.start_with(prompt, options) if commit.text)
 

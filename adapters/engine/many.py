@@ -138,7 +138,7 @@ def generate_requests(engine: Engine, requests: Sequence[BatchRequest]) -> list[
     if engine.shared_passes.closed:
         raise shared.EngineClosed("this Engine is closed")
     with engine._lock:  # the measurements and the batch backend are the Engine's
-        driver = batch_driver(engine, priced=any(_priced(request) for request in requests))
+        driver = batch_driver(engine, priced=any(_reads_pass_price(request) for request in requests))
         sequences = [submit(engine, driver, request) for request in requests]
         driver.run()
     for sequence in sequences:
@@ -147,7 +147,7 @@ def generate_requests(engine: Engine, requests: Sequence[BatchRequest]) -> list[
     return [sequence.result() for sequence in sequences]
 
 
-def _priced(request: BatchRequest) -> bool:
+def _reads_pass_price(request: BatchRequest) -> bool:
     """Whether the request's speculation reads the price of a plain step (a ``PricedWidth`` policy, or ``"auto"``'s
     sources, each with its own)."""
     return isinstance(request.draft_width, PricedWidth) or isinstance(request.proposer, (SlotProposer, PricedProposer))

@@ -7,6 +7,7 @@ in flight (``_take_backend``)."""
 
 from __future__ import annotations
 
+import abc
 import hashlib
 import threading
 import warnings
@@ -23,7 +24,7 @@ from ortspec.core import MAX_DRAFT, Proposer
 R = TypeVar("R")
 
 
-class EngineMeasurements:
+class EngineMeasurements(abc.ABC):
     """What ``Engine`` measures (the module docstring). The attributes below are the Engine's (set by its
     ``__init__``)."""
 
@@ -39,8 +40,9 @@ class EngineMeasurements:
     _batch_decode_costs: tuple[float, ...] | None
     _draft_cost: float | None
 
+    @abc.abstractmethod
     def batch_backend(self, slots: int | None = None) -> BatchBackend:
-        raise NotImplementedError
+        """The Engine's batch backend (``Engine.batch_backend``), which the batch decode costs are measured on."""
 
     def verify_drift(self) -> float:
         """Largest logit difference between this backend's verify passes and one-token decodes (~30 passes; see

@@ -47,11 +47,10 @@ class EngineClosed(RuntimeError):
     raise ``GenerationError`` caused by this."""
 
 
-def shares_passes(engine: Engine, options: GenerationOptions) -> bool:
-    """Whether a ``generate`` / ``stream`` / ``generate_stream`` call with ``options`` runs on ``engine``'s shared
+def shares_passes(engine: Engine) -> bool:
+    """Whether a ``generate`` / ``stream`` / ``generate_stream`` call (with any options) runs on ``engine``'s shared
     passes (the module docstring): the Engine was opened with ``batch_slots`` (and did not hand its slots over), so
     the batch driver serves every proposer. The one place this rule lives."""
-    del options  # every option is served batched
     return engine.shared_passes.available
 
 
