@@ -545,7 +545,7 @@ def test_cli_has_a_serve_command():
     from ortspec.adapters.cli.main import build_parser
 
     args = build_parser().parse_args(["serve", "--workers", "2", "--port", "0", "--no-prefix-reuse"])
-    assert args.workers == 2 and args.port == 0 and args.prefix_reuse is False and args.speculative == "prompt-lookup"
+    assert args.workers == 2 and args.port == 0 and args.prefix_reuse is False and args.speculative == "suffix"
     assert args.prefill_budget == 512
     assert build_parser().parse_args(["serve", "--prefill-budget", "none"]).prefill_budget is None
     assert build_parser().parse_args(["serve", "--prefill-budget", "64"]).prefill_budget == 64

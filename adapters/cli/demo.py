@@ -76,16 +76,14 @@ def run(args: argparse.Namespace) -> int:
 def _compare(eng, kwargs: dict, proposer, label: str) -> bool:
     """Plain, then speculative (streamed) on the demo prompt with ``kwargs``; print both and whether they agree."""
     plain = eng.generate(DEMO_PROMPT, **kwargs)
-    how = (
-        {
-            "auto": "auto: prompt lookup or the shared-KV drafter"
-            if eng.drafter
-            else "auto: prompt lookup, no drafter",
-            "shared-kv": "the shared-KV drafter",
-        }.get(proposer, "prompt lookup")
-        if isinstance(proposer, str)
-        else "prompt lookup"
-    )
+    names = {
+        "auto": "auto: the suffix lookup or the shared-KV drafter"
+        if eng.drafter
+        else "auto: the suffix lookup, no drafter",
+        "shared-kv": "the shared-KV drafter",
+        "suffix": "the suffix lookup",
+    }
+    how = names.get(proposer, "prompt lookup") if isinstance(proposer, str) else "prompt lookup"
     print(f"--- {label}: speculative ({how}) output, streamed ---", flush=True)
     spec = eng.generate_stream(
         DEMO_PROMPT,

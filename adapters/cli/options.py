@@ -13,7 +13,7 @@ import math
 import re
 from typing import Any
 
-from ortspec.adapters.engine.options import SPECULATIVE_CHOICES, GenerationOptions
+from ortspec.adapters.engine.options import MANY_REQUESTS_SPECULATIVE, SPECULATIVE_CHOICES, GenerationOptions
 from ortspec.adapters.engine.surfaces import SAMPLING_OPTIONS, add_flags, flag
 from ortspec.batch_driver import DEFAULT_PREFILL_BUDGET
 from ortspec.core import MAX_DRAFT, options_of
@@ -202,14 +202,14 @@ def model_options(
 
 def default_proposer_option(g: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
     """``--speculative`` of the commands that run many requests (``serve``, ``batch``): their default proposer,
-    prompt lookup unless it says otherwise."""
+    ``MANY_REQUESTS_SPECULATIVE`` unless it says otherwise."""
     g.add_argument(
         "--speculative",
-        default="prompt-lookup",
+        default=MANY_REQUESTS_SPECULATIVE,
         choices=(*SPECULATIVE_CHOICES, "none"),
-        help="default proposer (default prompt-lookup); suffix = also drafts from the Engine's earlier outputs; "
-        "auto = per draft, prompt lookup or the shared-KV drafter; shared-kv = the drafter alone (needs one: "
-        "--drafter); none = plain decoding",
+        help="default proposer (default %(default)s); prompt-lookup = the request's own context only; suffix = "
+        "the context and the Engine's earlier outputs; auto = per draft, the suffix lookup or the shared-KV "
+        "drafter; shared-kv = the drafter alone (needs one: --drafter); none = plain decoding",
     )
 
 
@@ -274,8 +274,9 @@ def generation_options(p: argparse.ArgumentParser, default_tokens: int = 128, ma
         "--speculative",
         default="auto",
         choices=(*SPECULATIVE_CHOICES, "none"),
-        help="draft proposer: auto (default) = per draft, prompt lookup or the shared-KV drafter, whichever has "
-        "earned more (prompt lookup alone without a drafter); shared-kv = the drafter alone; suffix = the longest "
+        help="draft proposer: auto (default) = per draft, the suffix lookup or the shared-KV drafter, whichever "
+        "has earned more (the suffix lookup alone without a drafter); prompt-lookup = 3-gram lookup in the context; "
+        "shared-kv = the drafter alone; suffix = the longest "
         "suffix match in the context and the Engine's earlier outputs; none = plain decoding. The output is the "
         "same either way",
     )

@@ -14,7 +14,7 @@ examples:
   ortspec serve                                # one batched engine, 16 slots
   ortspec serve --max-batch 32 --port 8080
   ortspec serve --prefill-budget 256           # newcomers' prompts: at most 256 tokens per pass
-  ortspec serve --speculative auto              # prompt lookup or the shared-KV drafter, per draft
+  ortspec serve --speculative auto              # the suffix lookup or the shared-KV drafter, per draft
   ortspec serve --workers 2 --threads 1        # two engines of one sequence each
   ortspec serve --model ./my-model-folder --speculative none
 

@@ -455,7 +455,7 @@ class Engine(EngineMeasurements):
     ) -> tuple[Proposer | None, Callable[[], tuple[Proposer, WidthPolicy]]]:
         """The proposer for ``speculative`` with ``drafter`` (this Engine's, or None where it cannot run) and how to
         price it for ``draft_width="auto"``: a function giving the (priced) proposer and its width policy (called
-        under the lock: it may measure). ``"auto"`` without a drafter is prompt lookup."""
+        under the lock: it may measure). ``"auto"`` without a drafter is ``AUTO_LOOKUP``."""
         if speculative == "shared-kv":
             if drafter is None:
                 raise ArgumentError(

@@ -18,7 +18,7 @@ from typing import Any, Literal, NamedTuple
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator
 
-from ortspec.adapters.engine.options import GenerationOptions
+from ortspec.adapters.engine.options import MANY_REQUESTS_SPECULATIVE, GenerationOptions
 from ortspec.adapters.engine.surfaces import SAMPLING_OPTIONS, json_logit_bias, request_fields
 from ortspec.adapters.serve.errors import APIError, client_error, named
 from ortspec.adapters.serve.settings import ServerSettings
@@ -34,7 +34,8 @@ class _Strict(BaseModel):
 
 class OrtspecOptions(_Strict):
     """The ``ortspec`` extension field of a request: ``{"speculative": false}`` decodes this request with plain
-    steps, ``true`` with prompt lookup; unset: the server's default. The output is the same either way."""
+    steps, ``true`` with the server's proposer (its ``--speculative``, or ``MANY_REQUESTS_SPECULATIVE`` when that is
+    none); unset: the server's default. The output is the same either way."""
 
     speculative: bool | None = None
 
@@ -226,7 +227,7 @@ def prepare_options(
         "max_tokens": max_tokens,
         "stop": request.stop,
         "top_logprobs": _logprob_options(request),
-        "speculative": (settings.speculative or "prompt-lookup") if speculative else None,
+        "speculative": (settings.speculative or MANY_REQUESTS_SPECULATIVE) if speculative else None,
         "response_format": request.response_format,
     }
     for name in SAMPLING_OPTIONS:

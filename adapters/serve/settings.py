@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import attrs
 
-from ortspec.adapters.engine.options import SPECULATIVE_CHOICES
+from ortspec.adapters.engine.options import MANY_REQUESTS_SPECULATIVE, SPECULATIVE_CHOICES
 from ortspec.core.checks import ArgumentError, int_at_least
 
 # The proposers the server offers: every name (docs/drafter.md: "auto" and "shared-kv" use the engines' shared-KV
@@ -32,7 +32,7 @@ class ServerSettings:
     it is done once, before any request)."""
 
     model_name: str
-    speculative: str | None = attrs.field(default="prompt-lookup", validator=_check_speculative)
+    speculative: str | None = attrs.field(default=MANY_REQUESTS_SPECULATIVE, validator=_check_speculative)
     max_queue: int = attrs.field(default=64, validator=int_at_least(0))
     request_timeout_s: float = attrs.field(default=600.0, validator=attrs.validators.gt(0))
     default_max_tokens: int | None = attrs.field(default=None, validator=attrs.validators.optional(int_at_least(1)))
