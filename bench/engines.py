@@ -27,22 +27,28 @@ import attrs
 
 from bench.peers import PeerRun, PeerRunner, make_peer
 from ortspec.adapters.engine import Engine
-from ortspec.core import AdditiveWidth, CostAwareWidth, PromptLookup, Proposer, WidthPolicy
+from ortspec.adapters.engine.suffix_cache import SuffixCache
+from ortspec.core import AdditiveWidth, CostAwareWidth, PromptLookup, Proposer, SuffixSnapshot, WidthPolicy
 from ortspec.driver import Generation
 
-# The settings that need the Engine's shared-KV drafter (``ortspec train-drafter``); without one they are missing.
-DRAFTER_ENGINES = ("ortspec-shared-kv", "ortspec-auto")
+SAMPLED_REFERENCE = "ortspec-sampled"  # plain sampling: the sampled settings' identity is checked against it
+SAMPLED_SPEC = "ortspec-lookup-adaptive-sampled"  # ortspec-lookup-adaptive, sampling
+SAMPLED_AUTO = "ortspec-auto-sampled"  # ortspec-auto, sampling
+SAMPLED_SPECS = (SAMPLED_SPEC, SAMPLED_AUTO)  # the sampled speculative settings
+# The settings that need the Engine's shared-KV drafter (the shipped one, or ``ortspec train-drafter``'s); without
+# one they are missing.
+DRAFTER_ENGINES = ("ortspec-shared-kv", "ortspec-auto", SAMPLED_AUTO)
 SPEC_ENGINES = (
     "ortspec-lookup-w8",
     "ortspec-lookup-w4",
     "ortspec-lookup-adaptive",
     "ortspec-lookup-additive",
-    *DRAFTER_ENGINES,
+    "ortspec-suffix",
+    "ortspec-shared-kv",
+    "ortspec-auto",
 )
 ORTSPEC_ENGINES = ("ortspec-greedy", *SPEC_ENGINES)
-SAMPLED_REFERENCE = "ortspec-sampled"  # plain sampling: the sampled settings' identity is checked against it
-SAMPLED_SPEC = "ortspec-lookup-adaptive-sampled"  # ortspec-lookup-adaptive, sampling
-SAMPLED_ORTSPEC_ENGINES = (SAMPLED_REFERENCE, SAMPLED_SPEC)
+SAMPLED_ORTSPEC_ENGINES = (SAMPLED_REFERENCE, SAMPLED_SPEC, SAMPLED_AUTO)
 PEER_ENGINES = ("ortgenai", "ortgenai-ngram", "onnx_genai")
 SAMPLED_PEER = "ortgenai-sampled"  # ORT GenAI plain sampling
 SAMPLED_NGRAM_PEER = "ortgenai-ngram-sampled"  # ORT GenAI n-gram speculation, sampling
@@ -133,15 +139,24 @@ class OrtspecEngine:
         self.draft_width = draft_width
         self.sampling = dict(sampling or {})
         self.description = description | ({"sampling": dict(self.sampling)} if self.sampling else {})
+        # This setting's own suffix cache, on the shared Engine during its runs: it learns from this setting's
+        # outputs only, in the suite's order. A prompt run again (``--repeat``) starts from the cache its first
+        # run saw, in a fork that records nothing here, so no run drafts its own earlier output.
+        self.suffix_cache = SuffixCache()
+        self._cache_before: dict[tuple[int, ...], SuffixSnapshot] = {}
 
     @property
     def sampled(self) -> bool:
         """Whether this setting samples (and so takes a seed)."""
         return bool(self.sampling)
 
-    def start(self, ids: Sequence[int], max_new: int, seed: int | None = None) -> Generation:
+    def start(
+        self, ids: Sequence[int], max_new: int, seed: int | None = None, cache: SuffixCache | None = None
+    ) -> Generation:
         """A generation of ``max_new`` tokens at most after ``ids`` with this setting (an iterator of commits);
-        ``seed``: the sampler's seed (sampled settings; 0 when not given)."""
+        ``seed``: the sampler's seed (sampled settings; 0 when not given); ``cache``: the suffix cache it drafts
+        from and records into (default: this setting's)."""
+        self.engine.suffix_cache = cache if cache is not None else self.suffix_cache
         proposer = self.make_proposer() if self.make_proposer else None
         sampling: dict[str, Any] = {**self.sampling, "seed": 0 if seed is None else seed} if self.sampled else {}
         return self.engine.start(
@@ -149,10 +164,19 @@ class OrtspecEngine:
         )
 
     def warmup(self, ids: Sequence[int]) -> None:
-        self.start(ids, 8).run()
+        self.start(ids, 8, cache=SuffixCache()).run()  # recorded nowhere
+
+    def cache_for(self, ids: Sequence[int]) -> SuffixCache:
+        """The suffix cache a measured run of ``ids`` uses (see ``__init__``): this setting's on the first run of
+        ``ids``, a fork of what that run started from on any later one."""
+        key = tuple(ids)
+        if key in self._cache_before:
+            return SuffixCache(start=self._cache_before[key])
+        self._cache_before[key] = self.suffix_cache.snapshot()
+        return self.suffix_cache
 
     def run(self, ids: Sequence[int], max_new: int, seed: int | None = None) -> EngineRun:
-        r = self.start(ids, max_new, seed).run()
+        r = self.start(ids, max_new, seed, self.cache_for(ids)).run()
         s = r.stats
         tokens = r.token_ids[:-1] if r.token_ids and r.token_ids[-1] in self.engine.eos_token_ids else r.token_ids
         speculative = self.make_proposer is not None
@@ -191,7 +215,7 @@ def ortspec_engine(name: str, engine: Engine, pass_costs: Sequence[float] = ()) 
     ``engine``; ``pass_costs`` is the verify cost curve that the cost-aware width policy uses. A sampled setting is
     its greedy twin (``ortspec-sampled``: ``ortspec-greedy``; ``ortspec-lookup-adaptive-sampled``:
     ``ortspec-lookup-adaptive``) sampling at ``SAMPLING``."""
-    twins = {SAMPLED_REFERENCE: "ortspec-greedy", SAMPLED_SPEC: "ortspec-lookup-adaptive"}
+    twins = {SAMPLED_REFERENCE: "ortspec-greedy", SAMPLED_SPEC: "ortspec-lookup-adaptive", SAMPLED_AUTO: "ortspec-auto"}
     if name in twins:
         return sampled_variant(ortspec_engine(twins[name], engine, pass_costs), name, SAMPLING)
     if name == "ortspec-greedy":
@@ -221,6 +245,9 @@ def ortspec_engine(name: str, engine: Engine, pass_costs: Sequence[float] = ()) 
         policy = AdditiveWidth(maximum=KMAX)
         description = {"proposer": described, "draft_width": f"AdditiveWidth(current=4, maximum={KMAX}, +2/-1)"}
         return OrtspecEngine(name, engine, lookup, policy, description)
+    if name == "ortspec-suffix":
+        description = {"speculative": "suffix", "draft_width": "auto (the Engine's cost-aware policy)"}
+        return OrtspecEngine(name, engine, lambda: "suffix", "auto", description)
     if name in DRAFTER_ENGINES:
         if engine.drafter is None:
             raise ValueError(f"{name} needs a shared-KV drafter for the model: run `ortspec train-drafter`")

@@ -16,11 +16,13 @@ from bench.engines import (
     BASELINE,
     NGRAM_PEER,
     REFERENCE,
+    SAMPLED_AUTO,
     SAMPLED_ENGINES,
     SAMPLED_NGRAM_PEER,
     SAMPLED_PEER,
     SAMPLED_REFERENCE,
     SAMPLED_SPEC,
+    SAMPLED_SPECS,
     SPEC_ENGINES,
     identity_reference,
     is_reference,
@@ -222,11 +224,11 @@ RATIOS: dict[str, tuple[Callable[[str], bool], str, str]] = {
     "spec_vs_ortspec_greedy_e2e": (lambda e: e in SPEC_ENGINES, REFERENCE, "e2e_tok_s"),
     "spec_vs_ortspec_greedy_decode": (lambda e: e in SPEC_ENGINES, REFERENCE, "decode_tok_s"),
     # the sampled column: every pair ran on the same prompt with the same seed
-    "sampled_spec_vs_sampled_plain_e2e": (lambda e: e == SAMPLED_SPEC, SAMPLED_REFERENCE, "e2e_tok_s"),
-    "sampled_spec_vs_sampled_plain_decode": (lambda e: e == SAMPLED_SPEC, SAMPLED_REFERENCE, "decode_tok_s"),
-    "sampled_spec_vs_ortgenai_ngram_sampled_e2e": (lambda e: e == SAMPLED_SPEC, SAMPLED_NGRAM_PEER, "e2e_tok_s"),
+    "sampled_spec_vs_sampled_plain_e2e": (lambda e: e in SAMPLED_SPECS, SAMPLED_REFERENCE, "e2e_tok_s"),
+    "sampled_spec_vs_sampled_plain_decode": (lambda e: e in SAMPLED_SPECS, SAMPLED_REFERENCE, "decode_tok_s"),
+    "sampled_spec_vs_ortgenai_ngram_sampled_e2e": (lambda e: e in SAMPLED_SPECS, SAMPLED_NGRAM_PEER, "e2e_tok_s"),
     "sampled_spec_vs_ortgenai_ngram_sampled_decode": (
-        lambda e: e == SAMPLED_SPEC,
+        lambda e: e in SAMPLED_SPECS,
         SAMPLED_NGRAM_PEER,
         "decode_tok_s",
     ),
@@ -277,6 +279,17 @@ DRAFTER_TARGETS = (
         for cat in ("code_edit", "summarize", "qa_context", "open_ended", "all")
     ),
     ("vs_ortgenai_e2e", "ortspec-auto", "code_edit", 2.5, "auto ÷ ORT GenAI greedy"),
+    # issue 20: the shipped drafter, coupled drafting under sampling, the suffix cache on a repetitive stream
+    ("spec_vs_ortspec_greedy_e2e", "ortspec-auto", "open_ended", 1.3, "auto ÷ ortspec greedy"),
+    ("sampled_spec_vs_sampled_plain_e2e", SAMPLED_AUTO, "open_ended", 1.2, "sampled auto ÷ plain sampling"),
+    (
+        "sampled_spec_vs_ortgenai_ngram_sampled_e2e",
+        SAMPLED_AUTO,
+        "code_edit",
+        1.5,
+        "sampled auto ÷ ORT GenAI sampled n-gram speculation",
+    ),
+    ("spec_vs_ortspec_greedy_e2e", "ortspec-auto", "repetitive", 2.0, "auto ÷ ortspec greedy (repetitive stream)"),
 )
 # The drafter's step as a share of a target decode step, at most (issue 11).
 DRAFT_STEP_TARGET = 0.08

@@ -16,8 +16,14 @@ Engines (``--engines``, comma separated):
 ``ortspec-lookup-adaptive``   ``PromptLookup(ngram=3, max_draft=16)``, ``CostAwareWidth(pass_costs=curve)``
                               where ``curve`` is the verify cost curve measured in this run (K = 0..16)
 ``ortspec-lookup-additive``   ``PromptLookup(ngram=3, max_draft=16)``, ``AdditiveWidth()`` (+2 / -1, 1..16)
+``ortspec-suffix``            ``speculative="suffix"``, ``draft_width="auto"``: the suffix lookup (the context and
+                              this setting's own suffix cache of its earlier outputs in this run)
+``ortspec-shared-kv``         ``speculative="shared-kv"``, ``draft_width="auto"``: the Engine's drafter alone
+``ortspec-auto``              ``speculative="auto"``, ``draft_width="auto"``: per draft, the suffix lookup or the
+                              drafter (what ``ortspec demo`` / ``generate`` use by default)
 ``ortspec-sampled``           ``ortspec-greedy`` sampling: temperature 0.7, top_p 0.9, the prompt's seed
 ``ortspec-lookup-adaptive-sampled``  ``ortspec-lookup-adaptive`` sampling the same way, at the same seed
+``ortspec-auto-sampled``      ``ortspec-auto`` sampling the same way, at the same seed
 ``ortgenai``                  ONNX Runtime GenAI greedy
 ``ortgenai-ngram``            ONNX Runtime GenAI n-gram speculation (ngram_size=3, max_draft_tokens=8)
 ``onnx_genai``                onnx_genai greedy, a fresh engine per run (no prefix-cache hits)
@@ -26,6 +32,13 @@ Engines (``--engines``, comma separated):
 ``ortgenai-ngram-sampled``    the same with its n-gram speculation (ngram_size=3, max_draft_tokens=8)
 
 A peer that cannot be imported or loaded is listed under ``missing`` with the reason; nothing is faked.
+
+Categories (``--categories``): the four of independent prompts (``bench.workloads.CATEGORIES``), and
+``repetitive``, the repetitive stream (``bench.repetitive``): requests of three task shapes whose answers share
+text that is not in the prompts, measured in order. Every ortspec setting keeps its own suffix cache across the
+whole run (``OrtspecEngine.suffix_cache``: it learns from that setting's outputs only; warm-ups record nothing; a
+prompt measured again starts from the cache its first run saw), so request ``i`` of the stream may draft from the
+outputs of the requests before it, never from its own.
 
 Layout: this module is the run (``SuiteConfig``, the order of the measurements, ``main``); ``bench.engines``
 holds the engines under test, ``bench.report`` the summaries and the result files, ``bench.limits`` the
@@ -114,7 +127,7 @@ from bench.report import (
     summarize,
     write_results,
 )
-from bench.workloads import Workload, build_workloads, describe_workloads, encode_chat
+from bench.workloads import SUITE_CATEGORIES, Workload, build_workloads, describe_workloads, encode_chat
 from ortspec.adapters.engine import Engine
 from ortspec.adapters.engine.measurements import measure_pass_costs, probe_ids
 from ortspec.adapters.engine.tokenizer import Tokenizer
@@ -515,7 +528,7 @@ def run_prompts(
 
 def _overhead_row(setting: OrtspecEngine, proxy: TimingBackend, prompt: Prompt, max_new: int) -> dict[str, Any] | None:
     """One generation of ``setting`` through ``proxy``: its wall time and the time inside backend calls."""
-    run = setting.start(prompt.ids, max_new, prompt.seed if setting.sampled else None)
+    run = setting.start(prompt.ids, max_new, prompt.seed if setting.sampled else None, setting.cache_for(prompt.ids))
     b0, t0 = proxy.seconds, time.perf_counter()
     for _ in run:
         pass
@@ -739,7 +752,7 @@ def _parser() -> argparse.ArgumentParser:
         "builder's default MatMulNBits accuracy level 4, as in the committed results)",
     )
     ap.add_argument("--threads", type=int, default=2, help="intra-op threads for every engine (default 2)")
-    ap.add_argument("--categories", default="code_edit,summarize,qa_context,open_ended")
+    ap.add_argument("--categories", default=",".join(SUITE_CATEGORIES))
     ap.add_argument("--n-per-category", type=int, default=8)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--max-prompt-tokens", type=int, default=1500)

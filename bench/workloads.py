@@ -47,9 +47,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from bench.repetitive import repetitive_prompt
 from ortspec.adapters.engine.tokenizer import Tokenizer
 
+# The categories of independent prompts (each prompt measured on its own; ``bench.throughput``'s dataset).
 CATEGORIES = ("code_edit", "summarize", "qa_context", "open_ended")
+# The repetitive stream (``bench.repetitive``): its prompts are measured in order on one Engine, each drafting from
+# the outputs of the ones before it (``bench.engines.OrtspecEngine`` keeps a suffix cache per setting).
+STREAM_CATEGORIES = ("repetitive",)
+SUITE_CATEGORIES = (*CATEGORIES, *STREAM_CATEGORIES)
 
 DEFAULT_MAX_TOKENS = 256
 
@@ -603,11 +609,22 @@ def _build_open_ended(n: int, budget: _Budget, max_new_tokens: int, pyver: str) 
     return out
 
 
+def _build_repetitive(n: int, budget: _Budget, max_new_tokens: int, pyver: str) -> list[Workload]:
+    del budget, pyver  # short prompts of their own words
+    out = []
+    for i in range(n):
+        shape, text = repetitive_prompt(i)
+        messages = [{"role": "user", "content": text}]
+        out.append(Workload("repetitive", f"repetitive/{i:02d}-{shape}", messages, max_new_tokens, {"order": i}))
+    return out
+
+
 _BUILDERS = {
     "code_edit": _build_code_edit,
     "summarize": _build_summarize,
     "qa_context": _build_qa_context,
     "open_ended": _build_open_ended,
+    "repetitive": _build_repetitive,
 }
 
 
@@ -635,7 +652,7 @@ def build_workloads(
     result: list[Workload] = []
     for cat in categories:
         if cat not in _BUILDERS:
-            raise ValueError(f"unknown category {cat!r}; expected one of {CATEGORIES}")
+            raise ValueError(f"unknown category {cat!r}; expected one of {SUITE_CATEGORIES}")
         mnt = max_new_tokens.get(cat, DEFAULT_MAX_TOKENS) if isinstance(max_new_tokens, dict) else max_new_tokens
         result.extend(_BUILDERS[cat](n_per_category, budget, int(mnt), pyver))
     return result

@@ -1,14 +1,14 @@
 """Suffix drafting on the real model: a repetitive stream of requests, and copy-heavy prompts.
 
-The stream is what an agent or a batch job sends one Engine: requests of a few task shapes (a JSON record from a
-sentence, a short Python function, a polite reply) whose answers share text that is NOT in each prompt (the
-format, the boilerplate), interleaved. Each mode runs the whole stream on one Engine, in order, after a warm-up:
-plain decoding, prompt lookup, suffix (the Engine's suffix cache starts empty and learns from the stream as it
-goes). Then ``--copy`` prompts of the bench suite's copy-heavy category (``code_edit``: the answer copies the
-prompt), prompt lookup against suffix, each request on its own (the cache emptied before each): what decides
-whether ``speculative="auto"`` should draft by suffix. Prints a markdown table (tokens/s end to end, target passes,
-acceptance, speed-up over plain) and whether every output is identical to plain; ``--streams FILE`` writes the
-stream's prompts and plain outputs (token ids), the token streams ``scripts/suffix_vs_arctic.py`` replays.
+The stream is ``bench.repetitive``'s (what an agent or a batch job sends one Engine: requests of three task shapes
+whose answers share text that is NOT in each prompt), ``--rounds`` rounds of the three shapes. Each mode runs the
+whole stream on one Engine, in order, after a warm-up: plain decoding, prompt lookup, suffix (the Engine's suffix
+cache starts empty and learns from the stream as it goes). Then ``--copy`` prompts of the bench suite's copy-heavy
+category (``code_edit``: the answer copies the prompt), prompt lookup against suffix, each request on its own (the
+cache emptied before each): what decides whether ``speculative="auto"`` should draft by suffix. Prints a markdown
+table (tokens/s end to end, target passes, acceptance, speed-up over plain) and whether every output is identical to
+plain; ``--streams FILE`` writes the stream's prompts and plain outputs (token ids), the token streams
+``scripts/suffix_vs_arctic.py`` replays.
 
     python scripts/suffix_stream.py [--model DIR] [--rounds 6] [--new-tokens 96] [--copy 4] [--streams FILE]
 """
@@ -23,30 +23,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.repetitive import repetitive_stream  # noqa: E402
 from bench.workloads import build_workloads  # noqa: E402
 from ortspec import BackendConfig, Engine  # noqa: E402
 from ortspec.adapters.engine.suffix_cache import SuffixCache  # noqa: E402
-
-NAMES = ["Alice", "Bruno", "Chen", "Dana", "Emeka", "Fatima", "Goran", "Hana", "Ivan", "Julia"]
-CITIES = ["Lisbon", "Osaka", "Nairobi", "Lima", "Oslo", "Perth", "Quebec", "Riga", "Seoul", "Turin"]
-THINGS = ["a list of numbers", "a string", "a dictionary", "two lists", "a file path", "a sentence"]
-GOALS = ["its largest item", "its length", "its keys sorted", "their common items", "its extension", "its words"]
-EVENTS = ["the Monday meeting", "a lunch invitation", "a conference talk", "a weekend trip", "a project review"]
-
-
-def stream(rounds: int) -> list[str]:
-    """``rounds`` rounds of three task shapes, each request its own values."""
-    prompts = []
-    for i in range(rounds):
-        name, city, age = NAMES[i % len(NAMES)], CITIES[(3 * i) % len(CITIES)], 21 + 7 * i
-        prompts.append(
-            f"Turn this sentence into a JSON object with the fields name, age, city and country, and output only "
-            f"the JSON: {name} is {age} years old and lives in {city}."
-        )
-        thing, goal = THINGS[i % len(THINGS)], GOALS[i % len(GOALS)]
-        prompts.append(f"Write a short Python function with a docstring that takes {thing} and returns {goal}.")
-        prompts.append(f"Write a short, polite email to {name} declining {EVENTS[i % len(EVENTS)]}.")
-    return prompts
 
 
 def run_mode(engine: Engine, prompts: list, speculative: str | None, new_tokens: int, fresh_cache: bool) -> dict:
@@ -103,7 +83,7 @@ def main() -> int:
     engine = Engine.from_dir(args.model, BackendConfig(threads=args.threads), drafter=False)
     engine.generate("Hello", max_tokens=4, speculative="prompt-lookup")  # warm-up and the verify cost curve
     modes = {"plain": None, "prompt lookup": "prompt-lookup", "suffix": "suffix"}
-    prompts = stream(args.rounds)
+    prompts = repetitive_stream(3 * args.rounds)
     lines, runs = table("Repetitive stream", prompts, engine, modes, args.new_tokens, fresh=False)
     print("\n".join(lines), flush=True)
     if args.streams is not None:

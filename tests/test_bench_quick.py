@@ -34,7 +34,7 @@ def test_quick_suite_writes_results(tmp_path):
     # every ortspec setting ran on every prompt and produced greedy's tokens exactly
     assert result["config"]["quick"] is True
     n_prompts = result["workloads"]["count"]
-    assert n_prompts == 8
+    assert n_prompts == 10  # 2 prompts in each of the 5 categories, the repetitive stream's included
     for engine in ORTSPEC_ENGINES[1:]:
         ident = result["identity"][engine]
         assert ident["compared"] == n_prompts
@@ -94,6 +94,24 @@ def test_quick_suite_writes_results(tmp_path):
     }
     assert result["overhead"]["engines"]["ortspec-sampled-all-filters"]["target_pct_of_decode_step"] == 2.0
     md = md_path.read_text(encoding="utf-8")
-    for category in ("code_edit", "summarize", "qa_context", "open_ended"):
+    for category in ("code_edit", "summarize", "qa_context", "open_ended", "repetitive"):
         assert f"## {category}" in md
     assert "## Sampled" in md and "sampled speculation ÷ plain sampling on code_edit" in md
+
+
+def test_each_setting_drafts_from_its_own_suffix_cache_never_from_its_own_output():
+    """``OrtspecEngine.cache_for``: a prompt's first run records into the setting's cache; a later run of the same
+    prompt (``--repeat``, a retried group, the overhead runs) starts from what the first run saw, in a fork."""
+    from bench.engines import OrtspecEngine
+
+    setting = OrtspecEngine("ortspec-suffix", engine=None, make_proposer=None, draft_width=8, description={})
+    other = OrtspecEngine("ortspec-auto", engine=None, make_proposer=None, draft_width=8, description={})
+    assert setting.suffix_cache is not other.suffix_cache
+    first = setting.cache_for([1, 2, 3])
+    assert first is setting.suffix_cache
+    first.add([1, 2, 3], [7, 8, 9])  # what the first run's finish records
+    assert setting.cache_for([4, 5]) is setting.suffix_cache  # the next prompt drafts from it
+    again = setting.cache_for([1, 2, 3])
+    assert again is not setting.suffix_cache and again.tokens == 0  # not its own output
+    again.add([1, 2, 3], [7, 8, 9])
+    assert setting.suffix_cache.tokens == first.tokens == 3 + 3 + 1  # the fork recorded apart

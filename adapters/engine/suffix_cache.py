@@ -29,9 +29,10 @@ DEFAULT_MAX_TOKENS = 32768
 class SuffixCache:
     """The newest ``SuffixSnapshot`` of an Engine's finished outputs, behind a lock (see the module docstring)."""
 
-    def __init__(self, max_tokens: int = DEFAULT_MAX_TOKENS) -> None:
-        """``max_tokens``: the cap on the recorded tokens (``ValueError`` below 2)."""
-        self._snapshot = SuffixSnapshot(max_tokens=max_tokens)
+    def __init__(self, max_tokens: int = DEFAULT_MAX_TOKENS, start: SuffixSnapshot | None = None) -> None:
+        """``max_tokens``: the cap on the recorded tokens (``ValueError`` below 2); ``start``: the outputs it holds
+        to begin with (another cache's snapshot: a fork that records apart; its own cap then), none by default."""
+        self._snapshot = start if start is not None else SuffixSnapshot(max_tokens=max_tokens)
         self._active = False
         self._lock = threading.Lock()
 
