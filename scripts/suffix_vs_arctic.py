@@ -9,6 +9,7 @@ the request's output joins the cross-request cache (ortspec: ``SuffixCache.add``
 its global tree as it is committed, as vLLM does). Reports per proposer: target passes, drafted and accepted
 tokens, and the CPU time per propose call after a request's first (median, p99; ``time.thread_time``, so other
 processes on a loaded machine do not count; arctic builds its prompt's tree in ``start_request``, not timed).
+A last row is the ceiling of drafting by matches (``Ceiling``: it knows the output, so it is not a proposer).
 ``--context N`` then measures the propose cost at an N-token context: every stream's prompt and output joined into
 one long request (repeated to N + 200 tokens), replayed over its last 200 tokens, with the other requests' outputs
 in the cache.
@@ -32,7 +33,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ortspec.adapters.engine.suffix_cache import SuffixCache  # noqa: E402
+from ortspec.adapters.engine.suffix_cache import PROMPT_TAIL, SuffixCache  # noqa: E402
 from ortspec.core import DraftRule, SuffixProposer  # noqa: E402
 from ortspec.core.tokens import Shared  # noqa: E402
 
@@ -82,12 +83,45 @@ class Arctic:
         self.cache.stop_request(i)
 
 
+class Ceiling:
+    """Not a proposer: knows each request's output and drafts the longest run of it that follows any earlier
+    occurrence of the context's last ``anchor`` tokens, in the earlier requests' documents (as ``SuffixCache``
+    records them) or in the context itself, so it never drafts a token that is rejected. Its target passes are the
+    fewest that drafting by a match in what was seen can reach on the streams."""
+
+    def __init__(self, anchor: int = 2) -> None:
+        self.anchor, self.corpus, self.output = anchor, [], []
+
+    def start(self, i: int, prompt: Sequence[int]) -> None:
+        pass
+
+    def propose(self, i: int, context: Sequence[int], width: int) -> Sequence[int]:
+        source, n, done = [*self.corpus, -1, *context], self.anchor, len(context) - self.prompt_length
+        tail, want = list(context[-n:]), self.output[done : done + width]
+        best = 0
+        for j in range(len(source) - n):
+            if source[j : j + n] == tail:
+                k = 0
+                while k < len(want) and j + n + k < len(source) and source[j + n + k] == want[k]:
+                    k += 1
+                best = max(best, k)
+        return want[:best]
+
+    def commit(self, i: int, tokens: Sequence[int]) -> None:
+        pass
+
+    def end(self, i: int, prompt: Sequence[int], output: Sequence[int]) -> None:
+        self.corpus += [*prompt[-PROMPT_TAIL:], *output, -1]
+
+
 def replay(proposer: object, prompts: list[list[int]], outputs: list[list[int]], width: int) -> dict:
     passes = drafted = accepted = 0
     times: list[float] = []
     first: list[float] = []  # each request's first call, which indexes its prompt (once per request)
     for i, (prompt, output) in enumerate(zip(prompts, outputs, strict=True)):
         proposer.start(i, prompt)
+        if isinstance(proposer, Ceiling):
+            proposer.output, proposer.prompt_length = list(output), len(prompt)
         context = Shared[int]().with_head(tuple(prompt))
         done = 0
         while done < len(output):
@@ -132,6 +166,7 @@ def main() -> int:
         sys.path.insert(0, str(args.arctic))
         runs["arctic-inference 0.3.0 (depth 24, factor 1)"] = Arctic(24, 1.0, 0.1)
         runs["arctic-inference 0.3.0 (depth 64, factor 2)"] = Arctic(64, 2.0, 0.1)
+    runs["ceiling (knows the output; the best run any earlier 2-token match offers)"] = Ceiling()
     print(f"{len(prompts)} requests, {sum(map(len, outputs))} output tokens, width {args.width}\n")
     print("| proposer | target passes | drafted | accepted | tokens per pass | propose median | propose p99 |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
@@ -148,6 +183,8 @@ def main() -> int:
         print("| proposer | propose median | propose p99 | first call (indexes the prompt) |")
         print("| --- | --- | --- | --- |")
         for name, proposer in runs.items():  # their caches hold every stream's output now
+            if isinstance(proposer, Ceiling):
+                continue
             r = replay(proposer, [long[: args.context]], [long[args.context :]], args.width)
             print(f"| {name} | {r['median_us']:.0f} us | {r['p99_us']:.0f} us | {r['first_us'] / 1000:.1f} ms |")
     return 0
