@@ -7,7 +7,6 @@ from the result.
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -52,10 +51,9 @@ class LogprobFormatter:
     def token(self, token_id: int) -> str:
         return self.decode([token_id], skip_special_tokens=False)
 
-    def top(self, lp: TokenLogprob) -> list[tuple[int, float]]:
-        """The alternatives to report: at most ``alternatives``, none at -inf (a token the row could never pick, e.g.
-        one a ``response_format`` forbids; JSON has no -inf)."""
-        return [(t, p) for t, p in lp.top[: self.alternatives] if p > -math.inf]
+    def top(self, lp: TokenLogprob) -> tuple[tuple[int, float], ...]:
+        """The alternatives to report: at most ``alternatives`` (the core never reports one at -inf)."""
+        return lp.top[: self.alternatives]
 
     def chat(self, items: Sequence[TokenLogprob]) -> dict[str, Any]:
         def entry(token_id: int, logprob: float) -> dict[str, Any]:
