@@ -241,6 +241,36 @@ def test_a_schema_llguidance_refuses_names_the_tool_before_anything_runs(engine)
     assert engine.generate("hi", max_tokens=2).stats.steps == passes  # the engine stays usable
 
 
+@pytest.mark.parametrize("max_batch", [1, 2])
+def test_batch_records_with_tools_get_their_calls(tools_model_dir, engine, tmp_path, max_batch):
+    """``ortspec batch``: a chat record's ``tools`` and ``tool_choice`` keys, one at a time or batched: its line has
+    the Engine's calls in the OpenAI shape."""
+    from ortspec.adapters.batch.job import BatchJob
+    from ortspec.adapters.batch.run import run_batch
+
+    named = {"type": "function", "function": {"name": "get_time"}}
+    records = [
+        {"id": 1, "messages": ASK, "tools": TOOLS, "tool_choice": named},
+        {"id": 2, "prompt": "And the time?", "chat": True, "tools": TOOLS, "tool_choice": "none"},
+    ]
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in records))
+    job = BatchJob(
+        src, out, model=tools_model_dir, workers=1, threads=1, max_batch=max_batch, options={"max_tokens": 150}
+    )
+    run_batch(job, progress=False)
+    lines = {line["id"]: line for line in map(json.loads, out.read_text().splitlines())}
+    want = engine.generate(ASK, tools=TOOLS, tool_choice=named, max_tokens=150)
+    assert lines[1]["text"] == want.text and lines[1]["finish_reason_openai"] == "tool_calls"
+    (call,) = lines[1]["tool_calls"]
+    assert call["type"] == "function" and call["function"]["name"] == "get_time"
+    assert _valid("get_time", call["function"]["arguments"])
+    assert (
+        "tool_calls" not in lines[2]
+        and lines[2]["text"] == engine.generate("And the time?", chat=True, max_tokens=150).text
+    )
+
+
 # -- the server, through the official openai client -------------------------------------------------------------------
 
 
