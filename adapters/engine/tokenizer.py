@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from collections.abc import Mapping, Sequence
@@ -78,7 +79,7 @@ class Tokenizer:
         to text that ``encode`` turns back into them (for engines that take a prompt as text only)."""
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    @property
+    @functools.cached_property
     def takes_tools(self) -> bool:
         """Whether the chat template renders ``tools`` itself (it reads a variable named ``tools``); when it does
         not, tools, calls and results are written in the trained format of ``tool_format``."""

@@ -64,10 +64,13 @@ def response_text(content: str) -> str:
     return RESPONSE_OPEN + content + RESPONSE_CLOSE
 
 
-def in_format(messages: Sequence[Mapping[str, Any]], definitions: Sequence[Mapping[str, Any]] | None) -> list[dict]:
-    """``messages`` (OpenAI chat messages: assistant turns may carry ``tool_calls``, ``tool`` turns a result) as plain
-    ``{"role", "content"}`` turns in this format, the tools' system turn first when ``definitions`` is given."""
-    out: list[dict[str, str]] = []
+def in_format(
+    messages: Sequence[Mapping[str, Any]], definitions: Sequence[Mapping[str, Any]] | None
+) -> list[dict[str, Any]]:
+    """``messages`` (OpenAI chat messages: assistant turns may carry ``tool_calls``, ``tool`` turns a result) with
+    those turns as plain ``{"role", "content"}`` turns in this format (the others as they are), the tools' system
+    turn first when ``definitions`` is given."""
+    out: list[dict[str, Any]] = []
     for m in messages:
         role, content = str(m["role"]), m.get("content") or ""
         if role == "tool":
@@ -76,7 +79,7 @@ def in_format(messages: Sequence[Mapping[str, Any]], definitions: Sequence[Mappi
             calls = [(c["function"]["name"], c["function"]["arguments"]) for c in m["tool_calls"]]
             out.append({"role": "assistant", "content": (content + "\n" if content else "") + calls_text(calls)})
         else:
-            out.append({"role": role, "content": str(content)})
+            out.append(dict(m))
     if definitions is not None:
         tools = system_prompt(definitions)
         if out and out[0]["role"] == "system":
