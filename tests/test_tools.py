@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from ortspec.adapters.engine import Engine, GenerationOptions
 from ortspec.adapters.engine import tool_format as fmt
@@ -138,6 +140,37 @@ def test_a_string_holding_braces_and_quotes_does_not_end_the_arguments():
     text = fmt.calls_text([("get_weather", json.dumps({"city": 'a"}]\\', "days": 1}))])
     (call,) = fmt.read_reply(text).calls
     assert json.loads(call.arguments) == {"city": 'a"}]\\', "days": 1}
+
+
+_JSON = st.recursive(
+    st.none() | st.booleans() | st.integers(-999, 999) | st.text(max_size=6),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner, max_size=3),
+    max_leaves=6,
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    calls=st.lists(
+        st.tuples(st.from_regex(r"[a-zA-Z0-9_-]{1,8}", fullmatch=True), st.dictionaries(st.text(max_size=4), _JSON)),
+        min_size=1,
+        max_size=3,
+    ),
+    cuts=st.lists(st.integers(0, 400), max_size=8),
+)
+def test_any_calls_read_back_the_same_whole_or_in_any_pieces(calls, cuts):
+    text = fmt.calls_text([(name, json.dumps(args)) for name, args in calls])
+    whole = fmt.read_reply(text)
+    assert whole.complete and [(c.name, json.loads(c.arguments)) for c in whole.calls] == calls
+    reader, pieces, start = fmt.CallReader(), [], 0
+    for cut in sorted(cuts) + [len(text)]:
+        pieces += reader.feed(text[start:cut])
+        start = max(start, cut)
+    pieces += reader.finish()
+    assert reader.complete and [(c.name, c.arguments) for c in reader.calls] == [
+        (c.name, c.arguments) for c in whole.calls
+    ]
+    assert [p.name for p in pieces if isinstance(p, fmt.CallPiece) and p.name is not None] == [n for n, _ in calls]
 
 
 def test_the_prompt_shows_tools_calls_and_results_in_the_trained_format_or_to_a_template_that_takes_them():
