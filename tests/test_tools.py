@@ -343,7 +343,12 @@ def _streamed(client, **kw):
 
 @pytest.mark.parametrize(
     ("choice", "parallel"),
-    [("required", False), ({"type": "function", "function": {"name": "get_time"}}, True), ("auto", True)],
+    [
+        ("required", False),
+        ({"type": "function", "function": {"name": "get_time"}}, True),
+        ("auto", True),
+        ("none", True),
+    ],
 )
 def test_served_tool_calls_are_the_engines_streamed_or_not(served, engine, choice, parallel):
     url, client = served
