@@ -257,6 +257,11 @@ def test_batched_tool_calls_equal_each_alone_and_none_is_plain_chat(engine):
     assert [r.token_ids for r in many] == [engine.generate(p, **kw).token_ids for p in (ASK, other)]
     none = engine.generate(ASK, tools=TOOLS, tool_choice="none", max_tokens=8)
     assert none.token_ids == engine.generate(ASK, max_tokens=8).token_ids  # not shown, not called
+    # A model that wants to stop at once may, with auto (an empty answer), and may not with required.
+    eos = min(engine.eos_token_ids)
+    stop_now = {"tools": TOOLS, "max_tokens": 30, "logit_bias": {eos: 100.0}}
+    assert engine.generate(ASK, **stop_now).finish_reason is FinishReason.EOS_TOKEN
+    assert engine.generate(ASK, tool_choice="required", **stop_now).text.startswith("<tool_call>[")
     with pytest.raises(ValueError, match="chat") as info:
         engine.generate("hi", tools=TOOLS)
     assert info.value.argument == "tools"  # type: ignore[attr-defined]

@@ -96,7 +96,8 @@ def _literal(text: str) -> str:
 def grammar(functions: Sequence[tuple[str, str]], *, only_calls: bool, several: bool) -> str:
     """The Lark grammar (llguidance's dialect) of this format's output: calls of ``functions`` (``(name, parameters
     schema as JSON text)``; each call's arguments match its function's schema), one or, with ``several``, one or more;
-    with ``only_calls`` False, any text not starting with ``TAG`` is allowed instead (``tool_choice`` ``auto``)."""
+    with ``only_calls`` False, any text not starting with ``TAG`` (the empty text too) is allowed instead
+    (``tool_choice`` ``auto``)."""
     rules = []
     names = []
     for i, (name, schema) in enumerate(functions):
@@ -107,7 +108,7 @@ def grammar(functions: Sequence[tuple[str, str]], *, only_calls: bool, several: 
         names.append(f"call_{i}")
     repeat = f" ({_literal(SEPARATOR)} call)*" if several else ""
     calls = f"calls: {_literal(OPEN)} call{repeat} {_literal(CLOSE)}"
-    start = "start: calls" if only_calls else "start: calls | TEXT"
+    start = "start: calls" if only_calls else "start: (calls | TEXT)?"  # text may be empty (EOS at once), as without
     text = [] if only_calls else [f"TEXT: /(?s:.+)/ & ~/(?s:{re.escape(TAG)}.*)/"]
     return "\n".join([start, calls, "call: " + " | ".join(names), *rules, *text]) + "\n"
 
