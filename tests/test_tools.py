@@ -40,6 +40,7 @@ TOOLS = [
     {"type": "function", "function": {"name": "get_time", "parameters": TIME}},
 ]
 ASK = [{"role": "user", "content": "What is the weather in Paris for 3 days?"}]
+CALLS_TEXT = '{"city":"Paris","days":3}'
 
 
 def _valid(name: str, arguments: str) -> bool:
@@ -56,6 +57,15 @@ def _valid(name: str, arguments: str) -> bool:
         and isinstance(days, int)
         and 1 <= days <= 7
     )
+
+
+def _called(name: str, arguments: str) -> dict:
+    """An assistant turn that called ``name``."""
+    call = {"id": "c", "type": "function", "function": {"name": name, "arguments": arguments}}
+    return {"role": "assistant", "content": None, "tool_calls": [call]}
+
+
+FOLLOW_UP = [*ASK, _called("get_weather", CALLS_TEXT), {"role": "tool", "tool_call_id": "c", "content": "sunny"}]
 
 
 # -- the values -----------------------------------------------------------------------------------------------------
@@ -108,7 +118,7 @@ def test_tool_values():
 # -- the format -----------------------------------------------------------------------------------------------------
 
 
-CALLS = [("get_weather", '{"city":"Paris","days":3}'), ("get_time", '{"zone": "utc"}')]
+CALLS = [("get_weather", CALLS_TEXT), ("get_time", '{"zone": "utc"}')]
 
 
 def test_calls_are_written_in_the_trained_format_and_read_back_whole_or_piece_by_piece():
@@ -290,6 +300,11 @@ def test_batch_records_with_tools_get_their_calls(tools_model_dir, engine, tmp_p
     records = [
         {"id": 1, "messages": ASK, "tools": TOOLS, "tool_choice": named},
         {"id": 2, "prompt": "And the time?", "chat": True, "tools": TOOLS, "tool_choice": "none"},
+        {
+            "id": 3,
+            "messages": [*ASK, _called("get_weather", "{nope"), {"role": "tool", "tool_call_id": "c", "content": "x"}],
+        },
+        {"id": 4, "messages": FOLLOW_UP, "tools": TOOLS, "tool_choice": "none"},
     ]
     src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     src.write_text("".join(json.dumps(r) + "\n" for r in records))
@@ -303,6 +318,8 @@ def test_batch_records_with_tools_get_their_calls(tools_model_dir, engine, tmp_p
     (call,) = lines[1]["tool_calls"]
     assert call["type"] == "function" and call["function"]["name"] == "get_time"
     assert _valid("get_time", call["function"]["arguments"])
+    assert "tool_calls" not in lines[3] and "arguments: not JSON" in lines[3]["error"]
+    assert lines[4]["text"] == engine.generate(fmt.in_format(FOLLOW_UP, None), max_tokens=150).text
     assert (
         "tool_calls" not in lines[2]
         and lines[2]["text"] == engine.generate("And the time?", chat=True, max_tokens=150).text
@@ -413,6 +430,10 @@ def test_a_follow_up_turn_renders_the_call_and_its_result(served, engine):
 
 
 BAD = [
+    (
+        {"messages": [*ASK, _called("get_weather", "{nope"), {"role": "tool", "tool_call_id": "c", "content": "x"}]},
+        "messages",
+    ),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "strin"}}}]}, "tools"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "integer"}}}]}, "tools"),
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),

@@ -71,12 +71,12 @@ def in_format(
     those turns as plain ``{"role", "content"}`` turns in this format (the others as they are), the tools' system
     turn first when ``definitions`` is given."""
     out: list[dict[str, Any]] = []
-    for m in messages:
+    for i, m in enumerate(messages):
         role, content = str(m["role"]), m.get("content") or ""
         if role == "tool":
             out.append({"role": "user", "content": response_text(str(content))})
         elif role == "assistant" and m.get("tool_calls"):
-            calls = [(c["function"]["name"], c["function"]["arguments"]) for c in m["tool_calls"]]
+            calls = [_called(f"messages[{i}].tool_calls[{j}]", c) for j, c in enumerate(m["tool_calls"])]
             out.append({"role": "assistant", "content": (content + "\n" if content else "") + calls_text(calls)})
         else:
             out.append(dict(m))
@@ -87,6 +87,20 @@ def in_format(
         else:
             out.insert(0, {"role": "system", "content": tools})
     return out
+
+
+def _called(where: str, call: object) -> tuple[str, str]:
+    """A history turn's call as ``(name, arguments JSON text)``; ``ValueError`` naming ``where`` for another shape."""
+    function = call.get("function") if isinstance(call, Mapping) else None
+    name = function.get("name") if isinstance(function, Mapping) else None
+    arguments = function.get("arguments") if isinstance(function, Mapping) else None
+    if not isinstance(name, str) or not isinstance(arguments, str):
+        raise ValueError(f"{where}: expected {{'function': {{'name': str, 'arguments': JSON text}}}}")
+    try:
+        json.loads(arguments)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{where}.function.arguments: not JSON ({exc})") from None
+    return name, arguments
 
 
 def _literal(text: str) -> str:
