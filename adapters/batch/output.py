@@ -50,7 +50,7 @@ def output_record(task: Task, result: Any, tools: ToolUse | None = None) -> dict
     reply = tools.read(result.text) if tools is not None else None
     if reply is not None and reply.content is None:
         out["tool_calls"] = [call.openai() for call in reply.calls]
-        out["finish_reason_openai"] = "tool_calls" if reply.complete else out["finish_reason_openai"]
+        out["finish_reason_openai"] = reply.finish_reason(out["finish_reason_openai"])
     return out
 
 

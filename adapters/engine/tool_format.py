@@ -31,6 +31,7 @@ OPEN = TAG + "[\n"
 SEPARATOR = ",\n"
 CLOSE = "\n]</tool_call>"
 RESPONSE_OPEN, RESPONSE_CLOSE = "<tool_response>\n", "\n</tool_response>"
+FINISH_REASON = "tool_calls"  # the OpenAI API's finish reason of an answer made of complete calls
 # The arguments' JSON as the trained data writes it (llguidance's JSON options, in a schema's "x-guidance").
 JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
@@ -185,6 +186,10 @@ class CallReader:
         """True once the calls' closing text has been read."""
         return self._state == "closed"
 
+    def finish_reason(self, otherwise: str) -> str:
+        """``FINISH_REASON`` for complete calls, else ``otherwise`` (the generation's own)."""
+        return FINISH_REASON if self.is_calls and self.complete else otherwise
+
     def feed(self, text: str) -> list[Piece]:
         self._buffer += text
         if self._mode == "undecided":
@@ -272,6 +277,10 @@ class Reply:
     content: str | None
     calls: tuple[ToolCall, ...]
     complete: bool
+
+    def finish_reason(self, otherwise: str) -> str:
+        """``FINISH_REASON`` for complete calls, else ``otherwise`` (the generation's own)."""
+        return FINISH_REASON if self.content is None and self.complete else otherwise
 
 
 def read_reply(text: str) -> Reply:

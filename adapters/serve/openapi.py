@@ -24,13 +24,14 @@ from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel, Field
 from pydantic.json_schema import models_json_schema
 
+from ortspec.adapters.engine import tool_format
 from ortspec.adapters.serve.errors import ErrorBody
 from ortspec.core.state import FinishReason
 
 _REF = "#/components/schemas/"
 # The finish reasons a response may carry: FinishReason's words for the OpenAI API.
 _FINISH_REASONS = sorted({reason.openai for reason in FinishReason})
-_CHAT_FINISH_REASONS = sorted({*_FINISH_REASONS, "tool_calls"})  # a chat answer made of complete calls
+_CHAT_FINISH_REASONS = sorted({*_FINISH_REASONS, tool_format.FINISH_REASON})  # with an answer of complete calls
 
 
 def _finish_reason(description: str, *, streamed: bool, reasons: list[str] = _FINISH_REASONS) -> Any:

@@ -121,7 +121,7 @@ class ResponseShape:
             reply = self.tools.read(result.text) if self.tools is not None else None
             if reply is not None and reply.content is None:
                 choice["message"] |= {"content": None, "tool_calls": [call.openai() for call in reply.calls]}
-                choice["finish_reason"] = "tool_calls" if reply.complete else choice["finish_reason"]
+                choice["finish_reason"] = reply.finish_reason(choice["finish_reason"])
         else:
             choice["text"] = result.text
         head = self._head("chat.completion" if self.chat else "text_completion")
@@ -172,8 +172,8 @@ class ResponseShape:
         assert result.finish_reason is not None
         out = [self._piece_chunk(p, usage_field) for p in self._reader.finish()] if self._reader is not None else []
         finish = result.finish_reason.openai
-        if self._reader is not None and self._reader.is_calls and self._reader.complete:
-            finish = "tool_calls"
+        if self._reader is not None:
+            finish = self._reader.finish_reason(finish)
         return [*out, self.chunk(None, logprobs, finish, usage_field=usage_field)]
 
     def _piece_chunk(self, piece: Piece, usage_field: bool) -> dict[str, Any]:
