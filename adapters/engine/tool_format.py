@@ -8,7 +8,7 @@ tools, so ortspec renders them itself (a chat template that takes ``tools`` gets
   ``</tools>`` (``system_prompt``); a system turn the caller gave follows it in the same turn;
 - the model's calls: ``<tool_call>[`` newline, one ``{"name": NAME, "arguments": {...}}`` per call separated by
   ``,`` newline, newline ``]</tool_call>`` (``calls_text``); the arguments are JSON with ``", "`` and ``": "``
-  between items (``JSON_STYLE``: how the trained data writes them), so a call is one JSON list of calls;
+  between items (``JSON_STYLE``: how the trained data writes them); between the tags, the calls are one JSON list;
 - a tool's result: a user turn ``<tool_response>`` newline, the content, newline ``</tool_response>``.
 
 The grammar of a call (``grammar``, llguidance's Lark dialect) is this text with each function's arguments
