@@ -295,13 +295,15 @@ def _greedy_pick(z: np.ndarray, best: int, scale: float, want_margin: bool, top_
 
 
 def _log_softmax_top(x: np.ndarray, token: int, top_n: int) -> tuple[float, tuple[tuple[int, float], ...]]:
-    """Log-softmax of ``x`` at ``token`` and its ``top_n`` most likely ids (lowest id first on ties)."""
+    """Log-softmax of ``x`` at ``token`` and its ``top_n`` most likely ids (lowest id first on ties), never an id
+    at ``-inf`` (one the row can never pick, e.g. a grammar's masked token: fewer than ``top_n`` when fewer are
+    possible)."""
     m = float(np.max(x))
     lse = m + math.log(float(np.sum(np.exp(x - m))))
     n = min(top_n, x.shape[0])
     cand = np.argpartition(-x, n - 1)[:n] if n < x.shape[0] else np.arange(x.shape[0])
     # argpartition may cut a tie arbitrarily: take every id tied with the n-th value, then order exactly.
-    cand = np.nonzero(x >= x[cand].min())[0]
+    cand = np.nonzero((x >= x[cand].min()) & (x > -math.inf))[0]
     order = np.lexsort((cand, -x[cand]))[:n]
     return float(x[token] - lse), tuple((int(cand[j]), float(x[cand[j]] - lse)) for j in order)
 

@@ -25,7 +25,7 @@ per token). The rules:
   stop string; the last token releases everything.
 - Logprobs: under the distribution the pick came from (greedy: the log-softmax of the processed row in float64;
   sampling: the surviving tokens' renormalized probabilities), with the ``top_logprobs`` most likely ids (most
-  likely first, lowest id on ties).
+  likely first, lowest id on ties; never an id at -inf: fewer when fewer are possible).
 
 The detokenizer must be prefix-stable (the text of ``ids[:n]``, less a trailing partial character, is a prefix
 of the text of ``ids``), as byte-level and SentencePiece decoders are; the library's incremental decoding
@@ -167,8 +167,8 @@ def pick_after(
             return token, None
         x = z.astype(np.float64)
         logz = float(x.max()) + math.log(float(np.sum(np.exp(x - x.max()))))
-        ids = np.arange(len(x))
-        order = np.lexsort((ids, -x))[:top_n]
+        ids = np.flatnonzero(x > -math.inf)  # a token at -inf is never an alternative
+        order = ids[np.lexsort((ids, -x[ids]))][:top_n]
         return token, (float(x[token] - logz), tuple((int(i), float(x[i] - logz)) for i in order))
     t = rules.temperature
     with np.errstate(over="ignore"):  # past float32's range is -inf: outside the window

@@ -252,7 +252,20 @@ MUTANTS: dict[str, Mutant] = {
         "grammar_done = False",
         ("tests/test_structured.py", "property_tests/test_grammar.py"),
     ),
+    # -- tools (adapters/engine/tool_format.py) -------------------------------------------------------------------
+    "tool-call-reader-ignores-escapes": Mutant(
+        "adapters/engine/tool_format.py",
+        'elif ch == "\\\\":',
+        "elif False:",
+        ("tests/test_tools.py",),
+    ),
     # -- logprobs -------------------------------------------------------------------------------------------------
+    "logprob-alternatives-at-minus-inf": Mutant(
+        "core/sampling.py",
+        "cand = np.nonzero((x >= x[cand].min()) & (x > -math.inf))[0]",
+        "cand = np.nonzero(x >= x[cand].min())[0]",
+        ("tests/test_structured.py",),
+    ),
     "logprobs-not-normalised": Mutant(
         "core/sampling.py",
         "return float(x[token] - lse), tuple(",

@@ -15,7 +15,7 @@ from ortspec.adapters.engine import Engine
 from ortspec.adapters.engine.structured import ResponseFormat
 from ortspec.backends.fake import FakeBackend, FakeBatchBackend, FakeModel
 from ortspec.backends.onnx import BackendConfig
-from ortspec.core import FinishReason, Options, PromptLookup
+from ortspec.core import FinishReason, Options, PromptLookup, Sampling
 from ortspec.core.constraint import Constraint
 from ortspec.core.forced import ForcedTokens
 from ortspec.core.state import DecodeState, step, step_from_picks
@@ -137,6 +137,20 @@ def test_a_grammar_complete_at_the_start_ends_with_no_token_and_device_picks_are
         step_from_picks(DecodeState.start([0], Options(grammar=GRAMMAR)), [1], (), vocab_size=8)
     with pytest.raises(ValueError, match="grammar"):
         Options(grammar="not a grammar")  # type: ignore[arg-type]
+
+
+def test_logprob_alternatives_leave_out_the_tokens_the_grammar_masks():
+    """A masked token is at -inf: never an alternative (JSON has no -inf), greedy or sampled, speculative or not."""
+    model = FakeModel(vocab_size=8, seed=3)
+    for sampling in (Sampling(), Sampling(temperature=0.9, seed=5)):
+        options = Options(max_tokens=12, eos_token_ids={7}, grammar=GRAMMAR, top_logprobs=8, sampling=sampling)
+        plain = generate(FakeBackend(model), [0, 6], options)
+        spec = generate(FakeBackend(model), [0, 6], options, ForcedTokens(GRAMMAR, 2, PromptLookup()))
+        assert plain.logprobs == spec.logprobs and plain.logprobs
+        for lp in plain.logprobs:
+            assert lp.top and all(np.isfinite(p) for _, p in lp.top), lp
+        # After the first token (1), the grammar allows 2, 3 and 4 only: the alternatives are those, no more.
+        assert {t for t, _ in plain.logprobs[1].top} <= {2, 3, 4}
 
 
 def test_forced_tokens_are_drafted_and_cost_no_extra_pass():

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from ortspec.adapters.engine.many import batch_driver, batch_request, submit
 from ortspec.adapters.engine.options import GenerationOptions
+from ortspec.adapters.engine.tools import ToolUse
 from ortspec.batch_driver import BatchSequence
 
 from .output import failure_lines, result_lines
@@ -40,7 +41,7 @@ class BatchedRecords:
         self.name = name
         self.driver = batch_driver(engine)
         self.slots = engine.batch_backend().slots
-        self._running: list[tuple[Task, BatchSequence]] = []
+        self._running: list[tuple[Task, BatchSequence, ToolUse | None]] = []
         self._refused: list[Finished] = []  # records that failed before they joined
 
     @property
@@ -57,7 +58,7 @@ class BatchedRecords:
         except Exception as exc:  # a bad record never stops the run
             self._refused.append((task, *failure_lines(task, exc, self.name)))
             return
-        self._running.append((task, sequence))
+        self._running.append((task, sequence, options.tool_use()))
 
     def step(self) -> list[Finished]:
         """One pass over the running records (none when nothing runs); the records finished since the last call."""
@@ -65,12 +66,12 @@ class BatchedRecords:
             self.driver.step()
         finished, self._refused = self._refused, []
         still = []
-        for task, sequence in self._running:
+        for task, sequence, tools in self._running:
             if not sequence.done:
-                still.append((task, sequence))
+                still.append((task, sequence, tools))
             elif sequence.error is not None:
                 finished.append((task, *failure_lines(task, sequence.error, self.name)))
             else:
-                finished.append((task, *result_lines(task, sequence.result(), self.name)))
+                finished.append((task, *result_lines(task, sequence.result(), self.name, tools)))
         self._running = still
         return finished

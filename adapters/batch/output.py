@@ -18,12 +18,16 @@ from typing import Any
 
 import attrs
 
+from ortspec.adapters.engine.tools import ToolUse
+
 from .job import BatchError, BatchSummary
 from .records import Task, error_record, record_key
 
 
-def output_record(task: Task, result: Any) -> dict[str, Any]:
-    """The output line of a finished generation (``result`` is a ``GenerateResult``)."""
+def output_record(task: Task, result: Any, tools: ToolUse | None = None) -> dict[str, Any]:
+    """The output line of a finished generation (``result`` is a ``GenerateResult``; ``tools``: the record's). An
+    answer made of calls has ``tool_calls`` in the OpenAI shape, and ``finish_reason_openai`` ``tool_calls`` when
+    they are complete."""
     stats = result.stats
     out: dict[str, Any] = {
         "id": task.id,
@@ -43,13 +47,20 @@ def output_record(task: Task, result: Any) -> dict[str, Any]:
             {"token_id": lp.token_id, "logprob": lp.logprob, "top": [list(pair) for pair in lp.top]}
             for lp in result.logprobs
         ]
+    reply = tools.read(result.text) if tools is not None else None
+    if reply is not None and reply.content is None:
+        out["tool_calls"] = [call.openai() for call in reply.calls]
+        out["finish_reason_openai"] = reply.finish_reason(out["finish_reason_openai"])
     return out
 
 
-def result_lines(task: Task, result: Any, worker: str) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The output line and the metrics of ``task``'s finished generation (``result``: a ``GenerateResult``) made by
-    ``worker``. The metrics (``worker``, ``ok``, ``tokens``, ``prompt_tokens``, ``prefill_s``, ``decode_s``,
-    ``total_s``, ``steps``, ``proposed``, ``accepted``) are what ``BatchSummary.add`` counts."""
+def result_lines(
+    task: Task, result: Any, worker: str, tools: ToolUse | None = None
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The output line and the metrics of ``task``'s finished generation (``result``: a ``GenerateResult``;
+    ``tools`` as for ``output_record``) made by ``worker``. The metrics (``worker``, ``ok``, ``tokens``,
+    ``prompt_tokens``, ``prefill_s``, ``decode_s``, ``total_s``, ``steps``, ``proposed``, ``accepted``) are what
+    ``BatchSummary.add`` counts."""
     t = result.timings
     metrics = {
         "worker": worker,
@@ -63,7 +74,7 @@ def result_lines(task: Task, result: Any, worker: str) -> tuple[dict[str, Any], 
         "proposed": result.stats.proposed_tokens,
         "accepted": result.stats.accepted_tokens,
     }
-    return output_record(task, result), metrics
+    return output_record(task, result, tools), metrics
 
 
 def failure_lines(task: Task, exc: Exception, worker: str) -> tuple[dict[str, Any], dict[str, Any]]:

@@ -22,6 +22,7 @@ from ortspec.adapters.engine.options import SPECULATIVE_CHOICES, GenerationOptio
 from .job import BatchError
 
 RECORD_KEYS = ("id", "prompt", "messages")
+_MESSAGE_KEYS = frozenset({"role", "content", "tool_calls", "tool_call_id"})  # a chat turn's keys
 
 
 def option_fields() -> tuple[str, ...]:
@@ -105,14 +106,17 @@ def _prompt_of(raw: Mapping[str, Any]) -> tuple[Any, int]:
     if not isinstance(messages, list) or not messages:
         raise ValueError("'messages' must be a non-empty list of {'role': ..., 'content': ...} objects")
     for i, m in enumerate(messages):
-        if (
-            not isinstance(m, dict)
-            or not isinstance(m.get("role"), str)
-            or not isinstance(m.get("content"), str)
-            or set(m) - {"role", "content"}
-        ):
-            raise ValueError(f"messages[{i}] must be an object with a string 'role' and a string 'content' only")
-    return messages, sum(len(m["content"]) for m in messages)
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or set(m) - _MESSAGE_KEYS:
+            raise ValueError(
+                f"messages[{i}] must be an object with a string 'role' and 'content' (and, for a tool call's turns, "
+                "an assistant's 'tool_calls' or a tool's 'tool_call_id')"
+            )
+        calls = m.get("tool_calls")
+        if calls is not None and (m["role"] != "assistant" or not isinstance(calls, list) or not calls):
+            raise ValueError(f"messages[{i}].tool_calls: a non-empty list, in an assistant turn only")
+        if not isinstance(m.get("content"), str) and not (calls and m.get("content") is None):
+            raise ValueError(f"messages[{i}].content must be a string (null only beside tool_calls)")
+    return messages, sum(len(m.get("content") or "") for m in messages)
 
 
 def check_options(options: Mapping[str, Any]) -> None:

@@ -15,6 +15,7 @@ from typing import Any
 
 import attrs
 
+from ortspec.adapters.engine.options import GenerationOptions
 from ortspec.backends.onnx.config import BackendConfig
 from ortspec.batch_driver import DEFAULT_PREFILL_BUDGET, check_prefill_budget
 
@@ -169,4 +170,4 @@ class BatchWorker:
             result = self.engine.generate(task.prompt, **options)
         except Exception as exc:  # a bad record never stops the run
             return failure_lines(task, exc, self.name)
-        return result_lines(task, result, self.name)
+        return result_lines(task, result, self.name, GenerationOptions(**options).tool_use())

@@ -78,7 +78,7 @@ def generation_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         draft_width=args.draft_width,
         tie_margin=args.tie_margin,
         ignore_eos=args.ignore_eos,
-        **flag_values(args, (*SAMPLING_OPTIONS, "response_format")),
+        **flag_values(args, (*SAMPLING_OPTIONS, "response_format", "tools", "tool_choice")),
     )
 
 

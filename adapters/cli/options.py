@@ -281,7 +281,8 @@ def generation_options(p: argparse.ArgumentParser, default_tokens: int = 128, ma
         "same either way",
     )
     g.add_argument("--ignore-eos", action="store_true", help="do not stop at the model's end-of-sequence token")
-    add_flags(g, ("response_format",))  # --response-format JSON (structured outputs)
+    # --response-format JSON (structured outputs); --tools JSON, --tool-choice CHOICE (function calling, with --chat)
+    add_flags(g, ("response_format", "tools", "tool_choice"))
     d = lookup_options(p)
     if margins_list:
         d.add_argument(

@@ -35,6 +35,7 @@ from ortspec.adapters.engine.options import (
 from ortspec.adapters.engine.structured import GrammarCompiler, LlgGrammar, ResponseFormat
 from ortspec.adapters.engine.suffix_cache import SuffixCache
 from ortspec.adapters.engine.tokenizer import Tokenizer, check_tokenizer_fits
+from ortspec.adapters.engine.tools import ToolUse
 from ortspec.backends.base import Backend, BatchBackend
 from ortspec.backends.onnx import BackendConfig, ModelFolder, OrtBatchBackend
 from ortspec.batch_driver import DEFAULT_PREFILL_BUDGET, check_prefill_budget
@@ -224,11 +225,15 @@ class Engine(EngineMeasurements):
     def tokenize(self, text: str) -> list[int]:
         return self.tokenizer.encode(text)
 
-    def prompt_ids(self, prompt: Prompt, *, chat: bool = False, system: str | None = None) -> list[int]:
+    def prompt_ids(
+        self, prompt: Prompt, *, chat: bool = False, system: str | None = None, tools: ToolUse | None = None
+    ) -> list[int]:
         """Token ids for a prompt: text (chat-formatted as one user turn when ``chat``), a list of chat
-        messages (always chat-formatted), or token ids (used as they are). ``ValueError`` names ``prompt`` for an
-        empty prompt (an empty text is refused with ``chat`` too: it is not a question), ids that are not ints in
-        the vocabulary, or anything else."""
+        messages (always chat-formatted), or token ids (used as they are). ``tools``: the generation's tools,
+        shown to the model in a chat prompt (``Tokenizer.apply_chat_template``). ``ValueError`` names ``prompt``
+        for an empty prompt (an empty text is refused with ``chat`` too: it is not a question), ids that are not
+        ints in the vocabulary, or anything else."""
+        definitions = tools.definitions() if tools is not None else None
         if isinstance(prompt, str):
             if not prompt:
                 raise ArgumentError("prompt", "the prompt is empty: give some text (or token ids)")
@@ -236,7 +241,9 @@ class Engine(EngineMeasurements):
                 messages = ([{"role": "system", "content": system}] if system else []) + [
                     {"role": "user", "content": prompt}
                 ]
-                prompt = self.tokenizer.apply_chat_template(messages)
+                prompt = self.tokenizer.apply_chat_template(messages, tools=definitions)
+            elif definitions is not None:
+                raise ArgumentError("tools", "tools: the model is shown its tools in a chat prompt: give chat=True")
             ids = self.tokenizer.encode(prompt)
         elif isinstance(prompt, (bytes, bytearray)):
             raise ArgumentError("prompt", "the prompt is bytes: decode it to str (or give token ids)")
@@ -246,7 +253,8 @@ class Engine(EngineMeasurements):
                 f"the prompt must be text, a list of chat messages or a list of token ids, got {type(prompt).__name__}",
             )
         elif len(prompt) and all(isinstance(m, Mapping) for m in prompt):
-            ids = self.tokenizer.encode(self.tokenizer.apply_chat_template(list(prompt)))  # type: ignore[arg-type]
+            text = self.tokenizer.apply_chat_template(list(prompt), tools=definitions)  # type: ignore[arg-type]
+            ids = self.tokenizer.encode(text)
         else:
             if chat:
                 raise ArgumentError("prompt", "chat=True needs a text prompt or chat messages, not token ids")
@@ -313,22 +321,24 @@ class Engine(EngineMeasurements):
             **options.limits(),
             eos_token_ids=() if options.ignore_eos else self.eos_token_ids,
             sampling=options.sampling(),
-            grammar=self._grammar(options.response_format),
+            grammar=self._grammar(options.response_format, options.tool_use()),
         )
-        ids = self.prompt_ids(prompt, chat=options.chat, system=options.system)
+        ids = self.prompt_ids(prompt, chat=options.chat, system=options.system, tools=options.tool_use())
         self._check_prompt_fits(ids)
         ids_in_vocab("stop", [t for seq in core_options.stop_token_sequences for t in seq], self.backend.vocab_size)
         return ids, core_options
 
-    def _grammar(self, response_format: ResponseFormat | None) -> LlgGrammar | None:
-        """``response_format`` compiled for this model (``ArgumentError`` naming it when it is refused)."""
-        if response_format is None:
+    def _grammar(self, response_format: ResponseFormat | None, tools: ToolUse | None) -> LlgGrammar | None:
+        """The constraint compiled for this model: the tool calls' grammar (``tools``, unless ``tool_choice`` is
+        ``none``) or ``response_format`` (the options never hold both); ``ArgumentError`` naming the field whose
+        value is refused."""
+        if response_format is None and (tools is None or not tools.calls):
             return None
         with self._grammar_lock:
             if self._grammars is None:
                 vocab = self.backend.vocab_size
                 self._grammars = GrammarCompiler(self.tokenizer.to_json(), vocab, sorted(self.eos_token_ids))
-            return self._grammars.grammar(response_format)
+            return self._grammars.grammar(response_format) or self._grammars.tool_grammar(tools)
 
     def batch_backend(self, slots: int | None = None) -> BatchBackend:
         """The batch backend of :meth:`generate_many` and the batched server: ``slots`` KV caches on this folder

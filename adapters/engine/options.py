@@ -14,6 +14,7 @@ from typing import Any, Concatenate, ParamSpec, TypeVar
 import attrs
 
 from ortspec.adapters.engine.structured import ResponseFormat
+from ortspec.adapters.engine.tools import Function, Named, ToolUse, parse_tool_choice, parse_tools
 from ortspec.core import (
     MAX_DRAFT,
     Limits,
@@ -132,6 +133,31 @@ class GenerationOptions(Sampling, Limits):
         "LARK}; a dict or its JSON text",
         converter=ResponseFormat.parse,
     )
+    tools: tuple[Function, ...] | None = option(
+        None,
+        "with chat: functions the model may call, as the OpenAI API's tools: [{'type': 'function', 'function': "
+        "{'name', 'description', 'parameters'}}] (a list or its JSON text); calls are constrained to each function's "
+        "parameters schema (docs/structured-outputs.md, Tools)",
+        converter=parse_tools,
+    )
+    tool_choice: str | Named | None = option(
+        None,
+        "with tools: 'none', 'auto' (the default: text or calls), 'required' (calls), or {'type': 'function', "
+        "'function': {'name': NAME}} (one call of NAME)",
+        converter=parse_tool_choice,
+    )
+    parallel_tool_calls: bool = option(True, "with tools: allow several calls in one answer (false: at most one)")
+
+    def __attrs_post_init__(self) -> None:
+        tool_use = self.tool_use()
+        if tool_use is not None and tool_use.calls and self.response_format is not None:
+            raise ArgumentError(
+                "response_format", "response_format: cannot be combined with tools unless tool_choice is 'none'"
+            )
+
+    def tool_use(self) -> ToolUse | None:
+        """The tools, their choice and ``parallel_tool_calls`` as one checked value (None without tools)."""
+        return ToolUse.of(self.tools, self.tool_choice, self.parallel_tool_calls)
 
     def limits(self) -> dict[str, Any]:
         """The ``Limits`` keywords of the core's ``Options``."""

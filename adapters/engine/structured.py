@@ -14,7 +14,8 @@ the command line) is the OpenAI API's value, plus two ortspec extensions:
 49k vocabulary) turns it into an ``LlgGrammar`` and refuses what llguidance refuses (a bad schema, an unsupported
 keyword or format, a regex or grammar that does not parse) or what can never match, before anything reaches the
 model. JSON is compact (no whitespace between tokens), so more of it is forced (free drafts: ``core/forced.py``).
-Why llguidance and not xgrammar, and what a mask costs: docs/structured-outputs.md.
+Why llguidance and not xgrammar, and what a mask costs: docs/structured-outputs.md. The same compiler compiles a
+generation's tool calls (``tool_grammar``: ``tools.py``), naming ``tools`` for what it refuses.
 """
 
 from __future__ import annotations
@@ -22,12 +23,15 @@ from __future__ import annotations
 import functools
 import json
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import numpy as np
 
 from ortspec.core.checks import ArgumentError
+
+if TYPE_CHECKING:
+    from ortspec.adapters.engine.tools import ToolUse
 
 KINDS = ("text", "json_object", "json_schema", "regex", "grammar")
 _FIELDS = {"json_schema": "json_schema", "regex": "regex", "grammar": "grammar"}  # the kind's own field
@@ -176,10 +180,26 @@ class GrammarCompiler:
     def grammar(self, value: ResponseFormat | None) -> LlgGrammar | None:
         """The grammar of ``value`` (None: unconstrained); ``ArgumentError`` naming ``response_format`` for a
         constraint llguidance refuses or that can never match."""
-        return None if value is None else self._compile(value)
+        return None if value is None else self._compile(value, "response_format", "response_format")
 
-    def _compile_uncached(self, value: ResponseFormat) -> LlgGrammar:
+    def tool_grammar(self, tools: ToolUse | None) -> LlgGrammar | None:
+        """The grammar of a generation's tool calls (None without tools, or with ``tool_choice`` ``none``);
+        ``ArgumentError`` naming ``tools`` (and the function, e.g. ``tools[1].function.parameters``) for a schema
+        llguidance refuses."""
+        if tools is None or not tools.calls:
+            return None
+        for i, function in enumerate(tools.functions):
+            schema = ResponseFormat("json_schema", function.parameters)
+            self._compile(schema, "tools", f"tools[{i}].function.parameters")
+        return self._compile(ResponseFormat("grammar", tools.grammar_source()), "tools", "tools")
+
+    def _compile_uncached(self, value: ResponseFormat, argument: str, label: str) -> LlgGrammar:
+        """``value`` compiled; ``ArgumentError`` naming ``argument``, its message led by ``label``."""
         m = _llguidance().LLMatcher
+
+        def refuse(message: str) -> ArgumentError:
+            return ArgumentError(argument, f"{label}: {message}")
+
         try:
             if value.kind == "regex":
                 text = m.grammar_from_regex(value.source)
@@ -188,12 +208,12 @@ class GrammarCompiler:
             else:
                 text = m.grammar_from_json_schema(value.source, defaults=_JSON_OPTIONS)
         except ValueError as exc:
-            raise _refuse(str(exc)) from None
+            raise refuse(str(exc)) from None
         failed, messages = m.validate_grammar_with_warnings(text, self.tokenizer)
         if failed:
-            raise _refuse(f"{value.kind}: {messages[0].strip()}")
+            raise refuse(f"{value.kind}: {messages[0].strip()}")
         grammar = LlgGrammar(self.tokenizer, text, self.vocab_size, self.eos_ids)
         start = grammar.matcher()
         if not start.accepting() and not start.allowed().any():
-            raise _refuse(f"the {value.kind} can never match: no token can start it")
+            raise refuse(f"the {value.kind} can never match: no token can start it")
         return grammar

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from collections.abc import Mapping, Sequence
@@ -10,6 +11,7 @@ from typing import Any
 
 from tokenizers import Tokenizer as _HFTokenizer
 
+from ortspec.adapters.engine import tool_format
 from ortspec.backends.onnx.folder import ModelFolder, ModelFolderError
 
 _CHATML = (
@@ -77,20 +79,49 @@ class Tokenizer:
         to text that ``encode`` turns back into them (for engines that take a prompt as text only)."""
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True) -> str:
-        """Render ``messages`` (dicts with ``role`` and ``content``) with the folder's chat template (ChatML
-        when the folder has none)."""
+    @functools.cached_property
+    def takes_tools(self) -> bool:
+        """Whether the chat template renders ``tools`` itself (it reads a variable named ``tools``); when it does
+        not, tools, calls and results are written in the trained format of ``tool_format``."""
+        if self.chat_template is None:
+            return False
+        import jinja2.meta
+
+        return "tools" in jinja2.meta.find_undeclared_variables(self._environment().parse(self.chat_template))
+
+    def apply_chat_template(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+    ) -> str:
+        """Render ``messages`` (dicts with ``role`` and ``content``; an assistant turn's content may be None when it
+        has ``tool_calls``, a ``tool`` turn is a tool's result) with the folder's chat template (ChatML when the
+        folder has none). ``tools``: the function definitions (``{"name", "description", "parameters"}``) to show
+        the model: passed to a template that takes them (as ``[{"type": "function", "function": ...}]``), else
+        written with the messages' calls and results in ``tool_format``'s trained format."""
         if isinstance(messages, str) or not all(isinstance(m, Mapping) for m in messages):
             raise ValueError("messages must be a list of {'role': ..., 'content': ...} dicts")
         for m in messages:
-            if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            content = m.get("content")
+            calls = m.get("role") == "assistant" and m.get("tool_calls")
+            if not isinstance(m.get("role"), str) or not (isinstance(content, str) or content is None and calls):
                 raise ValueError(f"chat message {m!r} needs string 'role' and 'content'")
         if self._template is None:
-            import jinja2.sandbox
+            self._template = self._environment().from_string(self.chat_template or _CHATML)
+        if self.takes_tools:
+            wrapped = None if tools is None else [{"type": "function", "function": dict(t)} for t in tools]
+            return self._template.render(
+                messages=list(messages), tools=wrapped, add_generation_prompt=add_generation_prompt
+            )
+        plain = tool_format.in_format(messages, tools)
+        return self._template.render(messages=plain, add_generation_prompt=add_generation_prompt)
 
-            env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-            self._template = env.from_string(self.chat_template or _CHATML)
-        return self._template.render(messages=list(messages), add_generation_prompt=add_generation_prompt)
+    @staticmethod
+    def _environment() -> Any:
+        import jinja2.sandbox
+
+        return jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
 
 
 def check_tokenizer_fits(folder: ModelFolder, tokenizer: Tokenizer) -> None:

@@ -145,7 +145,9 @@ class _Routes:
         options, speculative = prepare_options(body, self.settings, self.pool.context_length)
         prompt = prompt_of(body)
         try:
-            ids = await run_in_threadpool(self.pool.engine.prompt_ids, prompt)
+            ids = await run_in_threadpool(
+                functools.partial(self.pool.engine.prompt_ids, prompt, tools=options.tool_use())
+            )
         except ValueError as exc:  # prompt_ids refuses nothing but the prompt
             raise APIError(400, named(fields["prompt"], str(exc)), param=fields["prompt"]) from None
         if len(ids) > self.pool.context_length:
@@ -183,7 +185,7 @@ class _Routes:
         alternatives = (body.top_logprobs if isinstance(body, ChatCompletionRequest) else body.logprobs) or 0
         formatter = LogprobFormatter(job.engine, alternatives) if prepared.options.top_logprobs else None
         request_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-        shape = ResponseShape(chat, request_id, self.settings.model_name, formatter)
+        shape = ResponseShape(chat, request_id, self.settings.model_name, formatter, prepared.options.tool_use())
         streaming = False
         try:
             first = await _unless_disconnected(request, job.next())
@@ -220,21 +222,24 @@ async def _stream(job: RequestGeneration, shape: ResponseShape, include_usage: b
 
     try:
         if shape.chat:
-            yield event(shape.chunk("", role=True, usage_field=include_usage))
+            yield event(shape.chunk("" if shape.tools is None else None, role=True, usage_field=include_usage))
         pending: list[TokenLogprob] = []
         while True:
             item = await job.next()
             if isinstance(item, Commit):
                 if item.logprob is not None:
                     pending.append(item.logprob)
-                if item.text:
-                    yield event(shape.chunk(item.text, pending, usage_field=include_usage))
+                chunks = shape.stream_chunks(item.text, pending, usage_field=include_usage)
+                for chunk in chunks:
+                    yield event(chunk)
+                if chunks:
                     pending = []
                 continue
             if isinstance(item, Finished):
                 result = item.result
-                assert result.finish_reason is not None
-                last = shape.chunk(None, pending, result.finish_reason.openai, usage_field=include_usage)
+                *held, last = shape.last_chunks(result, pending, usage_field=include_usage)
+                for chunk in held:
+                    yield event(chunk)
                 last["ortspec"] = _extension(result, job)
                 yield event(last)
                 if include_usage:

@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import Any, Literal, NamedTuple
 
 from fastapi.exceptions import RequestValidationError
-from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator
+from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator, model_validator
 
 from ortspec.adapters.engine.options import MANY_REQUESTS_SPECULATIVE, GenerationOptions
 from ortspec.adapters.engine.surfaces import SAMPLING_OPTIONS, json_logit_bias, request_fields
@@ -49,16 +49,50 @@ class TextPart(_Strict):
     text: str
 
 
-class ChatMessage(_Strict):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
-    name: str | None = None
+class CalledFunction(_Strict):
+    name: str
+    arguments: str
 
-    def as_template_message(self) -> dict[str, str]:
-        """The message as the chat template takes it (``developer`` is a system turn; text parts joined)."""
+
+class MessageToolCall(_Strict):
+    """A call an earlier assistant turn made (``tool_calls[i]`` of its message)."""
+
+    id: str
+    type: Literal["function"]
+    function: CalledFunction
+
+
+class ChatMessage(_Strict):
+    """A turn. An assistant turn may carry ``tool_calls`` (its content may then be null); a ``tool`` turn is a
+    call's result (``tool_call_id`` names the call)."""
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None
+    name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None
+    tool_call_id: str | None = None
+
+    @model_validator(mode="after")
+    def _turn_shape(self) -> ChatMessage:
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("tool_calls: only an assistant turn makes calls")
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content: required (null only in an assistant turn with tool_calls)")
+        if self.role == "tool" and self.tool_call_id is None:
+            raise ValueError("tool_call_id: a tool turn names the call it answers")
+        return self
+
+    def as_template_message(self) -> dict[str, Any]:
+        """The message as the chat template takes it (``developer`` is a system turn; text parts joined; calls in
+        the OpenAI shape)."""
         role = "system" if self.role == "developer" else self.role
-        text = self.content if isinstance(self.content, str) else "\n".join(p.text for p in self.content)
-        return {"role": role, "content": text}
+        text = self.content if not isinstance(self.content, list) else "\n".join(p.text for p in self.content)
+        out: dict[str, Any] = {"role": role, "content": text}
+        if self.tool_calls:
+            out["tool_calls"] = [call.model_dump() for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return out
 
 
 # The sampling options as request fields, from their one declaration (optional; None: the option's default).
@@ -111,6 +145,17 @@ class ChatCompletionRequest(_GenerationRequest):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    tools: list[dict[str, Any]] | None = Field(
+        default=None,
+        description='functions the model may call: [{"type": "function", "function": {"name", "description", '
+        '"parameters"}}]; a call\'s arguments obey its parameters schema (a 400 names tools when one cannot be used)',
+    )
+    tool_choice: str | dict[str, Any] | None = Field(
+        default=None,
+        description='"none", "auto" (the default with tools), "required", or {"type": "function", "function": '
+        '{"name": NAME}}',
+    )
+    parallel_tool_calls: bool | None = Field(default=None, description="several calls in one answer (default true)")
 
 
 GenerationRequest = CompletionRequest | ChatCompletionRequest
@@ -118,7 +163,16 @@ GenerationRequest = CompletionRequest | ChatCompletionRequest
 # Every field name of every request model: what a pydantic error location may name (validation_error).
 _REQUEST_FIELDS = frozenset(
     name
-    for model in (CompletionRequest, ChatCompletionRequest, ChatMessage, TextPart, OrtspecOptions, StreamOptions)
+    for model in (
+        CompletionRequest,
+        ChatCompletionRequest,
+        ChatMessage,
+        TextPart,
+        OrtspecOptions,
+        StreamOptions,
+        MessageToolCall,
+        CalledFunction,
+    )
     for name in model.model_fields
 )
 
@@ -172,6 +226,9 @@ def argument_fields(request: GenerationRequest) -> dict[str, str]:
         "top_logprobs": logprobs_field,
         "speculative": "ortspec.speculative",
         "response_format": "response_format",
+        "tools": "tools",
+        "tool_choice": "tool_choice",
+        "parallel_tool_calls": "parallel_tool_calls",
     }
     return fields | {name: name for name in SAMPLING_OPTIONS}
 
@@ -230,6 +287,10 @@ def prepare_options(
         "speculative": (settings.speculative or MANY_REQUESTS_SPECULATIVE) if speculative else None,
         "response_format": request.response_format,
     }
+    if isinstance(request, ChatCompletionRequest):
+        kwargs |= {"tools": request.tools, "tool_choice": request.tool_choice}
+        if request.parallel_tool_calls is not None:
+            kwargs["parallel_tool_calls"] = request.parallel_tool_calls
     for name in SAMPLING_OPTIONS:
         value = getattr(request, name)
         if value is not None:
@@ -241,7 +302,7 @@ def prepare_options(
     return options, speculative
 
 
-def prompt_of(request: GenerationRequest) -> str | list[int] | list[dict[str, str]]:
+def prompt_of(request: GenerationRequest) -> str | list[int] | list[dict[str, Any]]:
     """The prompt as the Engine takes it: text, token ids, or chat messages."""
     if isinstance(request, ChatCompletionRequest):
         return [m.as_template_message() for m in request.messages]

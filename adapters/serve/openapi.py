@@ -24,16 +24,18 @@ from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel, Field
 from pydantic.json_schema import models_json_schema
 
+from ortspec.adapters.engine import tool_format
 from ortspec.adapters.serve.errors import ErrorBody
 from ortspec.core.state import FinishReason
 
 _REF = "#/components/schemas/"
 # The finish reasons a response may carry: FinishReason's words for the OpenAI API.
 _FINISH_REASONS = sorted({reason.openai for reason in FinishReason})
+_CHAT_FINISH_REASONS = sorted({*_FINISH_REASONS, tool_format.FINISH_REASON})  # with an answer of complete calls
 
 
-def _finish_reason(description: str, *, streamed: bool) -> Any:
-    enum: list[str | None] = [*_FINISH_REASONS, None] if streamed else list(_FINISH_REASONS)
+def _finish_reason(description: str, *, streamed: bool, reasons: list[str] = _FINISH_REASONS) -> Any:
+    enum: list[str | None] = [*reasons, None] if streamed else list(reasons)
     return Field(description=description, json_schema_extra={"enum": enum})  # type: ignore[dict-item]
 
 
@@ -113,17 +115,29 @@ class CompletionChoice(BaseModel):
     finish_reason: str = _finish_reason("why the generation ended", streamed=False)
 
 
+class CalledFunction(BaseModel):
+    name: str
+    arguments: str = Field(description="JSON text of the arguments (cut short when the generation was)")
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"]
+    function: CalledFunction
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"]
-    content: str
+    content: str | None = Field(description="null when the answer is tool calls")
     refusal: None
+    tool_calls: list[ToolCall] | None = Field(default=None, description="the calls, when the answer is calls")
 
 
 class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
     logprobs: ChatLogprobs | None
-    finish_reason: str = _finish_reason("why the generation ended", streamed=False)
+    finish_reason: str = _finish_reason("why the generation ended", streamed=False, reasons=_CHAT_FINISH_REASONS)
 
 
 class _Head(BaseModel):
@@ -162,16 +176,31 @@ class CompletionChunkChoice(BaseModel):
     finish_reason: str | None = _finish_reason("set on the last chunk only", streamed=True)
 
 
+class CalledFunctionDelta(BaseModel):
+    name: str | None = Field(default=None, description="on the call's first chunk")
+    arguments: str = Field(description="the next piece of the arguments' JSON text")
+
+
+class ToolCallDelta(BaseModel):
+    index: int
+    id: str | None = Field(default=None, description="on the call's first chunk")
+    type: Literal["function"] | None = None
+    function: CalledFunctionDelta
+
+
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = Field(default=None, description="on the first chunk only")
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(BaseModel):
     index: int
     delta: ChatDelta
     logprobs: ChatLogprobs | None
-    finish_reason: str | None = _finish_reason("set on the last chunk only", streamed=True)
+    finish_reason: str | None = _finish_reason(
+        "set on the last chunk only", streamed=True, reasons=_CHAT_FINISH_REASONS
+    )
 
 
 class _Chunk(_Head):

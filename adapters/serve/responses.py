@@ -7,12 +7,13 @@ from the result.
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Sequence
 from typing import Any
 
 from ortspec.adapters.engine import Engine
+from ortspec.adapters.engine.tool_format import CallReader, ContentPiece, Piece
+from ortspec.adapters.engine.tools import ToolUse
 from ortspec.core.state import TokenLogprob
 from ortspec.driver import GenerateResult
 
@@ -52,10 +53,9 @@ class LogprobFormatter:
     def token(self, token_id: int) -> str:
         return self.decode([token_id], skip_special_tokens=False)
 
-    def top(self, lp: TokenLogprob) -> list[tuple[int, float]]:
-        """The alternatives to report: at most ``alternatives``, none at -inf (a token the row could never pick, e.g.
-        one a ``response_format`` forbids; JSON has no -inf)."""
-        return [(t, p) for t, p in lp.top[: self.alternatives] if p > -math.inf]
+    def top(self, lp: TokenLogprob) -> tuple[tuple[int, float], ...]:
+        """The alternatives to report: at most ``alternatives`` (the core never reports one at -inf)."""
+        return lp.top[: self.alternatives]
 
     def chat(self, items: Sequence[TokenLogprob]) -> dict[str, Any]:
         def entry(token_id: int, logprob: float) -> dict[str, Any]:
@@ -82,12 +82,23 @@ class LogprobFormatter:
 
 
 class ResponseShape:
-    """One endpoint's response shapes (completion or chat), for a whole response and for stream chunks."""
+    """One endpoint's response shapes (completion or chat), for a whole response and for stream chunks. ``tools``: a
+    chat request's tools; when the model may call them, its output is read as content or ``tool_calls``
+    (``tool_format``), whole or, streamed, as it grows (``stream_chunks``)."""
 
-    def __init__(self, chat: bool, request_id: str, model: str, formatter: LogprobFormatter | None) -> None:
+    def __init__(
+        self,
+        chat: bool,
+        request_id: str,
+        model: str,
+        formatter: LogprobFormatter | None,
+        tools: ToolUse | None = None,
+    ) -> None:
         self.chat, self.id, self.model, self.logprobs = chat, request_id, model, formatter
         self.created = int(time.time())
         self.text_offset = 0
+        self.tools = tools if tools is not None and tools.calls else None
+        self._reader = CallReader() if self.tools is not None else None
 
     def _head(self, object_name: str) -> dict[str, Any]:
         return {"id": self.id, "object": object_name, "created": self.created, "model": self.model}
@@ -107,6 +118,10 @@ class ResponseShape:
         choice: dict[str, Any] = {"index": 0, "logprobs": logprobs, "finish_reason": result.finish_reason.openai}
         if self.chat:
             choice["message"] = {"role": "assistant", "content": result.text, "refusal": None}
+            reply = self.tools.read(result.text) if self.tools is not None else None
+            if reply is not None and reply.content is None:
+                choice["message"] |= {"content": None, "tool_calls": [call.openai() for call in reply.calls]}
+                choice["finish_reason"] = reply.finish_reason(choice["finish_reason"])
         else:
             choice["text"] = result.text
         head = self._head("chat.completion" if self.chat else "text_completion")
@@ -133,6 +148,42 @@ class ResponseShape:
         out = self._head("chat.completion.chunk" if self.chat else "text_completion") | {"choices": [choice]}
         if usage_field:
             out["usage"] = None
+        return out
+
+    def stream_chunks(
+        self, text: str, logprobs: Sequence[TokenLogprob], *, usage_field: bool = False
+    ) -> list[dict[str, Any]]:
+        """The chunks for ``text``, the output's next piece, and the ``logprobs`` of its tokens (on the first chunk):
+        a content chunk, or, for a request whose tools the model may call, the pieces ``CallReader`` releases
+        (content, or ``delta.tool_calls``: a call's start with its index, id and name, then pieces of its
+        arguments); none while it waits to know."""
+        if self._reader is None:
+            return [self.chunk(text, logprobs, usage_field=usage_field)] if text else []
+        out = [self._piece_chunk(p, usage_field) for p in self._reader.feed(text)]
+        if out and logprobs:
+            out[0]["choices"][0]["logprobs"] = self._logprobs(logprobs)
+        return out
+
+    def last_chunks(
+        self, result: GenerateResult, logprobs: Sequence[TokenLogprob], *, usage_field: bool = False
+    ) -> list[dict[str, Any]]:
+        """What the reader still holds, then the last chunk: the finish reason (``tool_calls`` for complete calls)
+        and the ``logprobs`` not sent yet."""
+        assert result.finish_reason is not None
+        out = [self._piece_chunk(p, usage_field) for p in self._reader.finish()] if self._reader is not None else []
+        finish = result.finish_reason.openai
+        if self._reader is not None:
+            finish = self._reader.finish_reason(finish)
+        return [*out, self.chunk(None, logprobs, finish, usage_field=usage_field)]
+
+    def _piece_chunk(self, piece: Piece, usage_field: bool) -> dict[str, Any]:
+        if isinstance(piece, ContentPiece):
+            return self.chunk(piece.text, usage_field=usage_field)
+        call: dict[str, Any] = {"index": piece.index, "function": {"arguments": piece.arguments}}
+        if piece.id is not None:
+            call |= {"id": piece.id, "type": "function", "function": {"name": piece.name, "arguments": ""}}
+        out = self.chunk(None, usage_field=usage_field)
+        out["choices"][0]["delta"]["tool_calls"] = [call]
         return out
 
     def usage_chunk(self, result: GenerateResult) -> dict[str, Any]:
