@@ -14,7 +14,7 @@ from __future__ import annotations
 import functools
 import os
 import threading
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -34,7 +34,7 @@ from ortspec.adapters.engine.options import (
 )
 from ortspec.adapters.engine.structured import GrammarCompiler, LlgGrammar, ResponseFormat
 from ortspec.adapters.engine.suffix_cache import SuffixCache
-from ortspec.adapters.engine.tokenizer import Tokenizer, check_tokenizer_fits
+from ortspec.adapters.engine.tokenizer import PromptReader, Tokenizer, check_tokenizer_fits
 from ortspec.backends.base import Backend, BatchBackend
 from ortspec.backends.onnx import BackendConfig, ModelFolder, OrtBatchBackend
 from ortspec.batch_driver import DEFAULT_PREFILL_BUDGET, check_prefill_budget
@@ -225,35 +225,9 @@ class Engine(EngineMeasurements):
         return self.tokenizer.encode(text)
 
     def prompt_ids(self, prompt: Prompt, *, chat: bool = False, system: str | None = None) -> list[int]:
-        """Token ids for a prompt: text (chat-formatted as one user turn when ``chat``), a list of chat
-        messages (always chat-formatted), or token ids (used as they are). ``ValueError`` names ``prompt`` for an
-        empty prompt (an empty text is refused with ``chat`` too: it is not a question), ids that are not ints in
-        the vocabulary, or anything else."""
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ArgumentError("prompt", "the prompt is empty: give some text (or token ids)")
-            if chat:
-                messages = ([{"role": "system", "content": system}] if system else []) + [
-                    {"role": "user", "content": prompt}
-                ]
-                prompt = self.tokenizer.apply_chat_template(messages)
-            ids = self.tokenizer.encode(prompt)
-        elif isinstance(prompt, (bytes, bytearray)):
-            raise ArgumentError("prompt", "the prompt is bytes: decode it to str (or give token ids)")
-        elif isinstance(prompt, Mapping) or not isinstance(prompt, Sequence) and not hasattr(prompt, "__array__"):
-            raise ArgumentError(
-                "prompt",
-                f"the prompt must be text, a list of chat messages or a list of token ids, got {type(prompt).__name__}",
-            )
-        elif len(prompt) and all(isinstance(m, Mapping) for m in prompt):
-            ids = self.tokenizer.encode(self.tokenizer.apply_chat_template(list(prompt)))  # type: ignore[arg-type]
-        else:
-            if chat:
-                raise ArgumentError("prompt", "chat=True needs a text prompt or chat messages, not token ids")
-            ids = list(ids_in_vocab("prompt", list(prompt), self.backend.vocab_size))
-        if not ids:
-            raise ArgumentError("prompt", "the prompt is empty: it must encode to at least one token")
-        return ids
+        """Token ids for a prompt (``PromptReader.prompt_ids``: text, chat messages or token ids; ``ValueError``
+        names ``prompt`` for one it refuses)."""
+        return PromptReader(self.tokenizer, self.backend.vocab_size).prompt_ids(prompt, chat=chat, system=system)
 
     # -- generation -------------------------------------------------------------------------------------------
     def start_with(self, prompt: Prompt, options: GenerationOptions) -> Generation:

@@ -8,9 +8,12 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import attrs
 from tokenizers import Tokenizer as _HFTokenizer
 
+from ortspec.adapters.engine.options import Prompt
 from ortspec.backends.onnx.folder import ModelFolder, ModelFolderError
+from ortspec.core.checks import ArgumentError, ids_in_vocab
 
 _CHATML = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
@@ -91,6 +94,46 @@ class Tokenizer:
             env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
             self._template = env.from_string(self.chat_template or _CHATML)
         return self._template.render(messages=list(messages), add_generation_prompt=add_generation_prompt)
+
+
+@attrs.frozen
+class PromptReader:
+    """A prompt into token ids, for a model of ``vocab_size`` ids whose text is ``tokenizer``'s: what an Engine, and
+    a server that holds no Engine (``ortspec serve --ray``'s ingress), make requests ready with."""
+
+    tokenizer: Tokenizer
+    vocab_size: int
+
+    def prompt_ids(self, prompt: Prompt, *, chat: bool = False, system: str | None = None) -> list[int]:
+        """Token ids for a prompt: text (chat-formatted as one user turn when ``chat``), a list of chat
+        messages (always chat-formatted), or token ids (used as they are). ``ValueError`` names ``prompt`` for an
+        empty prompt (an empty text is refused with ``chat`` too: it is not a question), ids that are not ints in
+        the vocabulary, or anything else."""
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ArgumentError("prompt", "the prompt is empty: give some text (or token ids)")
+            if chat:
+                messages = ([{"role": "system", "content": system}] if system else []) + [
+                    {"role": "user", "content": prompt}
+                ]
+                prompt = self.tokenizer.apply_chat_template(messages)
+            ids = self.tokenizer.encode(prompt)
+        elif isinstance(prompt, (bytes, bytearray)):
+            raise ArgumentError("prompt", "the prompt is bytes: decode it to str (or give token ids)")
+        elif isinstance(prompt, Mapping) or not isinstance(prompt, Sequence) and not hasattr(prompt, "__array__"):
+            raise ArgumentError(
+                "prompt",
+                f"the prompt must be text, a list of chat messages or a list of token ids, got {type(prompt).__name__}",
+            )
+        elif len(prompt) and all(isinstance(m, Mapping) for m in prompt):
+            ids = self.tokenizer.encode(self.tokenizer.apply_chat_template(list(prompt)))  # type: ignore[arg-type]
+        else:
+            if chat:
+                raise ArgumentError("prompt", "chat=True needs a text prompt or chat messages, not token ids")
+            ids = list(ids_in_vocab("prompt", list(prompt), self.vocab_size))
+        if not ids:
+            raise ArgumentError("prompt", "the prompt is empty: it must encode to at least one token")
+        return ids
 
 
 def check_tokenizer_fits(folder: ModelFolder, tokenizer: Tokenizer) -> None:

@@ -59,6 +59,11 @@ class BatchPool(PoolCore):
         metrics.batch_slots.set(backend.slots)
 
     @property
+    def texts(self) -> Engine:
+        """The Engine, whose tokenizer and chat template make requests ready."""
+        return self.engine
+
+    @property
     def context_length(self) -> int:
         return min(self.engine.backend.max_length, self.backend.max_length)
 
