@@ -63,6 +63,7 @@ import openai
 
 from bench.machine import CpuContention, machine_info
 from bench.serve_load_report import (
+    BASELINE_CONFIG,
     Outcome,
     Prompt,
     batch_histogram_means,
@@ -107,6 +108,20 @@ SERVER_CONFIGS = {
     "batched": ServerConfig(("--max-batch", "16", "--threads", CORES), slots=16, needs_max_batch=True),
     "workers": ServerConfig(("--workers", "2", "--threads", "1"), slots=2, args_with_max_batch=("--max-batch", "1")),
     # the batched Engine without a prompt-token budget per pass (every prompt's next chunk in the same pass)
+    # ortspec serve --ray (a local Ray instance): the same batched Engine as a Ray Serve replica behind the same app
+    # (the Ray path's overhead at the same slots and threads), and two replicas of half the slots and threads each
+    "ray": ServerConfig(
+        ("--ray", "--replicas", "1", "--max-batch", "16", "--threads", CORES),
+        slots=16,
+        needs_max_batch=True,
+        by_default=False,
+    ),
+    "ray-2": ServerConfig(
+        ("--ray", "--replicas", "2", "--max-batch", "8", "--threads", "1"),
+        slots=16,
+        needs_max_batch=True,
+        by_default=False,
+    ),
     "batched-unbudgeted": ServerConfig(
         ("--max-batch", "16", "--threads", CORES, "--prefill-budget", "none"),
         slots=16,
@@ -448,6 +463,7 @@ def _parser() -> argparse.ArgumentParser:
         help=f"server configurations, in order, from {', '.join(SERVER_CONFIGS)} (default: batched and workers, "
         "those this server has; the first also runs the prefix-reuse and overload phases)",
     )
+    add("--baseline", default=BASELINE_CONFIG, help=f"every ratio's denominator (default {BASELINE_CONFIG})")
     add("--concurrency", default="16,32,64", help="concurrent clients of each load phase (default 16,32,64)")
     add("--requests", type=int, default=1, help="requests per client in a load phase (default 1)")
     add("--max-queue", type=int, default=None, help="server queue bound (default and least: the largest concurrency)")
@@ -497,6 +513,8 @@ def parse_args(argv: Sequence[str] | None, has_max_batch: bool) -> argparse.Name
     missing = [c for c in args.configs if c not in available]
     if missing:
         parser.error(f"--configs: {missing} need `ortspec serve --max-batch`, which this server does not have")
+    if args.baseline not in SERVER_CONFIGS:
+        parser.error(f"--baseline: unknown {args.baseline!r}; known: {list(SERVER_CONFIGS)}")
     args.max_queue = args.max_queue or args.concurrency[-1]
     if args.max_queue < args.concurrency[-1]:
         parser.error("--max-queue must be at least the largest --concurrency (the load phases must see no 429)")
@@ -595,13 +613,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         run_config(name, i == 0, setup, run, collected)
     assert collected.reuse is not None and collected.overload is not None
 
-    ratio_rows = ratios(collected.load)
+    ratio_rows = ratios(collected.load, args.baseline)
     result = {
         "command": " ".join(["python -m bench.serve_load", *(argv if argv is not None else sys.argv[1:])]),
         "machine": machine,
         "settings": {
             "model": str(model_dir.name),
             "configs": args.configs,
+            "baseline": args.baseline,
             "server_has_max_batch": has_max_batch,
             "max_queue": args.max_queue,
             "concurrency": args.concurrency,
