@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import socket
@@ -244,23 +245,48 @@ class ServerProcess:
             time.sleep(0.2)
         raise RuntimeError(f"the server did not answer /health within {timeout_s} s")
 
+    def processes(self) -> list[int]:
+        """The server process and every process under it (``--ray``: the local Ray instance and its replicas)."""
+        parents: dict[int, list[int]] = {}
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            parents.setdefault(ppid, []).append(int(stat.parent.name))
+        tree, todo = [], [self.proc.pid]
+        while todo:
+            pid = todo.pop()
+            tree.append(pid)
+            todo += parents.get(pid, [])
+        return tree
+
     def cpu_seconds(self) -> float:
-        """CPU time the server process has used (user + system, its threads included)."""
-        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        """CPU time the server's processes have used (user + system, their threads included)."""
+        total = 0
+        for pid in self.processes():
+            with contextlib.suppress(OSError):
+                fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+                total += int(fields[11]) + int(fields[12])
+        return total / os.sysconf("SC_CLK_TCK")
 
     def memory_mib(self) -> dict[str, float | None]:
-        """The server process's resident memory now (``rss``: VmRSS) and its peak (``peak``: VmHWM, since start or
-        since the last ``reset_peak``), MiB; None where /proc does not say."""
-        status = Path(f"/proc/{self.proc.pid}/status").read_text().splitlines()
-        kib = {line.split(":")[0]: int(line.split()[1]) for line in status if line.startswith(("VmRSS", "VmHWM"))}
+        """The server's processes' resident memory now (``rss``: VmRSS) and their peaks (``peak``: VmHWM, since start
+        or since the last ``reset_peak``), summed, MiB; None where /proc does not say."""
+        kib: dict[str, int] = {}
+        for pid in self.processes():
+            with contextlib.suppress(OSError):
+                for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+                    if line.startswith(("VmRSS", "VmHWM")):
+                        kib[line.split(":")[0]] = kib.get(line.split(":")[0], 0) + int(line.split()[1])
         return {k: round(kib[v] / 1024, 1) if v in kib else None for k, v in (("rss", "VmRSS"), ("peak", "VmHWM"))}
 
     def reset_peak(self) -> bool:
-        """Reset the server's VmHWM to its current RSS (Linux: ``5`` to ``/proc/PID/clear_refs``); False if the
-        kernel refused (the peak is then the server's lifetime peak)."""
+        """Reset the server's processes' VmHWM to their current RSS (Linux: ``5`` to ``/proc/PID/clear_refs``);
+        False if the kernel refused (the peak is then the server's lifetime peak)."""
         try:
-            Path(f"/proc/{self.proc.pid}/clear_refs").write_text("5")
+            for pid in self.processes():
+                Path(f"/proc/{pid}/clear_refs").write_text("5")
         except OSError:
             return False
         return True

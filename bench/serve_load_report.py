@@ -338,9 +338,9 @@ def markdown(result: dict[str, Any]) -> str:
         "releases text; an accepted draft block arrives as several chunks at once). Peak RSS: the server "
         f"process's VmHWM over the {result['peak_rss_scope']}; RSS after: VmRSS when the phase ended. Server CPU: "
         "its user + system seconds in the phase (average cores). Rows per pass: the mean of each batch-size "
-        "histogram the server's /metrics exposes, over the phase. With --ray the server process is the ingress "
-        "alone (HTTP, tokenization, routing): its RSS and CPU leave out the replicas (Ray worker processes), whose "
-        "per-pass histograms stay in them.",
+        "histogram the server's /metrics exposes, over the phase. The server's RSS and CPU are those of its process "
+        "and every process under it (with --ray: the ingress, the local Ray instance and its replicas; peak RSS the "
+        "sum of their peaks); with --ray the per-pass histograms stay in the replicas.",
         "",
         f"## Against {s.get('baseline', BASELINE_CONFIG)}",
         "",

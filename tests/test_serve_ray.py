@@ -24,6 +24,7 @@ from ray import serve
 import tests.support.ray_gate as ray_gate
 from ortspec.adapters.engine import Engine
 from ortspec.adapters.serve.ray.replica import ReplicaSettings
+from ortspec.adapters.serve.ray.router import prefix_ranks
 from ortspec.adapters.serve.ray.run import APP_NAME, DEPLOYMENT, RayOptions, RayServeError, ray_app
 from ortspec.adapters.serve.run import serve_in_thread
 from ortspec.adapters.serve.settings import ServerSettings
@@ -65,6 +66,15 @@ def served(tiny_model_dir):
 @pytest.fixture(scope="module")
 def reference(tiny_model_dir):
     return Engine.from_dir(tiny_model_dir, BackendConfig(threads=1))
+
+
+def test_prefix_ranks_send_a_prompt_to_the_replicas_holding_most_of_it():
+    held = {"a": [[1, 2, 3, 4, 5, 6]], "b": [[1, 2, 9], [7, 7]], "c": []}
+    assert prefix_ranks(held, [1, 2, 3, 4, 5, 6, 7, 8], 0.5) == [["a"], ["a", "b", "c"]]  # 6 of 8 tokens
+    assert prefix_ranks(held, [7, 7, 7], 0.5) == [["b"], ["a", "b", "c"]]
+    assert prefix_ranks(held, [1, 2, 8, 8, 8], 0.5) == [["a", "b", "c"]]  # 2 of 5: the least loaded
+    assert prefix_ranks({"a": [[1, 2]], "b": [[1, 2, 5]]}, [1, 2, 3], 0.5) == [["a", "b"], ["a", "b"]]  # a tie
+    assert prefix_ranks({}, [1], 0.5) == [[]]
 
 
 def _stream_text(lines) -> tuple[str, list[dict]]:

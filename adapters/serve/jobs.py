@@ -200,3 +200,28 @@ class PoolCore:
     def retry_after(self) -> int:
         """Seconds until a queue slot is likely free: the waiting requests' share of the mean service time."""
         return max(1, math.ceil(self._service_s * (self.waiting + 1) / self.parallel))
+
+
+class SubmittedJobs(PoolCore):
+    """A ``PoolCore`` that counts its jobs from submission to their end (``_jobs``, oldest first): the oldest
+    ``parallel`` are busy (they hold a slot), the rest wait. The batched pool and ``ortspec serve --ray``'s pool
+    (whose value per job is the replica serving it)."""
+
+    def __init__(self, *, parallel: int, max_queue: int, timeout_s: float, metrics: Metrics, clock: Clock) -> None:
+        super().__init__(parallel=parallel, max_queue=max_queue, timeout_s=timeout_s, metrics=metrics, clock=clock)
+        self._jobs: dict[RequestGeneration, Any] = {}  # submitted and not ended, oldest first
+
+    @property
+    def jobs(self) -> tuple[RequestGeneration, ...]:
+        """The jobs submitted and not ended, oldest first."""
+        return tuple(self._jobs)
+
+    @property
+    def busy(self) -> int:
+        """Requests holding a slot."""
+        return min(len(self._jobs), self.parallel)
+
+    @property
+    def waiting(self) -> int:
+        """Requests waiting for a slot."""
+        return max(0, len(self._jobs) - self.parallel)

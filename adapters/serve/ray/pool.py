@@ -26,14 +26,14 @@ from typing import Any
 
 from ortspec.adapters.engine.tokenizer import PromptReader
 from ortspec.adapters.serve.errors import APIError, QueueFull
-from ortspec.adapters.serve.jobs import Clock, Failed, Finished, PoolCore, RequestGeneration, Started
+from ortspec.adapters.serve.jobs import Clock, Failed, Finished, RequestGeneration, Started, SubmittedJobs
 from ortspec.adapters.serve.metrics import Metrics
 from ortspec.adapters.serve.models import Prepared
 from ortspec.adapters.serve.ray.replica import ReplicaFailed, ReplicaInfo, ReplicaRequest, ReplicaStarted
 from ortspec.core.state import Commit
 
 
-class RayPool(PoolCore):
+class RayPool(SubmittedJobs):
     """The engine replicas behind ``handle`` (a ``DeploymentHandle`` of ``EngineReplica``), ``replicas`` of them (at
     most, with autoscaling) of ``info.slots`` each; ``texts`` makes prompts ready. ``max_queue``, ``timeout_s``,
     ``metrics``, ``clock`` as for the other pools."""
@@ -55,7 +55,6 @@ class RayPool(PoolCore):
         )
         self.handle, self.info, self.replicas = handle, info, replicas
         self._texts = texts
-        self._jobs: dict[RequestGeneration, str | None] = {}  # submitted and not ended -> the replica serving it
         metrics.workers.set(replicas)
         metrics.batch_slots.set(info.slots)
 
@@ -67,22 +66,9 @@ class RayPool(PoolCore):
     def context_length(self) -> int:
         return self.info.context_length
 
-    @property
-    def jobs(self) -> tuple[RequestGeneration, ...]:
-        """The jobs submitted and not ended, oldest first."""
-        return tuple(self._jobs)
-
     def replica_of(self, job: RequestGeneration) -> str | None:
         """The full id of the replica actor serving ``job`` (None until it started, or once it ended)."""
         return self._jobs.get(job)
-
-    @property
-    def busy(self) -> int:
-        return min(len(self._jobs), self.parallel)
-
-    @property
-    def waiting(self) -> int:
-        return max(0, len(self._jobs) - self.parallel)
 
     def health(self) -> dict[str, int]:
         return {"replicas": self.replicas, "max_batch": self.info.slots}

@@ -57,7 +57,7 @@ class PrefixAffinityRouter(FIFOMixin, RequestRouter):
 
     def initialize_state(self, held: int = 16, min_share: float = MIN_SHARE, **kwargs: Any) -> None:
         self._held_count, self._min_share = held, min_share
-        self._held: dict[ReplicaID, deque[list[int]]] = {}
+        self._held: dict[ReplicaID, deque[Sequence[int]]] = {}
 
     async def choose_replicas(
         self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None

@@ -74,7 +74,7 @@ def deployment_options(settings: ReplicaSettings, options: RayOptions, threads: 
 
     slots = settings.slots
     router = RequestRouterConfig(
-        request_router_class=PrefixAffinityRouter,
+        request_router_class=PrefixAffinityRouter,  # type: ignore[arg-type]  # a class or its import path
         request_router_kwargs={"held": slots, "min_share": MIN_SHARE},
     )
     out: dict[str, Any] = {
@@ -83,6 +83,7 @@ def deployment_options(settings: ReplicaSettings, options: RayOptions, threads: 
         "max_ongoing_requests": slots + settings.server.max_queue,
         "request_router_config": router,
         "health_check_period_s": HEALTH_CHECK_PERIOD_S,
+        "logging_config": {"enable_access_log": False},  # no log line per request (the ingress's /metrics count)
     }
     if options.max_replicas is None or options.max_replicas == options.replicas:
         out["num_replicas"] = options.replicas
@@ -102,7 +103,9 @@ def deploy(ray: Any, settings: ReplicaSettings, options: RayOptions, threads: in
     from ray import serve
 
     serve.start(proxy_location="Disabled")
-    deployment = serve.deployment(EngineReplica).options(**deployment_options(settings, options, threads))
+    deployment = serve.deployment(EngineReplica).options(  # type: ignore[attr-defined]
+        **deployment_options(settings, options, threads)
+    )
     try:
         return serve.run(deployment.bind(settings), name=APP_NAME, route_prefix=None)
     except Exception as exc:
