@@ -96,7 +96,7 @@ class RayPool(SubmittedJobs):
 
     async def _relay(self, job: RequestGeneration) -> None:
         """The replica's messages as the job's events; the job's end, counted here."""
-        request = ReplicaRequest(job.prepared, job.stream, max(0.0, job.deadline - self.clock()))
+        request = ReplicaRequest(job.prepared, job.stream, time.time() + (job.deadline - self.clock()))
         response = self.handle.options(stream=True).generate.remote(request)
         started = self.clock()
         try:

@@ -72,12 +72,12 @@ class ReplicaInfo(NamedTuple):
 
 
 class ReplicaRequest(NamedTuple):
-    """A request for a replica: made ready by the ingress; ``timeout_s``: what is left of its deadline (seconds;
-    each process reads its own clock)."""
+    """A request for a replica: made ready by the ingress; ``deadline``: its deadline in Unix time (seconds: the
+    nodes' clocks agree on it, where their monotonic clocks do not), so time spent waiting for a replica counts."""
 
     prepared: Prepared
     stream: bool
-    timeout_s: float
+    deadline: float
 
 
 class ReplicaStarted(NamedTuple):
@@ -140,7 +140,7 @@ class EngineReplica:
     async def generate(self, request: ReplicaRequest) -> AsyncIterator[Message]:
         """The request's messages (see the module docstring); cancelling this generator cancels the job."""
         prepared = request.prepared
-        deadline = self.pool.clock() + request.timeout_s
+        deadline = self.pool.clock() + (request.deadline - time.time())
         try:
             job = await self.pool.submit(prepared, stream=request.stream, deadline=deadline)
         except QueueFull as exc:
