@@ -109,6 +109,12 @@ SERVER_CONFIGS = {
     "batched": ServerConfig(("--max-batch", "16", "--threads", CORES), slots=16, needs_max_batch=True),
     "workers": ServerConfig(("--workers", "2", "--threads", "1"), slots=2, args_with_max_batch=("--max-batch", "1")),
     # the batched Engine without a prompt-token budget per pass (every prompt's next chunk in the same pass)
+    "batched-unbudgeted": ServerConfig(
+        ("--max-batch", "16", "--threads", CORES, "--prefill-budget", "none"),
+        slots=16,
+        needs_max_batch=True,
+        by_default=False,
+    ),
     # ortspec serve --ray (a local Ray instance): the same batched Engine as a Ray Serve replica behind the same app
     # (the Ray path's overhead at the same slots and threads), and two replicas of half the slots and threads each
     "ray": ServerConfig(
@@ -119,12 +125,6 @@ SERVER_CONFIGS = {
     ),
     "ray-2": ServerConfig(
         ("--ray", "--replicas", "2", "--max-batch", "8", "--threads", "1"),
-        slots=16,
-        needs_max_batch=True,
-        by_default=False,
-    ),
-    "batched-unbudgeted": ServerConfig(
-        ("--max-batch", "16", "--threads", CORES, "--prefill-budget", "none"),
         slots=16,
         needs_max_batch=True,
         by_default=False,
