@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import socket
@@ -63,6 +64,7 @@ import openai
 
 from bench.machine import CpuContention, machine_info
 from bench.serve_load_report import (
+    BASELINE_CONFIG,
     Outcome,
     Prompt,
     batch_histogram_means,
@@ -109,6 +111,20 @@ SERVER_CONFIGS = {
     # the batched Engine without a prompt-token budget per pass (every prompt's next chunk in the same pass)
     "batched-unbudgeted": ServerConfig(
         ("--max-batch", "16", "--threads", CORES, "--prefill-budget", "none"),
+        slots=16,
+        needs_max_batch=True,
+        by_default=False,
+    ),
+    # ortspec serve --ray (a local Ray instance): the same batched Engine as a Ray Serve replica behind the same app
+    # (the Ray path's overhead at the same slots and threads), and two replicas of half the slots and threads each
+    "ray": ServerConfig(
+        ("--ray", "--replicas", "1", "--max-batch", "16", "--threads", CORES),
+        slots=16,
+        needs_max_batch=True,
+        by_default=False,
+    ),
+    "ray-2": ServerConfig(
+        ("--ray", "--replicas", "2", "--max-batch", "8", "--threads", "1"),
         slots=16,
         needs_max_batch=True,
         by_default=False,
@@ -229,23 +245,48 @@ class ServerProcess:
             time.sleep(0.2)
         raise RuntimeError(f"the server did not answer /health within {timeout_s} s")
 
+    def processes(self) -> list[int]:
+        """The server process and every process under it (``--ray``: the local Ray instance and its replicas)."""
+        parents: dict[int, list[int]] = {}
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            parents.setdefault(ppid, []).append(int(stat.parent.name))
+        tree, todo = [], [self.proc.pid]
+        while todo:
+            pid = todo.pop()
+            tree.append(pid)
+            todo += parents.get(pid, [])
+        return tree
+
     def cpu_seconds(self) -> float:
-        """CPU time the server process has used (user + system, its threads included)."""
-        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        """CPU time the server's processes have used (user + system, their threads included)."""
+        total = 0
+        for pid in self.processes():
+            with contextlib.suppress(OSError):
+                fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+                total += int(fields[11]) + int(fields[12])
+        return total / os.sysconf("SC_CLK_TCK")
 
     def memory_mib(self) -> dict[str, float | None]:
-        """The server process's resident memory now (``rss``: VmRSS) and its peak (``peak``: VmHWM, since start or
-        since the last ``reset_peak``), MiB; None where /proc does not say."""
-        status = Path(f"/proc/{self.proc.pid}/status").read_text().splitlines()
-        kib = {line.split(":")[0]: int(line.split()[1]) for line in status if line.startswith(("VmRSS", "VmHWM"))}
+        """The server's processes' resident memory now (``rss``: VmRSS) and their peaks (``peak``: VmHWM, since start
+        or since the last ``reset_peak``), summed, MiB; None where /proc does not say."""
+        kib: dict[str, int] = {}
+        for pid in self.processes():
+            with contextlib.suppress(OSError):
+                for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+                    if line.startswith(("VmRSS", "VmHWM")):
+                        kib[line.split(":")[0]] = kib.get(line.split(":")[0], 0) + int(line.split()[1])
         return {k: round(kib[v] / 1024, 1) if v in kib else None for k, v in (("rss", "VmRSS"), ("peak", "VmHWM"))}
 
     def reset_peak(self) -> bool:
-        """Reset the server's VmHWM to its current RSS (Linux: ``5`` to ``/proc/PID/clear_refs``); False if the
-        kernel refused (the peak is then the server's lifetime peak)."""
+        """Reset the server's processes' VmHWM to their current RSS (Linux: ``5`` to ``/proc/PID/clear_refs``);
+        False if the kernel refused (the peak is then the server's lifetime peak)."""
         try:
-            Path(f"/proc/{self.proc.pid}/clear_refs").write_text("5")
+            for pid in self.processes():
+                Path(f"/proc/{pid}/clear_refs").write_text("5")
         except OSError:
             return False
         return True
@@ -448,6 +489,7 @@ def _parser() -> argparse.ArgumentParser:
         help=f"server configurations, in order, from {', '.join(SERVER_CONFIGS)} (default: batched and workers, "
         "those this server has; the first also runs the prefix-reuse and overload phases)",
     )
+    add("--baseline", default=BASELINE_CONFIG, help=f"every ratio's denominator (default {BASELINE_CONFIG})")
     add("--concurrency", default="16,32,64", help="concurrent clients of each load phase (default 16,32,64)")
     add("--requests", type=int, default=1, help="requests per client in a load phase (default 1)")
     add("--max-queue", type=int, default=None, help="server queue bound (default and least: the largest concurrency)")
@@ -497,6 +539,8 @@ def parse_args(argv: Sequence[str] | None, has_max_batch: bool) -> argparse.Name
     missing = [c for c in args.configs if c not in available]
     if missing:
         parser.error(f"--configs: {missing} need `ortspec serve --max-batch`, which this server does not have")
+    if args.baseline not in SERVER_CONFIGS:
+        parser.error(f"--baseline: unknown {args.baseline!r}; known: {list(SERVER_CONFIGS)}")
     args.max_queue = args.max_queue or args.concurrency[-1]
     if args.max_queue < args.concurrency[-1]:
         parser.error("--max-queue must be at least the largest --concurrency (the load phases must see no 429)")
@@ -595,13 +639,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         run_config(name, i == 0, setup, run, collected)
     assert collected.reuse is not None and collected.overload is not None
 
-    ratio_rows = ratios(collected.load)
+    ratio_rows = ratios(collected.load, args.baseline)
     result = {
         "command": " ".join(["python -m bench.serve_load", *(argv if argv is not None else sys.argv[1:])]),
         "machine": machine,
         "settings": {
             "model": str(model_dir.name),
             "configs": args.configs,
+            "baseline": args.baseline,
             "server_has_max_batch": has_max_batch,
             "max_queue": args.max_queue,
             "concurrency": args.concurrency,

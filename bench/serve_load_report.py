@@ -257,7 +257,8 @@ def _load_table(rows: list[dict[str, Any]]) -> list[str]:
 def _ratio_table(result: dict[str, Any]) -> list[str]:
     rows = result["ratios"]
     if not rows:
-        return [f"No ratios: the run measured no configuration beside {BASELINE_CONFIG} at the same concurrency.", ""]
+        baseline = result["settings"].get("baseline", BASELINE_CONFIG)
+        return [f"No ratios: the run measured no configuration beside {baseline} at the same concurrency.", ""]
     lines = [
         "| server ÷ baseline | clients | tokens/s ratio | TTFT p50 ratio | peak RSS ratio |",
         "| --- | ---: | ---: | ---: | ---: |",
@@ -337,9 +338,11 @@ def markdown(result: dict[str, Any]) -> str:
         "releases text; an accepted draft block arrives as several chunks at once). Peak RSS: the server "
         f"process's VmHWM over the {result['peak_rss_scope']}; RSS after: VmRSS when the phase ended. Server CPU: "
         "its user + system seconds in the phase (average cores). Rows per pass: the mean of each batch-size "
-        "histogram the server's /metrics exposes, over the phase.",
+        "histogram the server's /metrics exposes, over the phase. The server's RSS and CPU are those of its process "
+        "and every process under it (with --ray: the ingress, the local Ray instance and its replicas; peak RSS the "
+        "sum of their peaks); with --ray the per-pass histograms stay in the replicas.",
         "",
-        f"## Against today's design ({BASELINE_CONFIG})",
+        f"## Against {s.get('baseline', BASELINE_CONFIG)}",
         "",
         *_ratio_table(result),
         f"Target: {result['target']['line']}",

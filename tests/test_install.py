@@ -13,7 +13,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 # The extras whose packages the tests import: test (pytest, hypothesis, the server tests' clients, schemathesis for
 # tests/test_openapi_fuzz.py), convert (the tiny-model builder, the real model's conversion), bench (the benchmark's
-# quick runs), serve (tests/test_server.py, tests/test_openapi_fuzz.py) and ray (tests/test_batch_ray.py).
+# quick runs), serve (tests/test_server.py, tests/test_openapi_fuzz.py) and ray (tests/test_batch_ray.py,
+# tests/test_serve_ray.py).
 NEEDED = {"test", "convert", "bench", "serve", "ray"}
 _COMMAND = re.compile(r"pip install -e '\.\[([a-z,]+)\]' && python -m pytest")
 

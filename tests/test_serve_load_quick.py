@@ -58,16 +58,19 @@ def test_configuration_table_and_options():
     assert workers.cli_args(cores=2, has_max_batch=False) == ["--workers", "2", "--threads", "1"]
     assert workers.cli_args(cores=2, has_max_batch=True)[-2:] == ["--max-batch", "1"]
     assert available_configs(False) == ["workers"] and default_configs(False) == ["workers"]
-    assert available_configs(True) == ["batched", "workers", "batched-unbudgeted"]
+    assert available_configs(True) == ["batched", "workers", "batched-unbudgeted", "ray", "ray-2"]
     assert default_configs(True) == ["batched", "workers"]
     assert SERVER_CONFIGS["batched-unbudgeted"].cli_args(2, True)[-2:] == ["--prefill-budget", "none"]
+    assert SERVER_CONFIGS["ray"].cli_args(2, True)[:3] == ["--ray", "--replicas", "1"]
+    assert parse_args(["--configs", "ray", "--baseline", "batched"], has_max_batch=True).baseline == "batched"
 
     args = parse_args(["--concurrency", "64,16,32"], has_max_batch=True)
     assert args.concurrency == [16, 32, 64] and args.max_queue == 64 and args.configs == ["batched", "workers"]
     quick = parse_args(["--quick", "--requests", "2", "--max-prompt-tokens=1000"], has_max_batch=False)
     assert quick.concurrency == [4] and quick.requests == 2 and quick.configs == ["workers"] and quick.max_queue == 4
     assert quick.max_prompt_tokens == 1000 and quick.conversation_tokens == 120  # given wins, even as the default
-    for argv, has in ((["--configs", "batched"], False), (["--max-queue", "8"], True), (["--configs", "x"], True)):
+    bad = (["--configs", "batched"], False), (["--max-queue", "8"], True), (["--configs", "x"], True)
+    for argv, has in (*bad, (["--baseline", "x"], True)):
         with pytest.raises(SystemExit):
             parse_args(argv, has_max_batch=has)
 

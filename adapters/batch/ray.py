@@ -109,8 +109,9 @@ def plan_actors(
 
 
 @contextlib.contextmanager
-def _shipped(ray: Any, model_dir: Path, ship: bool) -> Iterator[Any]:
-    """What actors get to find the model: its path, or (``ship``) the folder's files in the object store."""
+def model_source(ray: Any, model_dir: Path, ship: bool) -> Iterator[Any]:
+    """What actors (the batch job's, or ``ortspec serve --ray``'s replicas) get to find the model: its path, or
+    (``ship``) the folder's files in the object store (``materialize`` makes either a folder on the actor's node)."""
     if not ship:
         yield str(model_dir.resolve())
         return
@@ -280,7 +281,7 @@ def run_ray(
         workers, threads = plan_actors(ray, address, job.workers, job.threads, say)
         output.summary.workers, output.summary.threads = workers, threads
         settings = WorkerSettings.of(job, threads, defaults)
-        with _shipped(ray, model_dir, job.ship_model) as source:
+        with model_source(ray, model_dir, job.ship_model) as source:
             ds = _dataset(ray, tasks, source, settings, workers)
             written = set()
             notes: set[str | None] = {None}  # each worker note said once

@@ -17,6 +17,8 @@ examples:
   ortspec serve --speculative auto              # the suffix lookup or the shared-KV drafter, per draft
   ortspec serve --workers 2 --threads 1        # two engines of one sequence each
   ortspec serve --model ./my-model-folder --speculative none
+  ortspec serve --ray --replicas 2 --threads 1  # two batched engines as Ray Serve replicas (local Ray)
+  ortspec serve --ray auto --replicas 4 --max-replicas 8 --ship-model   # on this node's Ray cluster, autoscaled
 
 Then point the openai client at http://127.0.0.1:8000/v1 (any api_key)."""
 
@@ -62,6 +64,29 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         "--prefix-reuse", action=argparse.BooleanOptionalAction, default=True, help="reuse KV (workers; default on)"
     )
     p.add_argument("--log-level", default="info", help="uvicorn log level (default info)")
+    ray = p.add_argument_group("Ray Serve (needs the 'ray' extra: pip install 'ortspec[ray]'; docs/serve/ray.md)")
+    ray.add_argument(
+        "--ray",
+        nargs="?",
+        const="local",
+        default=None,
+        metavar="ADDRESS",
+        help="serve from batched engines that are Ray Serve replicas, behind this same app: a local Ray instance "
+        "(no ADDRESS), the cluster of this node ('auto') or a GCS address HOST:PORT",
+    )
+    ray.add_argument("--replicas", type=positive_int, default=1, help="engine replicas (default 1; with --ray)")
+    ray.add_argument(
+        "--max-replicas",
+        type=positive_int,
+        default=None,
+        help="autoscale on queue length between --replicas and this many replicas (with --ray; default: fixed)",
+    )
+    ray.add_argument(
+        "--ship-model",
+        action="store_true",
+        help="send the model folder's files to each node through the object store (with --ray; default: the folder "
+        "must be at the same path on every node)",
+    )
     return p
 
 

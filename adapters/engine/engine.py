@@ -14,7 +14,7 @@ from __future__ import annotations
 import functools
 import os
 import threading
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -34,7 +34,7 @@ from ortspec.adapters.engine.options import (
 )
 from ortspec.adapters.engine.structured import GrammarCompiler, LlgGrammar, ResponseFormat
 from ortspec.adapters.engine.suffix_cache import SuffixCache
-from ortspec.adapters.engine.tokenizer import Tokenizer, check_tokenizer_fits
+from ortspec.adapters.engine.tokenizer import PromptReader, Tokenizer, check_tokenizer_fits
 from ortspec.adapters.engine.tools import ToolUse
 from ortspec.backends.base import Backend, BatchBackend
 from ortspec.backends.onnx import BackendConfig, ModelFolder, OrtBatchBackend
@@ -228,40 +228,10 @@ class Engine(EngineMeasurements):
     def prompt_ids(
         self, prompt: Prompt, *, chat: bool = False, system: str | None = None, tools: ToolUse | None = None
     ) -> list[int]:
-        """Token ids for a prompt: text (chat-formatted as one user turn when ``chat``), a list of chat
-        messages (always chat-formatted), or token ids (used as they are). ``tools``: the generation's tools,
-        shown to the model in a chat prompt (``Tokenizer.apply_chat_template``). ``ValueError`` names ``prompt``
-        for an empty prompt (an empty text is refused with ``chat`` too: it is not a question), ids that are not
-        ints in the vocabulary, or anything else."""
-        definitions = tools.definitions() if tools is not None else None
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ArgumentError("prompt", "the prompt is empty: give some text (or token ids)")
-            if chat:
-                messages = ([{"role": "system", "content": system}] if system else []) + [
-                    {"role": "user", "content": prompt}
-                ]
-                prompt = self.tokenizer.apply_chat_template(messages, tools=definitions)
-            elif definitions is not None:
-                raise ArgumentError("tools", "tools: the model is shown its tools in a chat prompt: give chat=True")
-            ids = self.tokenizer.encode(prompt)
-        elif isinstance(prompt, (bytes, bytearray)):
-            raise ArgumentError("prompt", "the prompt is bytes: decode it to str (or give token ids)")
-        elif isinstance(prompt, Mapping) or not isinstance(prompt, Sequence) and not hasattr(prompt, "__array__"):
-            raise ArgumentError(
-                "prompt",
-                f"the prompt must be text, a list of chat messages or a list of token ids, got {type(prompt).__name__}",
-            )
-        elif len(prompt) and all(isinstance(m, Mapping) for m in prompt):
-            text = self.tokenizer.apply_chat_template(list(prompt), tools=definitions)  # type: ignore[arg-type]
-            ids = self.tokenizer.encode(text)
-        else:
-            if chat:
-                raise ArgumentError("prompt", "chat=True needs a text prompt or chat messages, not token ids")
-            ids = list(ids_in_vocab("prompt", list(prompt), self.backend.vocab_size))
-        if not ids:
-            raise ArgumentError("prompt", "the prompt is empty: it must encode to at least one token")
-        return ids
+        """Token ids for a prompt (``PromptReader.prompt_ids``: text, chat messages or token ids, with the
+        generation's ``tools`` shown in a chat prompt; ``ValueError`` names the argument it refuses)."""
+        reader = PromptReader(self.tokenizer, self.backend.vocab_size)
+        return reader.prompt_ids(prompt, chat=chat, system=system, tools=tools)
 
     # -- generation -------------------------------------------------------------------------------------------
     def start_with(self, prompt: Prompt, options: GenerationOptions) -> Generation:

@@ -159,6 +159,11 @@ class GenerationOptions(Sampling, Limits):
         """The tools, their choice and ``parallel_tool_calls`` as one checked value (None without tools)."""
         return ToolUse.of(self.tools, self.tool_choice, self.parallel_tool_calls)
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickled by its fields (the slotted bases' state alone would drop this class's own fields): a request's
+        options go to another process this way (``ortspec serve --ray``'s replicas)."""
+        return (_generation_options, (attrs.asdict(self, recurse=False),))
+
     def limits(self) -> dict[str, Any]:
         """The ``Limits`` keywords of the core's ``Options``."""
         return {f.name: getattr(self, f.name) for f in attrs.fields(Limits)}
@@ -219,3 +224,7 @@ def takes_prompts_and_options(
 ]:
     """``takes_options`` for ``method(self, prompts, options)``."""
     return lambda method: _bind_options(method, 2, options_type)
+
+
+def _generation_options(fields: dict[str, Any]) -> GenerationOptions:
+    return GenerationOptions(**fields)

@@ -7,12 +7,18 @@ import json
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+import attrs
 from tokenizers import Tokenizer as _HFTokenizer
 
 from ortspec.adapters.engine import tool_format
+from ortspec.adapters.engine.options import Prompt
 from ortspec.backends.onnx.folder import ModelFolder, ModelFolderError
+from ortspec.core.checks import ArgumentError, ids_in_vocab
+
+if TYPE_CHECKING:
+    from ortspec.adapters.engine.tools import ToolUse
 
 _CHATML = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
@@ -122,6 +128,53 @@ class Tokenizer:
         import jinja2.sandbox
 
         return jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+
+
+@attrs.frozen
+class PromptReader:
+    """A prompt into token ids, for a model of ``vocab_size`` ids whose text is ``tokenizer``'s: what an Engine, and
+    a server that holds no Engine (``ortspec serve --ray``'s ingress), make requests ready with."""
+
+    tokenizer: Tokenizer
+    vocab_size: int
+
+    def prompt_ids(
+        self, prompt: Prompt, *, chat: bool = False, system: str | None = None, tools: ToolUse | None = None
+    ) -> list[int]:
+        """Token ids for a prompt: text (chat-formatted as one user turn when ``chat``), a list of chat
+        messages (always chat-formatted), or token ids (used as they are). ``tools``: the generation's tools,
+        shown to the model in a chat prompt (``Tokenizer.apply_chat_template``). ``ValueError`` names ``prompt``
+        for an empty prompt (an empty text is refused with ``chat`` too: it is not a question), ids that are not
+        ints in the vocabulary, or anything else; ``tools`` for tools with a prompt that is not a chat."""
+        definitions = tools.definitions() if tools is not None else None
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ArgumentError("prompt", "the prompt is empty: give some text (or token ids)")
+            if chat:
+                messages = ([{"role": "system", "content": system}] if system else []) + [
+                    {"role": "user", "content": prompt}
+                ]
+                prompt = self.tokenizer.apply_chat_template(messages, tools=definitions)
+            elif definitions is not None:
+                raise ArgumentError("tools", "tools: the model is shown its tools in a chat prompt: give chat=True")
+            ids = self.tokenizer.encode(prompt)
+        elif isinstance(prompt, (bytes, bytearray)):
+            raise ArgumentError("prompt", "the prompt is bytes: decode it to str (or give token ids)")
+        elif isinstance(prompt, Mapping) or not isinstance(prompt, Sequence) and not hasattr(prompt, "__array__"):
+            raise ArgumentError(
+                "prompt",
+                f"the prompt must be text, a list of chat messages or a list of token ids, got {type(prompt).__name__}",
+            )
+        elif len(prompt) and all(isinstance(m, Mapping) for m in prompt):
+            text = self.tokenizer.apply_chat_template(list(prompt), tools=definitions)  # type: ignore[arg-type]
+            ids = self.tokenizer.encode(text)
+        else:
+            if chat:
+                raise ArgumentError("prompt", "chat=True needs a text prompt or chat messages, not token ids")
+            ids = list(ids_in_vocab("prompt", list(prompt), self.vocab_size))
+        if not ids:
+            raise ArgumentError("prompt", "the prompt is empty: it must encode to at least one token")
+        return ids
 
 
 def check_tokenizer_fits(folder: ModelFolder, tokenizer: Tokenizer) -> None:

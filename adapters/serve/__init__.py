@@ -15,14 +15,16 @@ a name.
 
 Rooms, each knowing only the ones below it:
 
-- ``app.py``: ``create_app``, the routes, streaming (server-sent events), error handlers, the body-size guard.
+- ``app.py``: ``create_app`` (``make_pool``: the pool for the engines; ``app_for``: the app around any pool, a
+  ``jobs.ServePool``), the routes, streaming (server-sent events), error handlers, the body-size guard.
 - ``models.py``: the pydantic request models (the sampling fields built from their declarations),
   ``argument_fields`` (the Engine's ``ArgumentError.argument`` -> request field), ``prepare_options``.
 - ``responses.py``: a ``GenerateResult`` in the OpenAI response and stream-chunk shapes (usage, logprobs, the
   ``ortspec`` extension field). Nothing here decides what is committed: finish reasons come from
   ``FinishReason.openai``, text and token counts from the result.
-- ``jobs.py``: what both pools share: a request's job (``RequestGeneration``) and its events, its outcomes and their
-  metrics, the queue limit, ``Retry-After`` and the busy/waiting gauges (``PoolCore``).
+- ``jobs.py``: what the pools share: a request's job (``RequestGeneration``) and its events, its outcomes and their
+  metrics, the queue limit, ``Retry-After`` and the busy/waiting gauges (``PoolCore``, ``SubmittedJobs``); what the
+  app needs of a pool (``ServePool``) and of the model's text (``Texts``).
 - ``batch_pool.py``: ``BatchPool``: every request on one batched Engine (``engine.scheduler.BatchScheduler``).
 - ``pool.py``: ``WorkerPool``: the workers, the bounded queue, routing by the longest cached prefix, leases and
   cancellation (a cancelled or timed-out job stops within one target pass).
@@ -30,8 +32,10 @@ Rooms, each knowing only the ones below it:
 - ``errors.py``: ``APIError`` and ``ErrorBody`` (the OpenAI error object) and the mapping from a failure to its
   response.
 - ``metrics.py``: the Prometheus metrics. ``settings.py``: ``ServerSettings``.
-- ``run.py``: ``load_serving`` (the ``--workers`` / ``--max-batch`` rule), ``load_engines``, ``serve_in_thread``,
-  ``cmd_serve``.
+- ``run.py``: ``load_serving`` (the ``--workers`` / ``--max-batch`` rule), ``load_batched``, ``load_engines``,
+  ``serve_in_thread``, ``cmd_serve``.
+- ``ray/``: ``ortspec serve --ray``: the batched Engine as Ray Serve replicas behind this same app (its own
+  package docstring; needs the ``ray`` extra).
 
 The Engine (``ortspec.adapters.engine``) does the rest. It serializes generations on one Engine and supersedes a
 stale iterator (a generation started on an Engine ends any older one still running there); the worker pool never

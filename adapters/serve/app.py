@@ -31,8 +31,16 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ortspec.adapters.engine import Engine
 from ortspec.adapters.serve.batch_pool import BatchPool
-from ortspec.adapters.serve.errors import APIError, Cancelled, QueueFull, RequestTimeout, job_error, named
-from ortspec.adapters.serve.jobs import Clock, Failed, Finished, RequestGeneration
+from ortspec.adapters.serve.errors import (
+    APIError,
+    Cancelled,
+    QueueFull,
+    RequestTimeout,
+    job_error,
+    named,
+    queue_full_error,
+)
+from ortspec.adapters.serve.jobs import Clock, Failed, Finished, RequestGeneration, ServePool
 from ortspec.adapters.serve.metrics import Metrics
 from ortspec.adapters.serve.models import (
     ChatCompletionRequest,
@@ -115,7 +123,7 @@ def _json(payload: Any) -> str:
 class _Routes:
     """The endpoints of one app, sharing its pool, metrics and settings."""
 
-    def __init__(self, pool: WorkerPool | BatchPool, metrics: Metrics, settings: ServerSettings) -> None:
+    def __init__(self, pool: ServePool, metrics: Metrics, settings: ServerSettings) -> None:
         self.pool, self.metrics, self.settings = pool, metrics, settings
         self.created = int(time.time())
 
@@ -146,7 +154,7 @@ class _Routes:
         prompt = prompt_of(body)
         try:
             ids = await run_in_threadpool(
-                functools.partial(self.pool.engine.prompt_ids, prompt, tools=options.tool_use())
+                functools.partial(self.pool.texts.prompt_ids, prompt, tools=options.tool_use())
             )
         except ValueError as exc:  # prompt_ids refuses nothing but the prompt
             raise APIError(400, named(fields["prompt"], str(exc)), param=fields["prompt"]) from None
@@ -169,8 +177,7 @@ class _Routes:
                 request, self.pool.submit(prepared, stream=body.stream, deadline=deadline)
             )
         except QueueFull as exc:
-            headers = {"Retry-After": str(exc.retry_after_s)}
-            raise APIError(429, str(exc), type="rate_limit_error", code="queue_full", headers=headers) from None
+            raise queue_full_error(exc) from None
         except RequestTimeout as exc:
             raise job_error(exc, prepared.fields) from None
 
@@ -183,7 +190,7 @@ class _Routes:
             return Response(status_code=499)  # the client went away while waiting; nobody reads this
         chat = isinstance(body, ChatCompletionRequest)
         alternatives = (body.top_logprobs if isinstance(body, ChatCompletionRequest) else body.logprobs) or 0
-        formatter = LogprobFormatter(job.engine, alternatives) if prepared.options.top_logprobs else None
+        formatter = LogprobFormatter(job.texts.tokenizer, alternatives) if prepared.options.top_logprobs else None
         request_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         shape = ResponseShape(chat, request_id, self.settings.model_name, formatter, prepared.options.tool_use())
         streaming = False
@@ -280,12 +287,25 @@ def create_app(
     clock: Clock = time.monotonic,
     batch: BatchBackend | None = None,
 ) -> FastAPI:
-    """The ASGI app serving ``engines``. With ``batch`` (the batch backend of the one Engine in ``engines``, e.g.
-    ``engine.batch_backend(slots)``): every request on that one batched Engine (``BatchPool``). Without it: one
-    worker per Engine (``WorkerPool``; give each its own Engine, with ``prefix_reuse=True`` for the prefix routing
-    to pay). The measurements run at startup (``settings.measure_at_startup``).
-    ``clock``: where request deadlines and durations are read (seconds; tests pass one they move by hand). The
-    pool, metrics and settings are on ``app.state``."""
+    """The ASGI app serving ``engines`` (``make_pool``'s pool; ``app_for``). With ``batch`` (the batch backend of the
+    one Engine in ``engines``, e.g. ``engine.batch_backend(slots)``): every request on that one batched Engine
+    (``BatchPool``). Without it: one worker per Engine (``WorkerPool``; give each its own Engine, with
+    ``prefix_reuse=True`` for the prefix routing to pay). The measurements run at startup
+    (``settings.measure_at_startup``). ``clock``: where request deadlines and durations are read (seconds; tests
+    pass one they move by hand). The pool, metrics and settings are on ``app.state``."""
+    return app_for(make_pool(engines, settings, Metrics(), clock=clock, batch=batch), settings)
+
+
+def make_pool(
+    engines: Sequence[Engine],
+    settings: ServerSettings,
+    metrics: Metrics,
+    *,
+    clock: Clock = time.monotonic,
+    batch: BatchBackend | None = None,
+) -> WorkerPool | BatchPool:
+    """The pool serving ``engines`` as ``create_app`` says, recording into ``metrics``: what ``ortspec serve`` runs
+    in its process, and what each replica of ``ortspec serve --ray`` runs."""
     if settings.speculative == "shared-kv" and any(engine.drafter is None for engine in engines):
         raise ArgumentError(
             "speculative",
@@ -301,15 +321,19 @@ def create_app(
         raise ValueError(
             "a batched server's Engine with a drafter runs on its own batch_backend(), whose slots it reads"
         )
-    metrics = Metrics()
-    pool: WorkerPool | BatchPool
     limits = {"max_queue": settings.max_queue, "timeout_s": settings.request_timeout_s, "metrics": metrics}
     if batch is None:
-        pool = WorkerPool(engines, clock=clock, **limits)  # type: ignore[arg-type]
-    elif len(engines) != 1:
+        return WorkerPool(engines, clock=clock, **limits)  # type: ignore[arg-type]
+    if len(engines) != 1:
         raise ValueError(f"a batched server runs one Engine, got {len(engines)}")
-    else:
-        pool = BatchPool(engines[0], batch, clock=clock, **limits)  # type: ignore[arg-type]
+    return BatchPool(engines[0], batch, clock=clock, **limits)  # type: ignore[arg-type]
+
+
+def app_for(pool: ServePool, settings: ServerSettings) -> FastAPI:
+    """The ASGI app serving requests with ``pool`` (its routes, streaming, errors, ``/metrics`` from
+    ``pool.metrics``); ``pool.measure`` runs at startup (``settings.measure_at_startup``), ``pool.close`` at
+    shutdown. The pool, metrics and settings are on ``app.state``."""
+    metrics = pool.metrics
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

@@ -28,13 +28,13 @@ from ortspec.adapters.engine.many import batch_request
 from ortspec.adapters.engine.measurements import cached_batch_decode_costs
 from ortspec.adapters.engine.scheduler import BatchScheduler, PassReport, ScheduledRequest
 from ortspec.adapters.serve.errors import QueueFull
-from ortspec.adapters.serve.jobs import Clock, PoolCore, RequestGeneration
+from ortspec.adapters.serve.jobs import Clock, RequestGeneration, SubmittedJobs
 from ortspec.adapters.serve.metrics import Metrics
 from ortspec.adapters.serve.models import Prepared
 from ortspec.backends.base import BatchBackend
 
 
-class BatchPool(PoolCore):
+class BatchPool(SubmittedJobs):
     """One Engine and its batch backend ``backend`` (``engine.batch_backend(slots)``, or a test's stand-in), behind
     a ``BatchScheduler`` (see the module docstring). ``max_queue``, ``timeout_s``, ``metrics`` and ``clock`` as for
     ``WorkerPool``."""
@@ -52,30 +52,19 @@ class BatchPool(PoolCore):
         super().__init__(parallel=backend.slots, max_queue=max_queue, timeout_s=timeout_s, metrics=metrics, clock=clock)
         self.engine, self.backend = engine, backend
         engine.shared_passes.hand_over()  # the batch backend's slots are this pool's scheduler's
-        self._jobs: dict[RequestGeneration, None] = {}  # submitted and not ended, oldest first
         self._decode_costs: tuple[float, ...] | None = None  # measured by ``measure``
         self._scheduler: BatchScheduler | None = None  # started on first use, after ``measure``
         metrics.workers.set(1)
         metrics.batch_slots.set(backend.slots)
 
     @property
+    def texts(self) -> Engine:
+        """The Engine, whose tokenizer and chat template make requests ready."""
+        return self.engine
+
+    @property
     def context_length(self) -> int:
         return min(self.engine.backend.max_length, self.backend.max_length)
-
-    @property
-    def jobs(self) -> tuple[RequestGeneration, ...]:
-        """The jobs submitted and not ended, oldest first."""
-        return tuple(self._jobs)
-
-    @property
-    def busy(self) -> int:
-        """Requests holding a slot."""
-        return min(len(self._jobs), self.parallel)
-
-    @property
-    def waiting(self) -> int:
-        """Requests waiting for a slot."""
-        return max(0, len(self._jobs) - self.parallel)
 
     def health(self) -> dict[str, int]:
         """What ``/health`` reports about the pool besides busy and waiting."""

@@ -60,6 +60,16 @@ class APIError(Exception):
     def response(self) -> JSONResponse:
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickled whole (a replica of ``ortspec serve --ray`` sends its failures to the ingress as these)."""
+        return (_api_error, (self.status, self.message, self.type, self.param, self.code, self.headers))
+
+
+def _api_error(
+    status: int, message: str, type: str, param: str | None, code: str | None, headers: Mapping[str, str]
+) -> APIError:
+    return APIError(status, message, type=type, param=param, code=code, headers=headers)
+
 
 class QueueFull(Exception):
     """Every worker is busy and ``max_queue`` requests are already waiting."""
@@ -94,8 +104,17 @@ def client_error(exc: ValueError, fields: Mapping[str, str]) -> APIError:
     return APIError(400, named(param, str(exc)), param=param)
 
 
+def queue_full_error(exc: QueueFull) -> APIError:
+    """The 429 for a full queue, with ``Retry-After``."""
+    headers = {"Retry-After": str(exc.retry_after_s)}
+    return APIError(429, str(exc), type="rate_limit_error", code="queue_full", headers=headers)
+
+
 def job_error(exc: BaseException, fields: Mapping[str, str]) -> APIError:
-    """The response for a job that failed (``fields`` as for ``client_error``)."""
+    """The response for a job that failed (``fields`` as for ``client_error``; an ``APIError``, a remote replica's
+    answer, is its own response)."""
+    if isinstance(exc, APIError):
+        return exc
     if isinstance(exc, ValueError):
         return client_error(exc, fields)
     if isinstance(exc, RequestTimeout):

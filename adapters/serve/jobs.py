@@ -15,9 +15,11 @@ import contextlib
 import math
 import threading
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
-from ortspec.adapters.engine import Engine
+from ortspec.adapters.engine.options import Prompt
+from ortspec.adapters.engine.tokenizer import Tokenizer
+from ortspec.adapters.engine.tools import ToolUse
 from ortspec.adapters.serve.errors import Cancelled, RequestTimeout
 from ortspec.adapters.serve.metrics import Metrics
 from ortspec.adapters.serve.models import Prepared
@@ -43,23 +45,33 @@ class Failed(NamedTuple):
 Event = Started | Commit | Finished | Failed
 
 
+class Texts(Protocol):
+    """Text and token ids of the model served: what the app needs to make a request ready and to spell its tokens
+    (an ``Engine`` is one; so is a ``PromptReader``, which needs no model session)."""
+
+    @property
+    def tokenizer(self) -> Tokenizer: ...
+
+    def prompt_ids(self, prompt: Prompt, *, tools: ToolUse | None = None) -> list[int]: ...
+
+
 class RequestGeneration:
-    """One request's generation in a pool. ``engine``: the Engine whose tokenizer reads its tokens (for logprob
-    text); ``worker``: the index reported in the response's ``ortspec.worker`` (0 on the batched pool).
+    """One request's generation in a pool. ``texts``: whose tokenizer reads its tokens (for logprob text);
+    ``worker``: the index reported in the response's ``ortspec.worker`` (0 on the batched pool).
     ``deadline``: on the pool's clock. ``on_cancel``: what else ``cancel`` does (the batched pool cancels the
     scheduled request there)."""
 
     def __init__(
         self,
         loop: asyncio.AbstractEventLoop,
-        engine: Engine,
+        texts: Texts,
         worker: int,
         prepared: Prepared,
         *,
         stream: bool,
         deadline: float,
     ) -> None:
-        self.loop, self.engine, self.worker, self.prepared = loop, engine, worker, prepared
+        self.loop, self.texts, self.worker, self.prepared = loop, texts, worker, prepared
         self.stream, self.deadline = stream, deadline
         self.cancelled = threading.Event()
         self.on_cancel: Callable[[], object] | None = None
@@ -90,6 +102,13 @@ class RequestGeneration:
     async def next(self) -> Event:
         return await self._events.get()
 
+    async def next_ready(self) -> list[Event]:
+        """The next event and every one already queued behind it (what one message to a remote reader carries)."""
+        events = [await self._events.get()]
+        while not self._events.empty():
+            events.append(self._events.get_nowait())
+        return events
+
     # -- outcomes (from the pool's thread): the metrics and the last event -------------------------------------------
     def finish(self, result: GenerateResult, metrics: Metrics) -> None:
         metrics.record(result)
@@ -110,6 +129,36 @@ class RequestGeneration:
         if not isinstance(exc, ValueError):
             metrics.generations.labels("error").inc()
         self.emit(Failed(exc))
+
+
+class ServePool(Protocol):
+    """What the app serves requests with (``BatchPool``, ``WorkerPool``, or ``ortspec serve --ray``'s ``RayPool``):
+    ``submit`` starts a request's job; the rest is what the routes and ``/health`` read. Every method runs on the
+    event loop except ``measure`` and ``close`` (a thread of the server's, before the first request and after the
+    last)."""
+
+    metrics: Metrics
+    clock: Clock
+
+    @property
+    def texts(self) -> Texts: ...
+
+    @property
+    def context_length(self) -> int: ...
+
+    @property
+    def busy(self) -> int: ...
+
+    @property
+    def waiting(self) -> int: ...
+
+    def health(self) -> dict[str, int]: ...
+
+    def measure(self) -> None: ...
+
+    def close(self) -> None: ...
+
+    async def submit(self, prepared: Prepared, *, stream: bool, deadline: float) -> RequestGeneration: ...
 
 
 class PoolCore:
@@ -152,3 +201,28 @@ class PoolCore:
     def retry_after(self) -> int:
         """Seconds until a queue slot is likely free: the waiting requests' share of the mean service time."""
         return max(1, math.ceil(self._service_s * (self.waiting + 1) / self.parallel))
+
+
+class SubmittedJobs(PoolCore):
+    """A ``PoolCore`` that counts its jobs from submission to their end (``_jobs``, oldest first): the oldest
+    ``parallel`` are busy (they hold a slot), the rest wait. The batched pool and ``ortspec serve --ray``'s pool
+    (whose value per job is the replica serving it)."""
+
+    def __init__(self, *, parallel: int, max_queue: int, timeout_s: float, metrics: Metrics, clock: Clock) -> None:
+        super().__init__(parallel=parallel, max_queue=max_queue, timeout_s=timeout_s, metrics=metrics, clock=clock)
+        self._jobs: dict[RequestGeneration, Any] = {}  # submitted and not ended, oldest first
+
+    @property
+    def jobs(self) -> tuple[RequestGeneration, ...]:
+        """The jobs submitted and not ended, oldest first."""
+        return tuple(self._jobs)
+
+    @property
+    def busy(self) -> int:
+        """Requests holding a slot."""
+        return min(len(self._jobs), self.parallel)
+
+    @property
+    def waiting(self) -> int:
+        """Requests waiting for a slot."""
+        return max(0, len(self._jobs) - self.parallel)

@@ -69,7 +69,7 @@ class WorkerPool(PoolCore):
         metrics.workers.set(len(self.workers))
 
     @property
-    def engine(self) -> Engine:
+    def texts(self) -> Engine:
         """The Engine whose tokenizer and chat template make requests ready."""
         return self.workers[0].engine
 

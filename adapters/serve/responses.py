@@ -11,7 +11,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from ortspec.adapters.engine import Engine
+from ortspec.adapters.engine.tokenizer import Tokenizer
 from ortspec.adapters.engine.tool_format import CallReader, ContentPiece, Piece
 from ortspec.adapters.engine.tools import ToolUse
 from ortspec.core.state import TokenLogprob
@@ -45,10 +45,10 @@ def ortspec_stats(result: GenerateResult, *, speculative: bool, worker: int) -> 
 
 
 class LogprobFormatter:
-    """Token logprobs in the two OpenAI shapes, with token strings from the worker's tokenizer."""
+    """Token logprobs in the two OpenAI shapes, with token strings from the model's tokenizer."""
 
-    def __init__(self, engine: Engine, alternatives: int) -> None:
-        self.decode, self.alternatives = engine.tokenizer.decode, alternatives
+    def __init__(self, tokenizer: Tokenizer, alternatives: int) -> None:
+        self.decode, self.alternatives = tokenizer.decode, alternatives
 
     def token(self, token_id: int) -> str:
         return self.decode([token_id], skip_special_tokens=False)

@@ -103,22 +103,36 @@ def load_serving(
     ``prefix_reuse`` says), logging why."""
     slots = batch_slots(workers, max_batch)
     if slots is not None:
-        backend = backend if backend is not None else BackendConfig()
-        if backend.threads is None:
-            backend = attrs.evolve(backend, threads=default_threads(1))
-        try:  # one session: the Engine's own backend is the batch backend's lone slot
-            engine = Engine.from_dir(
-                model_dir, backend, drafter=drafter, batch_slots=slots, prefill_budget=prefill_budget
-            )
-            return Serving([engine], engine.batch_backend())
-        except (BackendError, ValueError) as exc:  # the worker design: here, one worker (batch_slots)
-            if isinstance(exc, ModelFolderError):
-                raise
-            log.warning("this folder cannot run batched (%s); serving with one worker (one sequence per pass)", exc)
-            one = Engine.from_dir(model_dir, backend, drafter=drafter, prefix_reuse=prefix_reuse)
-            return Serving([one], None)
+        return load_batched(
+            model_dir, backend, slots, prefix_reuse=prefix_reuse, prefill_budget=prefill_budget, drafter=drafter
+        )
     engines = load_engines(model_dir, backend, workers=workers, prefix_reuse=prefix_reuse, drafter=drafter)
     return Serving(engines, None)
+
+
+def load_batched(
+    model_dir: str | os.PathLike[str],
+    backend: BackendConfig | None,
+    slots: int,
+    *,
+    prefix_reuse: bool = True,
+    prefill_budget: int | None = DEFAULT_PREFILL_BUDGET,
+    drafter: str | os.PathLike[str] | bool | None = None,
+) -> Serving:
+    """One batched Engine of ``slots`` slots (``load_serving``'s batched design; ``ortspec serve --ray``'s replicas,
+    whatever their slots), or one worker Engine for a folder that cannot run batched, logging why."""
+    backend = backend if backend is not None else BackendConfig()
+    if backend.threads is None:
+        backend = attrs.evolve(backend, threads=default_threads(1))
+    try:  # one session: the Engine's own backend is the batch backend's lone slot
+        engine = Engine.from_dir(model_dir, backend, drafter=drafter, batch_slots=slots, prefill_budget=prefill_budget)
+        return Serving([engine], engine.batch_backend())
+    except (BackendError, ValueError) as exc:  # the worker design: here, one worker (batch_slots)
+        if isinstance(exc, ModelFolderError):
+            raise
+        log.warning("this folder cannot run batched (%s); serving with one worker (one sequence per pass)", exc)
+        one = Engine.from_dir(model_dir, backend, drafter=drafter, prefix_reuse=prefix_reuse)
+        return Serving([one], None)
 
 
 @contextlib.contextmanager
@@ -145,22 +159,39 @@ def serve_in_thread(app: FastAPI, host: str = "127.0.0.1", log_level: str = "war
 
 
 def cmd_serve(args: argparse.Namespace, model_dir: Path) -> int:
-    """``ortspec serve``: load the engines (``load_serving``), measure them, serve until interrupted."""
-    serving = load_serving(
-        model_dir,
-        backend_config(args, threads=args.threads),
-        workers=args.workers,
-        max_batch=args.max_batch,
-        prefix_reuse=args.prefix_reuse,
-        prefill_budget=args.prefill_budget,
-        drafter=drafter(args),
-    )
+    """``ortspec serve``: load the engines (``load_serving``), measure them, serve until interrupted; with ``--ray``,
+    the engines are Ray Serve replicas (``ray.run.cmd_serve_ray``) behind the same app."""
     settings = ServerSettings(
         model_name=args.model_name or Path(model_dir).name,
         speculative=speculative_value(args.speculative),
         max_queue=args.max_queue,
         request_timeout_s=args.timeout,
         default_max_tokens=args.default_max_tokens,
+    )
+    backend = backend_config(args, threads=args.threads)
+    if args.ray is not None:
+        from ortspec.adapters.serve.ray.replica import ReplicaSettings  # needs the 'ray' extra
+        from ortspec.adapters.serve.ray.run import cmd_serve_ray
+
+        if args.workers > 1:
+            raise ValueError("--ray runs batched engines (their slots: --max-batch); --workers does not combine")
+        replica = ReplicaSettings(
+            backend=backend,
+            server=settings,
+            max_batch=args.max_batch,
+            prefill_budget=args.prefill_budget,
+            prefix_reuse=args.prefix_reuse,
+            drafter=drafter(args),
+        )
+        return cmd_serve_ray(args, model_dir, replica)
+    serving = load_serving(
+        model_dir,
+        backend,
+        workers=args.workers,
+        max_batch=args.max_batch,
+        prefix_reuse=args.prefix_reuse,
+        prefill_budget=args.prefill_budget,
+        drafter=drafter(args),
     )
     app = create_app(serving.engines, settings, batch=serving.batch)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
