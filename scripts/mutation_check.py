@@ -412,8 +412,8 @@ MUTANTS: dict[str, Mutant] = {
     ),
     "batch-driver-binds-the-drafter-to-slot-0": Mutant(
         "ortspec/batch_driver.py",
-        "self._speculation = Speculation(self._slot_proposer.bind(slot), self._speculation.policy)",
-        "self._speculation = Speculation(self._slot_proposer.bind(0), self._speculation.policy)",
+        "self._speculation = self._speculation.with_proposer(self._slot_proposer.bind(slot), state)",
+        "self._speculation = self._speculation.with_proposer(self._slot_proposer.bind(0), state)",
         ("tests/test_batch_drafter.py",),
     ),
     "batch-driver-rows-to-the-wrong-sequence": Mutant(
