@@ -103,6 +103,31 @@ MUTANTS: dict[str, Mutant] = {
         "best = int(np.argmax(z))",
         "best = int(len(z) - 1 - np.argmax(z[::-1]))",
     ),
+    # -- coupled drafting: a draft model's picks under sampling (property_tests/test_coupled_drafting.py) ---------
+    "coupled-draft-index-off-by-one": Mutant(
+        "core/sampling.py",
+        "return self._context.pick(row, len(drafted), drafted, margin=False, top_n=0)",
+        "return self._context.pick(row, len(drafted) + 1, drafted, margin=False, top_n=0)",
+        ("property_tests/test_coupled_drafting.py",),
+    ),
+    "coupled-draft-penalties-ignore-the-draft": Mutant(
+        "core/sampling.py",
+        "return self._context.pick(row, len(drafted), drafted, margin=False, top_n=0)",
+        "return self._context.pick(row, len(drafted), (), margin=False, top_n=0)",
+        ("property_tests/test_coupled_drafting.py",),
+    ),
+    "coupled-draft-counts-the-prompt-as-generated": Mutant(
+        "core/sampling.py",
+        "prompt, generated = context_tokens[: self.prompt_len], context_tokens[self.prompt_len :]",
+        "prompt, generated = context_tokens[: self.prompt_len - 1], context_tokens[self.prompt_len - 1 :]",
+        ("property_tests/test_coupled_drafting.py",),
+    ),
+    "driver-never-couples": Mutant(
+        "core/proposers.py",
+        "if proposer is None or options.sampling.temperature == 0.0 or not isinstance(proposer, Couplable):",
+        "if True:",
+        ("property_tests/test_coupled_drafting.py",),
+    ),
     "tie-guard-off": Mutant(
         "core/state.py",
         "if k and opts.tie_margin > 0:",
