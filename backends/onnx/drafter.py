@@ -404,8 +404,8 @@ class SharedKvProposer:
     groups name, in place.
 
     Made by :meth:`open`. ``max_draft``: the most tokens one ``propose`` drafts (default: the folder's
-    ``num_speculative_tokens``). ``stop_below``: a pick whose probability under the head's softmax is below this
-    is not proposed and drafting stops (0 = never; host path only). The backend must be the one the driver
+    ``num_speculative_tokens``). ``stop_below``: a pick less likely than this is not proposed and drafting stops
+    (0 = never; host path only; ``HeadPicks`` says under which distribution). The backend must be the one the driver
     runs: the promise that ``propose`` relies on (module docstring) is checked, and a broken one raises
     ``DrafterError``. Buffers are the proposer's, on the backend's device; nothing KV-sized is allocated or
     copied per call. ``steps`` and ``runs`` count ``propose`` calls that drafted and head runs."""
