@@ -18,6 +18,11 @@ A second table isolates the coupling from the width policies: one more speculati
 at every position the drafter drafts both ways (``Agreement``) and the coupled token is verified; the tokens
 committed are the target's picks, so each position says whether the argmax draft and the coupled draft would have
 been accepted as the first token of a draft.
+
+A third table shows what coupling gives as the draft distribution nears the target's, on the real model: the
+target's own rows along each prompt's plain sampled output (one-token decodes, as plain decoding makes them),
+perturbed (Gaussian noise of a few logits, or a head hotter or colder than the target), each drafted both ways at
+every position, against the target's pick from the unperturbed row.
 """
 
 from __future__ import annotations
@@ -33,10 +38,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import numpy as np  # noqa: E402
+
 from bench.workloads import build_workloads  # noqa: E402
 from ortspec import BackendConfig, Engine  # noqa: E402
 from ortspec.core import CostAwareWidth, FixedWidth, WidthPolicy  # noqa: E402
-from ortspec.core.sampling import DraftPicker  # noqa: E402
+from ortspec.core.sampling import DraftPicker, Sampling, StepContext  # noqa: E402
 
 DEFAULT_MODEL = Path("~/.cache/ortspec/models/SmolLM2-135M-Instruct-fp32").expanduser()
 
@@ -89,6 +96,44 @@ def agreement(engine: Engine, chat, sampling: dict) -> tuple[int, int, int]:
     return len(seen), sum(a == p for p, a, _ in seen), sum(c == p for p, _, c in seen)
 
 
+# The perturbations of the target's own row (``sensitivity``): a name and row -> drafted row (``rng`` per position).
+PERTURBATIONS = {
+    "the target's row": lambda row, rng: row,
+    "+ noise 0.5 logit": lambda row, rng: row + rng.normal(0.0, 0.5, row.shape).astype(np.float32),
+    "+ noise 1 logit": lambda row, rng: row + rng.normal(0.0, 1.0, row.shape).astype(np.float32),
+    "+ noise 2 logits": lambda row, rng: row + rng.normal(0.0, 2.0, row.shape).astype(np.float32),
+    "x 0.8 (hotter)": lambda row, rng: row * np.float32(0.8),
+    "x 1.25 (colder)": lambda row, rng: row * np.float32(1.25),
+}
+
+
+def sensitivity(engine: Engine, chat, sampling: dict) -> dict[str, tuple[int, int, int]]:
+    """Per perturbation: (positions, argmax drafts equal to the target's pick, coupled drafts equal to it) along the
+    prompt's plain sampled output, from the target's own rows perturbed (module docstring)."""
+    out = engine.generate(chat, **sampling).token_ids
+    prompt = engine.tokenizer.encode(engine.tokenizer.apply_chat_template(chat))
+    options = Sampling(temperature=sampling["temperature"], seed=sampling["seed"])
+    backend = engine.backend
+    backend.reset()
+    row = backend.decode(prompt, 0)
+    counts = {name: [0, 0, 0] for name in PERTURBATIONS}
+    for j, token in enumerate(out):
+        context = [*prompt, *out[:j]]
+        pick = StepContext(options, prompt, out[:j]).pick(row, 0, (), margin=False, top_n=0).token
+        picks = DraftPicker(options, len(prompt)).after(context)
+        for k, (name, perturb) in enumerate(PERTURBATIONS.items()):
+            drafted = perturb(np.array(row, np.float32), np.random.default_rng([sampling["seed"], j, k]))
+            coupled = picks.pick(drafted, ())
+            tally = counts[name]
+            tally[0] += 1
+            tally[1] += int(np.argmax(drafted)) == pick
+            tally[2] += coupled is not None and coupled.token == pick
+        if j + 1 < len(out):
+            row = backend.decode([token], len(context))
+    backend.reset()
+    return {name: (n, a, c) for name, (n, a, c) in counts.items()}
+
+
 class Tally:
     """One drafting's totals over the prompts of one temperature."""
 
@@ -137,6 +182,7 @@ def run(args: argparse.Namespace) -> str:
         plain = Tally()
         tallies = {(p, d): Tally() for p in policies for d in draftings}
         agreed = [0, 0, 0]
+        nearer = {name: (0, 0, 0) for name in PERTURBATIONS}
         for i, chat in enumerate(chats):
             sampling = {"temperature": temperature, "seed": 1000 + i, "max_tokens": args.max_tokens}
             want, seconds = timed(engine, chat, **sampling)
@@ -147,8 +193,10 @@ def run(args: argparse.Namespace) -> str:
                 same = (got.token_ids, got.text, got.finish_reason) == (want.token_ids, want.text, want.finish_reason)
                 tally.add(got, seconds, same)
             agreed = [a + b for a, b in zip(agreed, agreement(engine, chat, sampling), strict=True)]
+            for name, counts in sensitivity(engine, chat, sampling).items():
+                nearer[name] = tuple(a + b for a, b in zip(nearer[name], counts, strict=True))  # type: ignore[assignment]
             print(f"T {temperature} prompt {i}: {len(want.token_ids)} tokens", flush=True)
-        rows.append((temperature, plain, tallies, agreed))
+        rows.append((temperature, plain, tallies, agreed, nearer))
     load_end = os.getloadavg()
     return report(args, rows, load_start, load_end, len(chats))
 
@@ -168,7 +216,7 @@ def report(args, rows, load_start, load_end, n_prompts: int) -> str:
         "| T | width | drafting | accepted / draft | acceptance | tokens / pass | tok/s ÷ plain | identical |",
         "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
-    for temperature, plain, tallies, _ in rows:
+    for temperature, plain, tallies, _, _ in rows:
         plain_rate = plain.tokens / plain.seconds
         lines.append(
             f"| {temperature:g} | plain | - | - | - | {plain.tokens / plain.passes:.2f} | 1.00 "
@@ -189,11 +237,24 @@ def report(args, rows, load_start, load_end, n_prompts: int) -> str:
         "| T | positions | argmax draft = pick | coupled draft = pick |",
         "| --- | --- | --- | --- |",
     ]
-    for temperature, _, _, (positions, argmax, coupled) in rows:
+    for temperature, _, _, (positions, argmax, coupled), _ in rows:
         lines.append(
             f"| {temperature:g} | {positions} | {argmax / positions:.1%} ({argmax}) | {coupled / positions:.1%} "
             f"({coupled}) |"
         )
+    lines += [
+        "",
+        "The target's own rows along each prompt's plain sampled output, perturbed, drafted both ways (the first draft "
+        "token against the target's pick from the unperturbed row):",
+        "",
+        "| T | draft row | positions | argmax draft = pick | coupled draft = pick |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for temperature, _, _, _, nearer in rows:
+        for name, (positions, argmax, coupled) in nearer.items():
+            lines.append(
+                f"| {temperature:g} | {name} | {positions} | {argmax / positions:.1%} | {coupled / positions:.1%} |"
+            )
     return "\n".join(lines) + "\n"
 
 
