@@ -5,8 +5,8 @@ from .declare import Bounds, OptionSpec, option, options_of, spec
 from .forced import ForcedTokens
 from .lookup_or_draft import LookupOrDraft
 from .options import Limits, Options
-from .proposers import MAX_DRAFT, Learner, Lookup, NgramIndex, PricedProposer, PromptLookup, Proposer
-from .sampling import Sampling
+from .proposers import MAX_DRAFT, Couplable, Learner, Lookup, NgramIndex, PricedProposer, PromptLookup, Proposer
+from .sampling import DraftPicker, Sampling
 from .state import (
     Commit,
     DecodeState,
@@ -31,8 +31,10 @@ __all__ = [
     "AdditiveWidth",
     "Bounds",
     "Commit",
+    "Couplable",
     "CostAwareWidth",
     "DecodeState",
+    "DraftPicker",
     "DraftRule",
     "FinishReason",
     "FixedWidth",

@@ -15,7 +15,8 @@ import attrs
 
 from .constraint import Constraint, Grammar
 from .options import Options
-from .proposers import Learner, Proposer
+from .proposers import Couplable, Learner, Proposer
+from .sampling import DraftPicker
 
 
 def forcing(proposer: Proposer | None, options: Options, prompt_len: int) -> Proposer | None:
@@ -57,6 +58,13 @@ class ForcedTokens:
             return forced
         after = (*context_tokens, *forced) if forced else context_tokens
         return forced + tuple(self.inner.propose(after, width - len(forced)))
+
+    def coupled(self, picker: DraftPicker) -> ForcedTokens:
+        """This value with its inner proposer coupled to a sampled generation (``core.proposers.Couplable``): the
+        inner one drafts after the forced tokens, whose indexes and penalties ``picker`` counts from the context."""
+        if not isinstance(self.inner, Couplable):
+            return self
+        return attrs.evolve(self, inner=self.inner.coupled(picker))
 
     def observe(self, context_tokens: Sequence[int], width: int, draft: Sequence[int], accepted: int) -> ForcedTokens:
         if not isinstance(self.inner, Learner):

@@ -14,7 +14,8 @@ from typing import Any
 import attrs
 
 from .checks import int_at_least
-from .proposers import Lookup, Proposer
+from .proposers import Couplable, Lookup, Proposer
+from .sampling import DraftPicker
 from .width import CostAwareWidth
 
 _POLICY = {"strong": "lookup_policy", "weak": "weak_lookup_policy", "drafter": "drafter_policy"}
@@ -53,6 +54,13 @@ class LookupOrDraft:
         return attrs.evolve(
             self, lookup_policy=lookup_policy, weak_lookup_policy=lookup_policy, drafter_policy=drafter_policy
         )
+
+    def coupled(self, picker: DraftPicker) -> LookupOrDraft:
+        """This value with its drafter coupled to a sampled generation (``core.proposers.Couplable``); lookup drafts
+        copy the context and stay as they are."""
+        if not isinstance(self.drafter, Couplable):
+            return self
+        return attrs.evolve(self, drafter=self.drafter.coupled(picker))
 
     def _choose(self, context_tokens: Sequence[int], width: int) -> tuple[str, tuple[int, ...]]:
         """The source for a draft after ``context_tokens`` and, for a lookup source, its draft (uncut)."""

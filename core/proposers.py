@@ -17,6 +17,8 @@ from typing import Protocol, runtime_checkable
 import attrs
 
 from .checks import int_at_least
+from .options import Options
+from .sampling import DraftPicker
 from .tokens import Shared
 
 # The most draft tokens any built-in proposer drafts in one pass (prompt lookup's default, the width policies' cap).
@@ -52,6 +54,27 @@ class Learner(Protocol):
     def propose(self, context_tokens: Sequence[int], width: int) -> tuple[int, ...]: ...
 
     def observe(self, context_tokens: Sequence[int], width: int, draft: Sequence[int], accepted: int) -> Learner: ...
+
+
+@runtime_checkable
+class Couplable(Protocol):
+    """A proposer that drafts from a distribution of its own (a draft model, or one that holds one) and, when the
+    generation samples, can draft with the target's own pick rule instead of its argmax: ``coupled(picker)`` is this
+    proposer for one sampled generation, picking each draft token with ``picker`` (``core.sampling.DraftPicker``)
+    from its own logits. The driver asks for it once per generation (``coupling``)."""
+
+    def propose(self, context_tokens: Sequence[int], width: int) -> tuple[int, ...]: ...
+
+    def coupled(self, picker: DraftPicker) -> Proposer: ...
+
+
+def coupling(proposer: Proposer | None, options: Options, prompt_len: int) -> Proposer | None:
+    """The proposer of a generation with ``options`` and a prompt of ``prompt_len`` tokens: a ``Couplable`` one
+    coupled to its seeded sampling (``DraftPicker(options.sampling, prompt_len)``) when it samples
+    (``temperature > 0``); otherwise ``proposer`` unchanged (greedy drafting stays the draft model's argmax)."""
+    if proposer is None or options.sampling.temperature == 0.0 or not isinstance(proposer, Couplable):
+        return proposer
+    return proposer.coupled(DraftPicker(options.sampling, prompt_len))
 
 
 @runtime_checkable

@@ -44,6 +44,10 @@ the gap between the two largest ``z``. Sampling: the smallest of the gaps at eve
 **Logprobs** report the picked token's log-probability under the distribution it was picked from: greedy, the
 log-softmax of ``z`` over the whole vocabulary; sampling, ``p`` above over the surviving tokens, renormalized. The
 alternatives are the most likely tokens of that same distribution.
+
+**Coupled drafting** (``DraftPicker``): a draft model under seeded sampling picks each draft token with this same
+rule, from its own row, at the index the token will have, so that where its distribution is close to the target's
+its draft is the target's pick. It calls ``StepContext.pick``; nothing of the rule is restated.
 """
 
 from __future__ import annotations
@@ -277,6 +281,44 @@ class StepContext:
             return _greedy_pick(z, best, scale, margin, top_n)
         with np.errstate(over="ignore"):  # (z - z_max) / T past float32's range is -inf: outside the window
             return _sampled_pick(z, best, s, uniform(_seed(s), self.first_index + i), scale, margin, top_n)
+
+
+class DraftPicks:
+    """The coupled picks of one draft (made by ``DraftPicker.after``): ``pick(row, drafted)`` is the pick the
+    target's verify pass will make at draft position ``len(drafted)`` (``drafted``: the draft tokens before it), by
+    the same rule (``StepContext.pick``), from ``row`` instead of the target's row; None where ``row`` is not finite
+    where the pick is made (the drafter stops drafting there)."""
+
+    def __init__(self, context: StepContext) -> None:
+        self._context = context
+
+    def pick(self, row: np.ndarray, drafted: Sequence[int]) -> Pick | None:
+        try:
+            return self._context.pick(row, len(drafted), drafted, margin=False, top_n=0)
+        except NonFiniteRow:
+            return None
+
+
+@attrs.frozen
+class DraftPicker:
+    """Coupled drafting under seeded sampling: a draft model picks each draft token by the target's own rule (the
+    processors over prompt + generated + the draft so far, the filters, and the uniform of (``seed``, the index the
+    token will have)) applied to its own logits row over the target's vocabulary. Where the two rows are close, the
+    inverse-CDF draws coincide, so the draft is the token the target will pick; where they are not, a draft token is
+    only a worse guess: drafts are proposals, and the core accepts exactly the target's picks.
+
+    One per sampled generation (``core.proposers.coupling``): ``sampling`` its options, ``prompt_len`` its prompt's
+    length, so that any context a proposer is asked about (prompt + generated, perhaps + tokens drafted in front,
+    as ``ForcedTokens`` passes) splits into prompt and generated tokens, and its first draft token's index is
+    ``len(context_tokens) - prompt_len``."""
+
+    sampling: Sampling
+    prompt_len: int
+
+    def after(self, context_tokens: Sequence[int]) -> DraftPicks:
+        """The picks of a draft after ``context_tokens``: those of the verify pass that will check it."""
+        prompt, generated = context_tokens[: self.prompt_len], context_tokens[self.prompt_len :]
+        return DraftPicks(StepContext(self.sampling, prompt, generated))
 
 
 def _seed(s: Sampling) -> int:

@@ -239,7 +239,7 @@ class BatchSequence:
         else:
             backend.reset(slot)
         if self._slot_proposer is not None:
-            self._speculation = Speculation(self._slot_proposer.bind(slot), self._speculation.policy)
+            self._speculation = self._speculation.with_proposer(self._slot_proposer.bind(slot), state)
         self.state, self._slot, self._phase, self._prefilled = state, slot, Phase.PREFILL, reused
 
     def _resident(self, backend: BatchBackend) -> tuple[int, ...]:
@@ -427,7 +427,7 @@ class BatchDriver:
             prompt_tokens, options, detokenize, capacity=backend.max_length, vocab_size=backend.vocab_size
         )
         slot_proposer = proposer if isinstance(proposer, SlotProposer) else None
-        speculation = Speculation.of(None if slot_proposer is not None else proposer, draft_width)  # type: ignore[arg-type]
+        speculation = Speculation.of(None if slot_proposer is not None else proposer, draft_width, state)  # type: ignore[arg-type]
         sequence = BatchSequence(self, state, speculation, callback, slot_proposer, on_finish)
         if sequence.phase is Phase.WAITING:
             self._waiting.append(sequence)

@@ -2,6 +2,7 @@
 
     state = DecodeState.start(prompt, options, capacity=backend.max_length, cached_prefix=cached)
     state = core.step(state, backend.decode(prompt[state.cached_prefix:], state.cached_prefix), None, ()).state
+    proposer = core.coupling(proposer, options, len(prompt))   a draft model under seeded sampling: coupled picks
     until the state finishes:
         width  = core.draft_width(state, policy.width())
         draft  = core.take_draft(state, proposer.propose(context, width), width, vocab)
@@ -28,7 +29,7 @@ import attrs
 
 from ortspec.backends.base import Backend, DevicePicks, uses_device_picks
 from ortspec.core.prefix import resident_tokens
-from ortspec.core.proposers import Learner, PricedProposer, Proposer
+from ortspec.core.proposers import Learner, PricedProposer, Proposer, coupling
 from ortspec.core.state import (
     Commit,
     DecodeState,
@@ -170,9 +171,16 @@ class Speculation:
     policy: WidthPolicy
 
     @classmethod
-    def of(cls, proposer: Proposer | None, draft_width: int | WidthPolicy) -> Speculation:
-        """``draft_width``: the most draft tokens per pass, or a ``WidthPolicy`` choosing it per step."""
-        return cls(proposer, draft_width if isinstance(draft_width, WidthPolicy) else FixedWidth(draft_width))
+    def of(cls, proposer: Proposer | None, draft_width: int | WidthPolicy, state: DecodeState) -> Speculation:
+        """``proposer`` for the generation of ``state`` (``with_proposer``); ``draft_width``: the most draft tokens
+        per pass, or a ``WidthPolicy`` choosing it per step."""
+        policy = draft_width if isinstance(draft_width, WidthPolicy) else FixedWidth(draft_width)
+        return cls(None, policy).with_proposer(proposer, state)
+
+    def with_proposer(self, proposer: Proposer | None, state: DecodeState) -> Speculation:
+        """This width policy with ``proposer`` as the generation of ``state`` uses it: a draft model coupled to its
+        seeded sampling when it samples (``core.proposers.coupling``)."""
+        return Speculation(coupling(proposer, state.options, len(state.prompt_tokens)), self.policy)
 
     def draft(self, state: DecodeState, vocab_size: int, plain_cost: float = 1.0) -> tuple[int, tuple[int, ...]]:
         """``(width, draft)`` for the next step from ``state``: the width asked for (``core.draft_width``; 0 without a
@@ -282,7 +290,6 @@ class Generation:
         self._t_start = time.perf_counter()
         self._on_finish = on_finish
         options = options if options is not None else Options()
-        self._speculation = Speculation.of(proposer, draft_width)
         self.state = DecodeState.start(
             prompt_tokens,
             options,
@@ -291,6 +298,7 @@ class Generation:
             vocab_size=backend.vocab_size,
             cached_prefix=cached_prefix,
         )
+        self._speculation = Speculation.of(proposer, draft_width, self.state)
         self._backend = backend
         self._picker: DevicePicks | None = (
             backend if uses_device_picks(backend) and options.device_picks_suffice else None

@@ -103,6 +103,31 @@ MUTANTS: dict[str, Mutant] = {
         "best = int(np.argmax(z))",
         "best = int(len(z) - 1 - np.argmax(z[::-1]))",
     ),
+    # -- coupled drafting: a draft model's picks under sampling (property_tests/test_coupled_drafting.py) ---------
+    "coupled-draft-index-off-by-one": Mutant(
+        "core/sampling.py",
+        "return self._context.pick(row, len(drafted), drafted, margin=False, top_n=0)",
+        "return self._context.pick(row, len(drafted) + 1, drafted, margin=False, top_n=0)",
+        ("property_tests/test_coupled_drafting.py",),
+    ),
+    "coupled-draft-penalties-ignore-the-draft": Mutant(
+        "core/sampling.py",
+        "return self._context.pick(row, len(drafted), drafted, margin=False, top_n=0)",
+        "return self._context.pick(row, len(drafted), (), margin=False, top_n=0)",
+        ("property_tests/test_coupled_drafting.py",),
+    ),
+    "coupled-draft-counts-the-prompt-as-generated": Mutant(
+        "core/sampling.py",
+        "prompt, generated = context_tokens[: self.prompt_len], context_tokens[self.prompt_len :]",
+        "prompt, generated = context_tokens[: self.prompt_len - 1], context_tokens[self.prompt_len - 1 :]",
+        ("property_tests/test_coupled_drafting.py",),
+    ),
+    "driver-never-couples": Mutant(
+        "core/proposers.py",
+        "if proposer is None or options.sampling.temperature == 0.0 or not isinstance(proposer, Couplable):",
+        "if True:",
+        ("property_tests/test_coupled_drafting.py",),
+    ),
     "tie-guard-off": Mutant(
         "core/state.py",
         "if k and opts.tie_margin > 0:",
@@ -425,8 +450,8 @@ MUTANTS: dict[str, Mutant] = {
     ),
     "batch-driver-binds-the-drafter-to-slot-0": Mutant(
         "ortspec/batch_driver.py",
-        "self._speculation = Speculation(self._slot_proposer.bind(slot), self._speculation.policy)",
-        "self._speculation = Speculation(self._slot_proposer.bind(0), self._speculation.policy)",
+        "self._speculation = self._speculation.with_proposer(self._slot_proposer.bind(slot), state)",
+        "self._speculation = self._speculation.with_proposer(self._slot_proposer.bind(0), state)",
         ("tests/test_batch_drafter.py",),
     ),
     "batch-driver-rows-to-the-wrong-sequence": Mutant(

@@ -199,6 +199,41 @@ def test_drafts_equal_the_reference_on_the_targets_kv(which, drafter_dir, full_v
         assert backend.current_len() == length - 1  # the drafter touched nothing
 
 
+@pytest.mark.parametrize("which", ["reduced", "full"])
+def test_coupled_drafts_are_the_targets_pick_rule_on_the_heads_rows(
+    which, drafter_dir, full_vocab_drafter_dir, backend
+):
+    """Coupled to a sampled generation, each draft token is the verify pass's pick (the core's ``StepContext`` of
+    the prompt and generated tokens, at the token's row, the draft so far in the penalties) made from the reference
+    head's logits scattered over the target vocabulary, ``-inf`` where the head cannot draft."""
+    from ortspec.core.sampling import DraftPicker, Sampling, StepContext
+
+    folder = drafter_dir if which == "reduced" else full_vocab_drafter_dir
+    proposer = SharedKvProposer.open(backend, folder)
+    layer = proposer.folder.groups[0].layer
+    reference = ReferenceHead(folder, backend.folder.num_kv_heads)
+    sampling = Sampling(temperature=1.5, top_p=0.95, repetition_penalty=1.3, presence_penalty=0.4, seed=11)
+    differs = False
+    for length, prompt_len in ((9, 4), (40, 33), (25, 24)):
+        context = prompt_ids(length, backend.vocab_size, seed=length)
+        promised_state(backend, context)
+        draft = proposer.coupled(DraftPicker(sampling, prompt_len)).propose(context, 6)
+        differs |= draft != proposer.propose(context, 6)
+        keys, values = live_kv(backend, layer)
+        verify = StepContext(sampling, context[:prompt_len], context[prompt_len:])
+        token, state, want = context[-1], backend.hidden_at(length - 2).astype(np.float64), []
+        for i in range(min(6, proposer.max_draft)):
+            embed = reference.embedding[token].astype(np.float64)
+            logits, state = reference.step(embed, state, length - 1, keys, values)
+            row = np.full(backend.vocab_size, -np.inf, np.float32)
+            row[reference.to_target] = logits
+            token = verify.pick(row, i, want, margin=False, top_n=0).token
+            want.append(token)
+        assert draft == tuple(want)
+        assert backend.current_len() == length - 1
+    assert differs  # at T 1.5 the coupled picks are not the argmax
+
+
 def test_the_drafter_reads_the_cache_in_place(drafter_dir, backend):
     """Changing the backend's KV buffer (in place, same address) changes the next draft exactly as the reference
     says: the drafter reads the live buffer, not a copy."""

@@ -23,8 +23,8 @@ The draft loop (``SharedKvProposer.propose``), in ortspec's fused step: when the
 backend holds the KV of every context token but the last (the pending token) and its last pass computed the hidden
 state at ``current_len() - 1``, which predicted the pending token. The drafter starts from ``(pending token, that
 hidden state)``, queries at the fixed position ``current_len()`` (the pending token's), picks the argmax of its
-logits (mapped to a target id), and feeds ``(that pick, its projected_state)`` to the next step; every pick is a
-draft token. The drafter owns no KV, so a rejected draft costs nothing to undo.
+logits (mapped to a target id; coupled to a sampled generation, the target's pick rule: ``draft_picks.py``), and
+feeds ``(that pick, its projected_state)`` to the next step; every pick is a draft token. No KV is the drafter's.
 
 **The target** is anything with the :class:`SharedKvTarget` protocol (``OrtBackend`` has it): the drafter reads
 the target's committed length, its hidden-state row and the address of each KV head through it, and nothing else.
@@ -44,8 +44,11 @@ from typing import Any, Protocol
 import attrs
 import numpy as np
 
+from ortspec.core.sampling import DraftPicker, DraftPicks
+
 from ..base import BackendError
 from .arrays import ArrayModule
+from .draft_picks import CoupledDrafter, HeadPicks
 from .folder import ModelFolder
 from .model_graph import FLOAT_DTYPES, ORT_TYPES
 from .session import execution_providers, make_session_options, open_session
@@ -401,8 +404,8 @@ class SharedKvProposer:
     groups name, in place.
 
     Made by :meth:`open`. ``max_draft``: the most tokens one ``propose`` drafts (default: the folder's
-    ``num_speculative_tokens``). ``stop_below``: a pick whose probability under the head's softmax is below this
-    is not proposed and drafting stops (0 = never; host path only). The backend must be the one the driver
+    ``num_speculative_tokens``). ``stop_below``: a pick less likely than this is not proposed and drafting stops
+    (0 = never; host path only; ``HeadPicks`` says under which distribution). The backend must be the one the driver
     runs: the promise that ``propose`` relies on (module docstring) is checked, and a broken one raises
     ``DrafterError``. Buffers are the proposer's, on the backend's device; nothing KV-sized is allocated or
     copied per call. ``steps`` and ``runs`` count ``propose`` calls that drafted and head runs."""
@@ -441,7 +444,7 @@ class SharedKvProposer:
         hidden, dtype = folder.hidden_size, self.graph.float_dtype
         embedding = folder.embedding()
         self._embedding = embedding if self._device == "cpu" else arrays.from_host(np.asarray(embedding, dtype))
-        self._to_target = folder.draft_to_target
+        self._head_picks = HeadPicks(folder.draft_to_target, backend.vocab_size, self.stop_below, arrays, self._device)
         self._embeds = arrays.zeros((1, 1, 2 * hidden), dtype)
         self._positions = arrays.zeros((1, 1), np.int64)
         self._positions_host = np.zeros((1, 1), np.int64)
@@ -529,8 +532,13 @@ class SharedKvProposer:
         )
 
     # ------------------------------------------------------------------------------------------------------------
-    def propose(self, context_tokens: Sequence[int], width: int) -> tuple[int, ...]:
-        """Up to ``min(width, max_draft)`` draft tokens after ``context_tokens`` (see the module docstring)."""
+    def coupled(self, picker: DraftPicker) -> CoupledDrafter:
+        """This drafter for one sampled generation (``core.proposers.Couplable``; ``draft_picks.py``)."""
+        return CoupledDrafter(self, picker)
+
+    def propose(self, context_tokens: Sequence[int], width: int, picker: DraftPicker | None = None) -> tuple[int, ...]:
+        """Up to ``min(width, max_draft)`` draft tokens after ``context_tokens`` (see the module docstring): the
+        argmax picks, or with ``picker`` the coupled ones."""
         kv_len = self.backend.current_len()
         if kv_len != len(context_tokens) - 1:
             raise DrafterError(
@@ -540,11 +548,12 @@ class SharedKvProposer:
         steps = min(int(width), self.max_draft)
         if steps < 1 or kv_len < 1:
             return ()
-        return self.draft(int(context_tokens[-1]), kv_len, steps)
+        picks = picker.after(context_tokens) if picker is not None else None
+        return self.draft(int(context_tokens[-1]), kv_len, steps, picks)
 
-    def draft(self, token: int, kv_len: int, steps: int) -> tuple[int, ...]:
+    def draft(self, token: int, kv_len: int, steps: int, picks: DraftPicks | None = None) -> tuple[int, ...]:
         """``steps`` picks starting from ``token`` at position ``kv_len`` (the backend's ``current_len()``) and the
-        backend's hidden state at ``kv_len - 1``."""
+        backend's hidden state at ``kv_len - 1``: argmax picks, or coupled ones with ``picks``."""
         arrays, hidden = self._arrays, self.folder.hidden_size
         self._bind_kv(kv_len)
         self._positions_host[0, 0] = kv_len
@@ -560,26 +569,14 @@ class SharedKvProposer:
             except Exception as exc:  # noqa: BLE001 - ORT raises its own exception types
                 raise DrafterError(f"onnxruntime failed running {self.folder.model_path}: {exc}") from exc
             self.runs += 1
-            pick, confident = self._pick()
-            if not confident:
+            pick = self._head_picks.pick(self._logits, picks, draft)
+            if pick is None:
                 break
-            token = int(self._to_target[pick]) if self._to_target is not None else pick
+            token = pick
             draft.append(token)
             if i + 1 < steps:
                 arrays.copy(self._embeds[0, 0, hidden:], self._state[0, 0])
         return tuple(draft)
-
-    def _pick(self) -> tuple[int, bool]:
-        """The argmax of the last run's logits (lowest id on ties) and whether drafting may go on after it."""
-        if self._device == "cpu":
-            row = self._logits[0, 0]
-            pick = int(np.argmax(row))
-            if self.stop_below > 0.0:
-                probability = 1.0 / float(np.exp(row - row[pick]).sum())
-                return pick, probability >= self.stop_below
-            return pick, True
-        ids, _ = self._arrays.argmax_margin(self._logits[0])
-        return int(ids[0]), True
 
     def _bind_kv(self, kv_len: int) -> None:
         """Bind every per-head KV input to the first ``kv_len`` positions of its head, in the backend's buffer."""
