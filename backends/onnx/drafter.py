@@ -114,6 +114,13 @@ def target_fingerprint(folder: str | os.PathLike[str]) -> dict[str, Any]:
     }
 
 
+def fingerprint_differences(recorded: Mapping[str, Any], actual: Mapping[str, Any]) -> list[str]:
+    """The keys on which a drafter's ``recorded`` target fingerprint and a folder's ``actual`` one
+    (:func:`target_fingerprint`) differ: ``config_sha256`` and ``data_bytes`` (the folder's name does not count);
+    empty when the drafter fits the folder."""
+    return [k for k in ("config_sha256", "data_bytes") if k in recorded and recorded[k] != actual.get(k)]
+
+
 @attrs.frozen
 class KvGroup:
     """One shared-KV group: the graph reads target layer ``layer`` (the last of ``target_layers``) through inputs
@@ -489,8 +496,7 @@ class SharedKvProposer:
                 )
         recorded = folder.fingerprint
         if check_fingerprint and recorded is not None:
-            actual = target_fingerprint(target.path)
-            differs = [k for k in ("config_sha256", "data_bytes") if k in recorded and recorded[k] != actual.get(k)]
+            differs = fingerprint_differences(recorded, target_fingerprint(target.path))
             if differs:
                 raise DrafterError(
                     f"{where}: the drafter was made for another target ({recorded.get('name')!r}; {differs[0]} "
