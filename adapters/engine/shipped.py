@@ -104,8 +104,9 @@ def target_table(model_dir: str | os.PathLike[str], source: dict[str, Any]) -> n
 
 
 def package_drafter(trained: str | os.PathLike[str], dest: str | os.PathLike[str]) -> Path:
-    """Write the shipped form of the trained drafter folder ``trained`` into ``dest`` (created): every file but the
-    input-embedding table, whose shape and hash ``drafter.json`` records instead (``ortspec.input_embedding``)."""
+    """Write the shipped form of the trained drafter folder ``trained`` into ``dest`` (created; a previous shipped
+    form there is replaced whole): every file but the input-embedding table, whose shape and hash ``drafter.json``
+    records instead (``ortspec.input_embedding``)."""
     src, out = Path(trained), Path(dest)
     meta = _metadata(src)
     table_name = meta["speculative"]["input_embedding"]
@@ -116,6 +117,10 @@ def package_drafter(trained: str | os.PathLike[str], dest: str | os.PathLike[str
         "shape": [len(rows_by_width) // hidden, hidden],
         "sha256": hashlib.sha256(rows_by_width.tobytes()).hexdigest(),
     }
+    if out.exists() and any(out.iterdir()):
+        if not (out / METADATA).is_file():
+            raise FileExistsError(f"{out} is not empty and holds no {METADATA}; not replacing it")
+        shutil.rmtree(out)  # a previous shipped form: replaced whole, so no stale file stays
     out.mkdir(parents=True, exist_ok=True)
     for path in src.iterdir():
         if path.is_file() and path.name not in (table_name, METADATA):
