@@ -104,18 +104,17 @@ def test_a_table_that_differs_from_the_recorded_one_is_refused(shipped_setup):
 
 
 @pytest.mark.real_model
-def test_the_shipped_drafter_opens_on_the_default_model_and_is_exact(real_model_dir, tmp_path, monkeypatch):
-    """The package's own drafter (no trained one in the cache) fits the default model, and decoding with it equals
-    plain decoding."""
-    monkeypatch.setenv("ORTSPEC_CACHE", str(tmp_path / "cache"))
+def test_the_shipped_drafter_opens_on_the_default_model_and_is_exact(real_model_dir):
+    """The package's own drafter fits the default model (materialised in the user cache, once), and decoding with it
+    equals plain decoding."""
     from ortspec.adapters.engine import Engine
 
-    found = find_drafter(real_model_dir)
+    found = shipped.shipped_drafter(real_model_dir)
     assert found is not None and found.name.startswith("shipped-SmolLM2-135M-Instruct-")
-    engine = Engine.from_dir(real_model_dir, BackendConfig(threads=2))
+    engine = Engine.from_dir(real_model_dir, BackendConfig(threads=2), drafter=found)
     assert engine.drafter is not None and engine.drafter.folder.path == found
     prompt = "Write a short story about a lonely lighthouse keeper."
     plain = engine.generate(prompt, chat=True, max_tokens=48)
-    spec = engine.generate(prompt, chat=True, max_tokens=48, speculative="shared-kv")
+    spec = engine.generate(prompt, chat=True, max_tokens=48, speculative="shared-kv", draft_width=4)
     assert spec.token_ids == plain.token_ids and spec.text == plain.text
     assert spec.stats.accepted_tokens > 0
