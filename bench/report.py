@@ -623,7 +623,8 @@ def _drafter(result: dict[str, Any]) -> Iterator[str]:
     after = training.get("heldout_after_training") or {}
     if training:
         yield (
-            f"Trained by `ortspec train-drafter` in {training.get('total_seconds', 0) / 60:.1f} min: "
+            f"Trained by `ortspec train-drafter` ({training.get('updates', '?')} updates) in "
+            f"{training.get('timing', {}).get('total_seconds', 0) / 60:.1f} min: "
             f"{training.get('data', {}).get('positions', '?')} positions of target data; held-out first-token "
             f"accuracy {after.get('top1', float('nan')):.3f}, mean tokens accepted per draft of width 1..4: "
             + ", ".join(f"{x:.2f}" for x in after.get("accepted_by_width", []))

@@ -696,7 +696,7 @@ def drafter_record(cfg: SuiteConfig, engine: Engine, probe: Sequence[Sequence[in
     if folder is not None:
         with contextlib.suppress(OSError, ValueError, KeyError):
             record = json.loads((Path(folder) / "drafter.json").read_text(encoding="utf-8"))["ortspec"]["training"]
-            keys = ("total_seconds", "train_seconds", "data", "heldout_before_training", "heldout_after_training")
+            keys = ("timing", "updates", "data", "heldout_before_training", "heldout_after_training")
             training = {k: record[k] for k in keys if k in record}
     context = list(probe[0])
     log(f"drafter step at a {len(context)}-token context")

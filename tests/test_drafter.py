@@ -457,15 +457,39 @@ def test_batched_target_data_equals_the_backend(tiny_model_dir):
         np.testing.assert_allclose(record.values, backend.kv.values[1][0, :, :n], atol=1e-4)
 
 
-def test_train_drafter_writes_a_valid_folder(tiny_model_dir, tmp_path):
-    pytest.importorskip("torch")
-    from ortspec.adapters.tools.train_drafter import TrainConfig, train_drafter
+# A recipe of a few seconds on the tiny model: counts and a seed, no clock.
+TINY_RECIPE = dict(
+    sequences=12, heldout=4, batch=4, max_new=24, updates=6, eval_every=3, draft_vocab=200, steps=2, train_batch=4
+)
 
-    config = TrainConfig(minutes=0.4, batch=4, max_new=24, draft_vocab=200, steps=2, train_batch=4, threads=1)
-    folder = train_drafter(tiny_model_dir, tmp_path / "trained", config, progress=None)
+
+def _tiny_run(tiny_model_dir, out: Path, seed: int) -> tuple[dict, dict[str, bytes]]:
+    """Train a drafter by the tiny recipe; its training record without the clock's part, and its files' bytes."""
+    from ortspec.adapters.tools.drafter_recipe import TrainConfig
+    from ortspec.adapters.tools.train_drafter import train_drafter
+
+    folder = train_drafter(tiny_model_dir, out, TrainConfig(**TINY_RECIPE, seed=seed, threads=1), progress=None)
+    record = json.loads((folder / DRAFTER_METADATA).read_text())["ortspec"]["training"]
+    record.pop("timing")
+    files = {p.name: p.read_bytes() for p in sorted(folder.iterdir()) if p.name != DRAFTER_METADATA}
+    return record, files
+
+
+@pytest.fixture(scope="module")
+def tiny_trained(tiny_model_dir, tmp_path_factory) -> Path:
+    pytest.importorskip("torch")
+    return tmp_path_factory.mktemp("trained") / "seed0"
+
+
+def test_train_drafter_writes_a_valid_folder_by_counts(tiny_model_dir, tiny_trained):
+    record, _ = _tiny_run(tiny_model_dir, tiny_trained, seed=0)
+    folder = tiny_trained
     meta = DrafterFolder.load(folder)
-    record = meta.metadata["ortspec"]["training"]
-    assert meta.vocab_size == 200 and record["data"]["sequences"] > 0
+    assert meta.vocab_size == 200
+    assert record["data"]["sequences"] == 12 and record["data"]["heldout_sequences"] == 4
+    assert record["updates"] == 6 and not record["cut_short_by_safety_bound"]
+    assert [p["updates"] for p in record["heldout_curve"]] == [0, 3, 6]  # every eval_every updates, and the end
+    assert len(record["heldout_after_training"]["accepted_by_width"]) == 4
     check = record["export_check"]
     assert check["fp32"]["picks_agree"] == check["fp32"]["checked"] > 0  # the graph computes the torch head
     assert check["weights"] == "int8" and check["bytes"] < check["bytes_fp32"] / 2  # then its weights are int8
@@ -474,3 +498,24 @@ def test_train_drafter_writes_a_valid_folder(tiny_model_dir, tmp_path):
     context = prompt_ids(20, backend.vocab_size)
     promised_state(backend, context)
     assert len(SharedKvProposer.open(backend, folder).propose(context, 3)) == 3
+
+
+def test_the_recipe_is_deterministic(tiny_model_dir, tiny_trained, tmp_path):
+    """Same recipe and seed: the same record (but the clock's part) and the same files, byte for byte; another seed
+    makes another drafter."""
+    if not (tiny_trained / DRAFTER_METADATA).is_file():
+        _tiny_run(tiny_model_dir, tiny_trained, seed=0)
+    first = json.loads((tiny_trained / DRAFTER_METADATA).read_text())["ortspec"]["training"]
+    first.pop("timing")
+    files = {p.name: p.read_bytes() for p in sorted(tiny_trained.iterdir()) if p.name != DRAFTER_METADATA}
+    again, again_files = _tiny_run(tiny_model_dir, tmp_path / "again", seed=0)
+    assert again == first and again_files == files
+    other, other_files = _tiny_run(tiny_model_dir, tmp_path / "other", seed=1)
+    assert other["config"]["seed"] == 1 and other_files["drafter.onnx"] != files["drafter.onnx"]
+
+
+def test_the_recipe_keeps_sequences_to_train_on():
+    from ortspec.adapters.tools.drafter_recipe import TrainConfig
+
+    with pytest.raises(ValueError, match="heldout"):
+        TrainConfig(sequences=4, heldout=4)

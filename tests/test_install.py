@@ -56,3 +56,16 @@ def test_every_distribution_of_those_extras_is_installed():
         f"not installed: {', '.join(missing)}; the tests that need them would be skipped. Install with the "
         "README's test command: pip install -e '.[" + ",".join(sorted(_readme_extras())) + "]'"
     )
+
+
+def test_the_shipped_drafter_is_package_data():
+    """The default model's drafter ships inside the package (``ortspec/drafters/``, declared as package data, so a
+    wheel has it too), without the target's input-embedding table, which is materialised from the model folder."""
+    from ortspec.adapters.engine.shipped import shipped_root
+
+    with (ROOT / "pyproject.toml").open("rb") as f:
+        setuptools = tomllib.load(f)["tool"]["setuptools"]
+    assert "ortspec.drafters" in setuptools["packages"] and "*/*" in setuptools["package-data"]["ortspec.drafters"]
+    folder = shipped_root() / "SmolLM2-135M-Instruct"
+    assert {p.name for p in folder.iterdir()} == {"drafter.json", "drafter.onnx", "draft_to_target.i64"}
+    assert (folder / "drafter.onnx").stat().st_size < 16 * 2**20  # int8 weights, no embedding table

@@ -178,8 +178,8 @@ def model_options(
             "--drafter",
             metavar="DIR|none",
             default=None,
-            help="shared-KV drafter folder (default: the one `ortspec train-drafter` made for the model, if "
-            "any); none = no drafter",
+            help="shared-KV drafter folder (default: the one found for the model: its own, the one `ortspec "
+            "train-drafter` made, or the one shipped for it, if any); none = no drafter",
         )
     if not load_rewrites:
         return

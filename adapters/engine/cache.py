@@ -1,5 +1,6 @@
 """Where ortspec keeps what it makes once and reuses: converted model folders, measured cost curves, patched
-peer folders. ``$ORTSPEC_CACHE`` if set, else the user cache directory (``~/.cache/ortspec`` on Linux)."""
+peer folders, trained drafters and shipped ones materialised. ``$ORTSPEC_CACHE`` if set, else the user cache
+directory (``~/.cache/ortspec`` on Linux)."""
 
 from __future__ import annotations
 
@@ -25,12 +26,3 @@ def drafter_dir(model_dir: str | os.PathLike[str]) -> Path:
     resolved = Path(model_dir).expanduser().resolve()
     digest = hashlib.sha256(str(resolved).encode()).hexdigest()[:12]
     return cache_root() / "drafters" / f"{resolved.name}-{digest}"
-
-
-def find_drafter(model_dir: str | os.PathLike[str]) -> Path | None:
-    """The drafter folder that goes with ``model_dir``: ``model_dir/drafter`` if it holds a ``drafter.json``, else
-    :func:`drafter_dir` if it does; None otherwise."""
-    for candidate in (Path(model_dir).expanduser() / "drafter", drafter_dir(model_dir)):
-        if (candidate / "drafter.json").is_file():
-            return candidate
-    return None

@@ -1,4 +1,5 @@
-"""Which shared-KV drafter an Engine opens: ``Engine.from_dir``'s ``drafter`` argument resolved to a folder, and the
+"""Which shared-KV drafter an Engine opens: ``Engine.from_dir``'s ``drafter`` argument resolved to a folder
+(:func:`find_drafter`: the model folder's own, the trained one in the cache, the shipped one that fits), and the
 folder opened for the Engine's backend (one sequence: a ``SharedKvProposer``; batched: ``SlotDrafters``)."""
 
 from __future__ import annotations
@@ -9,7 +10,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
-from ortspec.adapters.engine.cache import find_drafter
+from ortspec.adapters.engine.cache import drafter_dir
+from ortspec.adapters.engine.shipped import shipped_drafter
 from ortspec.backends.onnx import ModelFolder
 
 T = TypeVar("T")
@@ -20,25 +22,37 @@ def open_drafter(
 ) -> T | None:
     """``open_at(path)`` for the drafter folder ``drafter`` asks for, or None for none: a path is opened (its
     ``DrafterError`` raised); ``False`` is none; ``True`` is the one found beside the model
-    (``cache.find_drafter``; ``DrafterError`` when there is none or it does not fit); ``None`` is that one if any,
-    one that does not fit being skipped with a warning."""
+    (:func:`find_drafter`; ``DrafterError`` when there is none or it does not fit); ``None`` is that one if any,
+    one that does not fit (or a shipped one that cannot be materialised) being skipped with a warning."""
     from ortspec.backends.onnx.drafter import DrafterError
 
     if drafter is False:
         return None
     if drafter not in (None, True):
         return open_at(Path(drafter))  # type: ignore[arg-type]
-    found = find_drafter(folder.path)
-    if found is None:
-        if drafter is True:
-            raise DrafterError(
-                f"no drafter found for {folder.path}; train one with: ortspec train-drafter --model {folder.path}"
-            )
-        return None
     try:
+        found = find_drafter(folder.path)
+        if found is None:
+            if drafter is True:
+                raise DrafterError(
+                    f"no drafter found for {folder.path}; train one with: ortspec train-drafter --model {folder.path}"
+                )
+            return None
         return open_at(found)
     except DrafterError as exc:
         if drafter is True:
             raise
-        warnings.warn(f"not using the drafter found at {found}: {exc}", RuntimeWarning, stacklevel=3)
+        warnings.warn(f"not using the drafter found for {folder.path}: {exc}", RuntimeWarning, stacklevel=3)
         return None
+
+
+def find_drafter(model_dir: str | os.PathLike[str]) -> Path | None:
+    """The drafter folder that goes with ``model_dir``, the first of: ``model_dir/drafter`` if it holds a
+    ``drafter.json``; the trained one in the cache (``cache.drafter_dir``, where ``ortspec train-drafter`` puts it)
+    if it does; the shipped drafter whose recorded target fingerprint fits the folder, materialised in the cache
+    (``shipped.shipped_drafter``); None otherwise. ``DrafterError`` if a fitting shipped drafter cannot be
+    materialised."""
+    for candidate in (Path(model_dir).expanduser() / "drafter", drafter_dir(model_dir)):
+        if (candidate / "drafter.json").is_file():
+            return candidate
+    return shipped_drafter(Path(model_dir).expanduser())

@@ -1,6 +1,6 @@
 """``Engine``: a model folder, its tokenizer and a backend, behind the ``onnx_genai.Engine`` API.
 
-    engine = Engine.from_dir(path)            # with the shared-KV drafter trained for it, when there is one
+    engine = Engine.from_dir(path)            # with the shared-KV drafter found for it (own, trained, shipped)
     result = engine.generate("Repeat: ...", max_tokens=128, speculative="prompt-lookup")   # or "shared-kv", "auto"
     engine.generate_stream(prompt, lambda text, token_id, finish_reason: ..., max_tokens=64)
     for chunk in engine.stream(prompt): ...
@@ -153,8 +153,9 @@ class Engine(EngineMeasurements):
         the class docstring. ``drafter``: a shared-KV drafter
         folder to open (errors raise ``DrafterError``, a ``ValueError``), ``False`` for none, ``True`` for the one
         found beside the model (``DrafterError`` when there is none), or ``None`` (default) for that one if any
-        (``cache.find_drafter``: ``<model>/drafter`` or where ``ortspec train-drafter`` puts it; one
-        found that does not fit the model is skipped with a warning). See docs/drafter.md.
+        (``drafters.find_drafter``: ``<model>/drafter``, where ``ortspec train-drafter`` puts it, or the drafter
+        shipped with the package when it fits the folder; one found that does not fit the model is skipped with a
+        warning). See docs/drafter.md.
 
         ``batch_slots``: open the folder once, for batching: an ``OrtBatchBackend`` of that many slots is the
         Engine's :meth:`batch_backend`, and the Engine's own one-sequence backend is its lone slot

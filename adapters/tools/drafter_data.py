@@ -8,7 +8,8 @@ KV cache and residual stream, and its greedy pick at every position).
 * :class:`TargetRunner` runs the target's own ONNX graph (the folder's ``model.onnx``, through onnxruntime, with an
   extra output: the residual stream entering the drafter's layer) on batches of prompts of one token length, so
   the batch needs no padding, and decodes greedily.
-* :func:`collect` runs batches until a time budget is spent and returns the :class:`TargetSequence` records.
+* :func:`collect` runs batches until it has the number of sequences asked for and returns the
+  :class:`TargetSequence` records.
 
 Positions: a record of ``n`` tokens holds, for every position ``i < n``, the token fed there, the final hidden state
 ``hidden[i]`` (which predicted ``tokens[i + 1]``), the greedy pick ``labels[i]`` (argmax of the logits at ``i``;
@@ -353,15 +354,17 @@ def collect(
     folder: ModelFolder,
     layer: int,
     *,
-    seconds: float,
+    count: int,
     batch: int = 16,
     max_new: int = 160,
     seed: int = 0,
     threads: int | None = None,
+    deadline: float | None = None,
     progress: Callable[[str], None] | None = None,
 ) -> list[TargetSequence]:
-    """Run batches of :func:`prompt_batches` through :class:`TargetRunner` until ``seconds`` have passed (the batch
-    under way finishes); returns every sequence."""
+    """The first ``count`` sequences of :func:`prompt_batches` (``seed``) run through :class:`TargetRunner`, in
+    order: the same ``count`` and ``seed`` give the same prompts. Stops early, after the batch under way, only once
+    ``deadline`` (a ``time.perf_counter()`` value; None: never) has passed."""
     say = progress or (lambda _m: None)
     tokenizer = Tokenizer.from_folder(folder.path)
     runner = TargetRunner(folder, layer, threads=threads)
@@ -370,17 +373,18 @@ def collect(
     said = 0.0
     try:
         for prompts in prompt_batches(tokenizer, batch, seed):
-            sequences.extend(runner.run(prompts, max_new, folder.eos_token_ids))
+            sequences.extend(runner.run(prompts[: count - len(sequences)], max_new, folder.eos_token_ids))
             elapsed = time.perf_counter() - t0
-            if elapsed - said >= 30.0 or elapsed >= seconds:
+            finished = len(sequences) >= count or (deadline is not None and time.perf_counter() >= deadline)
+            if elapsed - said >= 30.0 or finished:
                 said = elapsed
                 tokens = sum(len(s) for s in sequences)
                 generated = sum(len(s) - s.prompt_len for s in sequences)
                 say(
-                    f"data: {len(sequences)} sequences, {tokens} positions ({generated} generated) in "
-                    f"{elapsed:.0f} s, {tokens / elapsed:.0f} positions/s"
+                    f"data: {len(sequences)} of {count} sequences, {tokens} positions ({generated} generated) in "
+                    f"{elapsed:.0f} s, {elapsed / len(sequences):.2f} s per sequence"
                 )
-            if elapsed >= seconds:
+            if finished:
                 break
     finally:
         del runner

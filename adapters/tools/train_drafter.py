@@ -13,21 +13,22 @@ The recipe (docs/drafter.md has the reasons and the numbers):
    ``fc`` is a ridge regression from ``(rms(embedding of token p), rms(hidden state at p - 1))`` to the residual
    stream entering layer L at p. With the true residual, the copied layer reading layer L's KV alone (query-only,
    no KV of its own) reproduces the target's pick most of the time; the regression is what the head must learn.
-4. **Training** (torch, CPU): teacher-forced tokens, the head's own projected state fed back for ``steps`` steps
-   from every position at once (step k at query position p reads token p + k and predicts the target's pick
-   there, attending to layer L's KV of positions < p only, as at inference), cross-entropy on the draft vocabulary
-   plus a regression of the projected state on the target's hidden state; AdamW, cosine decay over a time budget.
+4. **Training** (torch, CPU; :mod:`ortspec.adapters.tools.drafter_training`): teacher-forced tokens, the head's own
+   projected state fed back for ``steps`` steps from every position at once (step k at query position p reads token
+   p + k and predicts the target's pick there, attending to layer L's KV of positions < p only, as at inference),
+   cross-entropy on the draft vocabulary plus a regression of the projected state on the target's hidden state;
+   AdamW, cosine decay over a fixed number of updates; the held-out acceptance measured every ``eval_every``.
 5. **Export**: the weights go into the ONNX graph of :mod:`ortspec.adapters.tools.drafter_graph`; the exported graph is
    checked against the torch head on held-out positions.
 
-Everything is bounded by ``minutes`` (data ``data_share`` of it, the rest training), so the command ends on time
-whatever the machine's load; the record (``training`` in ``drafter.json``) says what it reached.
+The run is set by counts and a seed (:class:`~ortspec.adapters.tools.drafter_recipe.TrainConfig`), not by the clock;
+the record (``training`` in ``drafter.json``) holds the settings, what was reached, and apart, under ``timing``,
+what the clock said (seconds, load average), the only part that differs between two runs of the same recipe.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -40,52 +41,18 @@ import numpy as np
 from ortspec.adapters.engine.cache import drafter_dir
 from ortspec.adapters.tools.drafter_data import TargetSequence, collect
 from ortspec.adapters.tools.drafter_graph import (
-    WEIGHT_FORMATS,
     DrafterSpec,
     HeadWeights,
     quantize_weights,
     write_drafter_folder,
 )
 from ortspec.adapters.tools.drafter_head import torch_head
+from ortspec.adapters.tools.drafter_recipe import TrainConfig
+from ortspec.adapters.tools.drafter_training import TrainingRun, TrainingSet, train_head
 from ortspec.adapters.tools.folders import replace_folder
 from ortspec.adapters.tools.target_tables import TargetTables
 from ortspec.backends.onnx import ModelFolder
-from ortspec.backends.onnx.drafter import target_fingerprint
-
-
-@attrs.frozen(kw_only=True)
-class TrainConfig:
-    """One training run's settings. ``minutes``: the whole budget (data + training + export); ``data_share``: its
-    part for data; ``layer``: the target layer read (None: the last); ``draft_vocab``: the head's output ids;
-    ``steps``: recurrent steps trained; ``batch``: prompts per target batch; ``max_new``: tokens generated per
-    prompt; ``train_batch``: sequences per optimisation step; ``lr``: the peak learning rate (``fc``; the copied
-    layer gets ``lr * copied_lr_scale``); ``state_loss``: weight of the projected-state regression; ``step_decay``:
-    step k's loss weight is ``step_decay ** k``; ``prompt_weight``: loss weight of positions inside the prompt
-    (the drafter drafts only after it); ``holdout``: share of sequences kept for evaluation; ``weights``: how the
-    exported graph stores its MatMul weights (``int8``, default: a quarter of the bytes a draft step reads;
-    ``fp32``: the trained values as they are)."""
-
-    minutes: float = 30.0
-    data_share: float = 0.4
-    layer: int | None = None
-    draft_vocab: int = 8192
-    steps: int = 3
-    batch: int = 16
-    max_new: int = 160
-    train_batch: int = 8
-    lr: float = 1e-3
-    copied_lr_scale: float = 0.3
-    weight_decay: float = 0.01
-    state_loss: float = 0.1
-    step_decay: float = 0.7
-    prompt_weight: float = 0.3
-    ridge: float = 1e-2
-    holdout: float = 0.08
-    num_speculative_tokens: int = 4
-    seed: int = 0
-    threads: int | None = None
-    weights: str = attrs.field(default="int8", validator=attrs.validators.in_(WEIGHT_FORMATS))
-
+from ortspec.backends.onnx.fingerprint import target_fingerprint
 
 # --------------------------------------------------------------------------------------------------------------
 # Draft vocabulary and initial weights
@@ -172,193 +139,6 @@ def initial_weights(
 
 
 # --------------------------------------------------------------------------------------------------------------
-# The batches the torch head (drafter_head.py) trains on
-# --------------------------------------------------------------------------------------------------------------
-
-TRAINED = ("norm_embed", "norm_hidden", "fc", "fc_bias")  # at lr; the copied layer's parameters at a scaled lr
-
-
-@attrs.frozen(eq=False)
-class Batch:
-    """Sequences padded to one length N (torch tensors): ``tokens``/``labels`` (draft ids, -1 outside the draft
-    vocabulary) ``[B, N]``, ``hidden`` ``[B, N, H]``, ``keys``/``values`` ``[B, kv_heads, N, D]``, ``weight``
-    ``[B, N]`` (0 past a sequence's end, ``prompt_weight`` for the prompt's positions)."""
-
-    tokens: Any
-    labels: Any
-    hidden: Any
-    keys: Any
-    values: Any
-    weight: Any
-
-    @classmethod
-    def of(cls, sequences: Sequence[TargetSequence], to_draft: np.ndarray, prompt_weight: float) -> Batch:
-        import torch
-
-        n = max(len(s) for s in sequences)
-        b = len(sequences)
-        kvh, _, size = sequences[0].keys.shape
-        hidden = sequences[0].hidden.shape[1]
-        tokens = np.zeros((b, n), np.int64)
-        labels = np.full((b, n), -1, np.int64)
-        hid = np.zeros((b, n, hidden), np.float32)
-        keys = np.zeros((b, kvh, n, size), np.float32)
-        values = np.zeros((b, kvh, n, size), np.float32)
-        weight = np.zeros((b, n), np.float32)
-        for i, s in enumerate(sequences):
-            m = len(s)
-            tokens[i, :m], labels[i, :m], hid[i, :m] = s.tokens, to_draft[s.labels], s.hidden
-            keys[i, :, :m], values[i, :, :m] = s.keys, s.values
-            weight[i, :m] = 1.0
-            weight[i, : s.prompt_len] = prompt_weight  # the drafter is asked only from position prompt_len on
-        return cls(*(torch.from_numpy(a) for a in (tokens, labels, hid, keys, values, weight)))
-
-
-def unroll(head, embedding, batch: Batch, steps: int, *, own_picks: bool = False, to_target=None):
-    """Run ``head`` for ``steps`` steps from every query position p in [1, N) at once. Step k reads token p + k
-    (teacher-forced; with ``own_picks`` the head's own pick of step k - 1, mapped by ``to_target``) and the
-    previous step's projected state (step 0: the target's hidden state at p - 1), at position p, attending to the
-    KV of positions < p. Returns per step ``(logits [B, N-1, V'], state [B, N-1, H], labels [B, N-1], weight
-    [B, N-1], target hidden [B, N-1, H])``, positions where p + k runs past the sequence having weight 0."""
-    import torch
-
-    b, n = batch.tokens.shape
-    p = torch.arange(1, n)
-    positions = p.expand(b, n - 1)
-    allowed = (torch.arange(n)[None, :] < p[:, None]).expand(b, n - 1, n)
-    state = batch.hidden[:, :-1]
-    out = []
-    picks = None
-    for k in range(steps):
-        index = (p + k).clamp(max=n - 1)
-        tokens = batch.tokens[:, index]
-        if own_picks and picks is not None:
-            tokens = to_target[picks]
-        logits, state = head(embedding[tokens], state, positions, batch.keys, batch.values, allowed)
-        weight = batch.weight[:, index] * (p + k < n)
-        out.append((logits, state, batch.labels[:, index], weight, batch.hidden[:, index]))
-        picks = logits.argmax(-1)
-    return out
-
-
-def step_losses(head, embedding, batch: Batch, cfg: TrainConfig):
-    """The training loss of ``batch`` (see the module docstring, step 4) and per-step top-1 accuracies on the
-    weighted positions."""
-    import torch
-    from torch import nn
-
-    total = torch.zeros(())
-    accuracies = []
-    for k, (logits, state, labels, weight, target) in enumerate(unroll(head, embedding, batch, cfg.steps)):
-        known = labels >= 0
-        w = weight * known
-        ce = nn.functional.cross_entropy(logits.transpose(1, 2), labels.clamp(min=0), reduction="none")
-        regress = nn.functional.smooth_l1_loss(state, target, reduction="none").mean(-1)
-        denominator = weight.sum().clamp(min=1.0)
-        loss = (ce * w).sum() / denominator + cfg.state_loss * (regress * weight).sum() / denominator
-        total = total + cfg.step_decay**k * loss
-        hits = ((logits.argmax(-1) == labels) & known).float()
-        accuracies.append(float((hits * weight).sum() / denominator))
-    return total, accuracies
-
-
-def evaluate(head, embedding, to_target, sequences: Sequence[TargetSequence], to_draft, steps: int) -> dict[str, Any]:
-    """Acceptance on ``sequences`` as the driver would see it, at every position p after the prompt: the head
-    drafts ``steps`` tokens chained on its own picks from (token p, hidden p - 1); a draft is accepted up to its
-    first pick that differs from the target's greedy continuation. Returns ``top1`` (the first pick's accuracy),
-    ``accepted_by_width`` (mean tokens accepted from drafts of width k = 1..steps), ``acceptance_by_width``
-    (accepted / drafted) and ``positions``."""
-    import torch
-
-    accepted = np.zeros(steps)
-    count = 0
-    with torch.no_grad():
-        for start in range(0, len(sequences), 8):
-            chunk = sequences[start : start + 8]
-            batch = Batch.of(chunk, to_draft, 0.0)  # prompt positions weigh 0: only generated text is scored
-            run = unroll(head, embedding, batch, steps, own_picks=True, to_target=to_target)
-            alive = run[0][3] > 0
-            count += int(alive.sum())
-            streak = alive.clone()
-            for k, (logits, _, labels, weight, _) in enumerate(run):
-                # an unknown label (outside the draft vocabulary, -1) never equals a pick
-                streak = streak & (logits.argmax(-1) == labels) & (weight > 0)
-                accepted[k] += float(streak.sum())
-    first = accepted[0] / max(count, 1)
-    by_width = [float(accepted[: k + 1].sum() / max(count, 1)) for k in range(steps)]
-    return {
-        "positions": count,
-        "top1": float(first),
-        "accepted_by_width": by_width,
-        "acceptance_by_width": [a / (k + 1) for k, a in enumerate(by_width)],
-    }
-
-
-def train_head(
-    head,
-    embedding,
-    train: Sequence[TargetSequence],
-    to_draft: np.ndarray,
-    cfg: TrainConfig,
-    seconds: float,
-    say: Callable[[str], None],
-) -> list[dict[str, float]]:
-    """AdamW on ``train`` until ``seconds`` have passed (cosine decay of the learning rate over that time, after
-    a short warm-up); returns the curve: per logged interval the mean loss and per-step accuracies."""
-    import torch
-
-    rng = np.random.default_rng(cfg.seed)
-    copied = [p for n, p in head.named_parameters() if n not in TRAINED]
-    own = [p for n, p in head.named_parameters() if n in TRAINED]
-    optimiser = torch.optim.AdamW(
-        [{"params": own, "lr": cfg.lr}, {"params": copied, "lr": cfg.lr * cfg.copied_lr_scale}],
-        weight_decay=cfg.weight_decay,
-    )
-    base = [g["lr"] for g in optimiser.param_groups]
-    order = sorted(range(len(train)), key=lambda i: len(train[i]))  # batches of similar lengths pad little
-    batches = [order[i : i + cfg.train_batch] for i in range(0, len(order), cfg.train_batch)]
-    t0 = time.perf_counter()
-    curve: list[dict[str, float]] = []
-    window: list[tuple[float, list[float]]] = []
-    done = 0
-    epoch = 0
-    while True:
-        rng.shuffle(batches)
-        for indices in batches:
-            elapsed = time.perf_counter() - t0
-            if elapsed >= seconds:
-                return curve
-            fraction = elapsed / seconds
-            scale = min(1.0, (done + 1) / 20) * 0.5 * (1 + math.cos(math.pi * fraction))
-            for group, lr in zip(optimiser.param_groups, base, strict=True):
-                group["lr"] = lr * scale
-            loss, accuracies = step_losses(
-                head, embedding, Batch.of([train[i] for i in indices], to_draft, cfg.prompt_weight), cfg
-            )
-            optimiser.zero_grad()
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
-            optimiser.step()
-            done += 1
-            window.append((float(loss.detach()), accuracies))
-            if len(window) == 10:
-                point = {
-                    "seconds": round(time.perf_counter() - t0, 1),
-                    "updates": done,
-                    "epoch": epoch,
-                    "loss": round(float(np.mean([w[0] for w in window])), 4),
-                    **{f"top1_step{k}": round(float(np.mean([w[1][k] for w in window])), 4) for k in range(cfg.steps)},
-                }
-                curve.append(point)
-                say(
-                    f"train: {point['seconds']:.0f} s, {done} updates (epoch {epoch}), loss {point['loss']:.3f}, "
-                    + ", ".join(f"step {k} top-1 {point[f'top1_step{k}']:.3f}" for k in range(cfg.steps))
-                )
-                window = []
-        epoch += 1
-
-
-# --------------------------------------------------------------------------------------------------------------
 # The whole run
 # --------------------------------------------------------------------------------------------------------------
 
@@ -401,15 +181,12 @@ def check_export(folder: Path, head, embedding, hold: Sequence[TargetSequence], 
 
 @attrs.frozen(eq=False)
 class _Fitted:
-    """A trained head and what its export needs: the target's input-embedding table ``[V, H]``, the draft vocabulary
-    (``draft_ids``: the target id of each logits column), ``to_draft`` (target id -> draft index, -1 outside it) and
-    the held-out sequences the export is checked on."""
+    """A trained head and what its export needs: the :class:`TrainingSet` it was trained and measured on and the
+    draft vocabulary (``draft_ids``: the target id of each logits column)."""
 
     head: Any
-    embedding: np.ndarray
+    data: TrainingSet
     draft_ids: np.ndarray
-    to_draft: np.ndarray
-    hold: list[TargetSequence]
 
 
 def train_drafter(
@@ -419,10 +196,11 @@ def train_drafter(
     *,
     progress: Callable[[str], None] | None = print,
 ) -> Path:
-    """Train a drafter for the target folder ``model_dir`` (which must have the ``hidden_states`` output) and write
-    it to ``out_dir`` (default ``ortspec.adapters.engine.cache.drafter_dir``), replacing what is there only once the new
-    folder is complete. Returns the folder. The record of the run is ``ortspec.training`` in its ``drafter.json``.
-    Sets torch's thread count for this process (``config.threads``, default: torch's own) and its seed."""
+    """Train a drafter for the target folder ``model_dir`` (which must have the ``hidden_states`` output) by the
+    recipe ``config`` and write it to ``out_dir`` (default ``ortspec.adapters.engine.cache.drafter_dir``), replacing
+    what is there only once the new folder is complete. Returns the folder. The record of the run is
+    ``ortspec.training`` in its ``drafter.json``. Sets torch's thread count for this process (``config.threads``,
+    default: torch's own) and its seed."""
     import torch
 
     cfg = config or TrainConfig()
@@ -436,56 +214,64 @@ def train_drafter(
     threads = cfg.threads or torch.get_num_threads()
     torch.set_num_threads(threads)
     torch.manual_seed(cfg.seed)
-    budget = 60.0 * cfg.minutes
+    bound = None if cfg.minutes is None else 60.0 * cfg.minutes
     load_before = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
 
-    say(f"train-drafter: target {target.path}, layer {layer}, budget {cfg.minutes:g} min")
+    say(
+        f"train-drafter: target {target.path}, layer {layer}, {cfg.sequences} sequences ({cfg.heldout} held out), "
+        f"{cfg.updates} updates of {cfg.train_batch}, seed {cfg.seed}, {threads} threads"
+        + (f", safety bound {cfg.minutes:g} min" if bound is not None else "")
+    )
     sequences = collect(
         target,
         layer,
-        seconds=budget * cfg.data_share,
+        count=cfg.sequences,
         batch=cfg.batch,
         max_new=cfg.max_new,
         seed=cfg.seed,
         threads=threads,
+        deadline=None if bound is None else t_start + bound * cfg.data_share,
         progress=say,
     )
     t_data = time.perf_counter() - t_start
-    rng = np.random.default_rng(cfg.seed)
-    order = rng.permutation(len(sequences))
-    held = max(1, int(round(cfg.holdout * len(sequences))))
-    hold = [sequences[i] for i in order[:held]]
-    train = [sequences[i] for i in order[held:]]
-    if not train:
-        raise ValueError("the data budget produced too few sequences to train on; give train-drafter more minutes")
-    export_reserve = 60.0 + 0.02 * budget
-    fitted, results = _fit(target, layer, train, hold, cfg, t_start + budget - export_reserve, say)
+    order = np.random.default_rng(cfg.seed).permutation(len(sequences))
+    held = min(cfg.heldout, len(sequences) - 1)
+    hold = [sequences[i] for i in np.sort(order[:held])]
+    train = [sequences[i] for i in np.sort(order[held:])]
+    if not train or not hold:
+        raise ValueError("the safety bound left too few sequences to train on; raise --minutes or drop it")
+    deadline = None if bound is None else t_start + bound - (60.0 + 0.02 * bound)  # the export's reserve
+    fitted, results, run = _fit(target, layer, train, hold, cfg, deadline, say)
     t_train = time.perf_counter() - t_start - t_data
 
     record = {
         "recipe": "ortspec.adapters.tools.train_drafter (docs/drafter.md)",
         "config": attrs.asdict(cfg),
         "target_layer": layer,
+        "threads": threads,
         "data": {
             "sequences": len(sequences),
             "train_sequences": len(train),
             "heldout_sequences": len(hold),
             "positions": int(sum(len(s) for s in sequences)),
             "generated_positions": int(sum(len(s) - s.prompt_len for s in sequences)),
-            "seconds": round(t_data, 1),
         },
         **results,
-        "train_seconds": round(t_train, 1),
-        "threads": threads,
-        "load_average_at_start": load_before,
+        "timing": {
+            "data_seconds": round(t_data, 1),
+            "train_seconds": round(t_train, 1),
+            "curve_seconds": run.seconds,
+            "load_average_at_start": load_before,
+        },
     }
     _export(dest, fitted, target, layer, cfg, record, t_start)
-    export_check, total_seconds = record["export_check"], record["total_seconds"]
+    export_check, timing = record["export_check"], record["timing"]
     checks = [(name, export_check[name]) for name in ("fp32", "int8") if name in export_check] or [
         ("fp32", export_check)
     ]
     say(
-        f"train-drafter: wrote {dest} in {total_seconds:.0f} s (export check, picks agreeing with the torch head: "
+        f"train-drafter: wrote {dest} in {timing['total_seconds']:.0f} s, load average {timing['load_average_at_end']}"
+        " (export check, picks agreeing with the torch head: "
         + "; ".join(
             f"{name} {c['picks_agree']}/{c['checked']}, max logit difference {c['max_logit_diff']:.2g}"
             for name, c in checks
@@ -501,12 +287,13 @@ def _fit(
     train: list[TargetSequence],
     hold: list[TargetSequence],
     cfg: TrainConfig,
-    deadline: float,
+    deadline: float | None,
     say: Callable[[str], None],
-) -> tuple[_Fitted, dict[str, Any]]:
+) -> tuple[_Fitted, dict[str, Any], TrainingRun]:
     """Rank the draft vocabulary on ``train``, initialise the head (ridge ``fc``, the target's layer ``layer``),
-    train it until ``deadline`` (a ``time.perf_counter()`` value), and evaluate it on ``hold`` before and after.
-    Returns the head with what its export needs, and the record's entries about the fit."""
+    train it for ``cfg.updates`` updates (stopping early only past ``deadline``, a ``time.perf_counter()`` value),
+    measuring it on ``hold`` as it goes. Returns the head with what its export needs, the record's entries about
+    the fit and the run."""
     import torch
 
     tables = TargetTables(target)
@@ -517,26 +304,24 @@ def _fit(
     generated = np.concatenate([s.labels[s.prompt_len :] for s in hold]) if hold else np.zeros(0, np.int64)
     coverage = float(np.isin(generated, draft_ids).mean()) if len(generated) else None
     fc, fc_bias, fit = ridge_fc(train, embedding, tables.eps, cfg.ridge)
-    weights = initial_weights(tables, layer, draft_ids, fc, fc_bias)
-    head = torch_head(weights, target.num_kv_heads)
+    head = torch_head(initial_weights(tables, layer, draft_ids, fc, fc_bias), target.num_kv_heads)
     table = torch.from_numpy(np.ascontiguousarray(embedding))
-    to_target = torch.from_numpy(draft_ids)
-    width = cfg.num_speculative_tokens
-    before = evaluate(head, table, to_target, hold, to_draft, width)
-    say(f"init: ridge R^2 {fit['r2']:.3f}; held-out top-1 {before['top1']:.3f}, accepted {before['accepted_by_width']}")
-
-    seconds = max(0.0, deadline - time.perf_counter())
-    curve = train_head(head, table, train, to_draft, cfg, seconds, say) if seconds > 0 else []
-    after = evaluate(head, table, to_target, hold, to_draft, width)
-    say(f"trained: held-out top-1 {after['top1']:.3f}, accepted by width {after['accepted_by_width']}")
+    data = TrainingSet(
+        embedding=table, to_draft=to_draft, to_target=torch.from_numpy(draft_ids), train=train, hold=hold
+    )
+    say(f"init: ridge R^2 {fit['r2']:.3f}")
+    run = train_head(head, data, cfg, deadline, say)
     results = {
         "draft_vocab": {"size": len(draft_ids), "heldout_coverage_of_target_picks": coverage},
         "ridge_init": fit,
-        "heldout_before_training": before,
-        "heldout_after_training": after,
-        "curve": curve,
+        "updates": run.updates,
+        "cut_short_by_safety_bound": run.cut_short,
+        "heldout_before_training": run.heldout[0],
+        "heldout_after_training": run.heldout[-1],
+        "heldout_curve": run.heldout,
+        "curve": run.curve,
     }
-    return _Fitted(head, embedding, draft_ids, to_draft, hold), results
+    return _Fitted(head, data, draft_ids), results, run
 
 
 def _export(
@@ -549,8 +334,9 @@ def _export(
     t_start: float,
 ) -> None:
     """Write the drafter folder beside ``dest``, check the exported graph against the torch head on the held-out
-    positions (and, with int8 weights, the quantized graph too), complete ``record`` (``export_check``,
-    ``total_seconds`` since ``t_start``) in its ``drafter.json``, then replace ``dest`` with it."""
+    positions (and, with int8 weights, the quantized graph too), complete ``record`` (``export_check``; under
+    ``timing``, ``total_seconds`` since ``t_start`` and the load average at the end) in its ``drafter.json``, then
+    replace ``dest`` with it."""
     import shutil
     import tempfile
 
@@ -563,7 +349,7 @@ def _export(
         verifier={"name_or_path": target.path.name, "architectures": ["llama"]},
         extra={"target": target_fingerprint(target.path), "training": record},
     )
-    head, embedding, hold, to_draft = fitted.head, fitted.embedding, fitted.hold, fitted.to_draft
+    head, embedding, hold, to_draft = fitted.head, fitted.data.embedding.numpy(), fitted.data.hold, fitted.data.to_draft
     try:
         write_drafter_folder(staged, head.weights(), spec, embedding=embedding, draft_to_target=fitted.draft_ids)
         export_check = check_export(staged, head, embedding, hold, to_draft, target)
@@ -572,7 +358,8 @@ def _export(
             export_check = {"fp32": export_check, **quantize_weights(staged)}
             export_check["int8"] = check_export(staged, head, embedding, hold, to_draft, target)
         record["export_check"] = export_check
-        record["total_seconds"] = round(time.perf_counter() - t_start, 1)
+        record["timing"]["total_seconds"] = round(time.perf_counter() - t_start, 1)
+        record["timing"]["load_average_at_end"] = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
         meta_path = staged / "drafter.json"
         meta = json.loads(meta_path.read_text(encoding="utf-8"))
         meta["ortspec"]["training"] = record

@@ -34,7 +34,6 @@ Errors: a folder or graph that breaks the contract raises ``DrafterError`` namin
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from collections.abc import Mapping, Sequence
@@ -49,6 +48,7 @@ from ortspec.core.sampling import DraftPicker, DraftPicks
 from ..base import BackendError
 from .arrays import ArrayModule
 from .draft_picks import CoupledDrafter, HeadPicks
+from .fingerprint import fingerprint_differences, target_fingerprint
 from .folder import ModelFolder
 from .model_graph import FLOAT_DTYPES, ORT_TYPES
 from .session import execution_providers, make_session_options, open_session
@@ -100,21 +100,6 @@ class SharedKvTarget(Protocol):
         """The device address of KV head ``head`` of ``layer`` (``which``: ``"key"`` or ``"value"``) at position 0;
         its first ``current_len()`` positions are contiguous ``[head_size]`` rows of ``kv_dtype``."""
         ...
-
-
-def target_fingerprint(folder: str | os.PathLike[str]) -> dict[str, Any]:
-    """What identifies a target folder for a drafter trained on it: its name, the SHA-256 of its
-    ``genai_config.json`` and the byte size of the decoder's external data (cheap; a folder rebuilt from the same
-    weights has the same fingerprint; a different model of the same shape and size is not told apart)."""
-    path = Path(folder)
-    config = json.loads((path / "genai_config.json").read_text(encoding="utf-8"))
-    model_name = config.get("model", {}).get("decoder", {}).get("filename", "model.onnx")
-    data = [p for p in path.iterdir() if p.name.startswith(model_name) and p.name != model_name]
-    return {
-        "name": path.name,
-        "config_sha256": hashlib.sha256((path / "genai_config.json").read_bytes()).hexdigest(),
-        "data_bytes": sum(p.stat().st_size for p in data),
-    }
 
 
 @attrs.frozen
@@ -492,8 +477,7 @@ class SharedKvProposer:
                 )
         recorded = folder.fingerprint
         if check_fingerprint and recorded is not None:
-            actual = target_fingerprint(target.path)
-            differs = [k for k in ("config_sha256", "data_bytes") if k in recorded and recorded[k] != actual.get(k)]
+            differs = fingerprint_differences(recorded, target_fingerprint(target.path))
             if differs:
                 raise DrafterError(
                     f"{where}: the drafter was made for another target ({recorded.get('name')!r}; {differs[0]} "

@@ -12,7 +12,7 @@ import numpy as np
 from ortspec.adapters.tools.drafter_graph import DrafterSpec, HeadWeights, write_drafter_folder
 from ortspec.adapters.tools.target_tables import TargetTables
 from ortspec.backends.onnx import ModelFolder
-from ortspec.backends.onnx.drafter import target_fingerprint
+from ortspec.backends.onnx.fingerprint import target_fingerprint
 
 
 def make_random_drafter(

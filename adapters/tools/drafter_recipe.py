@@ -1,0 +1,67 @@
+"""The recipe of ``ortspec train-drafter``: one run's settings as counts and a seed, never a time budget, so the same
+command on the same kind of machine makes the same drafter (docs/drafter.md says what is bit-reproducible).
+
+The defaults are the recipe of the drafter shipped with the package for SmolLM2-135M-Instruct
+(``ortspec/drafters/``; its record is in its ``drafter.json`` and in docs/drafter.md)."""
+
+from __future__ import annotations
+
+import attrs
+
+from ortspec.adapters.tools.drafter_graph import WEIGHT_FORMATS
+
+_positive = attrs.validators.gt(0)
+
+
+@attrs.frozen(kw_only=True)
+class TrainConfig:
+    """One training run's settings.
+
+    Data: ``sequences`` prompts continued by the target (``max_new`` new tokens at most each, ``batch`` prompts per
+    target batch), of which ``heldout`` (chosen by ``seed``) are kept out of training to measure acceptance on.
+    Training: ``updates`` optimiser updates of ``train_batch`` sequences each (the learning rate's cosine decay runs
+    over them), the held-out acceptance measured every ``eval_every`` updates. ``seed`` fixes every random choice:
+    the prompts and their order, the held-out split, the batch order (torch's generator is seeded too).
+
+    ``minutes``: an optional safety bound (None: none, the default): data stops after ``data_share`` of it, training
+    before the export's reserve; a run it cuts short says so in its record and no longer depends on the counts
+    alone. ``threads``: onnxruntime's and torch's thread count (None: torch's default, recorded). ``layer``: the
+    target layer read (None: the last); ``draft_vocab``: the head's output ids; ``steps``: recurrent steps trained;
+    ``lr``: the peak learning rate (``fc``; the copied layer gets ``lr * copied_lr_scale``); ``state_loss``: weight
+    of the projected-state regression; ``step_decay``: step k's loss weight is ``step_decay ** k``;
+    ``prompt_weight``: loss weight of positions inside the prompt (the drafter drafts only after it); ``weights``:
+    how the exported graph stores its MatMul weights (``int8``, default: a quarter of the bytes a draft step reads;
+    ``fp32``: the trained values as they are)."""
+
+    sequences: int = attrs.field(default=384, validator=_positive)
+    heldout: int = attrs.field(default=32, validator=_positive)
+    max_new: int = attrs.field(default=160, validator=_positive)
+    batch: int = attrs.field(default=16, validator=_positive)
+    updates: int = attrs.field(default=480, validator=attrs.validators.ge(0))
+    train_batch: int = attrs.field(default=8, validator=_positive)
+    eval_every: int = attrs.field(default=60, validator=_positive)
+    seed: int = 0
+    minutes: float | None = None
+    data_share: float = 0.4
+    threads: int | None = None
+    layer: int | None = None
+    draft_vocab: int = 8192
+    steps: int = 3
+    lr: float = 1e-3
+    copied_lr_scale: float = 0.3
+    weight_decay: float = 0.01
+    state_loss: float = 0.1
+    step_decay: float = 0.7
+    prompt_weight: float = 0.3
+    ridge: float = 1e-2
+    num_speculative_tokens: int = 4
+    weights: str = attrs.field(default="int8", validator=attrs.validators.in_(WEIGHT_FORMATS))
+
+    def __attrs_post_init__(self) -> None:
+        if self.heldout >= self.sequences:
+            raise ValueError(f"heldout ({self.heldout}) must be fewer than sequences ({self.sequences})")
+
+
+def default(name: str):
+    """The recipe's default for the field ``name`` (the command line's defaults are these)."""
+    return getattr(attrs.fields(TrainConfig), name).default
