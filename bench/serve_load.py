@@ -78,6 +78,7 @@ from bench.serve_load_report import (
 )
 from bench.workloads import build_workloads
 from ortspec.adapters.engine import Engine
+from ortspec.adapters.engine.options import MANY_REQUESTS_SPECULATIVE
 from ortspec.adapters.engine.tokenizer import Tokenizer
 from ortspec.backends.onnx import BackendConfig
 
@@ -645,6 +646,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "machine": machine,
         "settings": {
             "model": str(model_dir.name),
+            "speculative": MANY_REQUESTS_SPECULATIVE,  # every server's default proposer (none passes --speculative)
             "configs": args.configs,
             "baseline": args.baseline,
             "server_has_max_batch": has_max_batch,

@@ -295,7 +295,8 @@ def markdown(result: dict[str, Any]) -> str:
         f"other processes were using {m['background_load_cores']} cores at the start), "
         f"{m['python']}, onnxruntime {m['versions'].get('onnxruntime')}. Written by `{result['command']}`.",
         "",
-        f"Model {s['model']}; speculative prompt lookup by default, prefix reuse on. The server configurations, run "
+        f"Model {s['model']}; speculative {s.get('speculative', 'prompt-lookup')} by default, prefix reuse on. The "
+        "server configurations, run "
         "one after another on the same prompts and references (slots: requests decoded at once; queue: requests "
         "that may wait beyond them, at least the largest concurrency, so the load phases see no 429):",
         "",
