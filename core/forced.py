@@ -15,7 +15,7 @@ import attrs
 
 from .constraint import Constraint, Grammar
 from .options import Options
-from .proposers import Couplable, Learner, Proposer
+from .proposers import Couplable, Learner, Proposer, context_part
 from .sampling import DraftPicker
 
 
@@ -31,8 +31,10 @@ def forcing(proposer: Proposer | None, options: Options, prompt_len: int) -> Pro
 @attrs.frozen
 class ForcedTokens:
     """Drafts the tokens ``grammar`` forces after the generated tokens (``context_tokens[prompt_len:]``), then what
-    ``inner`` (None: nothing) proposes after them, up to the width. A frozen ``Learner``: ``observe`` passes the
-    inner proposer's share of a verified draft to it, when it learns.
+    ``inner`` (None: nothing) proposes after them, up to the width; after forced tokens only what of ``inner``
+    drafts from the context alone (``core.proposers.context_part``: not a draft head, which needs the target to
+    have processed the whole context). A frozen ``Learner``: ``observe`` passes the inner proposer's share of a
+    verified draft to it, when it learns.
 
     Cost: the grammar's forced tokens after each step's new tokens (the proposer keeps its own matcher, moved
     along the context as ``Constraint`` moves one); where tokens are forced and ``inner`` drafts after them, the
@@ -56,8 +58,12 @@ class ForcedTokens:
         forced = self.forced(context_tokens)[:width]
         if len(forced) >= width or self.inner is None:
             return forced
-        after = (*context_tokens, *forced) if forced else context_tokens
-        return forced + tuple(self.inner.propose(after, width - len(forced)))
+        if not forced:
+            return tuple(self.inner.propose(context_tokens, width))
+        inner = context_part(self.inner)  # after forced tokens the target has not processed: not a draft head
+        if inner is None:
+            return forced
+        return forced + tuple(inner.propose((*context_tokens, *forced), width - len(forced)))
 
     def coupled(self, picker: DraftPicker) -> ForcedTokens:
         """This value with its inner proposer coupled to a sampled generation (``core.proposers.Couplable``): the
@@ -70,8 +76,8 @@ class ForcedTokens:
         if not isinstance(self.inner, Learner):
             return self
         n = len(self.forced(context_tokens)[:width])
-        if n >= width:
-            return self
+        if n >= width or (n and context_part(self.inner) is not self.inner):
+            return self  # nothing of the inner one's, or only its context part drafted (which does not learn)
         after = (*context_tokens, *draft[:n]) if n else context_tokens
         inner = self.inner.observe(after, width - n, draft[n:], max(0, accepted - n))
         return attrs.evolve(self, inner=inner)

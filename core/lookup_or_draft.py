@@ -48,6 +48,15 @@ class LookupOrDraft:
     lookup_drafts: int = 0
     drafter_drafts: int = 0
 
+    @property
+    def reads_target_state(self) -> bool:
+        """Whether its drafter reads the target's state (a draft head; ``core.proposers.context_part``)."""
+        return bool(getattr(self.drafter, "reads_target_state", False))
+
+    def context_part(self) -> Proposer:
+        """What drafts from the context alone: the lookup."""
+        return self.lookup
+
     def priced(self, lookup_policy: CostAwareWidth, drafter_policy: CostAwareWidth) -> LookupOrDraft:
         """This value with the sources' width policies (made from the backend's measured costs): ``lookup_policy``
         for both kinds of lookup match, ``drafter_policy`` for the drafter."""

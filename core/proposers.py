@@ -77,6 +77,19 @@ def coupling(proposer: Proposer | None, options: Options, prompt_len: int) -> Pr
     return proposer.coupled(DraftPicker(options.sampling, prompt_len))
 
 
+def context_part(proposer: Proposer) -> Proposer | None:
+    """What of ``proposer`` can draft after tokens the target has not processed yet (a grammar's forced tokens,
+    drafted in front of it: ``core.forced.ForcedTokens``). A proposer that reads the target's own state for the
+    context (a draft head reading the target's KV and last hidden state: it sets ``reads_target_state``) can only
+    draft right after what the target processed; the context is then a promise it checks. So: ``proposer`` itself
+    when it drafts from the context alone; else its ``context_part()`` when it has one (``LookupOrDraft``: its
+    lookup); else None."""
+    if not getattr(proposer, "reads_target_state", False):
+        return proposer
+    part = getattr(proposer, "context_part", None)
+    return part() if callable(part) else None
+
+
 @runtime_checkable
 class Lookup(Protocol):
     """A proposer that also says how long a match its draft follows (``PromptLookup``, ``suffix.SuffixProposer``):

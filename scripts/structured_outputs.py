@@ -13,8 +13,10 @@ Results: docs/structured-outputs.md. Three parts:
    unpacked to the vocabulary, EOS set; then the masked row), against the median of a one-token decode step of the
    model (``Engine.backend.decode``), on the same document.
 3. Extraction. ``--records`` extraction prompts (a person's record as JSON, by a schema) decoded with constrained
-   plain decoding and with constrained speculation (``speculative="auto"``: the grammar's forced tokens, then prompt
-   lookup or the drafter), greedy: outputs compared, schema validity, tokens per second, passes.
+   plain decoding and with constrained speculation (``speculative="auto"``: the grammar's forced tokens, then the
+   suffix lookup or the drafter), greedy: outputs compared, schema validity, tokens per second, passes. Each mode
+   has its own suffix cache, so a record's speculative run drafts from the earlier records' speculative outputs (a
+   dataset in order), never from the plain run's answer to the same record.
 """
 
 from __future__ import annotations
@@ -119,7 +121,7 @@ def measure_overhead(engine: Any, text: str, repeat: int) -> dict[str, float]:
     from ortspec.core.constraint import Constraint, masked
 
     rf = ResponseFormat.parse({"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA}})
-    grammar = engine._grammar(rf)
+    grammar = engine._grammar(rf, None)
     tokens = engine.tokenize(text)
     row = np.random.default_rng(0).standard_normal(engine.backend.vocab_size).astype(np.float32)
     per_row: list[float] = []
@@ -171,6 +173,8 @@ RECORD = {
 
 def measure_extraction(engine: Any, records: int) -> dict[str, float]:
     """Constrained plain vs constrained speculative decoding over extraction prompts (greedy)."""
+    from ortspec.adapters.engine.suffix_cache import SuffixCache
+
     rf = {"type": "json_schema", "json_schema": {"name": "record", "schema": RECORD, "strict": True}}
     prompts = [
         f"{name} was a {job} from {city} who lived to {age}. Extract name, age, city and occupation as JSON."
@@ -178,10 +182,14 @@ def measure_extraction(engine: Any, records: int) -> dict[str, float]:
     ]
     engine.generate(prompts[0], chat=True, max_tokens=8, speculative="auto")  # measures the verify costs once
     totals = {"plain": [0, 0.0, 0], "speculative": [0, 0.0, 0]}
+    # Each mode has its own suffix cache: the speculative run of record i drafts from its own outputs of records
+    # 0 .. i - 1 (a dataset's records, in order), never from the plain run's answer to the same record.
+    caches = {"plain": SuffixCache(), "speculative": SuffixCache()}
     same = valid = 0
     for prompt in prompts:
         results = {}
         for label, spec in (("plain", None), ("speculative", "auto")):
+            engine.suffix_cache = caches[label]
             r = engine.generate(prompt, chat=True, max_tokens=120, response_format=rf, speculative=spec)
             totals[label][0] += len(r.token_ids)
             totals[label][1] += r.timings.total_s

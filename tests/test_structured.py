@@ -202,6 +202,34 @@ def test_llguidance_output_obeys_and_speculation_changes_nothing(engine, respons
     assert many[0].token_ids == plain.token_ids and _obeys(many[1].text, expect)
 
 
+@pytest.fixture(scope="module")
+def drafter_engine(tiny_model_dir, tmp_path_factory):
+    pytest.importorskip("onnx")
+    from tests.support.drafters import make_random_drafter
+
+    folder = make_random_drafter(tiny_model_dir, tmp_path_factory.mktemp("drafter") / "d", seed=1, draft_vocab=300)
+    return Engine.from_dir(tiny_model_dir, BackendConfig(threads=1), drafter=folder)
+
+
+@pytest.mark.parametrize("speculative", ["shared-kv", "auto"])
+def test_forced_tokens_in_front_of_a_draft_head(drafter_engine, speculative):
+    """A draft head reads the target's KV and last hidden state, so it cannot draft after forced tokens the target
+    has not processed: there only the forced tokens (and under ``auto`` its lookup) draft. Constrained output with
+    a drafter is plain constrained decoding's, greedy and sampled, alone and batched (generate_many)."""
+    rf = FORMATS[0][0]
+    for sampling in ({}, {"temperature": 0.8, "seed": 5}):
+        plain = drafter_engine.generate("the quick brown fox", max_tokens=60, response_format=rf, **sampling)
+        assert plain.finish_reason is FinishReason.GRAMMAR_COMPLETE and _obeys(plain.text, "json")
+        spec = drafter_engine.generate(
+            "the quick brown fox", max_tokens=60, response_format=rf, speculative=speculative, **sampling
+        )
+        assert spec.token_ids == plain.token_ids and spec.stats.steps < plain.stats.steps  # forced tokens drafted
+        many = drafter_engine.generate_many(
+            ["the quick brown fox", "hello"], max_tokens=60, response_format=rf, speculative=speculative, **sampling
+        )
+        assert many[0].token_ids == plain.token_ids
+
+
 def test_json_object_and_sampling(engine):
     result = engine.generate(
         "hi", max_tokens=80, response_format={"type": "json_object"}, temperature=0.8, seed=3, speculative="auto"

@@ -8,6 +8,7 @@ import argparse
 import sys
 from typing import Any
 
+from ortspec.adapters.engine.suffix_cache import SuffixCache
 from ortspec.core import MAX_DRAFT, PromptLookup
 
 from .engine_args import engine, generation_kwargs, speculative, stats_line
@@ -74,8 +75,11 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _compare(eng, kwargs: dict, proposer, label: str) -> bool:
-    """Plain, then speculative (streamed) on the demo prompt with ``kwargs``; print both and whether they agree."""
+    """Plain, then speculative (streamed) on the demo prompt with ``kwargs``; print both and whether they agree. The
+    speculative run starts from an empty suffix cache, so it cannot draft the plain run's answer to the same
+    prompt (the cache records every finished generation of the Engine)."""
     plain = eng.generate(DEMO_PROMPT, **kwargs)
+    eng.suffix_cache = SuffixCache()
     names = {
         "auto": "auto: the suffix lookup or the shared-KV drafter"
         if eng.drafter

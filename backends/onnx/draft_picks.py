@@ -80,6 +80,8 @@ class CoupledDrafter:
     """A ``SharedKvProposer`` for one sampled generation (``SharedKvProposer.coupled``): its drafts are the coupled
     picks of ``picker``. The drafter, its session and its counters stay the one bound to the target."""
 
+    reads_target_state = True  # as its drafter (core.proposers.context_part)
+
     def __init__(self, drafter: SharedKvProposer, picker: DraftPicker) -> None:
         self.drafter, self.picker = drafter, picker
 

@@ -395,6 +395,8 @@ class SharedKvProposer:
     ``DrafterError``. Buffers are the proposer's, on the backend's device; nothing KV-sized is allocated or
     copied per call. ``steps`` and ``runs`` count ``propose`` calls that drafted and head runs."""
 
+    reads_target_state = True  # drafts only right after what the target processed (core.proposers.context_part)
+
     def __init__(
         self,
         backend: SharedKvTarget,
