@@ -234,6 +234,11 @@ def cli(*argv: str) -> str:
     return f"exit status 0: {lines[-1] if lines else ''}"
 
 
+def tool(name: str, parameters_type: str = "object") -> dict[str, Any]:
+    """An OpenAI function tool ``name`` whose parameters are a schema of type ``parameters_type``."""
+    return {"type": "function", "function": {"name": name, "parameters": {"type": parameters_type}}}
+
+
 class CLIExit(Exception):
     """The command's exit status (``code``) and last stderr line (the table shows them as the outcome)."""
 
@@ -305,6 +310,20 @@ CASES: tuple[Case, ...] = (
     Case(A, "`tie_margin=-0.1`", lambda lab: lab.generate(tie_margin=-0.1), ArgumentError, "tie_margin"),
     Case(A, '`tie_margin=float("nan")`', lambda lab: lab.generate(tie_margin=float("nan")), ArgumentError,
          "tie_margin"),
+    # structured outputs and tools: checked before anything reaches the model, the message naming the field
+    Case(A, '`response_format={"type": "xml"}`', lambda lab: lab.generate(response_format={"type": "xml"}),
+         ArgumentError, "response_format: type must be one of"),
+    Case(A, '`response_format` json_schema `{"type": "nope"}`', lambda lab: lab.generate(response_format={
+         "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}), ArgumentError,
+         "response_format: json_schema"),
+    Case(A, 'a tool whose `parameters` are `{"type": "nope"}`', lambda lab: lab.generate(tools=[tool("f", "nope")]),
+         ArgumentError, "tools[0].function.parameters"),
+    Case(A, "two tools named `f`", lambda lab: lab.generate(tools=[tool("f"), tool("f")]), ArgumentError,
+         "tools[1].function.name: 'f' is given twice"),
+    Case(A, '`tool_choice="required"` without tools', lambda lab: lab.generate(tool_choice="required"),
+         ArgumentError, "tool_choice: needs tools"),
+    Case(A, "`tools` with `response_format`", lambda lab: lab.generate(tools=[tool("f")], response_format={
+         "type": "json_object"}), ArgumentError, "cannot be combined with tools"),
     Case(A, '`speculative="medusa"`', lambda lab: lab.generate(speculative="medusa"), ArgumentError,
          "speculative='medusa'"),
     Case(A, "`speculative=object()` (no `propose`)", lambda lab: lab.generate(speculative=object()), ArgumentError,
