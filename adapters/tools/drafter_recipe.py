@@ -33,13 +33,13 @@ class TrainConfig:
     how the exported graph stores its MatMul weights (``int8``, default: a quarter of the bytes a draft step reads;
     ``fp32``: the trained values as they are)."""
 
-    sequences: int = attrs.field(default=384, validator=_positive)
-    heldout: int = attrs.field(default=32, validator=_positive)
+    sequences: int = attrs.field(default=1536, validator=_positive)
+    heldout: int = attrs.field(default=64, validator=_positive)
     max_new: int = attrs.field(default=160, validator=_positive)
     batch: int = attrs.field(default=16, validator=_positive)
-    updates: int = attrs.field(default=480, validator=attrs.validators.ge(0))
+    updates: int = attrs.field(default=1200, validator=attrs.validators.ge(0))
     train_batch: int = attrs.field(default=8, validator=_positive)
-    eval_every: int = attrs.field(default=60, validator=_positive)
+    eval_every: int = attrs.field(default=150, validator=_positive)
     seed: int = 0
     minutes: float | None = None
     data_share: float = 0.4
