@@ -317,6 +317,7 @@ def edit_metadata(folder: Path, change) -> None:
         (lambda m: m["speculative"].update(shared_kv=[]), "shared_kv must be a non-empty list"),
         (lambda m: m["speculative"]["shared_kv"][0].update(target_layers=["x"]), "target_layers must be"),
         (lambda m: m.pop("speculative"), "missing section 'speculative'"),
+        (lambda m: m.setdefault("ortspec", {}).update(stop_below=1.5), "ortspec.stop_below must be a number in"),
     ],
 )
 def test_metadata_errors_name_the_file_and_key(drafter_dir, tmp_path, change, message):
@@ -404,6 +405,23 @@ def test_speculative_with_the_drafter_equals_plain(engine, speculative, sampling
                 assert spec.stats.proposed_tokens > 0  # the drafter drafted, the verify pass judged
 
 
+def test_the_folders_stop_below_is_the_drafters_alone_and_batched(tiny_model_dir, drafter_dir, tmp_path):
+    """A drafter opens with the ``stop_below`` its folder records (none: 0), on an Engine alone and on every slot
+    of a batched one; an explicit value overrides it."""
+    from ortspec.adapters.engine import Engine
+
+    assert DrafterFolder.load(drafter_dir).stop_below == 0.0
+    sure = copy_drafter(drafter_dir, tmp_path / "sure")
+    edit_metadata(sure, lambda m: m.setdefault("ortspec", {}).update(stop_below=0.4))
+    config = BackendConfig(threads=1, max_length=128)
+    assert Engine.from_dir(tiny_model_dir, config, drafter=sure).drafter.stop_below == 0.4
+    with Engine.from_dir(tiny_model_dir, config, drafter=sure, batch_slots=2) as batched:
+        slots = batched.slot_drafters()
+        assert slots is not None and {slots.for_slot(s).stop_below for s in (0, 1, 2)} == {0.4}
+    backend = OrtBackend.from_folder(tiny_model_dir, config)
+    assert SharedKvProposer.open(backend, sure, stop_below=0.0).stop_below == 0.0
+
+
 def test_engine_finds_the_drafter_beside_the_model(tiny_model_dir, drafter_dir, tmp_path):
     from ortspec.adapters.engine import Engine
 
@@ -482,6 +500,8 @@ def tiny_trained(tiny_model_dir, tmp_path_factory) -> Path:
 
 
 def test_train_drafter_writes_a_valid_folder_by_counts(tiny_model_dir, tiny_trained):
+    from ortspec.adapters.tools.drafter_recipe import TrainConfig
+
     record, _ = _tiny_run(tiny_model_dir, tiny_trained, seed=0)
     folder = tiny_trained
     meta = DrafterFolder.load(folder)
@@ -497,7 +517,8 @@ def test_train_drafter_writes_a_valid_folder_by_counts(tiny_model_dir, tiny_trai
     backend = OrtBackend.from_folder(tiny_model_dir, BackendConfig(threads=1, max_length=128))
     context = prompt_ids(20, backend.vocab_size)
     promised_state(backend, context)
-    assert len(SharedKvProposer.open(backend, folder).propose(context, 3)) == 3
+    assert meta.stop_below == TrainConfig().stop_below == record["config"]["stop_below"]  # the recipe's, recorded
+    assert len(SharedKvProposer.open(backend, folder, stop_below=0.0).propose(context, 3)) == 3
 
 
 def test_the_recipe_is_deterministic(tiny_model_dir, tiny_trained, tmp_path):

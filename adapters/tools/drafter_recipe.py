@@ -29,7 +29,9 @@ class TrainConfig:
     target layer read (None: the last); ``draft_vocab``: the head's output ids; ``steps``: recurrent steps trained;
     ``lr``: the peak learning rate (``fc``; the copied layer gets ``lr * copied_lr_scale``); ``state_loss``: weight
     of the projected-state regression; ``step_decay``: step k's loss weight is ``step_decay ** k``;
-    ``prompt_weight``: loss weight of positions inside the prompt (the drafter drafts only after it); ``weights``:
+    ``prompt_weight``: loss weight of positions inside the prompt (the drafter drafts only after it);
+    ``stop_below``: recorded in the drafter (``ortspec.stop_below``), the probability below which its head's pick is
+    not drafted (measured on the shipped drafter: docs/drafter.md, "Confidence stop"); ``weights``:
     how the exported graph stores its MatMul weights (``int8``, default: a quarter of the bytes a draft step reads;
     ``fp32``: the trained values as they are)."""
 
@@ -53,6 +55,7 @@ class TrainConfig:
     state_loss: float = 0.1
     step_decay: float = 0.7
     prompt_weight: float = 0.3
+    stop_below: float = attrs.field(default=0.2, validator=[attrs.validators.ge(0.0), attrs.validators.lt(1.0)])
     ridge: float = 1e-2
     num_speculative_tokens: int = 4
     weights: str = attrs.field(default="int8", validator=attrs.validators.in_(WEIGHT_FORMATS))

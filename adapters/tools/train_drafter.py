@@ -347,7 +347,7 @@ def _export(
         kv_heads=target.num_kv_heads,
         num_speculative_tokens=cfg.num_speculative_tokens,
         verifier={"name_or_path": target.path.name, "architectures": ["llama"]},
-        extra={"target": target_fingerprint(target.path), "training": record},
+        extra={"target": target_fingerprint(target.path), "stop_below": cfg.stop_below, "training": record},
     )
     head, embedding, hold, to_draft = fitted.head, fitted.data.embedding.numpy(), fitted.data.hold, fitted.data.to_draft
     try:

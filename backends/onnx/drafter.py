@@ -154,6 +154,14 @@ class _Spec:
             raise self.fail(f"speculative.{key} must be an integer >= 1, got {value!r}")
         return value
 
+    def stop_below(self) -> float:
+        """``ortspec.stop_below``: the head's confidence below which its drafts stop (0 when absent: never)."""
+        section = self.raw.get("ortspec")
+        value = section.get("stop_below", 0.0) if isinstance(section, Mapping) else 0.0
+        if isinstance(value, bool) or not isinstance(value, int | float) or not 0.0 <= value < 1.0:
+            raise self.fail(f"ortspec.stop_below must be a number in [0, 1), got {value!r}")
+        return float(value)
+
     def text(self, key: str, default: str | None = None) -> str:
         value = self.spec.get(key, default)
         if not isinstance(value, str) or not value:
@@ -234,7 +242,10 @@ class DrafterFolder:
 
     ``hidden_size`` is H, ``vocab_size`` the width of the head's logits (V'), ``target_vocab`` the rows of the
     embedding table (the target's vocabulary), ``draft_to_target`` the int64 ``[V']`` map (None: identity, V' = V).
-    ``metadata`` is the whole parsed ``drafter.json``."""
+    ``stop_below`` (``ortspec.stop_below``, default 0): the probability below which a pick of the head is not
+    drafted, the default of a ``SharedKvProposer`` opened on it (``train-drafter`` records the recipe's; a draft
+    token that unlikely is seldom accepted and costs a head step and a verify row). ``metadata`` is the whole
+    parsed ``drafter.json``."""
 
     path: Path
     model_path: Path
@@ -247,6 +258,7 @@ class DrafterFolder:
     groups: tuple[KvGroup, ...]
     logits_name: str
     projected_state_name: str
+    stop_below: float
     metadata: Mapping[str, Any]
 
     @classmethod
@@ -284,6 +296,7 @@ class DrafterFolder:
             groups=spec.groups(),
             logits_name=spec.text("logits_output", "logits"),
             projected_state_name=spec.text("projected_state_output", "projected_state"),
+            stop_below=spec.stop_below(),
             metadata=spec.raw,
         )
 
@@ -390,10 +403,10 @@ class SharedKvProposer:
 
     Made by :meth:`open`. ``max_draft``: the most tokens one ``propose`` drafts (default: the folder's
     ``num_speculative_tokens``). ``stop_below``: a pick less likely than this is not proposed and drafting stops
-    (0 = never; host path only; ``HeadPicks`` says under which distribution). The backend must be the one the driver
-    runs: the promise that ``propose`` relies on (module docstring) is checked, and a broken one raises
-    ``DrafterError``. Buffers are the proposer's, on the backend's device; nothing KV-sized is allocated or
-    copied per call. ``steps`` and ``runs`` count ``propose`` calls that drafted and head runs."""
+    (0 = never; None: the folder's ``stop_below``; host path only; ``HeadPicks`` says under which distribution). The
+    backend must be the one the driver runs: the promise that ``propose`` relies on (module docstring) is checked,
+    and a broken one raises ``DrafterError``. Buffers are the proposer's, on the backend's device; nothing KV-sized
+    is allocated or copied per call. ``steps`` and ``runs`` count ``propose`` calls that drafted and head runs."""
 
     reads_target_state = True  # drafts only right after what the target processed (core.proposers.context_part)
 
@@ -404,7 +417,7 @@ class SharedKvProposer:
         session,
         *,
         max_draft: int | None = None,
-        stop_below: float = 0.0,
+        stop_below: float | None = None,
         check_fingerprint: bool = True,
     ) -> None:
         self.backend = backend
@@ -413,6 +426,8 @@ class SharedKvProposer:
         self.max_draft = int(max_draft if max_draft is not None else folder.num_speculative_tokens)
         if self.max_draft < 1:
             raise ValueError(f"max_draft must be >= 1, got {max_draft}")
+        if stop_below is None:
+            stop_below = folder.stop_below
         if not 0.0 <= stop_below < 1.0:
             raise ValueError(f"stop_below must be in [0, 1), got {stop_below}")
         self.stop_below = float(stop_below)
@@ -494,7 +509,7 @@ class SharedKvProposer:
         *,
         threads: int | None = 1,
         max_draft: int | None = None,
-        stop_below: float = 0.0,
+        stop_below: float | None = None,
         check_fingerprint: bool = True,
         session_options=None,
     ) -> SharedKvProposer:

@@ -39,12 +39,15 @@ class SlotDrafters:
         folder_or_path: DrafterFolder | str | os.PathLike[str],
         *,
         threads: int | None = 1,
+        stop_below: float | None = None,
         check_fingerprint: bool = True,
     ) -> SlotDrafters:
-        """Open the drafter in ``folder_or_path`` for ``batch`` (``SharedKvProposer.open`` on its lone slot: the
-        target checks run there, and raise ``DrafterError``)."""
+        """Open the drafter in ``folder_or_path`` for ``batch`` (``SharedKvProposer.open`` on its lone slot, with
+        ``stop_below``, None: the folder's; the target checks run there, and raise ``DrafterError``)."""
         target = batch.slot_target(batch.slots)
-        lone = SharedKvProposer.open(target, folder_or_path, threads=threads, check_fingerprint=check_fingerprint)
+        lone = SharedKvProposer.open(
+            target, folder_or_path, threads=threads, stop_below=stop_below, check_fingerprint=check_fingerprint
+        )
         return cls(batch, lone)
 
     @classmethod
