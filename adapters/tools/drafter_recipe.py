@@ -9,6 +9,7 @@ from __future__ import annotations
 import attrs
 
 from ortspec.adapters.tools.drafter_graph import WEIGHT_FORMATS
+from ortspec.backends.onnx.drafter import check_stop_below
 
 _positive = attrs.validators.gt(0)
 
@@ -55,7 +56,7 @@ class TrainConfig:
     state_loss: float = 0.1
     step_decay: float = 0.7
     prompt_weight: float = 0.3
-    stop_below: float = attrs.field(default=0.2, validator=[attrs.validators.ge(0.0), attrs.validators.lt(1.0)])
+    stop_below: float = attrs.field(default=0.2, validator=lambda _i, _a, value: check_stop_below(value))
     ridge: float = 1e-2
     num_speculative_tokens: int = 4
     weights: str = attrs.field(default="int8", validator=attrs.validators.in_(WEIGHT_FORMATS))

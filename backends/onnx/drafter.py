@@ -123,6 +123,14 @@ class KvGroup:
         )
 
 
+def check_stop_below(value: object) -> float:
+    """``value`` as a drafter's ``stop_below``: a number in [0, 1) (a probability a pick may fall below; 0 never
+    stops a draft), else ``ValueError`` naming it."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0.0 <= value < 1.0:
+        raise ValueError(f"stop_below must be a number in [0, 1), got {value!r}")
+    return float(value)
+
+
 class _Spec:
     """The ``speculative`` section of a folder's ``drafter.json``, read with checks that raise ``DrafterError``
     naming the file and the key."""
@@ -158,9 +166,10 @@ class _Spec:
         """``ortspec.stop_below``: the head's confidence below which its drafts stop (0 when absent: never)."""
         section = self.raw.get("ortspec")
         value = section.get("stop_below", 0.0) if isinstance(section, Mapping) else 0.0
-        if isinstance(value, bool) or not isinstance(value, int | float) or not 0.0 <= value < 1.0:
-            raise self.fail(f"ortspec.stop_below must be a number in [0, 1), got {value!r}")
-        return float(value)
+        try:
+            return check_stop_below(value)
+        except ValueError as exc:
+            raise self.fail(f"ortspec.{exc}") from None
 
     def text(self, key: str, default: str | None = None) -> str:
         value = self.spec.get(key, default)
@@ -426,11 +435,7 @@ class SharedKvProposer:
         self.max_draft = int(max_draft if max_draft is not None else folder.num_speculative_tokens)
         if self.max_draft < 1:
             raise ValueError(f"max_draft must be >= 1, got {max_draft}")
-        if stop_below is None:
-            stop_below = folder.stop_below
-        if not 0.0 <= stop_below < 1.0:
-            raise ValueError(f"stop_below must be in [0, 1), got {stop_below}")
-        self.stop_below = float(stop_below)
+        self.stop_below = folder.stop_below if stop_below is None else check_stop_below(stop_below)
         target = backend.folder
         self._check_target(target, check_fingerprint)
         self.graph = inspect_drafter_graph(session, folder, kv_heads=target.num_kv_heads, head_size=target.head_size)
