@@ -426,7 +426,9 @@ def _top_k(z: np.ndarray, zmax: np.float32, t: float, k: int) -> tuple[np.ndarra
     m = min(k // 16 + 4, sample.shape[0])
     guess = float(zmax) - float(np.partition(sample, sample.shape[0] - m)[sample.shape[0] - m])
     low, delta = 0.0, max(guess, t / 64)
-    while count(delta) <= k and delta <= 2 * UNLIKELY * t:
+    # past the window's width every token of the window counts; a huge t makes that width (and delta) infinite,
+    # where the doubling must stop too (an infinite delta counts every token)
+    while count(delta) <= k and delta <= 2 * UNLIKELY * t and math.isfinite(delta):
         low, delta = delta, delta * 2.0
     for _ in range(12):  # so that only a few times k candidates are gathered and sorted
         if count(delta) <= 4 * k + 16:

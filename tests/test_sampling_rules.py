@@ -5,6 +5,8 @@ decoding equals plain decoding under penalties)."""
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 
 from ortspec import Options, Sampling, generate
@@ -23,6 +25,22 @@ def test_top_k_keeps_the_lowest_ids_among_equal_logits():
     row = np.array([0.0, 2.0, 2.0, 2.0, 1.5, -1.0], dtype=np.float32)
     picks = {first_pick(row, temperature=1.0, top_k=2, seed=seed) for seed in range(200)}
     assert picks == {1, 2}
+
+
+def test_top_k_past_the_vocabulary_at_a_temperature_past_float32_is_answered():
+    # Found by fuzzing the server (6,000 examples on /v1/completions): at a temperature whose window width (80 T)
+    # overflows to inf, top_k's candidate search doubled its threshold to inf and never stopped when the row had no
+    # more than k tokens, freezing the batch thread. The temperature is inf in float32, so every token is as likely.
+    row = np.random.default_rng(0).normal(size=300).astype(np.float32)
+    picks: set[int] = set()
+    worker = threading.Thread(
+        target=lambda: picks.update(first_pick(row, temperature=5.8e307, top_k=405, seed=s) for s in range(50)),
+        daemon=True,
+    )
+    worker.start()
+    worker.join(60.0)  # a bound, not a wait: the picks take milliseconds; the bug never ends
+    assert not worker.is_alive(), "the pick did not return"
+    assert len(picks) > 25  # uniform over 300 tokens: 50 seeds give about 46 distinct picks
 
 
 def test_a_logit_bias_alone_changes_greedy_picks_on_every_pick_path():
