@@ -16,7 +16,8 @@ import numpy as np
 from ortspec.adapters.tools.drafter_data import TargetSequence
 from ortspec.adapters.tools.drafter_recipe import TrainConfig
 
-TRAINED = ("norm_embed", "norm_hidden", "fc", "fc_bias")  # at lr; the copied layer's parameters at a scaled lr
+# the copied target layer's parameters, trained at ``lr * copied_lr_scale``; every other parameter at ``lr``
+COPIED = ("norm_attn", "wq", "wo", "norm_mlp", "w_gate", "w_up", "w_down", "norm_out")
 LOG_EVERY = 10  # updates per point of the training curve
 
 
@@ -36,8 +37,10 @@ class TrainingSet:
 @attrs.frozen(eq=False)
 class Batch:
     """Sequences padded to one length N (torch tensors): ``tokens``/``labels`` (draft ids, -1 outside the draft
-    vocabulary) ``[B, N]``, ``hidden`` ``[B, N, H]``, ``keys``/``values`` ``[B, kv_heads, N, D]``, ``weight``
-    ``[B, N]`` (0 past a sequence's end, ``prompt_weight`` for the prompt's positions)."""
+    vocabulary) ``[B, N]``, ``hidden`` ``[B, N, H']`` (the final hidden state in its first H columns; a head whose
+    first step reads more of the target's features, as scripts/fused_features.py tries, gets them after it),
+    ``keys``/``values`` ``[B, kv_heads, N, D]``, ``weight`` ``[B, N]`` (0 past a sequence's end,
+    ``prompt_weight`` for the prompt's positions)."""
 
     tokens: Any
     labels: Any
@@ -74,7 +77,8 @@ def unroll(head, embedding, batch: Batch, steps: int, *, own_picks: bool = False
     (teacher-forced; with ``own_picks`` the head's own pick of step k - 1, mapped by ``to_target``) and the
     previous step's projected state (step 0: the target's hidden state at p - 1), at position p, attending to the
     KV of positions < p. Returns per step ``(logits [B, N-1, V'], state [B, N-1, H], labels [B, N-1], weight
-    [B, N-1], target hidden [B, N-1, H])``, positions where p + k runs past the sequence having weight 0."""
+    [B, N-1], target hidden [B, N-1, H])``, positions where p + k runs past the sequence having weight 0. The
+    state regression's target is the final hidden state, the first H columns of ``batch.hidden``."""
     import torch
 
     b, n = batch.tokens.shape
@@ -91,7 +95,7 @@ def unroll(head, embedding, batch: Batch, steps: int, *, own_picks: bool = False
             tokens = to_target[picks]
         logits, state = head(embedding[tokens], state, positions, batch.keys, batch.values, allowed)
         weight = batch.weight[:, index] * (p + k < n)
-        out.append((logits, state, batch.labels[:, index], weight, batch.hidden[:, index]))
+        out.append((logits, state, batch.labels[:, index], weight, batch.hidden[:, index, : state.shape[-1]]))
         picks = logits.argmax(-1)
     return out
 
@@ -177,8 +181,9 @@ def train_head(head, data: TrainingSet, cfg: TrainConfig, deadline: float | None
     import torch
 
     rng = np.random.default_rng(cfg.seed)
-    copied = [p for n, p in head.named_parameters() if n not in TRAINED]
-    own = [p for n, p in head.named_parameters() if n in TRAINED]
+    named = list(head.named_parameters())  # a copied layer's parameter by its own name, wherever the head nests it
+    copied = [p for n, p in named if n.rsplit(".", 1)[-1] in COPIED]
+    own = [p for n, p in named if n.rsplit(".", 1)[-1] not in COPIED]
     optimiser = torch.optim.AdamW(
         [{"params": own, "lr": cfg.lr}, {"params": copied, "lr": cfg.lr * cfg.copied_lr_scale}],
         weight_decay=cfg.weight_decay,
