@@ -279,7 +279,9 @@ class StepContext:
         scale = max(s.repetition_penalty, 1.0 / s.repetition_penalty)
         if s.temperature == 0.0:
             return _greedy_pick(z, best, scale, margin, top_n)
-        with np.errstate(over="ignore"):  # (z - z_max) / T past float32's range is -inf: outside the window
+        # (z - z_max) / T past float32's range is -inf, and a -inf z over a T past float32 (inf) is NaN: both
+        # outside the window, neither worth a warning
+        with np.errstate(over="ignore", invalid="ignore"):
             return _sampled_pick(z, best, s, uniform(_seed(s), self.first_index + i), scale, margin, top_n)
 
 
@@ -331,7 +333,8 @@ def _greedy_pick(z: np.ndarray, best: int, scale: float, want_margin: bool, top_
     margin = math.inf
     if want_margin and vocab > 1:
         top2 = np.partition(z, vocab - 2)[-2:]
-        margin = float(top2[1] - top2[0]) / scale
+        with np.errstate(over="ignore"):  # a gap past float32's range is inf: no drift of finite logits flips it
+            margin = float(top2[1] - top2[0]) / scale
     logprob, top = (0.0, ()) if not top_n else _log_softmax_top(np.asarray(z, dtype=np.float64), best, top_n)
     return Pick(best, margin, logprob, top)
 
