@@ -31,6 +31,7 @@ import argparse
 import datetime
 import multiprocessing
 import os
+import pickle
 import platform
 import sys
 import tempfile
@@ -106,8 +107,6 @@ def fused_head(head, features: int, hidden: int):
 def train_arm(arm: str, data_path: str, cfg: TrainConfig, model: str, queue) -> None:
     """Train one arm on the data pickled at ``data_path``; put ``(arm, TrainingRun, ridge fit, seconds)`` on
     ``queue``."""
-    import pickle
-
     import attrs
     import torch
 
@@ -164,8 +163,6 @@ def run(args: argparse.Namespace) -> str:
     data_seconds = time.perf_counter() - t0
     order = np.random.default_rng(cfg.seed).permutation(len(sequences))  # the split train_drafter makes
     hold_i, train_i = np.sort(order[: cfg.heldout]), np.sort(order[cfg.heldout :])
-    import pickle
-
     context = multiprocessing.get_context("spawn")
     queue = context.Queue()
     with tempfile.TemporaryDirectory() as tmp:

@@ -7,7 +7,8 @@ onnxruntime's log), ``model_graph`` (checking the graph against the folder; the 
 and static-shape), ``recurrent`` (hybrid models' recurrent states), ``cuda_graphs`` (CUDA graphs per pass width,
 the phase timer) and ``backend`` (``OrtBackend``, the protocol composed from them); ``batch``
 (``OrtBatchBackend``, the batched protocol on the CPU; ``SlotTarget``, one of its slots as a drafter's target);
-``drafter`` (the shared-KV drafter, which reads an ``OrtBackend`` through its ``SharedKvTarget`` protocol) and
+``drafter`` (the shared-KV drafter, which reads an ``OrtBackend`` through its ``SharedKvTarget`` protocol; its
+folder's format in ``drafter_folder``) and
 ``slot_drafters`` (``SlotDrafters``: the drafter on a batch backend's slots, one session, one binding per slot).
 """
 
