@@ -125,8 +125,13 @@ def test_backend_hidden_states_are_the_lm_heads_input(tiny_model_dir, backend):
     rows = backend.decode_verify(ids, 0).copy()
     for position in (0, 7, 19):
         np.testing.assert_allclose(backend.hidden_at(position) @ lm_head, rows[position], atol=2e-4)
-    # only the last pass's positions, and only resident ones
+    # only the last pass's positions, and only resident ones; a decode keeps its last position's row only
     backend.decode([5, 6], 20)
+    with pytest.raises(BackendError, match="last pass computed positions"):
+        backend.hidden_at(20)
+    assert backend.hidden_at(21).shape == (64,)
+    backend.rewind(20)
+    backend.decode_verify([5, 6], 20)
     with pytest.raises(BackendError, match="last pass computed positions"):
         backend.hidden_at(19)
     assert backend.hidden_at(21).shape == (64,)

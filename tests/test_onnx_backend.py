@@ -283,6 +283,26 @@ def test_contract_violations_raise_and_leave_the_cache_usable(tiny_dir):
     assert np.abs(rows - fresh.decode_verify(toks[10:16], 10)).max() <= ROW_TOL
 
 
+def test_a_prompt_runs_the_lm_head_over_its_last_position_only(tiny_dir, record_property):
+    """On the CPU the graph takes KEEP_LOGITS_INPUT: each prefill chunk computes one logits row (the chunk's last),
+    which equals the plain run's row at that position; a verify pass still computes every row."""
+    from ortspec.backends.onnx.model_graph import KEEP_LOGITS_INPUT
+
+    toks = _tokens(30, 384, seed=5)
+    ref = _reference_logits(tiny_dir, toks)
+    b = OrtBackend.from_folder(tiny_dir, BackendConfig(threads=1, prefill_chunk=8))
+    assert b.graph.keep_name == KEEP_LOGITS_INPUT and b.rewrites == ()
+    last = b.decode(toks[:20], 0).copy()  # chunks of 8, 8 and 4 tokens
+    assert b._rows.hidden_span == (19, 1)  # the last position's hidden state only
+    rows = b.decode_verify(toks[20:], 20).copy()
+    assert b._rows.hidden_span == (20, 10)
+    diff = max(float(np.abs(last - ref[19]).max()), float(np.abs(rows - ref[20:]).max()))
+    _record("kept_rows_vs_plain_run", diff, record_property)
+    assert diff <= ROW_TOL
+    static = OrtBackend.from_folder(tiny_dir, BackendConfig(threads=1, static_shapes=True))
+    assert static.graph.keep_name is None  # static shapes bind every row of a width
+
+
 def test_chunked_prefill_equals_unchunked(tiny_dir, record_property):
     toks = _tokens(100, 384, seed=11)
     whole = OrtBackend.from_folder(tiny_dir, BackendConfig(threads=1))

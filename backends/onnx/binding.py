@@ -5,8 +5,9 @@
   ids too, and the hidden states (``[rows, hidden]``) when the graph has that output. On CUDA, float16 rows asked
   for on the host are converted into a preallocated float32 host buffer.
 * **Default** (:class:`DefaultBinding`). Per pass: ids ``[1, count]``, ``attention_mask`` ``[1, total]`` (a
-  prefix of a ``[max_length]`` buffer of ones) and position ids ``[1, count]`` (a slice of ``0..max_length-1`` at
-  the pass's position).
+  prefix of a ``[max_length]`` buffer of ones), position ids ``[1, count]`` (a slice of ``0..max_length-1`` at
+  the pass's position) and, when the graph takes it, ``KEEP_LOGITS_INPUT`` (the rows the pass computes, a host
+  int64 ``[1]``: the outputs are bound as ``[1, kept, ...]``).
 * **Static shapes** (:class:`StaticBinding`; ``static_shapes=True``, needs the shared-buffer GroupQueryAttention
   path): ``attention_mask`` is bound as ``[1, max_length]`` and the length is carried by its values (ones, then
   zeros): the builder's graph feeds GroupQueryAttention ``seqlens_k = ReduceSum(mask) - 1`` and
@@ -74,8 +75,8 @@ class RowBuffers:
             self.hidden_span = (0, 0)
 
     def bind_outputs(self, binding, count: int) -> None:
-        """Bind the per-row outputs of a pass of ``count`` tokens: the logits, and the hidden states when the graph
-        has them."""
+        """Bind the per-row outputs of a pass that computes ``count`` rows (its tokens, or the last ``count`` of
+        them with ``KEEP_LOGITS_INPUT``): the logits, and the hidden states when the graph has them."""
         arrays, graph = self._arrays, self._graph
         shape = [1, count, self._vocab]
         bind_output(binding, arrays, graph.logits_name, graph.logits_dtype, shape, arrays.ptr(self.logits))
@@ -111,6 +112,7 @@ class DefaultBinding:
         self._positions = (
             arrays.from_host(np.arange(max_length, dtype=graph.position_dtype)) if graph.position_name else None
         )
+        self._kept = np.ones(1, np.int64)  # the KEEP_LOGITS_INPUT value, read by the session on the host
         self.binding: Any = None
 
     def open(self, session) -> Any:
@@ -118,9 +120,17 @@ class DefaultBinding:
         self.binding = session.io_binding()
         return self.binding
 
-    def bind_pass(self, rows: RowBuffers, tokens: np.ndarray, past: int) -> None:
+    def bind_pass(self, rows: RowBuffers, tokens: np.ndarray, past: int, kept: int | None = None) -> None:
+        """Bind a pass of ``tokens`` at ``past`` whose outputs hold its last ``kept`` rows (None: every row; fewer
+        than ``len(tokens)`` needs the graph's ``keep_name``)."""
         binding, graph, arrays = self.binding, self._graph, self._arrays
         count = len(tokens)
+        kept = count if kept is None else kept
+        if graph.keep_name is not None:
+            self._kept[0] = kept
+            binding.bind_input(graph.keep_name, "cpu", 0, np.int64, [1], self._kept.ctypes.data)
+        elif kept != count:
+            raise ValueError(f"a pass of {count} tokens cannot keep {kept} rows: the graph has no keep input")
         rows.ids_host[:count] = tokens
         if arrays.device_type != "cpu":
             arrays.upload(rows.ids[:count], rows.ids_host[:count])
@@ -130,7 +140,7 @@ class DefaultBinding:
         if graph.position_name:
             address = arrays.ptr(self._positions) + past * np.dtype(graph.position_dtype).itemsize
             bind_input(binding, arrays, graph.position_name, graph.position_dtype, [1, count], address)
-        rows.bind_outputs(binding, count)
+        rows.bind_outputs(binding, kept)
 
 
 class StaticPass:

@@ -16,13 +16,14 @@ applies:
   :func:`window_rewrites`.
 * **MatMulNBits accuracy.** ``matmul_accuracy_level`` sets every ``MatMulNBits`` node's accuracy level (1: float32
   compute, which makes a quantized model's verify passes agree with its one-token decodes).
-* **Logits of the last positions only** (``keep_logits``, asked by ``OrtBatchBackend``): a prompt pass needs the
-  logits of its last position, yet the LM head (a fifth of SmolLM2-135M's weights) would run over every position.
-  The rewrite adds an int64 input ``KEEP_LOGITS_INPUT`` (shape ``[1]``: ``L``) and slices the LM head's input to
-  its last ``L`` positions, so ``logits`` is ``[batch, L, vocab]``; with ``L`` = the pass width it computes what the
-  file computes. Applied where the logits output is made by a ``MatMul`` or ``MatMulNBits`` (the builder's LM
-  head); elsewhere the graph is left as it is (``DecoderGraph.keep_name`` None). The hidden-states output (the LM
-  head's input, when the graph has one) is sliced the same way: ``[batch, L, hidden]``, the logits' positions.
+* **Logits of the last positions only** (``keep_logits``, asked by ``OrtBatchBackend``, and by ``OrtBackend`` on the
+  CPU with dynamic shapes): a prompt pass needs the logits of its last position, yet the LM head (a fifth of
+  SmolLM2-135M's weights) would run over every position. The rewrite adds an int64 input ``KEEP_LOGITS_INPUT``
+  (shape ``[1]``: ``L``) and slices the LM head's input to its last ``L`` positions, so ``logits`` is ``[batch, L,
+  vocab]``; with ``L`` = the pass width it computes what the file computes. Applied where the logits output is made
+  by a ``MatMul`` or ``MatMulNBits`` (the builder's LM head); elsewhere the graph is left as it is
+  (``DecoderGraph.keep_name`` None). The hidden-states output (the LM head's input, when the graph has one) is
+  sliced the same way: ``[batch, L, hidden]``, the logits' positions.
 """
 
 from __future__ import annotations
@@ -517,8 +518,9 @@ def window_rewrites(folder: ModelFolder, facts: GraphFacts, max_length: int, pol
 @attrs.frozen
 class LoadedGraph:
     """What ``OrtBackend.from_folder`` read from the model file and changed in it: ``facts`` of the graph the
-    session runs, ``rewrites`` (each rewrite applied, in words; empty for the file as written) and
-    ``model_bytes`` (the rewritten model to open, None to open the file itself)."""
+    session runs, ``rewrites`` (each rewrite that changes what the graph computes, in words; empty for the file
+    as written: the LM head over the last positions only is not one, it skips rows nobody reads, and shows as
+    ``DecoderGraph.keep_name``) and ``model_bytes`` (the rewritten model to open, None to open the file itself)."""
 
     facts: GraphFacts
     rewrites: tuple[str, ...] = ()
@@ -539,8 +541,6 @@ def load_rewrites(folder: ModelFolder, config: BackendConfig, *, keep_logits: bo
     set_level = level is not None and bool(levels) and levels != {level}
     if set_level:
         rewrites.append(f"MatMulNBits accuracy_level {sorted(levels)} -> {level}")
-    if keep_logits:
-        rewrites.append(f"the LM head over the last {KEEP_LOGITS_INPUT} positions only")
     if not (windows or set_level or keep_logits):
         return LoadedGraph(facts)
     model_bytes, facts = rewritten_model(
