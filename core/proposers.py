@@ -10,7 +10,7 @@ correctness.
 from __future__ import annotations
 
 from array import array
-from bisect import bisect_right
+from bisect import bisect_left, bisect_right
 from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
@@ -205,6 +205,15 @@ class NgramIndex:
             return []
         end = bisect_right(positions, context_len - 1)
         return positions[max(end - count, 0) : end][::-1]
+
+    def first_between(self, n: int, ngram: Sequence[int], lo: int, hi: int) -> int | None:
+        """The position right after the first occurrence of ``ngram`` (``n`` tokens) whose position right after
+        it lies in ``[lo, hi]``; None when there is none (or the range is empty)."""
+        positions = self.tables[n].get(_ngram_key(ngram))
+        if not positions or lo > hi:
+            return None
+        at = bisect_left(positions, lo)
+        return positions[at] if at < len(positions) and positions[at] <= hi else None
 
     def follow(self, items: Sequence[int], new: Sequence[int]) -> None:
         """Index the n-grams that end in the history ``head + items + new`` at or after ``covered``."""

@@ -59,6 +59,9 @@ def rules():
         spec_factor=st.sampled_from([0.5, 1.0, 2.0, 8.0]),
         min_prob=st.sampled_from([0.0, 0.1, 0.5, 1.0]),
         max_draft=st.integers(1, 16),
+        resync_back=st.integers(0, 8),
+        resync_match=st.integers(1, 8),
+        resync_reach=st.integers(0, 40),
     )
 
 

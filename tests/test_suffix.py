@@ -43,6 +43,37 @@ def test_the_draft_length_follows_the_match_length():
     assert SuffixProposer(rule).propose(context, 3) == (104, 105, 106)  # and never past the width
 
 
+SOURCE = list(range(100, 130))  # a 30-token stretch of the prompt, which the output copies with an edit
+
+
+def test_after_an_edit_the_copy_resumes_where_it_was():
+    # the output copied SOURCE[:8], wrote 7 (not SOURCE[8]: a rename), then SOURCE[9]; its tail matches 1 token
+    context = [*SOURCE, 1, 2, 3, *SOURCE[:8], 7, SOURCE[9]]
+    draft, matched = SuffixProposer().match(context, 16)
+    assert matched == 8  # aligned by the 8 tokens before the edit
+    assert draft == tuple(SOURCE[10:26])  # min(width, floor(2 * 8)) tokens of the copy after the edit
+    plain, plain_matched = SuffixProposer(DraftRule(resync_back=0)).match(context, 16)
+    assert plain_matched == 1 and plain == tuple(SOURCE[10:12])  # floor(2 * 1) tokens
+
+
+def test_a_resync_needs_a_long_enough_match_before_the_edit_and_a_resumption_in_reach():
+    short = [*SOURCE, 1, 2, 3, *SOURCE[3:8], 7, SOURCE[9]]  # 5 tokens copied before the edit: < resync_match
+    assert SuffixProposer().match(short, 16)[1] == 1
+    far = [*SOURCE, 1, 2, 3, *SOURCE[:8], 7, SOURCE[29]]  # the copy would resume 21 tokens on: past the reach
+    assert SuffixProposer(DraftRule(resync_reach=8)).match(far, 16)[1] == 1
+    draft, matched = SuffixProposer(DraftRule(resync_reach=32)).match(far, 16)
+    assert matched == 8 and draft[:3] == (1, 2, 3)  # what followed SOURCE[29]
+    edited_long_ago = [*SOURCE, 1, 2, 3, *SOURCE[:8], 7, 5, 6, 4, SOURCE[9]]  # the copy stopped 5 tokens back
+    assert SuffixProposer(DraftRule(resync_back=4)).match(edited_long_ago, 16)[1] == 1
+    assert SuffixProposer(DraftRule(resync_back=5)).match(edited_long_ago, 16) == (tuple(SOURCE[10:26]), 8)
+
+
+def test_a_long_match_drafts_by_the_suffix_rule_not_the_resync():
+    context = [*SOURCE, 1, 2, 3, *SOURCE[:12]]  # the tail itself matches 12 tokens
+    draft, matched = SuffixProposer().match(context, 16)
+    assert matched == 12 and draft == tuple(SOURCE[12:28])
+
+
 def test_a_context_match_runs_on_into_its_own_draft():
     assert SuffixProposer().propose([7, 8, 7, 8, 7, 8], 6) == (7, 8, 7, 8, 7, 8)
 

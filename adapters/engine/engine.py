@@ -43,6 +43,7 @@ from ortspec.core import (
     MAX_DRAFT,
     CostAwareWidth,
     DecodeState,
+    DraftRule,
     FixedWidth,
     LookupOrDraft,
     Options,
@@ -114,6 +115,7 @@ class Engine(EngineMeasurements):
         self.prefill_budget: int | None = DEFAULT_PREFILL_BUDGET
         self.drafter = drafter
         self.suffix_cache = suffix_cache if suffix_cache is not None else SuffixCache()
+        self.suffix_rule = DraftRule()  # how "suffix" (and "auto"'s lookup) drafts: core.suffix's rule
         self._draft_cost: float | None = None
         self._lock = threading.RLock()
         self._epoch = 0  # bumped by every generation and measurement: the backend's current owner
@@ -468,7 +470,7 @@ class Engine(EngineMeasurements):
         ``AUTO_LOOKUP`` (what it is without a drafter); ``"suffix"`` drafts from the suffix cache's snapshot taken
         now (a request's proposer is made as it starts)."""
         name = AUTO_LOOKUP if speculative == "auto" else speculative
-        return make_proposer(name, self.suffix_cache.snapshot() if name == "suffix" else None)
+        return make_proposer(name, self.suffix_cache.snapshot() if name == "suffix" else None, self.suffix_rule)
 
     def record_output(self, state: DecodeState) -> None:
         """Record a finished generation's output in the suffix cache (every generation's ``on_finish``)."""

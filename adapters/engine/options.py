@@ -17,6 +17,7 @@ from ortspec.adapters.engine.structured import ResponseFormat
 from ortspec.adapters.engine.tools import Function, Named, ToolUse, parse_tool_choice, parse_tools
 from ortspec.core import (
     MAX_DRAFT,
+    DraftRule,
     Limits,
     PromptLookup,
     Proposer,
@@ -53,9 +54,12 @@ MANY_REQUESTS_SPECULATIVE = "suffix"
 DRIFT_WARNING_THRESHOLD = 1e-3
 
 
-def make_proposer(speculative: str | Proposer | None, snapshot: SuffixSnapshot | None = None) -> Proposer | None:
+def make_proposer(
+    speculative: str | Proposer | None, snapshot: SuffixSnapshot | None = None, rule: DraftRule | None = None
+) -> Proposer | None:
     """``None`` (plain decoding), ``"prompt-lookup"`` (3-gram lookup drafting up to ``MAX_DRAFT`` tokens),
-    ``"suffix"`` (suffix drafting over the context and ``snapshot``, the Engine's suffix cache as a request starts),
+    ``"suffix"`` (suffix drafting over the context and ``snapshot``, the Engine's suffix cache as a request starts,
+    by ``rule``, default ``DraftRule()``),
     or any proposer. (``"shared-kv"`` and ``"auto"`` need an Engine's drafter: ``Engine.start_with`` resolves
     them.)"""
     if speculative is None:
@@ -64,7 +68,7 @@ def make_proposer(speculative: str | Proposer | None, snapshot: SuffixSnapshot |
         if speculative == "prompt-lookup":
             return PromptLookup(ngram=3, max_draft=MAX_DRAFT)
         if speculative == "suffix":
-            return SuffixProposer(cache=snapshot)
+            return SuffixProposer(rule if rule is not None else DraftRule(), cache=snapshot)
         if speculative in SPECULATIVE_CHOICES:
             raise ArgumentError(
                 "speculative", f"speculative={speculative!r} needs an Engine (it reads the Engine's drafter)"
