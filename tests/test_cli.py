@@ -112,7 +112,7 @@ def test_ctrl_c_ends_with_status_130_and_no_traceback(tiny_model_dir, capsys, mo
 def test_a_failed_generation_ends_with_status_1_and_the_reason(tiny_model_dir, capsys, monkeypatch):
     from ortspec.backends.onnx import OrtBackend
 
-    def failing(self, *args):
+    def failing(self, *args, **kwargs):
         raise RuntimeError("device lost")
 
     monkeypatch.setattr(OrtBackend, "_run", failing)
