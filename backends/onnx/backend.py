@@ -124,8 +124,6 @@ class OrtBackend:
         self.static_shapes = config.static
         if self.static_shapes:
             why_not = static_shapes_unsupported(self.graph, self.share_buffer)
-            if self.graph.keep_name is not None:
-                why_not = why_not or f"the graph takes {self.graph.keep_name!r} (the LM head over the last positions)"
             if why_not:
                 raise BackendError(f"{folder.model_path}: static shapes are not possible: {why_not}")
 

@@ -14,7 +14,8 @@
   ``total_sequence_length = Shape(mask)[1]``, and with the KV buffer bound as both past and present the op reads
   the real length from ``seqlens_k`` (it takes the rotary positions from it too). Ids (and position ids, for graphs
   that take them) go to fixed buffers, and each pass width keeps its own IO binding (a :class:`StaticPass`), so
-  every pass of a width has identical shapes and addresses. On the CPU the logits are bit for bit those of the
+  every pass of a width has identical shapes and addresses (a graph that takes ``KEEP_LOGITS_INPUT`` gets the
+  width: every row). On the CPU the logits are bit for bit those of the
   default binding (tested). On CUDA this path also runs ONNX Runtime on the array module's own stream
   (``user_compute_stream``) with the run-config entry ``disable_synchronize_execution_providers=1``: the host never
   waits for the device except when it reads the picks or rows back (and, with graphs, inside ONNX Runtime's graph
@@ -176,6 +177,7 @@ class StaticBinding:
             self._positions_src[...] = np.arange(max_length)
             self._positions_fixed = arrays.zeros(1, graph.position_dtype)  # sized by allocate
         self.passes: dict[int, StaticPass] = {}
+        self._kept: dict[int, np.ndarray] = {}  # per width, its KEEP_LOGITS_INPUT value (the width: every row)
 
     def allocate(self, rows: int) -> None:
         """The fixed position ids for passes of up to ``rows`` tokens (with the row buffers)."""
@@ -191,6 +193,9 @@ class StaticBinding:
         arrays, graph = self._arrays, self._graph
         assert graph.mask_name is not None  # static_shapes_unsupported refuses a graph without one
         bind_input(binding, arrays, graph.ids_name, graph.ids_dtype, [1, count], arrays.ptr(ids))
+        if graph.keep_name is not None:  # a host int64 the session reads
+            kept = self._kept.setdefault(count, np.array([count], np.int64))
+            binding.bind_input(graph.keep_name, "cpu", 0, np.int64, [1], kept.ctypes.data)
         bind_input(binding, arrays, graph.mask_name, graph.mask_dtype, [1, self._max_length], arrays.ptr(self.mask))
         if graph.position_name:
             address = arrays.ptr(self._positions_fixed)

@@ -169,9 +169,10 @@ class _Interface:
 
     def need(self, table: Mapping[str, Any], name: str, what: str) -> Any:
         if name not in table:
+            declared = sorted(n for n in table if n != KEEP_LOGITS_INPUT)  # the file's names, not a rewrite's
             raise self.fail(
                 f"the graph has no {what} named {name!r} (genai_config.json names it); "
-                f"it declares {sorted(table)[:8]}{' ...' if len(table) > 8 else ''}"
+                f"it declares {declared[:8]}{' ...' if len(declared) > 8 else ''}"
             )
         return table[name]
 
