@@ -38,6 +38,13 @@ def bind_input(binding, arrays: ArrayModule, name: str, dtype, shape: list[int],
     binding.bind_input(name, arrays.device_type, arrays.device_id, dtype, shape, address)
 
 
+def bind_kept(binding, graph: DecoderGraph, kept: np.ndarray) -> None:
+    """Bind the graph's ``KEEP_LOGITS_INPUT`` (when it takes it) to ``kept``, a host int64 ``[1]`` array the session
+    reads on each run (the caller keeps it alive)."""
+    if graph.keep_name is not None:
+        binding.bind_input(graph.keep_name, "cpu", 0, np.int64, [1], kept.ctypes.data)
+
+
 def bind_output(binding, arrays: ArrayModule, name: str, dtype, shape: list[int], address: int) -> None:
     """Bind graph output ``name`` (``shape`` of ``dtype``) to ``address`` on ``arrays``' device."""
     binding.bind_output(name, arrays.device_type, arrays.device_id, dtype, shape, address)
@@ -121,17 +128,13 @@ class DefaultBinding:
         self.binding = session.io_binding()
         return self.binding
 
-    def bind_pass(self, rows: RowBuffers, tokens: np.ndarray, past: int, kept: int | None = None) -> None:
-        """Bind a pass of ``tokens`` at ``past`` whose outputs hold its last ``kept`` rows (None: every row; fewer
-        than ``len(tokens)`` needs the graph's ``keep_name``)."""
+    def bind_pass(self, rows: RowBuffers, tokens: np.ndarray, past: int, kept: int) -> None:
+        """Bind a pass of ``tokens`` at ``past`` whose outputs hold its last ``kept`` rows (``len(tokens)`` unless
+        the graph takes ``KEEP_LOGITS_INPUT``)."""
         binding, graph, arrays = self.binding, self._graph, self._arrays
         count = len(tokens)
-        kept = count if kept is None else kept
-        if graph.keep_name is not None:
-            self._kept[0] = kept
-            binding.bind_input(graph.keep_name, "cpu", 0, np.int64, [1], self._kept.ctypes.data)
-        elif kept != count:
-            raise ValueError(f"a pass of {count} tokens cannot keep {kept} rows: the graph has no keep input")
+        self._kept[0] = kept
+        bind_kept(binding, graph, self._kept)
         rows.ids_host[:count] = tokens
         if arrays.device_type != "cpu":
             arrays.upload(rows.ids[:count], rows.ids_host[:count])
@@ -193,9 +196,7 @@ class StaticBinding:
         arrays, graph = self._arrays, self._graph
         assert graph.mask_name is not None  # static_shapes_unsupported refuses a graph without one
         bind_input(binding, arrays, graph.ids_name, graph.ids_dtype, [1, count], arrays.ptr(ids))
-        if graph.keep_name is not None:  # a host int64 the session reads
-            kept = self._kept.setdefault(count, np.array([count], np.int64))
-            binding.bind_input(graph.keep_name, "cpu", 0, np.int64, [1], kept.ctypes.data)
+        bind_kept(binding, graph, self._kept.setdefault(count, np.array([count], np.int64)))
         bind_input(binding, arrays, graph.mask_name, graph.mask_dtype, [1, self._max_length], arrays.ptr(self.mask))
         if graph.position_name:
             address = arrays.ptr(self._positions_fixed)
