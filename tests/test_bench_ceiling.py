@@ -1,0 +1,38 @@
+"""bench/ceiling.py's perfect copier and perfect drafter count passes as their contracts say."""
+
+from __future__ import annotations
+
+from bench.ceiling import copy_passes, perfect_passes
+
+
+def test_copier_drafts_the_longest_verbatim_continuation():
+    # output[0] comes from the prompt's pass; then 1..5 is copied (5 drafts) and 7 is the pass's own pick
+    assert copy_passes([], [1, 2, 3, 4, 5], [9, 1, 2, 3, 4, 5, 7]) == [5]
+    # nothing to copy: one token per pass
+    assert copy_passes([], [1, 2], [7, 8, 9]) == [0, 0]
+
+
+def test_copier_caps_drafts_and_never_drafts_the_last_token():
+    prompt = list(range(40))
+    assert copy_passes([], prompt, [99, *prompt], max_draft=16) == [16, 16, 5]
+
+
+def test_copier_reads_earlier_texts_but_no_match_spans_two_of_them():
+    # [2, 3] is not in any one text: only [2] is copied, 3 is the pass's pick, 4 the next pass's
+    assert copy_passes([[1, 2], [3, 4]], [], [0, 2, 3, 4]) == [1, 0]
+    # the output so far is visible too, up to the token before the pass
+    assert copy_passes([], [], [5, 6, 5, 6, 5, 6, 0]) == [0, 2, 1]
+
+
+def test_perfect_drafter():
+    assert perfect_passes(41, max_draft=16) == [16, 16, 5]
+    assert perfect_passes(1) == []
+    assert perfect_passes(2) == [0]
+
+
+def test_anchored_copier_continues_an_occurrence_of_the_token_before_the_draft():
+    # 1, 2, 3 is in the prompt after 8, not after 0: the anchored copier drafts nothing after 0, then 2, 3 after 1
+    prompt, output = [8, 1, 2, 3], [0, 1, 2, 3, 9]
+    assert copy_passes([], prompt, output) == [3]
+    assert copy_passes([], prompt, output, anchor=1) == [0, 2]
+    assert copy_passes([], [0, 1, 2, 3], output, anchor=1) == [3]
