@@ -43,9 +43,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np  # noqa: E402
 
-from ortspec.adapters.tools.drafter_data import TargetSequence, collect, residual_output_name  # noqa: E402
+from ortspec.adapters.tools.drafter_data import TargetSequence, collect  # noqa: E402
 from ortspec.adapters.tools.drafter_recipe import TrainConfig  # noqa: E402
 from ortspec.backends.onnx import ModelFolder, make_session_options  # noqa: E402
+from ortspec.backends.onnx.graph_features import residual_output_name  # noqa: E402
 
 DEFAULT_MODEL = Path("~/.cache/ortspec/models/SmolLM2-135M-Instruct-fp32").expanduser()
 ARMS = ("baseline", "fused")

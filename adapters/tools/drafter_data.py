@@ -31,6 +31,7 @@ import numpy as np
 
 from ortspec.adapters.engine.tokenizer import Tokenizer
 from ortspec.backends.onnx import ModelFolder, make_session_options
+from ortspec.backends.onnx.graph_features import residual_output_name
 
 # --------------------------------------------------------------------------------------------------------------
 # Prompts
@@ -230,16 +231,6 @@ class TargetSequence:
 
     def __len__(self) -> int:
         return len(self.tokens)
-
-
-def residual_output_name(model, layer: int) -> str:
-    """The graph's name for the residual stream entering decoder layer ``layer`` (``layer >= 1``): the fourth
-    output of the builder's ``SkipSimplifiedLayerNormalization`` in front of that layer."""
-    wanted = f"/model/layers.{layer}/input_layernorm/SkipLayerNorm"
-    for node in model.graph.node:
-        if node.name == wanted and len(node.output) > 3 and node.output[3]:
-            return node.output[3]
-    raise ValueError(f"the graph has no node {wanted!r} with a residual output (layer {layer} must be >= 1)")
 
 
 class TargetRunner:

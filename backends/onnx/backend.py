@@ -141,6 +141,7 @@ class OrtBackend:
         self.kv = KvStore(arrays, graph, folder.num_kv_heads, max_length, folder.head_size)
         self._recurrent = RecurrentStates(arrays, graph.states, max_length) if self.stateful else None
         self.hidden_size = graph.hidden_size
+        self.hidden_features = config.hidden_features  # the residual streams after the final state in a hidden row
         self._rows = RowBuffers(arrays, graph, self._vocab)
         self._default = DefaultBinding(arrays, graph, max_length)
         self.static_binding = StaticBinding(arrays, graph, max_length) if self.static_shapes else None

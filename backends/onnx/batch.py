@@ -420,6 +420,11 @@ class OrtBatchBackend:
         """Width of a hidden state (0: the graph has no hidden-states output)."""
         return self.graph.hidden_size
 
+    @property
+    def hidden_features(self) -> tuple[int, ...]:
+        """The layers whose residual streams follow the final state in a hidden row (``BackendConfig``)."""
+        return self.config.hidden_features
+
     def slot_target(self, slot: int) -> SlotTarget:
         """``slot`` (``slots`` names the lone slot) as a shared-KV drafter's target (:class:`SlotTarget`)."""
         self._check_any_slot(slot)
@@ -527,6 +532,10 @@ class SlotTarget:
     @property
     def hidden_size(self) -> int:
         return self.batch.hidden_size
+
+    @property
+    def hidden_features(self) -> tuple[int, ...]:
+        return self.batch.hidden_features
 
     @property
     def kv_dtype(self) -> np.dtype:

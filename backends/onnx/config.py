@@ -67,6 +67,11 @@ def _needs_cuda(instance: BackendConfig, attribute: Any, value: bool) -> None:
         raise ValueError("cuda_graphs=True needs provider='cuda'")
 
 
+def _feature_layers(instance: Any, attribute: Any, value: tuple) -> None:
+    if any(not isinstance(v, int) or isinstance(v, bool) or v < 1 for v in value) or len(set(value)) != len(value):
+        raise ValueError(f"{attribute.name} must be distinct decoder layers >= 1, got {list(value)}")
+
+
 def _accuracy_level(instance: Any, attribute: Any, value: Any) -> None:
     if value is not None and value not in MATMUL_ACCURACY_LEVELS:
         raise ValueError(f"matmul_accuracy_level must be 0..4 or None, got {value!r}")
@@ -93,7 +98,9 @@ class BackendConfig:
     (``"config"``: apply the window ``genai_config.json`` names where the graph ignores it; ``"graph"``: run the
     graph as written) and ``matmul_accuracy_level`` (0..4: every ``MatMulNBits`` node's ``accuracy_level``; 1 =
     float32 compute, which makes a quantized model's verify passes agree with its one-token decodes; None keeps
-    the graph's)."""
+    the graph's) and ``hidden_features`` (decoder layers, each >= 1: the residual stream entering each is appended
+    to every hidden-state row, so a row is ``[(1 + len(hidden_features)) * H]``: what a drafter with fused features
+    reads; empty: the final hidden state alone)."""
 
     provider: str = attrs.field(default="cpu", converter=_lower, validator=_provider)
     device_id: int = attrs.field(default=0, validator=int_at_least(0))
@@ -110,6 +117,7 @@ class BackendConfig:
     graph_max_tokens: int = attrs.field(default=DEFAULT_GRAPH_MAX_TOKENS, validator=int_at_least(1))
     sliding_window: str = attrs.field(default="config", validator=_one_of(SLIDING_WINDOW_POLICIES))
     matmul_accuracy_level: int | None = attrs.field(default=None, validator=_accuracy_level)
+    hidden_features: tuple[int, ...] = attrs.field(default=(), converter=tuple, validator=_feature_layers)
 
     @property
     def static(self) -> bool:

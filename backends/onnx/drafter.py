@@ -69,7 +69,8 @@ class SharedKvTarget(Protocol):
     ``folder``: the target's model folder (its path, layers, KV heads and head size); ``provider`` and
     ``device_id``: where the drafter's session runs; ``array_module`` and ``device_type``: the target's buffers'
     array module and IO-binding device; ``vocab_size``, ``hidden_size`` (0: no hidden states) and ``kv_dtype``: the
-    shapes and type the drafter's graph must match."""
+    shapes and type the drafter's graph must match; ``hidden_features``: the layers whose residual streams follow
+    the final state in a hidden row (``BackendConfig.hidden_features``; a row is ``(1 + len) * H`` wide)."""
 
     @property
     def folder(self) -> ModelFolder: ...
@@ -85,6 +86,8 @@ class SharedKvTarget(Protocol):
     def vocab_size(self) -> int: ...
     @property
     def hidden_size(self) -> int: ...
+    @property
+    def hidden_features(self) -> tuple[int, ...]: ...
     @property
     def kv_dtype(self) -> np.dtype: ...
 

@@ -24,13 +24,15 @@ applies:
   by a ``MatMul`` or ``MatMulNBits`` (the builder's LM head); elsewhere the graph is left as it is
   (``DecoderGraph.keep_name`` None). The hidden-states output (the LM head's input, when the graph has one) is
   sliced the same way: ``[batch, L, hidden]``, the logits' positions.
+* **Fused features** (``hidden_features``): the residual streams entering those layers appended to the hidden-states
+  output, for a drafter that reads them (``graph_features.py``).
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +42,7 @@ import numpy as np
 from ..base import BackendError
 from .config import BackendConfig
 from .folder import CONFIG_NAME, ModelFileError, ModelFolder, external_data_problem
+from .graph_features import append_features
 
 logger = logging.getLogger(__name__)
 
@@ -403,12 +406,15 @@ def rewritten_model(
     windows: Mapping[str, int] | None = None,
     accuracy_level: int | None = None,
     keep_logits: str | None = None,
+    features: Sequence[int] = (),
+    hidden_name: str | None = None,
 ) -> tuple[bytes, GraphFacts]:
     """The ONNX model at ``model_path`` serialized with ``local_window_size`` set to ``windows[past_key]`` on the
     ``GroupQueryAttention`` node reading ``past_key``, (when ``accuracy_level`` is given) every ``MatMulNBits``
     node's ``accuracy_level`` set to it, and (when ``keep_logits`` names the logits output) the logits of the last
-    positions only (module docstring); and the facts of the result. External weights stay where they are (open
-    the bytes with the model's folder as the external-data folder)."""
+    positions only (module docstring), and (with ``features``) the residual streams entering those layers appended
+    to the ``hidden_name`` output (``graph_features.py``); and the facts of the result. External weights stay where
+    they are (open the bytes with the model's folder as the external-data folder)."""
     import onnx
 
     model = _load_proto(model_path)
@@ -418,8 +424,9 @@ def rewritten_model(
             _set_int_attribute(onnx, node, "local_window_size", windows[node.input[3]])
         elif node.op_type == "MatMulNBits" and accuracy_level is not None:
             _set_int_attribute(onnx, node, "accuracy_level", accuracy_level)
-    if keep_logits is not None:
-        _keep_last_logits(onnx, model, keep_logits)
+    kept = _keep_last_logits(onnx, model, keep_logits) if keep_logits is not None else None
+    if features:
+        append_features(onnx, model, str(hidden_name), features, kept)
     return model.SerializeToString(), _facts_of(model)
 
 
@@ -432,13 +439,14 @@ def lm_head(model, logits_name: str):
     return None
 
 
-def _keep_last_logits(onnx, model, logits_name: str) -> bool:
+def _keep_last_logits(onnx, model, logits_name: str) -> tuple[str, str, str] | None:
     """Slice the LM head's input to its last ``KEEP_LOGITS_INPUT`` positions (axis 1); when that input is a graph
     output (the hidden states), the output is the sliced tensor too, so it holds the same positions as the
-    logits. False (and nothing changed) when the logits are not made by a plain LM head."""
+    logits. Returns the slice's ``(starts, ends, axes)`` names; None (and nothing changed) when the logits are not
+    made by a plain LM head."""
     head = lm_head(model, logits_name)
     if head is None:
-        return False
+        return None
     helper, graph = onnx.helper, model.graph
     graph.input.append(helper.make_tensor_value_info(KEEP_LOGITS_INPUT, onnx.TensorProto.INT64, [1]))
     prefix = "/ortspec/keep_logits"
@@ -462,7 +470,7 @@ def _keep_last_logits(onnx, model, logits_name: str) -> bool:
     at = list(graph.node).index(head)
     for offset, node in enumerate(nodes):
         graph.node.insert(at + offset, node)
-    return True
+    return start, f"{prefix}/end", f"{prefix}/axis"
 
 
 def _set_int_attribute(onnx, node, name: str, value: int) -> None:
@@ -530,8 +538,8 @@ class LoadedGraph:
 
 def load_rewrites(folder: ModelFolder, config: BackendConfig, *, keep_logits: bool = False) -> LoadedGraph:
     """Read the folder's graph and apply the rewrites ``config`` asks for (``sliding_window``,
-    ``matmul_accuracy_level``) that change it, and with ``keep_logits`` the logits of the last positions only
-    (where the LM head allows it); ``BackendError`` as :func:`window_rewrites`."""
+    ``matmul_accuracy_level``, ``hidden_features``) that change it, and with ``keep_logits`` the logits of the last
+    positions only (where the LM head allows it); ``BackendError`` as :func:`window_rewrites`."""
     facts = read_graph_facts(folder.model_path)
     if keep_logits:
         keep_logits = lm_head(_load_proto(folder.model_path), folder.logits_name) is not None
@@ -542,12 +550,17 @@ def load_rewrites(folder: ModelFolder, config: BackendConfig, *, keep_logits: bo
     set_level = level is not None and bool(levels) and levels != {level}
     if set_level:
         rewrites.append(f"MatMulNBits accuracy_level {sorted(levels)} -> {level}")
-    if not (windows or set_level or keep_logits):
+    features = config.hidden_features
+    if features:
+        rewrites.append(f"{folder.hidden_states_name} + the residual streams entering layers {list(features)}")
+    if not (windows or set_level or keep_logits or features):
         return LoadedGraph(facts)
     model_bytes, facts = rewritten_model(
         folder.model_path,
         windows=windows,
         accuracy_level=level if set_level else None,
         keep_logits=folder.logits_name if keep_logits else None,
+        features=features,
+        hidden_name=folder.hidden_states_name,
     )
     return LoadedGraph(facts, tuple(rewrites), model_bytes)
