@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 import attrs
 
 from ortspec.adapters.engine import shared
-from ortspec.adapters.engine.drafters import open_drafter
+from ortspec.adapters.engine.drafters import drafter_features, open_drafter, with_drafter_features
 from ortspec.adapters.engine.measured import EngineMeasurements
 from ortspec.adapters.engine.options import (
     AUTO_LOOKUP,
@@ -177,6 +177,7 @@ class Engine(EngineMeasurements):
         folder = ModelFolder.load(Path(path))
         tokenizer = Tokenizer.from_folder(folder.path)
         check_tokenizer_fits(folder, tokenizer)
+        backend_config = with_drafter_features(backend_config, drafter_features(folder, drafter))
         if batch_slots is not None:
             engine = cls._batched(folder, tokenizer, backend_config, batch_slots, prefix_reuse, drafter)
             engine.prefill_budget = prefill_budget

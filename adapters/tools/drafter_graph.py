@@ -41,10 +41,13 @@ from typing import Any
 import attrs
 import numpy as np
 
+from ortspec.backends.onnx.drafter_folder import FeatureFusion
+
 DRAFTER_MODEL = "drafter.onnx"
 DRAFTER_METADATA = "drafter.json"
 INPUT_EMBEDDING = "input_embedding.f32"
 DRAFT_TO_TARGET = "draft_to_target.i64"
+FUSED_FEATURES = "fuse.f32"  # a head's fused first-step input: float32 [(1 + L) * H + 1, H], the matrix then the bias
 GROUP = "full_attention"
 OPSET = 17
 
@@ -289,11 +292,12 @@ def write_drafter_folder(
     *,
     embedding: np.ndarray,
     draft_to_target: np.ndarray | None,
+    fusion: FeatureFusion | None = None,
 ) -> Path:
     """Write a drafter folder (graph, metadata, embedding table, draft map) for ``spec`` into ``out_dir`` (created;
     existing files of these names are replaced). ``embedding``: the target's ``[V, H]`` input-embedding table;
     ``draft_to_target``: int ``[V']`` target ids of the head's logits columns, distinct and in ``[0, V)`` (None:
-    ``V' == V``, identity)."""
+    ``V' == V``, identity); ``fusion``: the head's fused features (``speculative.fused_features``), if any."""
     import onnx
 
     out = Path(out_dir)
@@ -319,6 +323,16 @@ def write_drafter_folder(
         draft_vocab=weights.draft_vocab,
         has_draft_map=draft_to_target is not None,
     )
+    if fusion is not None:
+        rows = (1 + len(fusion.layers)) * weights.hidden_size
+        if fusion.weight.shape != (rows, weights.hidden_size) or fusion.bias.shape != (weights.hidden_size,):
+            raise ValueError(f"the fuse must be [{rows}, {weights.hidden_size}] and its bias [{weights.hidden_size}]")
+        np.concatenate([fusion.weight, fusion.bias[None]]).astype("<f4").tofile(out / FUSED_FEATURES)
+        meta["speculative"]["fused_features"] = {
+            "layers": [int(x) for x in fusion.layers],
+            "eps": float(fusion.eps),
+            "file": FUSED_FEATURES,
+        }
     (out / DRAFTER_METADATA).write_text(json.dumps(meta, indent=1) + "\n", encoding="utf-8")
     return out
 

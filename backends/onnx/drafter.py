@@ -268,10 +268,21 @@ class SharedKvProposer:
                 "drafter reads; rebuild the folder with `ortspec convert` (it rebuilds folders made before) or with "
                 "the onnxruntime-genai builder's extra option include_hidden_states=true"
             )
-        if backend.hidden_size != folder.hidden_size:
+        features = tuple(backend.hidden_features)
+        if backend.hidden_size != folder.hidden_size * (1 + len(features)):
             raise DrafterError(
-                f"{where}: backbone_hidden_size {folder.hidden_size} differs from the target's {backend.hidden_size}"
+                f"{where}: backbone_hidden_size {folder.hidden_size} differs from the target's "
+                f"{backend.hidden_size // (1 + len(features))}"
             )
+        wanted = folder.fusion.layers if folder.fusion is not None else None
+        if wanted is not None and features != wanted:
+            raise DrafterError(
+                f"{where}: the drafter reads the residual streams entering layers {list(wanted)} (fused features), "
+                f"but the target's hidden rows carry layers {list(features)}; open the target with "
+                f"BackendConfig(hidden_features={wanted!r}) (Engine.from_dir does this for the drafter it opens)"
+            )
+        if wanted is not None and backend.device_type != "cpu":
+            raise DrafterError(f"{where}: fused features are applied on the host; not yet on {backend.device_type}")
         if backend.vocab_size != folder.target_vocab:
             raise DrafterError(
                 f"{where}: {folder.embedding_path.name} has {folder.target_vocab} rows but the target's vocabulary "
@@ -345,12 +356,15 @@ class SharedKvProposer:
 
     def draft(self, token: int, kv_len: int, steps: int, picks: DraftPicks | None = None) -> tuple[int, ...]:
         """``steps`` picks starting from ``token`` at position ``kv_len`` (the backend's ``current_len()``) and the
-        backend's hidden state at ``kv_len - 1``: argmax picks, or coupled ones with ``picks``."""
+        backend's hidden state at ``kv_len - 1`` (fused with the residual streams of that row when the folder has
+        fused features): argmax picks, or coupled ones with ``picks``."""
         arrays, hidden = self._arrays, self.folder.hidden_size
         self._bind_kv(kv_len)
         self._positions_host[0, 0] = kv_len
         arrays.upload(self._positions, self._positions_host)
-        arrays.copy(self._embeds[0, 0, hidden:], self.backend.hidden_row(kv_len - 1))
+        row = self.backend.hidden_row(kv_len - 1)
+        fusion = self.folder.fusion
+        arrays.copy(self._embeds[0, 0, hidden:], row[:hidden] if fusion is None else fusion.apply(row))
         draft: list[int] = []
         self.steps += 1
         for i in range(steps):

@@ -7,6 +7,11 @@
   column). ``speculative.proposal_type`` is ``shared_kv``; ``backbone_hidden_size`` is H; ``vocab_size`` is V' (the
   width of the head's ``logits``); ``shared_kv`` lists the groups, each naming its ``target_layers`` (the last one
   listed is bound) and its input prefixes ``key_input``/``value_input``; ``io.kv_layout`` is ``per_kv_head``.
+* **Fused features** (optional, EAGLE-3's): ``speculative.fused_features`` names ``layers`` (decoder layers, each
+  >= 1), ``eps`` and ``file``: raw little-endian float32 ``[(1 + L) * H + 1, H]``, the fuse matrix then its bias
+  row. The head's first step then reads ``fuse(rms(h), rms(r_l) for l in layers)`` (:class:`FeatureFusion`) in place
+  of the final hidden state ``h``, where ``r_l`` is the residual stream entering layer ``l`` at the same position:
+  the target must carry them in its hidden rows (``BackendConfig.hidden_features``).
 
 Errors: a folder that breaks the contract raises ``DrafterError`` naming the file and the key.
 """
@@ -132,6 +137,38 @@ class _Spec:
             raise self.fail(f"{map_path.name} maps two draft ids to the same target id")
         return mapping
 
+    def fusion(self, hidden: int) -> FeatureFusion | None:
+        """``speculative.fused_features`` (module docstring), or None when absent."""
+        section = self.spec.get("fused_features")
+        if section is None:
+            return None
+        where = "speculative.fused_features"
+        layers = section.get("layers") if isinstance(section, Mapping) else None
+        if (
+            not isinstance(layers, list)
+            or not layers
+            or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 1 for x in layers)
+            or len(set(layers)) != len(layers)
+        ):
+            raise self.fail(f"{where}.layers must be a non-empty list of distinct decoder layers >= 1, got {layers!r}")
+        eps = section.get("eps")
+        if isinstance(eps, bool) or not isinstance(eps, int | float) or not 0 < eps < 1:
+            raise self.fail(f"{where}.eps must be a number in (0, 1), got {eps!r}")
+        name = section.get("file")
+        path = self.folder / name if isinstance(name, str) and name else None
+        if path is None or not path.is_file():
+            raise self.fail(f"{where}.file must name a file in {self.folder}, got {name!r}")
+        rows = (1 + len(layers)) * hidden
+        if path.stat().st_size != 4 * (rows + 1) * hidden:
+            raise self.fail(
+                f"{path.name} holds {path.stat().st_size} bytes; expected float32 [{rows + 1}, {hidden}] (the fuse "
+                f"matrix over {1 + len(layers)} parts of backbone_hidden_size, then its bias)"
+            )
+        table = np.fromfile(path, dtype="<f4").reshape(rows + 1, hidden).astype(np.float32)
+        if not np.isfinite(table).all():
+            raise self.fail(f"{path.name} holds values that are not finite")
+        return FeatureFusion(tuple(layers), float(eps), table[:rows], table[rows])
+
     def check_io(self) -> None:
         """``speculative.io``: embeddings in, the target's KV shared, one input per KV head."""
         io = self.spec.get("io", {})
@@ -174,6 +211,23 @@ class _Spec:
 
 
 @attrs.frozen(eq=False)
+class FeatureFusion:
+    """A head's fused first-step input: ``apply(row)`` maps a target hidden row ``[(1 + L) * H]`` (the final hidden
+    state, then the residual stream entering each of ``layers``) to ``[H]``: every part RMS-normalised (``eps``, no
+    weight), concatenated, times ``weight`` ``[(1 + L) * H, H]``, plus ``bias`` ``[H]``; float32 on the host."""
+
+    layers: tuple[int, ...]
+    eps: float
+    weight: np.ndarray
+    bias: np.ndarray
+
+    def apply(self, row: np.ndarray) -> np.ndarray:
+        parts = np.asarray(row, np.float32).reshape(1 + len(self.layers), -1)
+        normed = parts / np.sqrt(np.mean(np.square(parts), axis=1, keepdims=True) + self.eps)
+        return (normed.reshape(-1) @ self.weight + self.bias).astype(np.float32)
+
+
+@attrs.frozen(eq=False)
 class DrafterFolder:
     """A validated drafter folder (see the module docstring); :meth:`load` makes one.
 
@@ -182,7 +236,7 @@ class DrafterFolder:
     ``stop_below`` (``ortspec.stop_below``, default 0): the probability below which a pick of the head is not
     drafted, the default of a ``SharedKvProposer`` opened on it (``train-drafter`` records the recipe's; a draft
     token that unlikely is seldom accepted and costs a head step and a verify row). ``metadata`` is the whole
-    parsed ``drafter.json``."""
+    parsed ``drafter.json``. ``fusion``: the head's fused features (None: it reads the final hidden state)."""
 
     path: Path
     model_path: Path
@@ -197,6 +251,7 @@ class DrafterFolder:
     projected_state_name: str
     stop_below: float
     metadata: Mapping[str, Any]
+    fusion: FeatureFusion | None = None
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> DrafterFolder:
@@ -235,6 +290,7 @@ class DrafterFolder:
             projected_state_name=spec.text("projected_state_output", "projected_state"),
             stop_below=spec.stop_below(),
             metadata=spec.raw,
+            fusion=spec.fusion(hidden),
         )
 
     def embedding(self) -> np.ndarray:

@@ -12,6 +12,7 @@ import numpy as np
 from ortspec.adapters.tools.drafter_graph import DrafterSpec, HeadWeights, write_drafter_folder
 from ortspec.adapters.tools.target_tables import TargetTables
 from ortspec.backends.onnx import ModelFolder
+from ortspec.backends.onnx.drafter_folder import FeatureFusion
 from ortspec.backends.onnx.fingerprint import target_fingerprint
 
 
@@ -24,12 +25,14 @@ def make_random_drafter(
     intermediate: int | None = None,
     target_layer: int | None = None,
     num_speculative_tokens: int = 4,
+    fused_layers: tuple[int, ...] = (),
 ) -> Path:
     """A drafter folder with random weights for the target folder ``target`` (the contract's wiring, not its
     quality: its drafts are mostly wrong). It reads the target's last layer (or ``target_layer``), predicts the first
     ``draft_vocab`` target ids (default: all; fewer makes a ``draft_to_target`` map of scattered ids, so the map is
-    not the identity) and has an MLP of ``intermediate`` (default ``2 * hidden``). Same arguments, same
-    folder. Returns ``out_dir``."""
+    not the identity) and has an MLP of ``intermediate`` (default ``2 * hidden``); with ``fused_layers`` its first
+    step reads those layers' residual streams too, through a random fuse. Same arguments, same folder. Returns
+    ``out_dir``."""
     folder = ModelFolder.load(target)
     tables = TargetTables(folder)
     embedding = tables.embedding()
@@ -76,4 +79,9 @@ def make_random_drafter(
         verifier={"name_or_path": folder.path.name},
         extra={"target": target_fingerprint(folder.path), "weights": f"random (seed {seed})"},
     )
-    return write_drafter_folder(out_dir, weights, spec, embedding=embedding, draft_to_target=mapping)
+    fusion = None
+    if fused_layers:
+        parts = 1 + len(fused_layers)
+        fuse = randn(parts * hidden, hidden, scale=1 / np.sqrt(parts * hidden))
+        fusion = FeatureFusion(tuple(fused_layers), tables.eps, fuse, randn(hidden, scale=0.1))
+    return write_drafter_folder(out_dir, weights, spec, embedding=embedding, draft_to_target=mapping, fusion=fusion)
