@@ -7,22 +7,21 @@ same held-out sequences, acceptance per draft position.
                                      [--out docs/bench/fused-features.md]
 
 * **Data**: ``ortspec train-drafter``'s own (``drafter_data.collect``: the target's greedy continuations of the
-  recipe's prompts, ``--sequences`` of them, seed ``--seed``), plus, for every position, the residual stream entering
-  each of ``--layers`` (one prompt-length run per sequence of the target's graph with those outputs added; its final
-  hidden states are checked against the data's).
+  recipe's prompts, ``--sequences`` of them, seed ``--seed``), its hidden rows carrying, after the final hidden
+  state, the residual stream entering each of ``--layers`` (``BackendConfig.hidden_features``' rewrite).
 * **Baseline**: the recipe's head (``train_drafter``: ridge-initialised ``fc``, the target's last layer copied,
   the draft vocabulary ranked on the training sequences), trained by ``drafter_training.train_head`` with
   ``TrainConfig`` at these counts.
 * **Fused**: the same head, initialised the same, whose first step reads ``fuse(rms(h), rms(r_l) for l in layers)``
-  (``fuse``: a trained ``[(1 + L) H, H]`` matrix and bias, initialised to pass ``rms(h)`` through, so the two heads
-  start identical) in place of the final hidden state ``h``; later steps read the head's own state, as before.
+  (``drafter_head.fused_torch_head``: a trained ``[(1 + L) H, H]`` matrix and bias, initialised to pass ``rms(h)``
+  through, so the two heads start identical) in place of the final hidden state ``h``; later steps read the head's
+  own state, as before. ``ortspec train-drafter --feature-layers`` trains and exports the same head.
 * Both train in parallel, one process and one torch thread each; the held-out acceptance (``evaluate``: drafts
   chained on the head's own picks, accepted up to the first pick that differs from the target's greedy token) is
   measured every ``eval_every`` updates.
 
-Training (not the measurement) is the slow part: about 32 minutes for the defaults on 2 cores. The drafter this
-produces is not exported: the runtime reads only the final hidden state (docs/drafter.md says what shipping it
-needs).
+Training (not the measurement) is the slow part: about 32 minutes for the defaults on 2 cores. The heads are not
+exported (``ortspec train-drafter --feature-layers 8 15 22`` makes a drafter folder that the runtime reads).
 """
 
 from __future__ import annotations
@@ -43,75 +42,21 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np  # noqa: E402
 
-from ortspec.adapters.tools.drafter_data import TargetSequence, collect  # noqa: E402
+from ortspec.adapters.tools.drafter_data import collect  # noqa: E402
 from ortspec.adapters.tools.drafter_recipe import TrainConfig  # noqa: E402
-from ortspec.backends.onnx import ModelFolder, make_session_options  # noqa: E402
-from ortspec.backends.onnx.graph_features import residual_output_name  # noqa: E402
+from ortspec.backends.onnx import ModelFolder  # noqa: E402
 
 DEFAULT_MODEL = Path("~/.cache/ortspec/models/SmolLM2-135M-Instruct-fp32").expanduser()
 ARMS = ("baseline", "fused")
 
 
-def layer_residuals(target: ModelFolder, sequences: Sequence[TargetSequence], layers: Sequence[int], threads: int):
-    """Per sequence, float32 ``[n, len(layers) * H]``: the residual stream entering each of ``layers`` at every
-    position, from one run of the target's graph over the whole sequence (no past), with those outputs added."""
-    import onnx
-    import onnxruntime as ort
-
-    model = onnx.load(str(target.model_path))
-    names = [residual_output_name(model, layer) for layer in layers]
-    model.graph.output.extend(onnx.ValueInfoProto(name=name) for name in names)
-    options = make_session_options(threads=threads, genai_session_options=target.session_options)
-    session = ort.InferenceSession(model.SerializeToString(), sess_options=options, providers=["CPUExecutionProvider"])
-    del model
-    empty = np.zeros([1, target.num_kv_heads, 0, target.head_size], np.float32)
-    out = []
-    for s in sequences:
-        feed: dict[str, np.ndarray] = {target.input_ids_name: s.tokens[None].astype(np.int64)}
-        for given in session.get_inputs():
-            if given.name == target.attention_mask_name or given.name == "attention_mask":
-                feed[given.name] = np.ones((1, len(s)), np.int64)
-            elif given.name != target.input_ids_name:
-                feed[given.name] = empty  # the KV inputs: no past
-        hidden, *residuals = session.run([target.hidden_states_name, *names], feed)
-        drift = float(np.abs(hidden[0] - s.hidden).max())
-        if drift > 1e-2:
-            raise RuntimeError(f"the final hidden states differ from the data's by {drift:.3g}")
-        out.append(np.concatenate([r[0] for r in residuals], axis=1).astype(np.float32))
-    return out
-
-
-def fused_head(head, features: int, hidden: int):
-    """``head`` whose first step reads ``fuse(rms(h), rms(r_1), ..., rms(r_L))`` from a ``[B, Q, features * H]``
-    state (later steps pass an ``[B, Q, H]`` state through as before); ``fuse`` starts as ``[I, 0, ..., 0]``."""
-    import torch
-    from torch import nn
-
-    class Fused(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.head = head
-            start = np.zeros((features * hidden, hidden), np.float32)
-            start[:hidden] = np.eye(hidden, dtype=np.float32)
-            self.fuse_w = nn.Parameter(torch.from_numpy(start))
-            self.fuse_b = nn.Parameter(torch.zeros(hidden))
-
-        def forward(self, embeds, states, *rest):
-            if states.shape[-1] != hidden:
-                parts = [self.head.rms(part, 1.0) for part in states.split(hidden, -1)]
-                states = torch.cat(parts, -1) @ self.fuse_w + self.fuse_b
-            return self.head(embeds, states, *rest)
-
-    return Fused()
-
-
-def train_arm(arm: str, data_path: str, cfg: TrainConfig, model: str, queue) -> None:
+def train_arm(arm: str, data_path: str, cfg: TrainConfig, model: str, layers: Sequence[int], queue) -> None:
     """Train one arm on the data pickled at ``data_path``; put ``(arm, TrainingRun, ridge fit, seconds)`` on
     ``queue``."""
     import attrs
     import torch
 
-    from ortspec.adapters.tools.drafter_head import torch_head
+    from ortspec.adapters.tools.drafter_head import fused_torch_head, torch_head
     from ortspec.adapters.tools.drafter_training import TrainingSet, train_head
     from ortspec.adapters.tools.target_tables import TargetTables
     from ortspec.adapters.tools.train_drafter import initial_weights, rank_vocabulary, ridge_fc
@@ -119,7 +64,7 @@ def train_arm(arm: str, data_path: str, cfg: TrainConfig, model: str, queue) -> 
     torch.set_num_threads(1)
     torch.manual_seed(cfg.seed)
     with open(data_path, "rb") as f:
-        train, hold, train_extra, hold_extra = pickle.load(f)
+        train, hold = pickle.load(f)  # hidden rows: the final hidden state, then the feature layers' streams
     target = ModelFolder.load(model)
     tables = TargetTables(target)
     embedding = tables.embedding()
@@ -130,14 +75,9 @@ def train_arm(arm: str, data_path: str, cfg: TrainConfig, model: str, queue) -> 
     fc, fc_bias, fit = ridge_fc(train, embedding, tables.eps, cfg.ridge)
     head = torch_head(initial_weights(tables, target.num_layers - 1, draft_ids, fc, fc_bias), target.num_kv_heads)
     if arm == "fused":
-        features = 1 + train_extra[0].shape[1] // hidden
-        head = fused_head(head, features, hidden)
-
-        def widen(seqs, extra):
-            pairs = zip(seqs, extra, strict=True)
-            return [attrs.evolve(s, hidden=np.concatenate([s.hidden, e], axis=1)) for s, e in pairs]
-
-        train, hold = widen(train, train_extra), widen(hold, hold_extra)
+        head = fused_torch_head(head, tuple(layers), tables.eps)
+    else:
+        train, hold = ([attrs.evolve(s, hidden=s.hidden[:, :hidden]) for s in seqs] for seqs in (train, hold))
     data = TrainingSet(
         embedding=torch.from_numpy(np.ascontiguousarray(embedding)),
         to_draft=to_draft,
@@ -159,8 +99,7 @@ def run(args: argparse.Namespace) -> str:
     load_start = os.getloadavg()
     t0 = time.perf_counter()
     sequences = collect(target, target.num_layers - 1, count=cfg.sequences, batch=cfg.batch, max_new=cfg.max_new,
-                        seed=cfg.seed, threads=args.threads, progress=print)  # fmt: skip
-    extra = layer_residuals(target, sequences, args.layers, args.threads)
+                        seed=cfg.seed, threads=args.threads, progress=print, features=args.layers)  # fmt: skip
     data_seconds = time.perf_counter() - t0
     order = np.random.default_rng(cfg.seed).permutation(len(sequences))  # the split train_drafter makes
     hold_i, train_i = np.sort(order[: cfg.heldout]), np.sort(order[cfg.heldout :])
@@ -169,12 +108,10 @@ def run(args: argparse.Namespace) -> str:
     with tempfile.TemporaryDirectory() as tmp:
         data_path = os.path.join(tmp, "data.pkl")
         with open(data_path, "wb") as f:
-            pickle.dump(
-                ([sequences[i] for i in train_i], [sequences[i] for i in hold_i],
-                 [extra[i] for i in train_i], [extra[i] for i in hold_i]), f,
-            )  # fmt: skip
-        del sequences, extra
-        workers = [context.Process(target=train_arm, args=(arm, data_path, cfg, args.model, queue)) for arm in ARMS]
+            pickle.dump(([sequences[i] for i in train_i], [sequences[i] for i in hold_i]), f)
+        del sequences
+        jobs = [(arm, data_path, cfg, args.model, args.layers, queue) for arm in ARMS]
+        workers = [context.Process(target=train_arm, args=job) for job in jobs]
         for w in workers:
             w.start()
         results = dict((arm, (run_, fit, seconds)) for arm, run_, fit, seconds in (queue.get() for _ in ARMS))

@@ -135,3 +135,31 @@ def test_the_engine_opens_the_target_with_the_streams_and_output_equals_plain(ti
                 assert spec.token_ids == plain.token_ids
     assert engine.generate("Hello there", max_tokens=16, ignore_eos=True, speculative="shared-kv",
                            draft_width=3).stats.proposed_tokens > 0  # fmt: skip
+
+
+def test_train_drafter_makes_a_fused_drafter_that_the_engine_runs_exactly(tiny_model_dir, tmp_path):
+    """``TrainConfig(feature_layers=...)``: the data's hidden rows carry the streams, the head trains with a fuse,
+    the folder holds it, the exported graph with the host's fuse computes the torch head, and an Engine runs it."""
+    pytest.importorskip("torch")
+    from ortspec.adapters.engine import Engine
+    from ortspec.adapters.tools.drafter_recipe import TrainConfig
+    from ortspec.adapters.tools.train_drafter import train_drafter
+
+    recipe = TrainConfig(sequences=12, heldout=4, batch=4, max_new=24, updates=6, eval_every=3, draft_vocab=200,
+                         steps=2, train_batch=4, threads=1, feature_layers=(1,), stop_below=0.0)  # fmt: skip
+    folder = train_drafter(tiny_model_dir, tmp_path / "fused", recipe, progress=None)
+    loaded = DrafterFolder.load(folder)
+    assert loaded.fusion is not None and loaded.fusion.layers == (1,)
+    assert not np.allclose(loaded.fusion.weight[loaded.hidden_size :], 0)  # the fuse learnt to read the stream
+    record = json.loads((folder / DRAFTER_METADATA).read_text())["ortspec"]["training"]
+    assert record["config"]["feature_layers"] == [1]
+    check = record["export_check"]["fp32"]
+    assert check["picks_agree"] == check["checked"] > 0 and check["max_logit_diff"] < 1e-3
+    with pytest.raises(ValueError, match=r"feature_layers must be in \[1, 2\)"):
+        train_drafter(tiny_model_dir, tmp_path / "bad", TrainConfig(feature_layers=(2,), sequences=12, heldout=4))
+    engine = Engine.from_dir(tiny_model_dir, BackendConfig(threads=1, max_length=256), drafter=folder)
+    plain = engine.generate("The quick brown fox", max_tokens=24, ignore_eos=True)
+    spec = engine.generate(
+        "The quick brown fox", max_tokens=24, ignore_eos=True, speculative="shared-kv", draft_width=3
+    )
+    assert spec.token_ids == plain.token_ids and spec.stats.proposed_tokens > 0

@@ -76,9 +76,9 @@ def test_a_batch_slot_carries_them_too(tiny_model_dir):
 
 
 def test_bad_feature_layers_are_refused_by_name(tiny_model_dir):
-    with pytest.raises(ValueError, match="hidden_features must be distinct decoder layers >= 1"):
+    with pytest.raises(ValueError, match="feature layers must be distinct decoder layers >= 1"):
         BackendConfig(hidden_features=(0,))
-    with pytest.raises(ValueError, match="hidden_features"):
+    with pytest.raises(ValueError, match=r"feature layers must be distinct .*got \[1, 1\]"):
         BackendConfig(hidden_features=(1, 1))
     with pytest.raises(BackendError, match="layers.5/input_layernorm"):
         OrtBackend.from_folder(tiny_model_dir, BackendConfig(threads=1, hidden_features=(5,)))

@@ -62,6 +62,11 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         help="target layer whose KV the head reads (default: the last)",
     )  # fmt: skip
     p.add_argument(
+        "--feature-layers", type=positive_int, nargs="+", default=list(default("feature_layers")), metavar="L",
+        help="target layers whose residual streams the head's first step reads too, through a trained fuse "
+        "(EAGLE-3's fused features; default: none, the final hidden state alone)",
+    )  # fmt: skip
+    p.add_argument(
         "--threads", type=positive_int, default=None, metavar="N",
         help="threads for onnxruntime and torch (default: torch's, all cores; fix it to reproduce a run)",
     )  # fmt: skip
@@ -93,6 +98,7 @@ def run(args: argparse.Namespace) -> int:
         threads=args.threads,
         num_speculative_tokens=args.num_speculative_tokens,
         weights=args.weights,
+        feature_layers=tuple(args.feature_layers),
     )
     folder = train_drafter(model_dir(args), args.out, config, progress=lambda m: print(m, file=sys.stderr))
     print(folder)

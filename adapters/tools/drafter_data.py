@@ -31,7 +31,7 @@ import numpy as np
 
 from ortspec.adapters.engine.tokenizer import Tokenizer
 from ortspec.backends.onnx import ModelFolder, make_session_options
-from ortspec.backends.onnx.graph_features import residual_output_name
+from ortspec.backends.onnx.graph_features import append_features, residual_output_name
 
 # --------------------------------------------------------------------------------------------------------------
 # Prompts
@@ -218,7 +218,8 @@ def prompt_batches(
 @attrs.frozen(eq=False)
 class TargetSequence:
     """One prompt and the target's greedy continuation with what it computed (see the module docstring):
-    ``tokens`` int64 ``[n]``, ``prompt_len``, ``labels`` int64 ``[n]``, ``hidden`` and ``residual`` float32
+    ``tokens`` int64 ``[n]``, ``prompt_len``, ``labels`` int64 ``[n]``, ``hidden`` float32 ``[n, (1 + F) * H]`` (the
+    final hidden state, then the residual streams of the runner's ``F`` feature layers), ``residual`` float32
     ``[n, H]``, ``keys`` and ``values`` float32 ``[kv_heads, n, head_size]``."""
 
     tokens: np.ndarray
@@ -237,10 +238,14 @@ class TargetRunner:
     """The target's graph on onnxruntime (CPU) for a batch of equal-length sequences, greedy, with its KV in
     preallocated ``[batch, kv_heads, capacity, head_size]`` buffers shared between past and present (the
     builder's ``GroupQueryAttention`` appends in place). ``layer`` is the layer whose residual stream and KV are
-    kept. The graph is loaded with its weights and one more output (the residual) and the session made from its
-    bytes (the folder is only read)."""
+    kept; ``features``: layers whose residual streams follow the final hidden state in each ``hidden`` row, as the
+    runtime gives them to a drafter with fused features (``graph_features.append_features``, the same rewrite).
+    The graph is loaded with its weights and one more output (the residual) and the session made from its bytes
+    (the folder is only read)."""
 
-    def __init__(self, folder: ModelFolder, layer: int, *, threads: int | None = None) -> None:
+    def __init__(
+        self, folder: ModelFolder, layer: int, *, threads: int | None = None, features: Sequence[int] = ()
+    ) -> None:
         import onnx
         import onnxruntime as ort
 
@@ -248,6 +253,8 @@ class TargetRunner:
         model = onnx.load(str(folder.model_path))  # with its weights: the session is made from bytes
         self.residual_name = residual_output_name(model, layer)
         model.graph.output.append(onnx.ValueInfoProto(name=self.residual_name))
+        if features:
+            append_features(onnx, model, folder.hidden_states_name, features)
         options = make_session_options(threads=threads, genai_session_options=folder.session_options)
         self.session = ort.InferenceSession(
             model.SerializeToString(), sess_options=options, providers=["CPUExecutionProvider"]
@@ -256,7 +263,8 @@ class TargetRunner:
         outputs = {o.name: o for o in self.session.get_outputs()}
         if folder.hidden_states_name not in outputs:
             raise ValueError(f"{folder.model_path} has no {folder.hidden_states_name!r} output")
-        self.hidden_size = int(outputs[folder.hidden_states_name].shape[2])
+        self.row_size = int(outputs[folder.hidden_states_name].shape[2])  # (1 + len(features)) * H
+        self.hidden_size = self.row_size // (1 + len(features))
         inputs = {i.name for i in self.session.get_inputs()}
         self.mask_name = next((n for n in (folder.attention_mask_name, "attention_mask") if n and n in inputs), None)
 
@@ -271,16 +279,17 @@ class TargetRunner:
             raise ValueError("every prompt of a batch must have the same length")
         cap = plen + max_new
         kvh, size, hidden, vocab = f.num_kv_heads, f.head_size, self.hidden_size, f.vocab_size
+        row_width = self.row_size
         shape = [batch, kvh, cap, size]
         kv = [np.zeros(shape, np.float32) for _ in range(2 * f.num_layers)]
         rows = plen
         logits = np.empty((batch, rows, vocab), np.float32)
-        hid = np.empty((batch, rows, hidden), np.float32)
+        hid = np.empty((batch, rows, row_width), np.float32)
         res = np.empty((batch, rows, hidden), np.float32)
         tokens = np.zeros((batch, cap), np.int64)
         tokens[:, :plen] = np.asarray(prompts, np.int64)
         labels = np.zeros((batch, cap), np.int64)
-        hidden_all = np.zeros((batch, cap, hidden), np.float32)
+        hidden_all = np.zeros((batch, cap, row_width), np.float32)
         residual_all = np.zeros((batch, cap, hidden), np.float32)
         mask = np.ones((batch, cap), np.int64)
         binding = self.session.io_binding()
@@ -301,15 +310,15 @@ class TargetRunner:
                 binding.bind_cpu_input(self.mask_name, np.ascontiguousarray(mask[:, : start + count]))
             for name, buffer, width in (
                 (f.logits_name, logits, vocab),
-                (f.hidden_states_name, hid, hidden),
+                (f.hidden_states_name, hid, row_width),
                 (self.residual_name, res, hidden),
             ):
                 binding.bind_output(name, "cpu", 0, np.float32, [batch, count, width], buffer.ctypes.data)
             self.session.run_with_iobinding(binding)
             flat = logits.reshape(-1)[: batch * count * vocab].reshape(batch, count, vocab)
             labels[:, start : start + count] = flat.argmax(-1)
-            hidden_all[:, start : start + count] = hid.reshape(-1)[: batch * count * hidden].reshape(
-                batch, count, hidden
+            hidden_all[:, start : start + count] = hid.reshape(-1)[: batch * count * row_width].reshape(
+                batch, count, row_width
             )
             residual_all[:, start : start + count] = res.reshape(-1)[: batch * count * hidden].reshape(
                 batch, count, hidden
@@ -352,13 +361,14 @@ def collect(
     threads: int | None = None,
     deadline: float | None = None,
     progress: Callable[[str], None] | None = None,
+    features: Sequence[int] = (),
 ) -> list[TargetSequence]:
-    """The first ``count`` sequences of :func:`prompt_batches` (``seed``) run through :class:`TargetRunner`, in
-    order: the same ``count`` and ``seed`` give the same prompts. Stops early, after the batch under way, only once
-    ``deadline`` (a ``time.perf_counter()`` value; None: never) has passed."""
+    """The first ``count`` sequences of :func:`prompt_batches` (``seed``) run through :class:`TargetRunner` (its
+    ``features`` too), in order: the same ``count`` and ``seed`` give the same prompts. Stops early, after the batch
+    under way, only once ``deadline`` (a ``time.perf_counter()`` value; None: never) has passed."""
     say = progress or (lambda _m: None)
     tokenizer = Tokenizer.from_folder(folder.path)
-    runner = TargetRunner(folder, layer, threads=threads)
+    runner = TargetRunner(folder, layer, threads=threads, features=features)
     t0 = time.perf_counter()
     sequences: list[TargetSequence] = []
     said = 0.0

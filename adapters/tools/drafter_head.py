@@ -71,3 +71,45 @@ def torch_head(weights: HeadWeights, kv_heads: int):
             return attrs.evolve(weights, **arrays)
 
     return Head()
+
+
+def fused_torch_head(head, layers: tuple[int, ...], eps: float):
+    """``head`` (a :func:`torch_head`) whose first step reads fused features (``drafter_folder.FeatureFusion``'s
+    computation): given a state ``[B, Q, (1 + L) * H]`` (a target hidden row: the final hidden state, then the
+    residual streams entering ``layers``), it feeds ``fuse(rms(part) for each part)`` to ``head``; a state ``[B, Q,
+    H]`` (the head's own, from the second step on) passes through. ``fuse`` (a ``[(1 + L) H, H]`` matrix and bias)
+    starts as ``[I, 0, ..., 0]``, so the fused head starts as ``head``. ``weights()`` is the head's; ``fusion()`` the
+    trained fuse as a ``FeatureFusion``."""
+    import torch
+    from torch import nn
+
+    from ortspec.backends.onnx.drafter_folder import FeatureFusion
+
+    hidden = int(head.norm_hidden.shape[0])
+    parts = 1 + len(layers)
+
+    class Fused(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.head = head
+            start = np.zeros((parts * hidden, hidden), np.float32)
+            start[:hidden] = np.eye(hidden, dtype=np.float32)
+            self.fuse_w = nn.Parameter(torch.from_numpy(start))
+            self.fuse_b = nn.Parameter(torch.zeros(hidden))
+
+        def forward(self, embeds, states, *rest):
+            if states.shape[-1] != hidden:
+                normed = [
+                    part * torch.rsqrt(part.pow(2).mean(-1, keepdim=True) + eps) for part in states.split(hidden, -1)
+                ]
+                states = torch.cat(normed, -1) @ self.fuse_w + self.fuse_b
+            return self.head(embeds, states, *rest)
+
+        def weights(self) -> HeadWeights:
+            return self.head.weights()
+
+        def fusion(self) -> FeatureFusion:
+            weight, bias = self.fuse_w.detach().numpy().copy(), self.fuse_b.detach().numpy().copy()
+            return FeatureFusion(tuple(layers), float(eps), weight, bias)
+
+    return Fused()

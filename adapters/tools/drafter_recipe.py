@@ -9,6 +9,7 @@ from __future__ import annotations
 import attrs
 
 from ortspec.adapters.tools.drafter_graph import WEIGHT_FORMATS
+from ortspec.backends.onnx.config import feature_layers
 from ortspec.backends.onnx.drafter import check_stop_below
 
 _positive = attrs.validators.gt(0)
@@ -34,7 +35,9 @@ class TrainConfig:
     ``stop_below``: recorded in the drafter (``ortspec.stop_below``), the probability below which its head's pick is
     not drafted (measured on the shipped drafter: docs/drafter.md, "Confidence stop"); ``weights``:
     how the exported graph stores its MatMul weights (``int8``, default: a quarter of the bytes a draft step reads;
-    ``fp32``: the trained values as they are)."""
+    ``fp32``: the trained values as they are); ``feature_layers``: the target layers whose residual streams the
+    head's first step reads too, through a trained fuse (EAGLE-3's fused features; empty: the final hidden state
+    alone; docs/drafter.md)."""
 
     sequences: int = attrs.field(default=1536, validator=_positive)
     heldout: int = attrs.field(default=64, validator=_positive)
@@ -60,6 +63,7 @@ class TrainConfig:
     ridge: float = 1e-2
     num_speculative_tokens: int = 4
     weights: str = attrs.field(default="int8", validator=attrs.validators.in_(WEIGHT_FORMATS))
+    feature_layers: tuple[int, ...] = attrs.field(default=(), converter=feature_layers)
 
     def __attrs_post_init__(self) -> None:
         if self.heldout >= self.sequences:

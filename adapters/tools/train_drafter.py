@@ -46,7 +46,7 @@ from ortspec.adapters.tools.drafter_graph import (
     quantize_weights,
     write_drafter_folder,
 )
-from ortspec.adapters.tools.drafter_head import torch_head
+from ortspec.adapters.tools.drafter_head import fused_torch_head, torch_head
 from ortspec.adapters.tools.drafter_recipe import TrainConfig
 from ortspec.adapters.tools.drafter_training import TrainingRun, TrainingSet, train_head
 from ortspec.adapters.tools.folders import replace_folder
@@ -79,7 +79,8 @@ def ridge_fc(
     sequences: Sequence[TargetSequence], embedding: np.ndarray, eps: float, ridge: float
 ) -> tuple[np.ndarray, np.ndarray, dict[str, float]]:
     """``fc`` ``[2H, H]`` and ``fc_bias`` ``[H]`` minimising ``|[rms(E[t_p]), rms(h_{p-1})] @ fc + b - r_p|^2 +
-    ridge * tr(X^T X) / 2H * |fc|^2`` over every position p >= 1 of ``sequences``, and the fit's R^2."""
+    ridge * tr(X^T X) / 2H * |fc|^2`` over every position p >= 1 of ``sequences``, and the fit's R^2 (``h``: the
+    final hidden state, a hidden row's first H values)."""
     hidden = embedding.shape[1]
     gram = np.zeros((2 * hidden + 1, 2 * hidden + 1), np.float64)
     cross = np.zeros((2 * hidden + 1, hidden), np.float64)
@@ -88,7 +89,11 @@ def ridge_fc(
     sum_y2 = np.zeros(hidden)
     for s in sequences:
         x = np.concatenate(
-            [_rms(embedding[s.tokens[1:]], eps), _rms(s.hidden[:-1], eps), np.ones((len(s) - 1, 1), np.float32)],
+            [
+                _rms(embedding[s.tokens[1:]], eps),
+                _rms(s.hidden[:-1, :hidden], eps),
+                np.ones((len(s) - 1, 1), np.float32),
+            ],
             axis=1,
         ).astype(np.float64)
         y = s.residual[1:].astype(np.float64)
@@ -145,7 +150,9 @@ def initial_weights(
 
 def check_export(folder: Path, head, embedding, hold: Sequence[TargetSequence], to_draft, target: ModelFolder):
     """Run the exported graph (onnxruntime) and the torch head on the same inputs (held-out positions, teacher
-    forced: token p, hidden p - 1, KV < p) and return the largest logit difference and how often the picks agree."""
+    forced: token p, hidden row p - 1, KV < p; with fused features, the graph gets the folder's fuse of the row as the
+    runtime computes it, the torch head the row) and return the largest logit difference and how often the picks
+    agree."""
     import onnxruntime as ort
     import torch
 
@@ -157,7 +164,9 @@ def check_export(folder: Path, head, embedding, hold: Sequence[TargetSequence], 
     worst, agree, total = 0.0, 0, 0
     for s in hold[:4]:
         for p in range(max(1, s.prompt_len), len(s), 17):
-            embeds = np.concatenate([embedding[s.tokens[p]], s.hidden[p - 1]])[None, None].astype(np.float32)
+            row = s.hidden[p - 1]
+            state = drafter.fusion.apply(row) if drafter.fusion is not None else row
+            embeds = np.concatenate([embedding[s.tokens[p]], state])[None, None].astype(np.float32)
             feeds: dict[str, np.ndarray] = {"inputs_embeds": embeds, "position_ids": np.array([[p]], np.int64)}
             for h in range(target.num_kv_heads):
                 feeds[keys_in[h]] = np.ascontiguousarray(s.keys[h : h + 1, :p][None])
@@ -166,7 +175,7 @@ def check_export(folder: Path, head, embedding, hold: Sequence[TargetSequence], 
             with torch.no_grad():
                 ref, _ = head(
                     torch.from_numpy(embeds[:, :, : drafter.hidden_size]),
-                    torch.from_numpy(embeds[:, :, drafter.hidden_size :]),
+                    torch.from_numpy(np.asarray(row, np.float32)[None, None]),
                     torch.tensor([[p]]),
                     torch.from_numpy(s.keys[None, :, :p]),
                     torch.from_numpy(s.values[None, :, :p]),
@@ -210,6 +219,8 @@ def train_drafter(
     layer = target.num_layers - 1 if cfg.layer is None else cfg.layer
     if not 1 <= layer < target.num_layers:
         raise ValueError(f"layer must be in [1, {target.num_layers}), got {layer}")
+    if any(f >= target.num_layers for f in cfg.feature_layers):
+        raise ValueError(f"feature_layers must be in [1, {target.num_layers}), got {list(cfg.feature_layers)}")
     dest = Path(out_dir) if out_dir is not None else drafter_dir(target.path)
     threads = cfg.threads or torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -232,6 +243,7 @@ def train_drafter(
         threads=threads,
         deadline=None if bound is None else t_start + bound * cfg.data_share,
         progress=say,
+        features=cfg.feature_layers,
     )
     t_data = time.perf_counter() - t_start
     order = np.random.default_rng(cfg.seed).permutation(len(sequences))
@@ -305,6 +317,8 @@ def _fit(
     coverage = float(np.isin(generated, draft_ids).mean()) if len(generated) else None
     fc, fc_bias, fit = ridge_fc(train, embedding, tables.eps, cfg.ridge)
     head = torch_head(initial_weights(tables, layer, draft_ids, fc, fc_bias), target.num_kv_heads)
+    if cfg.feature_layers:
+        head = fused_torch_head(head, cfg.feature_layers, tables.eps)
     table = torch.from_numpy(np.ascontiguousarray(embedding))
     data = TrainingSet(
         embedding=table, to_draft=to_draft, to_target=torch.from_numpy(draft_ids), train=train, hold=hold
@@ -351,7 +365,10 @@ def _export(
     )
     head, embedding, hold, to_draft = fitted.head, fitted.data.embedding.numpy(), fitted.data.hold, fitted.data.to_draft
     try:
-        write_drafter_folder(staged, head.weights(), spec, embedding=embedding, draft_to_target=fitted.draft_ids)
+        fusion = head.fusion() if cfg.feature_layers else None
+        write_drafter_folder(
+            staged, head.weights(), spec, embedding=embedding, draft_to_target=fitted.draft_ids, fusion=fusion
+        )
         export_check = check_export(staged, head, embedding, hold, to_draft, target)
         if cfg.weights == "int8":
             # the float32 graph must equal the torch head; the int8 one is then measured against it

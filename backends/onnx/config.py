@@ -67,13 +67,14 @@ def _needs_cuda(instance: BackendConfig, attribute: Any, value: bool) -> None:
         raise ValueError("cuda_graphs=True needs provider='cuda'")
 
 
-def _layers(value: Iterable[int]) -> tuple[int, ...]:
-    return tuple(value)
-
-
-def _feature_layers(instance: Any, attribute: Any, value: tuple) -> None:
-    if any(not isinstance(v, int) or isinstance(v, bool) or v < 1 for v in value) or len(set(value)) != len(value):
-        raise ValueError(f"{attribute.name} must be distinct decoder layers >= 1, got {list(value)}")
+def feature_layers(value: Iterable[int]) -> tuple[int, ...]:
+    """``value`` as the layers of fused features (``hidden_features``, a drafter recipe's ``feature_layers``): a
+    tuple of distinct decoder layers, each >= 1 (the residual stream entering layer 0 is the embedding), else
+    ``ValueError`` naming them."""
+    layers = tuple(value)
+    if any(not isinstance(v, int) or isinstance(v, bool) or v < 1 for v in layers) or len(set(layers)) != len(layers):
+        raise ValueError(f"feature layers must be distinct decoder layers >= 1, got {list(layers)}")
+    return layers
 
 
 def _accuracy_level(instance: Any, attribute: Any, value: Any) -> None:
@@ -121,7 +122,7 @@ class BackendConfig:
     graph_max_tokens: int = attrs.field(default=DEFAULT_GRAPH_MAX_TOKENS, validator=int_at_least(1))
     sliding_window: str = attrs.field(default="config", validator=_one_of(SLIDING_WINDOW_POLICIES))
     matmul_accuracy_level: int | None = attrs.field(default=None, validator=_accuracy_level)
-    hidden_features: tuple[int, ...] = attrs.field(default=(), converter=_layers, validator=_feature_layers)
+    hidden_features: tuple[int, ...] = attrs.field(default=(), converter=feature_layers)
 
     @property
     def static(self) -> bool:
