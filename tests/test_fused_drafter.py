@@ -65,6 +65,7 @@ def test_the_first_step_reads_the_fused_row(tiny_model_dir, fused_dir, plain_dir
         assert row.shape == (2 * hidden,)
         state = _reference_fuse(fused_dir, row).astype(np.float32)
         assert np.abs(fused.folder.fusion.apply(row) - state).max() <= 1e-4
+        assert np.abs(fused._fuse.run(None, {"row": row[None]})[0][0] - state).max() <= 1e-4  # what drafts read
         draft = fused.propose(context, 4)
         # the plain head, fed the fused state as its hidden state, drafts the same: the row is the backend's own
         # buffer (a host view), whose first H values are what a plain head reads

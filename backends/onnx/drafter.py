@@ -252,6 +252,13 @@ class SharedKvProposer:
             (folder.projected_state_name, self._state, [1, 1, hidden]),
         ):
             self._binding.bind_output(name, self._device, self._device_id, dtype, shape, arrays.ptr(array))
+        self._fuse = None  # the fused features' session (one thread), for a folder that has them
+        if folder.fusion is not None:
+            fuse_file = folder.path / folder.metadata["speculative"]["fused_features"]["file"]
+            self._fuse = open_session(
+                fuse_file, providers=["CPUExecutionProvider"], session_options=make_session_options(threads=1),
+                model_bytes=folder.fusion.model(),
+            )  # fmt: skip
         self._bound_len = -1
         self.steps = 0
         self.runs = 0
@@ -363,8 +370,9 @@ class SharedKvProposer:
         self._positions_host[0, 0] = kv_len
         arrays.upload(self._positions, self._positions_host)
         row = self.backend.hidden_row(kv_len - 1)
-        fusion = self.folder.fusion
-        arrays.copy(self._embeds[0, 0, hidden:], row[:hidden] if fusion is None else fusion.apply(row))
+        if self._fuse is not None:
+            row = self._fuse.run(None, {"row": np.asarray(row, np.float32)[None]})[0][0]
+        arrays.copy(self._embeds[0, 0, hidden:], row[:hidden])
         draft: list[int] = []
         self.steps += 1
         for i in range(steps):

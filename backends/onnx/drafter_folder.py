@@ -222,9 +222,46 @@ class FeatureFusion:
     bias: np.ndarray
 
     def apply(self, row: np.ndarray) -> np.ndarray:
+        """The definition, in numpy (its matrix product may start BLAS threads: a drafter runs :meth:`model` on
+        onnxruntime's one thread instead, so nothing spins against the target's threads)."""
         parts = np.asarray(row, np.float32).reshape(1 + len(self.layers), -1)
         normed = parts / np.sqrt(np.mean(np.square(parts), axis=1, keepdims=True) + self.eps)
         return (normed.reshape(-1) @ self.weight + self.bias).astype(np.float32)
+
+    def model(self) -> bytes:
+        """:meth:`apply` as a serialized ONNX model: input ``row`` float32 ``[1, (1 + L) * H]``, output ``state``
+        float32 ``[1, H]``."""
+        from onnx import TensorProto, helper, numpy_helper
+
+        parts, hidden = 1 + len(self.layers), int(self.bias.shape[0])
+        constants = {
+            "parts_shape": np.array([parts, hidden], np.int64),
+            "row_shape": np.array([1, parts * hidden], np.int64),
+            "eps": np.array(self.eps, np.float32),
+            "weight": np.ascontiguousarray(self.weight, np.float32),
+            "bias": np.ascontiguousarray(self.bias, np.float32),
+        }
+        nodes = [
+            helper.make_node("Reshape", ["row", "parts_shape"], ["parts"]),
+            helper.make_node("Mul", ["parts", "parts"], ["squares"]),
+            helper.make_node("ReduceMean", ["squares"], ["mean"], axes=[1], keepdims=1),
+            helper.make_node("Add", ["mean", "eps"], ["variance"]),
+            helper.make_node("Sqrt", ["variance"], ["scale"]),
+            helper.make_node("Div", ["parts", "scale"], ["normed"]),
+            helper.make_node("Reshape", ["normed", "row_shape"], ["flat"]),
+            helper.make_node("MatMul", ["flat", "weight"], ["product"]),
+            helper.make_node("Add", ["product", "bias"], ["state"]),
+        ]
+        graph = helper.make_graph(
+            nodes,
+            "fuse",
+            [helper.make_tensor_value_info("row", TensorProto.FLOAT, [1, parts * hidden])],
+            [helper.make_tensor_value_info("state", TensorProto.FLOAT, [1, hidden])],
+            [numpy_helper.from_array(value, name) for name, value in constants.items()],
+        )
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+        model.ir_version = 8
+        return model.SerializeToString()
 
 
 @attrs.frozen(eq=False)
