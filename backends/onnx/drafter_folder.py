@@ -234,7 +234,7 @@ class FeatureFusion:
         from onnx import TensorProto, helper, numpy_helper
 
         parts, hidden = 1 + len(self.layers), int(self.bias.shape[0])
-        constants = {
+        constants: dict[str, np.ndarray] = {
             "parts_shape": np.array([parts, hidden], np.int64),
             "row_shape": np.array([1, parts * hidden], np.int64),
             "eps": np.array(self.eps, np.float32),
