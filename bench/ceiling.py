@@ -7,7 +7,9 @@ the text a copying proposer can see (``copy_passes``): the prompt, the output so
 stream, the outputs of the stream's earlier requests (what the suffix cache holds; a match never spans two of those
 texts). Every draft it makes is right, at most ``max_draft`` (16, the suite's ``KMAX``) tokens per pass, and drafting
 costs nothing. So no prompt lookup or suffix cache, however clever, can beat it on these outputs: its speed is the
-ceiling of every copying proposer. A **perfect drafter** (any drafter: every pass drafts ``max_draft`` right tokens)
+ceiling of every copying proposer. **Anchored** (``anchor=1``), it must also continue an occurrence of the token
+before the draft, the one any lookup keys on: the ceiling of a lookup that always picks the right one of the places
+that token occurs. A **perfect drafter** (any drafter: every pass drafts ``max_draft`` right tokens)
 is the ceiling of speculation itself at this pass cost.
 
 Everything else is the run's own measurement, nothing is re-timed:
@@ -42,9 +44,8 @@ CATEGORIES = ("code_edit", "repetitive")
 
 
 def _occurs(texts: Sequence[tuple[int, ...]], needle: tuple[int, ...]) -> bool:
-    n = len(needle)
+    n, first = len(needle), needle[0]
     for text in texts:
-        first = needle[0]
         for i in range(len(text) - n + 1):
             if text[i] == first and text[i : i + n] == needle:
                 return True

@@ -27,6 +27,8 @@ from typing import Any
 import attrs
 import numpy as np
 
+from .config import feature_layers
+
 METADATA_NAME = "drafter.json"
 KV_LAYOUT = "per_kv_head"
 
@@ -144,13 +146,14 @@ class _Spec:
             return None
         where = "speculative.fused_features"
         layers = section.get("layers") if isinstance(section, Mapping) else None
-        if (
-            not isinstance(layers, list)
-            or not layers
-            or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 1 for x in layers)
-            or len(set(layers)) != len(layers)
-        ):
-            raise self.fail(f"{where}.layers must be a non-empty list of distinct decoder layers >= 1, got {layers!r}")
+        try:
+            if not isinstance(layers, list) or not layers:
+                raise ValueError
+            feature_layers(layers)  # the one rule for feature layers
+        except ValueError:
+            raise self.fail(
+                f"{where}.layers must be a non-empty list of distinct decoder layers >= 1, got {layers!r}"
+            ) from None
         eps = section.get("eps")
         if isinstance(eps, bool) or not isinstance(eps, int | float) or not 0 < eps < 1:
             raise self.fail(f"{where}.eps must be a number in (0, 1), got {eps!r}")
