@@ -37,6 +37,15 @@ class LookupOrDraft:
     only cap (a ``FixedWidth`` of the largest width). Unpriced (no policies; see :meth:`priced`), lookup drafts
     whenever it has a draft and each source drafts up to the driver's width. ``lookup_drafts`` and
     ``drafter_drafts`` count the verified drafts of each source.
+
+    **Strong matches learn while the drafter drafts.** A source that is not chosen learns nothing from its own
+    drafts, so after a few misses a strong match could lose to the drafter for the rest of a request while long
+    copies go by. So when the drafter drafts over a strong match, the match's draft is kept (``shadow``: the
+    context's length then and the draft, uncut by the policy) and scored at the next ``observe`` against the
+    tokens that step committed: its agreeing prefix is observed by the strong policy as a draft it verified (when
+    the lookup agreed with every committed token, only those count, all accepted: the rest is unknown). Weak
+    matches do not shadow: they are the drafter's own ground, where one right token in a shadow would draw drafts
+    away from a better source.
     """
 
     lookup: Lookup  # prompt lookup, or the suffix proposer
@@ -47,6 +56,7 @@ class LookupOrDraft:
     strong_ngram: int = attrs.field(default=3, validator=int_at_least(1))
     lookup_drafts: int = 0
     drafter_drafts: int = 0
+    shadow: tuple[int, tuple[int, ...]] | None = None  # (context length, a strong match's draft the drafter beat)
 
     @property
     def reads_target_state(self) -> bool:
@@ -71,14 +81,15 @@ class LookupOrDraft:
             return self
         return attrs.evolve(self, drafter=self.drafter.coupled(picker))
 
-    def _choose(self, context_tokens: Sequence[int], width: int) -> tuple[str, tuple[int, ...]]:
-        """The source for a draft after ``context_tokens`` and, for a lookup source, its draft (uncut)."""
+    def _choose(self, context_tokens: Sequence[int], width: int) -> tuple[str, tuple[int, ...], str]:
+        """``(source, draft, match)`` for a draft after ``context_tokens``: the chosen source; the lookup's draft
+        (uncut; ``()`` without one); and its match's kind, ``strong`` or ``weak`` (``weak`` without a draft)."""
         draft, matched = self.lookup.match(context_tokens, width)
-        source = "strong" if matched >= self.strong_ngram else "weak"
-        policy: CostAwareWidth | None = getattr(self, _POLICY[source])
+        match = "strong" if draft and matched >= self.strong_ngram else "weak"
+        policy: CostAwareWidth | None = getattr(self, _POLICY[match])
         if draft and _rate(policy) >= _rate(self.drafter_policy):
-            return source, draft
-        return "drafter", ()
+            return match, draft, match
+        return "drafter", draft, match
 
     def propose(self, context_tokens: Sequence[int], width: int) -> tuple[int, ...]:
         return self.propose_at(context_tokens, width, 1.0)
@@ -87,7 +98,7 @@ class LookupOrDraft:
         """``propose`` in a pass where a plain step costs ``plain_cost`` (a ``core.proposers.PricedProposer``): the
         source is chosen as alone (by the sources' rates, which a cheaper plain step does not reorder), and its
         width is its policy's ``width_at(plain_cost)``, so speculation fades as a batch fills."""
-        source, draft = self._choose(context_tokens, width)
+        source, draft, _ = self._choose(context_tokens, width)
         if source != "drafter":
             return draft[: _width(getattr(self, _POLICY[source]), width, plain_cost)]
         k = _width(self.drafter_policy, width, plain_cost)
@@ -96,18 +107,36 @@ class LookupOrDraft:
     def observe(self, context_tokens: Sequence[int], width: int, draft: Sequence[int], accepted: int) -> LookupOrDraft:
         """This value after ``accepted`` of ``draft`` (what ``propose(context_tokens, width)`` returned) were
         committed: the source that drafted it (the same choice ``propose`` made) learns it; an empty draft counts
-        as an idle step of that source's policy."""
-        source, _ = self._choose(context_tokens, width)
+        as an idle step of that source's policy. A strong match the drafter beat is kept to be scored at the next
+        call (the class docstring's ``shadow``), and the one kept before is scored now."""
+        learned = self._shadow_learned(context_tokens)
+        source, lookup_draft, match = self._choose(context_tokens, width)
         name = _POLICY[source]
-        policy: CostAwareWidth | None = getattr(self, name)
+        policy: CostAwareWidth | None = getattr(learned, name)
         verified = 1 if draft else 0
+        shadowed = source == "drafter" and match == "strong" and learned.lookup_policy is not None
         changes: dict[str, Any] = {
             "lookup_drafts": self.lookup_drafts + (verified if source != "drafter" else 0),
             "drafter_drafts": self.drafter_drafts + (verified if source == "drafter" else 0),
+            "shadow": (len(context_tokens), lookup_draft) if shadowed else None,
         }
         if policy is not None:
             changes[name] = policy.observe(len(draft), accepted)
-        return attrs.evolve(self, **changes)
+        return attrs.evolve(learned, **changes)
+
+    def _shadow_learned(self, context_tokens: Sequence[int]) -> LookupOrDraft:
+        """This value with its ``shadow`` (if any) scored against the tokens committed since: the strong policy
+        observes the draft's agreeing prefix as verified (all of it when the lookup agreed with every committed
+        token and had more: what followed is unknown)."""
+        if self.shadow is None or self.lookup_policy is None:
+            return self
+        seen, draft = self.shadow
+        committed = context_tokens[seen : seen + len(draft)]
+        if not committed:
+            return self
+        agreed = next((i for i, (d, c) in enumerate(zip(draft, committed, strict=False)) if d != c), len(committed))
+        proposed = agreed if agreed == len(committed) else len(draft)
+        return attrs.evolve(self, lookup_policy=self.lookup_policy.observe(proposed, agreed))
 
 
 def _rate(policy: CostAwareWidth | None) -> float:

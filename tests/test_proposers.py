@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import attrs
 import pytest
 
+from ortspec.core import CostAwareWidth, LookupOrDraft
 from ortspec.core.proposers import PromptLookup, Proposer
 
 
@@ -201,16 +203,12 @@ def test_auto_learns_which_source_pays():
     lookup's short matches that keep failing, and prompt lookup wins on text that repeats itself."""
     from ortspec.core import CostAwareWidth, LookupOrDraft
 
-    def truth(last: int) -> int:  # the "target's" next token: a fixed walk over 40 ids
-        return (last * 7 + 3) % 40
+    def truth(position: int) -> int:  # the "target's" token at a position: no bigram of it repeats in 300
+        return (position * position * 37 + 11 * position) % 997
 
     class Oracle:
         def propose(self, context, width):
-            out, last = [], context[-1]
-            for _ in range(width):
-                last = truth(last)
-                out.append(last)
-            return out
+            return [truth(len(context) + i) for i in range(width)]
 
     costs = (1.0, 1.1, 1.2, 1.3, 1.4)
 
@@ -232,7 +230,7 @@ def test_auto_learns_which_source_pays():
     auto = LookupOrDraft(PromptLookup(ngram=3, max_draft=8), Oracle())
     auto = auto.priced(CostAwareWidth(costs), CostAwareWidth(costs, draft_cost=0.05))
     context = [5, 11, 5, 23, 11, 31]
-    auto = drive(context, auto, 30, lambda c: truth(c[-1]))
+    auto = drive(context, auto, 30, lambda c: truth(len(c)))
     assert auto.drafter_drafts > 3 * auto.lookup_drafts
     assert auto.drafter_policy.acceptance() > auto.weak_lookup_policy.acceptance()
 
@@ -265,3 +263,65 @@ def test_auto_fades_with_the_price_of_a_plain_step():
         assert len(auto.propose(context, 4)) > 0
         assert auto.propose_at(context, 4, 1.0) == auto.propose(context, 4)
         assert auto.propose_at(context, 4, 0.05) == ()
+
+
+def _starved_auto(drafter) -> LookupOrDraft:
+    """``auto`` whose strong-match policy has seen only misses and whose drafter's has seen only hits: the drafter
+    wins every choice until the strong policy learns otherwise."""
+    costs = (1.0, 1.1, 1.2, 1.3, 1.4)
+    strong, drafter_policy = CostAwareWidth(costs), CostAwareWidth(costs, draft_cost=0.05)
+    for _ in range(8):
+        strong, drafter_policy = strong.observe(4, 0), drafter_policy.observe(4, 4)
+    auto = LookupOrDraft(PromptLookup(ngram=3, max_draft=8), drafter).priced(strong, drafter_policy)
+    return attrs.evolve(auto, weak_lookup_policy=strong)
+
+
+def test_auto_scores_a_strong_match_the_drafter_beat():
+    """When the drafter drafts over a strong match, the match's draft is scored at the next ``observe`` against what
+    the step committed, and the strong policy observes it as a verified draft: its agreeing prefix, a miss after it;
+    all accepted when it agreed with every committed token (what followed is unknown); nothing when nothing was
+    committed. A weak match is not scored."""
+
+    class Silent:
+        def propose(self, context, width):
+            return ()
+
+    auto = _starved_auto(Silent())
+    context = (1, 2, 3, 4, 5, 6, 9, 1, 2, 3)  # strong match (1, 2, 3): the lookup drafts 4, 5, 6, 9, 1, 2, 3, 4
+    assert auto._choose(context, 8)[0] == "drafter"
+    after = auto.observe(context, 8, (4, 5), 1)  # the drafter's step committed 4 and then its own pick
+    assert after.shadow == (len(context), (4, 5, 6, 9, 1, 2, 3, 4))
+    strong = auto.lookup_policy
+    for committed, proposed, agreed in [((4, 7), 8, 1), ((4, 5), 2, 2), ((), None, None)]:
+        scored = after.observe(context + committed, 8, (), 0)
+        want = strong if proposed is None else strong.observe(proposed, agreed)
+        assert scored.lookup_policy == want, committed
+    weak = auto.observe((1, 2, 7, 8, 2), 8, (), 0)  # (2,) matches: weak, no shadow
+    assert weak.shadow is None
+
+
+def test_auto_lets_a_starved_strong_match_take_over():
+    """A strong-match policy that has seen only misses is not stuck behind the drafter: on text that copies itself
+    (a period-6 loop, which the drafter gets one token of each time), its shadow drafts prove it right and lookup
+    takes over."""
+    loop = [1, 2, 3, 4, 5, 6]
+
+    class FirstOnly:  # right about the next token, then wrong
+        def propose(self, context, width):
+            return (loop[len(context) % 6], *([99] * (width - 1)))[:width]
+
+    auto = _starved_auto(FirstOnly())
+    context = loop * 2
+    assert auto._choose(tuple(context), 4)[0] == "drafter"
+    for _ in range(30):
+        before = tuple(context)
+        draft = auto.propose(before, 4)
+        accepted = 0
+        for t in draft:
+            if t != loop[len(context) % 6]:
+                break
+            context.append(t)
+            accepted += 1
+        context.append(loop[len(context) % 6])
+        auto = auto.observe(before, 4, draft, accepted)
+    assert auto.lookup_drafts > 2 * auto.drafter_drafts
