@@ -10,7 +10,12 @@ costs nothing. So no prompt lookup or suffix cache, however clever, can beat it 
 ceiling of every copying proposer. **Anchored** (``anchor=1``), it must also continue an occurrence of the token
 before the draft, the one any lookup keys on: the ceiling of a lookup that always picks the right one of the places
 that token occurs. A **perfect drafter** (any drafter: every pass drafts ``max_draft`` right tokens)
-is the ceiling of speculation itself at this pass cost.
+is the ceiling of speculation itself at this pass cost. Beside them, the **suffix lookup, replayed**
+(``lookup_passes``): ``auto``'s own lookup (``core.suffix.SuffixProposer`` with the default rule, the stream's
+earlier outputs in a ``SuffixCache`` as an Engine records them) drafting every pass, up to ``max_draft`` tokens,
+for free, its drafts checked against the output: what the lookup does on these outputs without a drafter, a width
+policy or a drafting cost, so its gap to the anchored copier is the lookup's choice among a match's occurrences
+and where its drafts stop.
 
 Everything else is the run's own measurement, nothing is re-timed:
 
@@ -38,6 +43,8 @@ import attrs
 
 from bench.engines import BASELINE, KMAX, NGRAM_PEER, REFERENCE
 from bench.workloads import STREAM_CATEGORIES, build_workloads, encode_chat, workloads_digest
+from ortspec.adapters.engine.suffix_cache import SuffixCache
+from ortspec.core import Proposer, SuffixProposer
 
 AUTO = "ortspec-auto"
 CATEGORIES = ("code_edit", "repetitive")
@@ -80,6 +87,20 @@ def copy_passes(
     return passes
 
 
+def lookup_passes(proposer: Proposer, prompt: Sequence[int], output: Sequence[int], max_draft: int = KMAX) -> list[int]:
+    """The drafts (token counts verified) of ``proposer``'s passes over ``output`` after ``prompt``, greedy: a pass
+    at ``j`` verifies ``proposer.propose(prompt + output[:j], K)``, ``K = min(max_draft, tokens left - 1)``, cut to
+    ``K``, commits its prefix that agrees with ``output[j:]`` and then its own pick. Costs the proposer's calls."""
+    out, passes, j = [int(t) for t in output], [], 1
+    while j < len(out):
+        draft = tuple(proposer.propose([*prompt, *out[:j]], min(max_draft, len(out) - j - 1)))
+        draft = draft[: min(max_draft, len(out) - j - 1)]
+        agreed = next((i for i, t in enumerate(draft) if t != out[j + i]), len(draft))
+        passes.append(len(draft))
+        j += agreed + 1
+    return passes
+
+
 def perfect_passes(new_tokens: int, max_draft: int = KMAX) -> list[int]:
     """A perfect drafter's passes: ``max_draft`` right drafts each, after the prompt's pass made the first token."""
     passes, j = [], 1
@@ -90,9 +111,10 @@ def perfect_passes(new_tokens: int, max_draft: int = KMAX) -> list[int]:
     return passes
 
 
-# The speculators a report compares: measured ``ortspec-auto``, then the ceilings.
+# The speculators a report compares: measured ``ortspec-auto``, its lookup replayed, then the ceilings.
+LOOKUP = "suffix lookup, replayed"
 COPIER, ANCHORED, DRAFTER = "perfect copier", "perfect copier, anchored", "perfect drafter"
-SPECULATORS = (AUTO, ANCHORED, COPIER, DRAFTER)
+SPECULATORS = (AUTO, LOOKUP, ANCHORED, COPIER, DRAFTER)
 
 
 @attrs.frozen
@@ -137,7 +159,7 @@ def ceilings(result: Mapping[str, Any], categories: Sequence[str] = CATEGORIES) 
         if r.get("repeat", 0) == 0 and r.get("error") is None:
             runs.setdefault(r["workload"], {})[r["engine"]] = r
     curve = result["cost_curve"]["curve"]
-    out, earlier = [], {}  # category -> outputs of the stream's earlier requests
+    out, earlier, caches = [], {}, {}  # category -> the stream's earlier outputs, and its lookup's SuffixCache
     for w in workloads:
         mine = runs.get(w.name, {})
         if w.category not in categories or REFERENCE not in mine:
@@ -145,13 +167,16 @@ def ceilings(result: Mapping[str, Any], categories: Sequence[str] = CATEGORIES) 
         tokens = mine[REFERENCE]["token_ids"]
         prompt = encode_chat(w.messages, tokenizer)
         seen = earlier.setdefault(w.category, [])
-        docs = seen if w.category in STREAM_CATEGORIES else []
+        stream = w.category in STREAM_CATEGORIES
+        cache = caches.setdefault(w.category, SuffixCache()) if stream else SuffixCache()
         passes = {
-            ANCHORED: copy_passes(docs, prompt, tokens, anchor=1),
-            COPIER: copy_passes(docs, prompt, tokens),
+            LOOKUP: lookup_passes(SuffixProposer(cache=cache.snapshot()), prompt, tokens),
+            ANCHORED: copy_passes(seen if stream else [], prompt, tokens, anchor=1),
+            COPIER: copy_passes(seen if stream else [], prompt, tokens),
             DRAFTER: perfect_passes(len(tokens)),
         }
         seen.append(tokens)
+        cache.add(prompt, tokens)
         out.append(prompt_ceiling(mine, passes, curve))
     return out
 
@@ -178,7 +203,8 @@ def report(result: Mapping[str, Any], rows: Sequence[PromptCeiling], source: str
         + ", ".join(f"K={k} {c:.2f}" for k, c in enumerate(cc["curve"]) if k in (0, 1, 2, 4, 8, 16)),
         f"- {COPIER}: every pass drafts the longest continuation found verbatim in what a copying proposer sees "
         f"(all right, drafting free); {ANCHORED}: the same, continuing an occurrence of the token before the draft; "
-        f"{DRAFTER}: {KMAX} right drafts every pass",
+        f"{DRAFTER}: {KMAX} right drafts every pass; {LOOKUP}: auto's suffix lookup alone drafting up to {KMAX} "
+        "tokens every pass, free, checked against the output (no drafter, no width policy)",
         "",
         "Medians over prompts of tokens per pass and of per-prompt ratios of end-to-end totals (TTFT + decode).",
         "",

@@ -36,3 +36,15 @@ def test_anchored_copier_continues_an_occurrence_of_the_token_before_the_draft()
     assert copy_passes([], prompt, output) == [3]
     assert copy_passes([], prompt, output, anchor=1) == [0, 2]
     assert copy_passes([], [0, 1, 2, 3], output, anchor=1) == [3]
+
+
+def test_lookup_replay_verifies_each_draft_against_the_output():
+    from bench.ceiling import lookup_passes
+    from ortspec.core import PromptLookup
+
+    # after the output's 1, prompt lookup drafts what followed the prompt's 1: 2, 3, 8, 9 (2 agree, then 7 is the
+    # pass's own pick); nothing follows an earlier 7 (a plain pass); after 8 it drafts 9, cut to the one token left
+    passes = lookup_passes(PromptLookup(ngram=1, max_draft=4), [5, 1, 2, 3, 8, 9], [1, 2, 3, 7, 8, 9, 0])
+    assert passes == [4, 0, 1]
+    # drafts are cut to the tokens left minus one, like the copier's
+    assert lookup_passes(PromptLookup(ngram=1), [1, 2, 3, 4, 5], [1, 2, 3]) == [1]
