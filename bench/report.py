@@ -511,41 +511,48 @@ def _sampled(result: dict[str, Any]) -> Iterator[str]:
     yield ""
     yield (
         f"Sampling at {options}, one seed per prompt shared by every engine. Medians of per-prompt ratios "
-        f"(e2e = tok/s end to end, dec = decode tok/s). spec = `{SAMPLED_SPEC}` (prompt lookup, cost-aware width), "
+        f"(e2e = tok/s end to end, dec = decode tok/s). spec = each sampled speculative setting that ran "
+        f"(`{SAMPLED_SPEC}`: prompt lookup, cost-aware width; `{SAMPLED_AUTO}`: auto, its drafter coupled), "
         f"plain = `{SAMPLED_REFERENCE}`; ORT n-gram = `{SAMPLED_NGRAM_PEER}`, ORT plain = `{SAMPLED_PEER}`. "
         "identical: spec's tokens equal plain's at the same seed (ortspec's exactness); ORT identical: ORT GenAI's "
         "n-gram tokens equal its own plain sampling's at the same seed (a fact about the peer, no target)."
     )
     yield ""
     yield (
-        "| category | spec ÷ plain e2e | spec ÷ plain dec | acceptance | identical | spec ÷ ORT n-gram e2e | "
+        "| category | spec | spec ÷ plain e2e | spec ÷ plain dec | acceptance | identical | spec ÷ ORT n-gram e2e | "
         "spec ÷ ORT n-gram dec | plain ÷ ORT plain e2e | ORT n-gram ÷ ORT plain e2e | ORT n-gram ÷ ORT plain dec | "
         "ORT identical |"
     )
-    yield "| --- |" + " ---: |" * 10
+    yield "| --- | --- |" + " ---: |" * 10
+    ran = [e for e in SAMPLED_SPECS if e in result["engines_run"]] or [SAMPLED_SPEC]
     for cat in cats:
         rows = table.get(cat, {})
-        spec = rows.get(SAMPLED_SPEC)
-        if spec is None and SAMPLED_NGRAM_PEER not in rows:
-            continue
-        acceptance = spec["acceptance"] * 100 if spec and spec["acceptance"] is not None else None
-        cells = [
-            _ratio_cell(_ratio(result, "sampled_spec_vs_sampled_plain_e2e", SAMPLED_SPEC, cat)),
-            _ratio_cell(_ratio(result, "sampled_spec_vs_sampled_plain_decode", SAMPLED_SPEC, cat)),
-            _fmt(acceptance, 0, "%"),
-            _identity_cell(spec),
-            _ratio_cell(_ratio(result, "sampled_spec_vs_ortgenai_ngram_sampled_e2e", SAMPLED_SPEC, cat)),
-            _ratio_cell(_ratio(result, "sampled_spec_vs_ortgenai_ngram_sampled_decode", SAMPLED_SPEC, cat)),
-            _ratio_cell(_ratio(result, "sampled_vs_ortgenai_sampled_e2e", SAMPLED_REFERENCE, cat)),
-            _ratio_cell(_ratio(result, "ortgenai_ngram_sampled_vs_ortgenai_sampled_e2e", SAMPLED_NGRAM_PEER, cat)),
-            _ratio_cell(_ratio(result, "ortgenai_ngram_sampled_vs_ortgenai_sampled_decode", SAMPLED_NGRAM_PEER, cat)),
-            _identity_cell(rows.get(SAMPLED_NGRAM_PEER)),
-        ]
-        yield f"| {cat} | " + " | ".join(cells) + " |"
+        for name in ran:
+            spec = rows.get(name)
+            if spec is None and SAMPLED_NGRAM_PEER not in rows:
+                continue
+            yield f"| {cat} | {name} | " + " | ".join(_sampled_cells(result, rows, spec, name, cat)) + " |"
     yield from _target_lines(
         sampling.get("targets") or [],
         "Targets (tok/s end to end, medians of per-prompt ratios on the same prompts and seeds):",
     )
+
+
+def _sampled_cells(result: dict[str, Any], rows: dict[str, Any], spec: dict | None, name: str, cat: str) -> list[str]:
+    """One sampled speculative setting's cells on ``cat`` (``spec``: its summary row, if it ran there)."""
+    acceptance = spec["acceptance"] * 100 if spec and spec["acceptance"] is not None else None
+    return [
+        _ratio_cell(_ratio(result, "sampled_spec_vs_sampled_plain_e2e", name, cat)),
+        _ratio_cell(_ratio(result, "sampled_spec_vs_sampled_plain_decode", name, cat)),
+        _fmt(acceptance, 0, "%"),
+        _identity_cell(spec),
+        _ratio_cell(_ratio(result, "sampled_spec_vs_ortgenai_ngram_sampled_e2e", name, cat)),
+        _ratio_cell(_ratio(result, "sampled_spec_vs_ortgenai_ngram_sampled_decode", name, cat)),
+        _ratio_cell(_ratio(result, "sampled_vs_ortgenai_sampled_e2e", SAMPLED_REFERENCE, cat)),
+        _ratio_cell(_ratio(result, "ortgenai_ngram_sampled_vs_ortgenai_sampled_e2e", SAMPLED_NGRAM_PEER, cat)),
+        _ratio_cell(_ratio(result, "ortgenai_ngram_sampled_vs_ortgenai_sampled_decode", SAMPLED_NGRAM_PEER, cat)),
+        _identity_cell(rows.get(SAMPLED_NGRAM_PEER)),
+    ]
 
 
 def _cost_curve(result: dict[str, Any]) -> Iterator[str]:
