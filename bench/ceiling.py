@@ -93,8 +93,8 @@ def lookup_passes(proposer: Proposer, prompt: Sequence[int], output: Sequence[in
     ``K``, commits its prefix that agrees with ``output[j:]`` and then its own pick. Costs the proposer's calls."""
     out, passes, j = [int(t) for t in output], [], 1
     while j < len(out):
-        draft = tuple(proposer.propose([*prompt, *out[:j]], min(max_draft, len(out) - j - 1)))
-        draft = draft[: min(max_draft, len(out) - j - 1)]
+        k = min(max_draft, len(out) - j - 1)
+        draft = tuple(proposer.propose([*prompt, *out[:j]], k))[:k]
         agreed = next((i for i, t in enumerate(draft) if t != out[j + i]), len(draft))
         passes.append(len(draft))
         j += agreed + 1

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import attrs
 import pytest
 
 from ortspec.core import CostAwareWidth, LookupOrDraft
@@ -201,7 +200,6 @@ def test_is_frozen():
 def test_auto_learns_which_source_pays():
     """``LookupOrDraft`` keeps, per source, what its drafts earned: a drafter that knows the text wins over prompt
     lookup's short matches that keep failing, and prompt lookup wins on text that repeats itself."""
-    from ortspec.core import CostAwareWidth, LookupOrDraft
 
     def truth(position: int) -> int:  # the "target's" token at a position: no bigram of it repeats in 300
         return (position * position * 37 + 11 * position) % 997
@@ -247,7 +245,7 @@ def test_auto_fades_with_the_price_of_a_plain_step():
     """In a batched pass a plain step is one more cheap row: ``LookupOrDraft.propose_at`` sizes each source's draft
     with its policy's ``width_at(plain_cost)``, so both sources stop drafting when a plain step costs little, and
     draft as alone at a plain step's full price (``propose``)."""
-    from ortspec.core import CostAwareWidth, LookupOrDraft, PricedProposer
+    from ortspec.core import PricedProposer
 
     class Counting:
         def propose(self, context, width):
@@ -272,8 +270,7 @@ def _starved_auto(drafter) -> LookupOrDraft:
     strong, drafter_policy = CostAwareWidth(costs), CostAwareWidth(costs, draft_cost=0.05)
     for _ in range(8):
         strong, drafter_policy = strong.observe(4, 0), drafter_policy.observe(4, 4)
-    auto = LookupOrDraft(PromptLookup(ngram=3, max_draft=8), drafter).priced(strong, drafter_policy)
-    return attrs.evolve(auto, weak_lookup_policy=strong)
+    return LookupOrDraft(PromptLookup(ngram=3, max_draft=8), drafter).priced(strong, drafter_policy)
 
 
 def test_auto_scores_a_strong_match_the_drafter_beat():
