@@ -569,8 +569,9 @@ def test_a_drafter_that_reads_the_target_keeps_the_output_exact(sc, kind, data):
 @given(scenarios(), st.sampled_from(["good", "bad", "adversarial"]), st.data())
 def test_auto_lookup_or_drafter_keeps_the_output_exact(sc, kind, data):
     """``speculative="auto"``'s proposer (``LookupOrDraft``: prompt lookup or the drafter, whichever has earned more,
-    otherwise, each source with its own learning width policy, priced or not) drafts whatever its sources and
-    policies say; the output is plain decoding's, and the drafter still finds the driver's promise kept."""
+    otherwise, each source with its own learning width policy, priced or not, its lookup starved or not, so that a
+    strong match learns in the drafter's shadow) drafts whatever its sources and policies say; the output is plain
+    decoding's, and the drafter still finds the driver's promise kept."""
     backend = TracingBackend(sc.model, sc.capacity, picks_on_device=data.draw(st.booleans(), label="picks"))
     drafter = FakeSharedKvDrafter(backend, OracleProposer(sc.model, sc.rules, len(sc.prompt)), kind)
     ngram = data.draw(st.integers(1, 4), label="ngram")
@@ -579,12 +580,16 @@ def test_auto_lookup_or_drafter_keeps_the_output_exact(sc, kind, data):
         drafter,
         strong_ngram=data.draw(st.integers(1, ngram + 1), label="strong_ngram"),
     )
+    starved = None
     if data.draw(st.booleans(), label="priced"):
         costs = data.draw(st.lists(st.floats(0.5, 4.0), min_size=1, max_size=16), label="costs")
-        auto = auto.priced(
-            CostAwareWidth((1.0, *costs)),
-            CostAwareWidth((1.0, *costs), draft_cost=data.draw(st.floats(0.0, 0.5), label="draft_cost")),
-        )
+        lookup_policy = CostAwareWidth((1.0, *costs))
+        drafter_policy = CostAwareWidth((1.0, *costs), draft_cost=data.draw(st.floats(0.0, 0.5), label="draft_cost"))
+        if data.draw(st.booleans(), label="lookup starved"):  # the drafter wins every choice until lookup learns
+            for _ in range(8):
+                lookup_policy, drafter_policy = lookup_policy.observe(4, 0), drafter_policy.observe(4, 4)
+            starved = lookup_policy
+        auto = auto.priced(lookup_policy, drafter_policy)
     width = FixedWidth(data.draw(st.integers(1, 16), label="width"))
     generation = Generation(backend, sc.prompt, sc.options, auto, draft_width=width, detokenize=sc.detokenize)
     spec = generation.run()
@@ -595,3 +600,5 @@ def test_auto_lookup_or_drafter_keeps_the_output_exact(sc, kind, data):
     )  # fmt: skip
     if auto.lookup_drafts and auto.drafter_drafts:
         event("auto: both sources drafted")
+    if starved is not None and not auto.lookup_drafts and auto.lookup_policy.trials != starved.trials:
+        event("auto: a strong match learned only from the drafter's passes (its shadow)")
