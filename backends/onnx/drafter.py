@@ -254,10 +254,9 @@ class SharedKvProposer:
             self._binding.bind_output(name, self._device, self._device_id, dtype, shape, arrays.ptr(array))
         self._fuse = None  # the fused features' session (one thread), for a folder that has them
         if folder.fusion is not None:
-            fuse_file = folder.path / folder.metadata["speculative"]["fused_features"]["file"]
             self._fuse = open_session(
-                fuse_file, providers=["CPUExecutionProvider"], session_options=make_session_options(threads=1),
-                model_bytes=folder.fusion.model(),
+                folder.fusion.path or folder.model_path, providers=["CPUExecutionProvider"],
+                session_options=make_session_options(threads=1), model_bytes=folder.fusion.model(),
             )  # fmt: skip
         self._bound_len = -1
         self.steps = 0

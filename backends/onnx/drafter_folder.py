@@ -170,7 +170,7 @@ class _Spec:
         table = np.fromfile(path, dtype="<f4").reshape(rows + 1, hidden).astype(np.float32)
         if not np.isfinite(table).all():
             raise self.fail(f"{path.name} holds values that are not finite")
-        return FeatureFusion(tuple(layers), float(eps), table[:rows], table[rows])
+        return FeatureFusion(tuple(layers), float(eps), table[:rows], table[rows], path)
 
     def check_io(self) -> None:
         """``speculative.io``: embeddings in, the target's KV shared, one input per KV head."""
@@ -223,6 +223,7 @@ class FeatureFusion:
     eps: float
     weight: np.ndarray
     bias: np.ndarray
+    path: Path | None = None  # the file it was read from (a drafter folder's ``fused_features.file``), for messages
 
     def apply(self, row: np.ndarray) -> np.ndarray:
         """The definition, in numpy (its matrix product may start BLAS threads: a drafter runs :meth:`model` on
