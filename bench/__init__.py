@@ -2,6 +2,14 @@
 test), ``report`` (summaries and result files), ``limits`` (physical limits of a decode step), ``workloads``,
 ``peers`` (peer-engine runners), ``machine`` (machine facts) and ``replay``.
 
+Each other benchmark is one module with one entry point, ``python -m bench.<name>``, that writes its result file
+(the repository keeps one current result per benchmark; git keeps the earlier runs): ``throughput``,
+``batch_scaling``, ``generate_many`` (docs/), ``serve_load`` (docs/serve/), ``gpu`` (docs/gpu/); and, writing to
+docs/bench/ as the suite does, ``ceiling`` (the ceilings of ideal proposers on a run), ``batch_pass_cost`` (a
+batched pass against single-row passes), ``concurrent_streams`` (threads streaming on one Engine's shared passes),
+``quantization`` (quantized folders: exactness, speed, quality), ``structured_outputs`` (what constrained decoding
+costs) and ``suffix`` (suffix drafting on a repetitive stream, and the proposer's cost).
+
 Run from the repository root as a plain top-level package, e.g.
 ``python -m bench.workloads`` or ``python -m bench.machine``.
 """

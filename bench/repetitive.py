@@ -4,8 +4,8 @@ Requests of three task shapes, interleaved, each with its own values: a JSON obj
 function with a docstring, a polite email declining something. Their answers share text that is NOT in each prompt
 (the JSON keys and braces, the function's frame, the letter's greeting and closing), so only a proposer that learns
 across requests (the suffix cache) can draft it. The stream is measured in order on one Engine
-(``bench.suite``'s ``repetitive`` category; ``scripts/suffix_stream.py``): request ``i`` may draft from the outputs
-of requests ``0 .. i - 1``, never from its own.
+(``bench.suite``'s ``repetitive`` category; ``python -m bench.suffix stream``): request ``i`` may draft from the
+outputs of requests ``0 .. i - 1``, never from its own.
 """
 
 from __future__ import annotations

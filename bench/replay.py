@@ -5,13 +5,16 @@ runs the real driver (``ortspec.generate``) on a backend whose "model" is the re
 prices every pass with the measured verify cost curve. It estimates tokens per pass and the decode speedup over
 greedy for any proposer setting in seconds, so settings can be compared before the slow suite measures them.
 
-    python -m bench.replay [--results docs/bench/results-fp32.json] [--costs 1,1.0,1.04,...]
+    python -m bench.replay [--results bench/data/suite-results-fp32.json] [--costs 1,1.0,1.04,...]
     python -m bench.replay --export bench/data/replay-fp32.json      # the inputs, without model or tokenizer
 
 The replay needs each prompt's token ids, which come from the workloads (built from this Python's standard library)
 and the model's tokenizer. ``--export`` writes them once, with the recorded greedy outputs, into a small JSON file
 (:func:`export_inputs`), so that :func:`price` can replay on a machine that has neither, such as a GPU machine with
-another Python (``bench.gpu`` prices speculation on the device's own cost curve with it).
+another Python (``bench.gpu`` prices speculation on the device's own cost curve with it). The default results
+file, ``bench/data/suite-results-fp32.json``, is the suite run those inputs were exported from (``python -m
+bench.suite --precision fp32``, 2026-11-29: four categories x 8 prompts); tests/test_gpu_bench.py checks that they
+agree.
 """
 
 from __future__ import annotations
@@ -299,7 +302,7 @@ def _settings(costs: list[float]) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--results", default="docs/bench/results-fp32.json")
+    p.add_argument("--results", default="bench/data/suite-results-fp32.json")
     p.add_argument("--costs", default=None, help="comma-separated verify(K)/decode for K = 0.. (default: the file's)")
     p.add_argument("--category", action="append", help="only these categories")
     p.add_argument("--export", metavar="JSON", help="write the replay inputs (prompt ids + greedy outputs) and stop")

@@ -827,7 +827,7 @@ def _resolve_model(args: argparse.Namespace, workdir: Path) -> Path:
     from ortspec.adapters.tools.convert import BUILDER_ACCURACY_LEVEL, convert_smollm2, default_model_dir, is_complete
 
     # int8 as ONNX Runtime GenAI users run it: the builder's default MatMulNBits level (4), as in the committed
-    # results (ortspec convert builds level 1, the exact one; see docs/quantization-data.md)
+    # results (ortspec convert builds level 1, the exact one; see docs/bench/quantization-settings.md)
     level = BUILDER_ACCURACY_LEVEL if args.precision == "int8" else None
     folder = default_model_dir(args.precision, level)
     if not is_complete(folder):

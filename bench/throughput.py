@@ -616,7 +616,7 @@ def markdown(report: Mapping[str, Any]) -> str:
         lines.append(
             f"Fastest batched greedy column with every output equal to alone, per precision: {by}. The faster "
             f"precision is **{choice['precision']}**; the default precision also weighs what each costs in quality "
-            "(`python scripts/precision_quality.py`, docs/precision.md)."
+            "(`python -m bench.quantization precision`, docs/bench/quantization-precision.md)."
         )
     return "\n".join(lines) + "\n"
 

@@ -393,8 +393,7 @@ CDF_BLOCK = 256  # the surviving tokens' mass is summed in blocks of this many t
 
 def _block_cumsum(mass: np.ndarray) -> np.ndarray:
     """Running totals at the end of each block of ``CDF_BLOCK`` surviving tokens (in id order): each block's mass
-    by numpy's pairwise ``sum``, then the blocks added in order. (A plain running sum over a whole vocabulary costs
-    ten times more.)"""
+    by numpy's pairwise ``sum``, then the blocks added in order."""
     whole = mass.shape[0] // CDF_BLOCK * CDF_BLOCK
     sums = mass[:whole].reshape(-1, CDF_BLOCK).sum(axis=1)
     if whole < mass.shape[0]:  # the last, shorter block

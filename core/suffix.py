@@ -27,9 +27,8 @@ the longer match), except after an edit:
                its last ``anchor`` tokens); the first one found aligns the copy at q. The draft is what follows the
                first occurrence of the context's last tokens (``anchor`` down to 1) at or after q, up to
                ``resync_reach`` tokens past q + d: the copy resumes after the edit. Its match length is the aligned
-               one, its probabilities 1. Only the context is resynced (a snapshot's documents are not). On the
-               suite's code_edit prompts, greedy ``auto`` needs 7% fewer target passes with it, open-ended ones
-               about as many (``scripts/suffix_resync.py``, ``docs/bench/suffix-resync.md``).
+               one, its probabilities 1. Only the context is resynced (a snapshot's documents are not). What it
+               changes, measured: ``docs/bench/suffix-resync.md``.
 
 A context candidate may continue past the context's end into the draft itself (a repeat of a period, as
 ``PromptLookup`` does); a snapshot candidate stops at the end of its document.

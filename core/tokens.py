@@ -1,11 +1,11 @@
 """``Shared``: an immutable sequence that grows in O(1) by sharing storage with the sequence it grew from.
 
 A generation's state is a frozen value, and each step makes a new one with a few more tokens. Copying the whole
-token history into a new tuple every step costs O(n) per step, O(n^2) per generation: at 20,000 tokens that is
-a few hundred microseconds a step, more than a small model's pass. A ``Shared`` sequence is a view of the first
-``n`` entries of an append-only list (after an optional tuple ``head``, e.g. the prompt): ``extended`` appends to
-that list in place when this view ends where the list ends, and copies it otherwise (when an older value is
-extended a second time), so every value keeps its contents forever and a run of steps costs O(1) each.
+token history into a new tuple every step costs O(n) per step, O(n^2) per generation. A ``Shared`` sequence is a
+view of the first ``n`` entries of an append-only list (after an optional tuple ``head``, e.g. the prompt):
+``extended`` appends to that list in place when this view ends where the list ends, and copies it otherwise (when an
+older value is extended a second time), so every value keeps its contents forever and a run of steps costs O(1)
+each.
 
 It behaves as a tuple for reading: ``len``, indexing, iteration, ``in``; a slice is a tuple; it equals a tuple or
 list with the same items (and another ``Shared`` with them); ``+`` with a tuple gives a tuple. Entries of the

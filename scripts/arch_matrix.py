@@ -250,7 +250,7 @@ def write_markdown(args: argparse.Namespace, rows: list[Row], seconds: float) ->
         f"greedy continuation drift at most {DRIFT_WARNING_THRESHOLD:g} logits from one-token decodes, and no "
         "MatMulNBits node runs at accuracy level 4; *= greedy here, not guaranteed* when the outputs matched on "
         "this prompt but one of those does not hold (other prompts can differ: on SmolLM2-135M level 4 drifts "
-        "0.7 logits, see [quantization.md](quantization.md)).",
+        "0.7 logits, see [bench/quantization-settings.md](bench/quantization-settings.md)).",
         "* **level 4 / level 1**: the MatMulNBits `accuracy_level` the folder was built with (4: int8 activations, "
         "the builder's CPU default; 1: float32 compute, what `ortspec convert --precision int4|int8` builds; "
         "`matmul_accuracy_level=1` sets it at load). **fp16**: the builder's CUDA float16 target, run here on the "

@@ -14,7 +14,7 @@ from bench.replay import PRICED_SETTINGS, _settings, load_inputs, price, replay
 
 REPO = Path(__file__).resolve().parent.parent
 INPUTS = REPO / "bench" / "data" / "replay-fp32.json"
-RESULTS = REPO / "docs" / "bench" / "results-fp32.json"
+RESULTS = REPO / "bench" / "data" / "suite-results-fp32.json"
 
 
 def test_replay_inputs_hold_the_suites_greedy_records():

@@ -30,8 +30,8 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         default="fp32",
         choices=("fp32", "int8", "int4"),
         help="weights (default fp32). int4 and int8 are built at MatMulNBits accuracy level 1, the level at "
-        "which speculative output equals greedy output; int4 is then the fastest exact setting (see "
-        "docs/quantization-data.md)",
+        "which speculative output equals greedy output (each setting's speed and exactness, measured: "
+        "docs/bench/quantization-settings.md)",
     )
     p.add_argument(
         "--accuracy-level",

@@ -45,9 +45,10 @@ class EngineMeasurements(abc.ABC):
         """The Engine's batch backend (``Engine.batch_backend``), which the batch decode costs are measured on."""
 
     def verify_drift(self) -> float:
-        """Largest logit difference between this backend's verify passes and one-token decodes (~30 passes; see
-        ``measurements.measure_verify_drift``): 0 or ~1e-5 on float32 kernels, tenths of a logit on int8 kernels
-        with batch-dependent activation quantization. Measured once per model file, provider, thread count and
+        """Largest logit difference between this backend's verify passes and one-token decodes (3 windows of up to
+        9 tokens; see ``measurements.measure_verify_drift``), in logits: 0 or float32 rounding on exact kernels,
+        more on kernels with batch-dependent activation quantization (int8 ``MatMulNBits``; measured values:
+        docs/bench/quantization-settings.md). Measured once per model file, provider, thread count and
         onnxruntime version and kept in the user cache (``measurement_file``), with a probe that fits any
         ``max_length``. Above ``DRIFT_WARNING_THRESHOLD`` the first speculative generation warns that its output can
         differ from plain output. ``BackendError`` if the measurement fails."""
@@ -61,7 +62,7 @@ class EngineMeasurements(abc.ABC):
 
     def pass_costs(self, kmax: int = MAX_DRAFT) -> tuple[float, ...]:
         """This backend's verify cost curve (pass over 1 + K tokens ÷ a decode step, K = 0..kmax), measured once
-        (a few seconds) and kept like ``verify_drift``. ``BackendError`` if the measurement fails."""
+        and kept like ``verify_drift``. ``BackendError`` if the measurement fails."""
         if self._pass_costs is None or len(self._pass_costs) != kmax + 1:
             from ortspec.adapters.engine.measurements import cached_pass_costs
 
@@ -74,8 +75,8 @@ class EngineMeasurements(abc.ABC):
     def batch_decode_costs(self) -> tuple[float, ...]:
         """The batch backend's ``decode_costs`` (a pass of ``n`` one-token rows ÷ one alone, ``n = 0 .. slots``;
         ``measurements.measure_batch_decode_costs``): how the batch driver prices a plain step so that speculation
-        fades as the batch fills. Measured once (a second or two) and kept like ``verify_drift``. It empties the
-        batch backend's slots: call it before the batch backend is in use. ``BackendError`` if it fails."""
+        fades as the batch fills. Measured once and kept like ``verify_drift``. It empties the batch backend's
+        slots: call it before the batch backend is in use. ``BackendError`` if it fails."""
         if self._batch_decode_costs is None:
             from ortspec.adapters.engine.measurements import cached_batch_decode_costs
 
@@ -87,8 +88,8 @@ class EngineMeasurements(abc.ABC):
 
     def draft_cost(self) -> float:
         """The drafter's time per draft token ÷ a decode step (``measurements.measure_draft_cost``), measured once
-        per model, drafter, provider and thread count (a second or two) and kept like ``verify_drift``; 0.0
-        without a drafter. ``BackendError`` if the measurement fails."""
+        per model, drafter, provider and thread count and kept like ``verify_drift``; 0.0 without a drafter.
+        ``BackendError`` if the measurement fails."""
         if self.drafter is None:
             return 0.0
         if self._draft_cost is None:
@@ -153,7 +154,7 @@ class EngineMeasurements(abc.ABC):
         """Warn once when speculative output may differ from plain output here: the measured verify drift
         exceeds ``DRIFT_WARNING_THRESHOLD``, or (CPU) the graph has ``MatMulNBits`` nodes at accuracy level 4,
         whose int8-activation kernels give results that depend on how many tokens a pass holds (a one-off
-        measurement can miss that on some contexts; see docs/quantization-data.md)."""
+        measurement can miss that on some contexts; see docs/bench/quantization-settings.md)."""
         if self._drift_warned:
             return
         drift = self.verify_drift()
@@ -170,8 +171,8 @@ class EngineMeasurements(abc.ABC):
                 "depend on how many tokens a pass holds"
             )
         remedy = (
-            "load it with matmul_accuracy_level=1 (float32 compute; see docs/quantization-data.md) or use a float32 "
-            "model"
+            "load it with matmul_accuracy_level=1 (float32 compute; see docs/bench/quantization-settings.md) or use "
+            "a float32 model"
             if any(level != 1 for (_bits, level) in levels)
             else "use a float32 model where exactness matters"
         )

@@ -212,8 +212,8 @@ def measure_verify_drift(
 
     For each of ``windows`` windows of ``feed_ids`` (split evenly), after ``context_ids``: one ``decode_verify``
     over the window, then the same tokens decoded one at a time; the maximum absolute difference over all rows.
-    Exact float32 kernels give 0 or ~1e-5; kernels whose numerics depend on the batch (int8 MatMulNBits with
-    quantized activations) give tenths of a logit, enough to flip near-tied argmaxes. Resets the backend.
+    Exact float32 kernels give 0 or float32 rounding; kernels whose numerics depend on the batch (int8 MatMulNBits
+    with quantized activations) give more, which can flip near-tied argmaxes. Resets the backend.
     """
     feed = list(feed_ids)
     size = len(feed) // windows

@@ -2,13 +2,13 @@
 drafter folder an Engine opens.
 
 A shipped folder is a drafter folder (``ortspec.backends.onnx.drafter``'s contract) without its largest file, the
-target's input-embedding table (SmolLM2-135M: 49,152 x 576 float32, 113 MB, against the head's 11 MB): that table is
-the target's own, so ``drafter.json`` names its source instead (``ortspec.input_embedding``: ``source`` ``"target"``,
-the table the target graph's input Gather reads, its ``shape`` and ``sha256``). :func:`shipped_drafter` picks the
-shipped folder whose recorded target fingerprint (config hash and weight size) fits a model folder, and on first use
-materialises it into the user cache (``drafters/shipped-<name>-<config hash>``): its files, plus the table read out of
-the model folder's graph and checked against the recorded shape and hash. A model no shipped drafter fits simply
-has none (None, no warning). :func:`package_drafter` makes a shipped folder out of a trained one."""
+target's input-embedding table (float32 ``[V, H]``): that table is the target's own, so ``drafter.json`` names its
+source instead (``ortspec.input_embedding``: ``source`` ``"target"``, the table the target graph's input Gather reads,
+its ``shape`` and ``sha256``). :func:`shipped_drafter` picks the shipped folder whose recorded target fingerprint
+(config hash and weight size) fits a model folder, and on first use materialises it into the user cache
+(``drafters/shipped-<name>-<config hash>``): its files, plus the table read out of the model folder's graph and
+checked against the recorded shape and hash. A model no shipped drafter fits simply has none (None, no warning).
+:func:`package_drafter` makes a shipped folder out of a trained one."""
 
 from __future__ import annotations
 

@@ -10,12 +10,12 @@ the command line) is the OpenAI API's value, plus two ortspec extensions:
 - ``{"type": "grammar", "grammar": "..."}``: text matching a Lark grammar (llguidance's dialect, ``start`` rule).
 
 ``ResponseFormat`` is the value checked for its shape (``ArgumentError`` naming ``response_format``); a
-``GrammarCompiler`` (one per Engine: the model's tokenizer as llguidance reads it, built once, about a second for a
-49k vocabulary) turns it into an ``LlgGrammar`` and refuses what llguidance refuses (a bad schema, an unsupported
-keyword or format, a regex or grammar that does not parse) or what can never match, before anything reaches the
-model. JSON is compact (no whitespace between tokens), so more of it is forced (free drafts: ``core/forced.py``).
-Why llguidance and not xgrammar, and what a mask costs: docs/structured-outputs.md. The same compiler compiles a
-generation's tool calls (``tool_grammar``: ``tools.py``), naming ``tools`` for what it refuses.
+``GrammarCompiler`` (one per Engine: the model's tokenizer as llguidance reads it, built once, on first use) turns
+it into an ``LlgGrammar`` and refuses what llguidance refuses (a bad schema, an unsupported keyword or format, a
+regex or grammar that does not parse) or what can never match, before anything reaches the model. JSON is compact
+(no whitespace between tokens), so more of it is forced (free drafts: ``core/forced.py``). Why llguidance and not
+xgrammar, and what a mask costs: docs/structured-outputs.md. The same compiler compiles a generation's tool calls
+(``tool_grammar``: ``tools.py``), naming ``tools`` for what it refuses.
 """
 
 from __future__ import annotations

@@ -8,8 +8,8 @@ making the next snapshot. Thread-safe: the server's pass thread adds while reque
 
 It records nothing until the first snapshot is taken (an Engine that never drafts by suffix keeps no corpus);
 from then on every finished generation of the Engine is recorded, speculative or not. Memory: the corpus holds at
-most ``max_tokens`` tokens (the oldest documents go first; ``SuffixSnapshot``), plus its n-gram index, about
-0.2 KB per token on chat outputs (about 7 MB at the default cap; docs/suffix-cache.md).
+most ``max_tokens`` tokens (the oldest documents go first; ``SuffixSnapshot``), plus its n-gram index, which
+grows with the corpus (its measured size per token: docs/suffix-cache.md).
 """
 
 from __future__ import annotations

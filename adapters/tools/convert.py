@@ -35,8 +35,9 @@ SMOLLM2_NAME = "SmolLM2-135M-Instruct"
 PRECISIONS = ("fp32", "int8", "int4")
 QUANTIZED_PRECISIONS = ("int8", "int4")
 # MatMulNBits accuracy level the quantized conversions use unless told otherwise: 1 (float32 compute) is the level
-# at which a verify pass agrees with one-token decodes (see docs/quantization-data.md); the builder's own CPU default
-# is 4 (int8 activations: faster, but batch-dependent, so speculative output can differ from greedy output).
+# at which a verify pass agrees with one-token decodes (see docs/bench/quantization-settings.md); the builder's own
+# CPU default is 4 (int8 activations: faster, but batch-dependent, so speculative output can differ from greedy
+# output).
 EXACT_ACCURACY_LEVEL = 1
 BUILDER_ACCURACY_LEVEL = 4
 ACCURACY_LEVELS = (1, 2, 3, 4)
@@ -93,7 +94,7 @@ def resolve_accuracy_level(precision: str, accuracy_level: int | None) -> int | 
 
 def is_complete(folder: str | os.PathLike[str], *, hidden_states: bool = True) -> bool:
     """True if ``folder`` holds every file a finished conversion writes and, with ``hidden_states``, its graph
-    outputs ``hidden_states`` (a folder converted by an older ortspec lacks it: the converters rebuild it)."""
+    outputs ``hidden_states`` (a folder whose graph lacks it is not complete: the converters rebuild it)."""
     folder = Path(folder)
     files = all((folder / name).is_file() for name in REQUIRED_FILES)
     return files and (not hidden_states or has_hidden_states(folder / "model.onnx"))
@@ -187,8 +188,8 @@ def check_builder_outputs(out_dir: Path) -> None:
 def publish_folder(staged: Path, dest: Path, *, hidden_states: bool = True) -> Path:
     """Make the finished ``staged`` folder ``dest`` (:func:`~ortspec.adapters.tools.folders.replace_folder`),
     unless someone else finished ``dest`` first: then theirs is kept and ``staged`` removed. A folder at ``dest``
-    that is not finished (an incomplete leftover, or one from an older conversion without ``hidden_states``; dest
-    is never written in place) is replaced. ``hidden_states``: whether the staged graph has that output (what
+    that is not finished (an incomplete leftover, or one whose graph lacks ``hidden_states``; dest is never
+    written in place) is replaced. ``hidden_states``: whether the staged graph has that output (what
     counts as a finished ``dest``)."""
     if is_complete(dest, hidden_states=hidden_states):
         shutil.rmtree(staged, ignore_errors=True)
@@ -331,8 +332,8 @@ def convert_smollm2(
     compute, the level at which speculative output equals greedy output; the builder's own default, 4, is faster
     but not exact). The graph also outputs ``hidden_states`` (:data:`BUILDER_EXTRA_OPTIONS`), which a shared-KV
     drafter reads. Idempotent: a finished folder at ``out_dir`` (default :func:`default_model_dir`) is returned as
-    is; a folder converted before the graph had ``hidden_states`` is rebuilt (the old one is replaced only when the
-    new one is complete). Returns the folder's path.
+    is; a folder whose graph lacks ``hidden_states`` is rebuilt (the old one is replaced only when the new one is
+    complete). Returns the folder's path.
     """
     _check_precision(precision)
     level = resolve_accuracy_level(precision, accuracy_level)

@@ -343,11 +343,10 @@ WEIGHT_FORMATS = ("fp32", "int8")
 def quantize_weights(folder: str | os.PathLike[str]) -> dict[str, Any]:
     """Store the MatMul weights of the drafter graph in ``folder`` as int8 (onnxruntime's dynamic quantization,
     per output channel: ``DynamicQuantizeMatMul`` / ``MatMulInteger``, activations quantized per call). The graph's
-    inputs and outputs are unchanged. Why: a draft step reads every weight once, so on the CPU it is bound by
-    memory bandwidth, and int8 weights are a quarter of the bytes (a draft step of SmolLM2's head: 2.2 ms ->
-    0.5 ms, 9% -> 2% of a decode step, for a few percent of its acceptance; docs/drafter.md). Exactness does not
-    depend on the drafter: the target checks every draft token. Returns ``{"weights": "int8", "bytes": before,
-    after}``."""
+    inputs and outputs are unchanged. Why: a draft step reads every weight once, so on the CPU it is bound by memory
+    bandwidth, and int8 weights are a quarter of the bytes (what that saves per draft step and costs in acceptance,
+    measured: docs/drafter.md, "int8 weights"). Exactness does not depend on the drafter: the target checks every draft
+    token. Returns ``{"weights": "int8", "bytes": before, after}``."""
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
     path = Path(folder) / DRAFTER_MODEL

@@ -33,7 +33,7 @@ class TrainConfig:
     of the projected-state regression; ``step_decay``: step k's loss weight is ``step_decay ** k``;
     ``prompt_weight``: loss weight of positions inside the prompt (the drafter drafts only after it);
     ``stop_below``: recorded in the drafter (``ortspec.stop_below``), the probability below which its head's pick is
-    not drafted (measured on the shipped drafter: docs/drafter.md, "Confidence stop"); ``weights``:
+    not drafted (its default chosen by measurement: docs/drafter.md, "Confidence stop"); ``weights``:
     how the exported graph stores its MatMul weights (``int8``, default: a quarter of the bytes a draft step reads;
     ``fp32``: the trained values as they are); ``feature_layers``: the target layers whose residual streams the
     head's first step reads too, through a trained fuse (EAGLE-3's fused features; empty: the final hidden state

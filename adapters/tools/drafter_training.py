@@ -38,7 +38,7 @@ class TrainingSet:
 class Batch:
     """Sequences padded to one length N (torch tensors): ``tokens``/``labels`` (draft ids, -1 outside the draft
     vocabulary) ``[B, N]``, ``hidden`` ``[B, N, H']`` (the final hidden state in its first H columns; a head whose
-    first step reads more of the target's features, as scripts/fused_features.py tries, gets them after it),
+    first step reads more of the target's features, as docs/bench/fused-features.md measures, gets them after it),
     ``keys``/``values`` ``[B, kv_heads, N, D]``, ``weight`` ``[B, N]`` (0 past a sequence's end,
     ``prompt_weight`` for the prompt's positions)."""
 

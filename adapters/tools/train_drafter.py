@@ -7,12 +7,12 @@ The recipe (docs/drafter.md has the reasons and the numbers):
    target's own ONNX graph in batches, keeping per position its final hidden state, its greedy pick, the residual
    stream entering the drafter's layer L (the target's last layer by default) and layer L's keys and values.
 2. **Draft vocabulary**: the ``draft_vocab`` target ids the target picks most often in that data (ties broken by
-   id, i.e. by BPE merge rank), so a draft step's LM head is a few percent of the target's.
+   id, i.e. by BPE merge rank), so a draft step's LM head has ``draft_vocab`` columns, not the target's vocabulary.
 3. **Initialisation**: the head's attention, MLP and norms are copies of the target's layer L and final norm; its
    LM head is the target's (tied) embedding rows of the draft vocabulary (kept frozen); its input projection
    ``fc`` is a ridge regression from ``(rms(embedding of token p), rms(hidden state at p - 1))`` to the residual
-   stream entering layer L at p. With the true residual, the copied layer reading layer L's KV alone (query-only,
-   no KV of its own) reproduces the target's pick most of the time; the regression is what the head must learn.
+   stream entering layer L at p, the input the copied layer gets in the target (the fit's R^2 is in the record:
+   ``ridge_init``). The head reads layer L's KV alone (query-only, no KV of its own).
 4. **Training** (torch, CPU; :mod:`ortspec.adapters.tools.drafter_training`): teacher-forced tokens, the head's own
    projected state fed back for ``steps`` steps from every position at once (step k at query position p reads token
    p + k and predicts the target's pick there, attending to layer L's KV of positions < p only, as at inference),

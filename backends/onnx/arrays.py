@@ -305,10 +305,8 @@ class CupyArrays:
     Work is enqueued on the default stream until :meth:`own_stream` gives the module a stream of its own (the
     stream-ordered path: ONNX Runtime is then told to run on it). float16 rows are converted to float32 in a
     preallocated device buffer (:class:`ConversionBuffer`) and the picks come back through a page-locked host
-    buffer, so a decode step allocates nothing.
-
-    Not yet run on a GPU: :meth:`own_stream`, :meth:`copy_from_host`, :meth:`pinned_empty`, :meth:`end_capture`,
-    the stream arguments and the conversion buffer (written for CuPy 13-14; the rest ran on an H200 on 2026-11-29).
+    buffer, so a decode step allocates nothing. Written against CuPy 13 and 14; ``scripts/gpu_check.sh`` runs the
+    CUDA tests on a GPU.
     """
 
     device_type = "cuda"
@@ -462,8 +460,7 @@ class TorchArrays:
 
     As :class:`CupyArrays`: the default stream until :meth:`own_stream`; float16 rows converted in a preallocated
     float32 buffer (the reductions' own temporaries come from torch's caching allocator, which stops calling
-    ``cudaMalloc`` once warm). Not yet run on a GPU: :meth:`own_stream`, :meth:`copy_from_host`,
-    :meth:`pinned_empty`, :meth:`end_capture`, the stream contexts and the conversion buffer."""
+    ``cudaMalloc`` once warm)."""
 
     device_type = "cuda"
     name = "torch"

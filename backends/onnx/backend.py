@@ -17,15 +17,14 @@ IO binding; this class composes the parts, each in its own module:
 
 What the backend adds on top: prompts longer than a prefill chunk are prefilled chunk by chunk, and where the graph
 takes ``model_graph.KEEP_LOGITS_INPUT`` (the CPU with dynamic shapes, a builder LM head) each chunk runs the LM head
-over its last position only (a sixth less prefill time on a 600-token prompt with SmolLM2-135M); ``rewind`` into a
-stateful model replays; and the capabilities. **DevicePicks**: on CUDA the KV, the inputs and the logits live in
-device memory (CuPy arrays, or torch CUDA tensors where CuPy is missing), bound by pointer, and ``verify_picks``
-reduces each row to its argmax and top-1/top-2 margin on the device, copying to the host only what is asked for.
-**HiddenStates**: when the graph has the ``hidden_states`` output (the builder's ``include_hidden_states=true``
-extra option; ``ortspec convert`` sets it), ``hidden_at(position)`` for a position of the last pass that kept its
-row (every position of a ``decode_verify``; the last of a ``decode`` when the LM head keeps the last position only;
-a host float32 row), and for a drafter on the same device (the ``SharedKvTarget`` protocol of ``drafter.py``)
-``hidden_row``/``hidden_pointer(position)`` and ``kv_pointer(layer, which, head)``. Without the output
+over its last position only; ``rewind`` into a stateful model replays; and the capabilities. **DevicePicks**: on CUDA
+the KV, the inputs and the logits live in device memory (CuPy arrays, or torch CUDA tensors where CuPy is missing),
+bound by pointer, and ``verify_picks`` reduces each row to its argmax and top-1/top-2 margin on the device, copying to
+the host only what is asked for. **HiddenStates**: when the graph has the ``hidden_states`` output (the builder's
+``include_hidden_states=true`` extra option; ``ortspec convert`` sets it), ``hidden_at(position)`` for a position of the
+last pass that kept its row (every position of a ``decode_verify``; the last of a ``decode`` when the LM head keeps the
+last position only; a host float32 row), and for a drafter on the same device (the ``SharedKvTarget`` protocol of
+``drafter.py``) ``hidden_row``/``hidden_pointer(position)`` and ``kv_pointer(layer, which, head)``. Without the output
 ``hidden_size`` is 0 and those raise ``BackendError``. **Timing**: ``timer`` (None by default) takes a
 ``cuda_graphs.PhaseTimer`` that adds up each pass's host work, session run, explicit syncs and read-back.
 
@@ -189,8 +188,8 @@ class OrtBackend:
         (``threads``, ``graph_optimization_level``, ``allow_spinning``, ``config_entries``). With
         ``config.static_shapes`` on CUDA the session runs on the array module's own stream without host
         synchronisation around runs; with ``config.cuda_graphs`` it captures one CUDA graph per pass width, with an
-        eager fallback when ONNX Runtime cannot capture (``cuda_graphs.py``). The CUDA parts of both are not yet
-        run on a GPU. The load-time rewrites are ``model_graph.load_rewrites``'s (logged).
+        eager fallback when ONNX Runtime cannot capture (``cuda_graphs.py``). The load-time rewrites are
+        ``model_graph.load_rewrites``'s (logged).
         A folder problem raises ``ModelFolderError`` naming the file and the key or tensor (``ModelFileError``,
         also a ``BackendError``, for the model file); another session problem ``BackendError``; a bad setting
         ``ValueError`` (when the config is made, or here for ``max_length`` past the model's context).
@@ -340,8 +339,7 @@ class OrtBackend:
     def capture_graphs(self, counts: Iterable[int] | None = None) -> dict[str, Any]:
         """Warm up and capture the CUDA graph of each pass width in ``counts`` (default: 1 to ``graph_max_tokens``)
         now, so that no capture happens during a generation: each width runs at position 0 until ONNX Runtime has
-        captured it. Resets the backend; returns ``graphs.summary()`` (``{"enabled": False, ...}`` without graphs).
-        Not yet run on a GPU."""
+        captured it. Resets the backend; returns ``graphs.summary()`` (``{"enabled": False, ...}`` without graphs)."""
         book = self.graphs
         if book is None:
             return {"enabled": False, "disabled_reason": "cuda_graphs is off"}

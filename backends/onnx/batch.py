@@ -11,7 +11,7 @@ row only when every row is one token or every row starts at position 0; for seve
 refuses ("batch_size must be 1 when sequence_length > 1 and past context is given"). So ``run_pass`` splits its
 rows (:func:`pass_groups`): the one-token rows (plain decodes) in one session run, the rows at position 0 (first
 prompt chunks) in another, and each multi-token row after a past (a later prompt chunk, a verify of a draft) in a
-run of its own. A batch of plain decodes is one run; speculation's verifies are not batched yet.
+run of its own. A batch of plain decodes is one run.
 
 A run binds the contiguous range of slots ``[lo, hi]`` that its rows name, batch row ``b`` being slot ``lo + b``
 (a view of the buffers at an offset: nothing is gathered or copied). Shapes, with ``S`` the longest row's token
@@ -35,7 +35,8 @@ request goes to the slot holding its prefix, or an empty one before one holding 
 spread over idle slots.
 
 Why a range and not a gather: copying each row's resident KV into a ``[B, ...]`` buffer and back costs its whole
-length per pass (46 KB per position for SmolLM2-135M fp32); the range costs nothing but the idle rows' compute.
+length per pass (``2 * layers * kv_heads * head_size`` values per position); the range costs nothing but the idle
+rows' compute.
 
 **The lone slot.** Beside its ``slots``, the backend keeps one more KV cache that no pass of ``run_pass`` can name:
 :meth:`OrtBatchBackend.lone` is the one-sequence ``Backend`` protocol on it (``LoneSlot``), with its own logits

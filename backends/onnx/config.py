@@ -143,8 +143,9 @@ class BackendConfig:
     def capacity(self, context_length: int, *, batched: bool = False) -> int:
         """The KV capacity for a model of ``context_length`` positions: ``max_length`` or, when None, all of them
         (for one slot of a batched backend, ``batched``: at most ``SLOT_LENGTH``, since ONNX Runtime's attention
-        writes a slot's whole buffer on its first prompt, so every slot costs its capacity in memory: 377 MB for
-        SmolLM2-135M's 8,192 positions); ``ValueError`` when ``max_length`` exceeds the model's."""
+        writes a slot's whole buffer on its first prompt, so every slot costs its capacity in memory:
+        ``2 * layers * kv_heads * head_size`` KV values per position); ``ValueError`` when ``max_length`` exceeds the
+        model's."""
         if self.max_length is None:
             return min(context_length, SLOT_LENGTH) if batched else context_length
         if not 1 <= self.max_length <= context_length:

@@ -7,19 +7,17 @@ up to ``graph_max_tokens`` tokens (the pending token plus up to 16 draft tokens 
 greedy steps are width 1. Wider passes (prefill chunks) run eagerly. ``OrtBackend.capture_graphs`` warms up and
 captures every width up front. When ONNX Runtime refuses graph capture for the session, or a run with a graph id
 fails, the backend logs why, reopens its session without graphs (same buffers, same stream) and carries on
-eagerly. **The static-shape and graph paths on CUDA are written but not yet run on a GPU** (see
-``scripts/gpu_check.sh``).
+eagerly. ``scripts/gpu_check.sh`` runs the CUDA tests of both paths on a GPU.
 
-**Graphs.** ONNX Runtime's CUDA execution provider captures a CUDA graph of a whole ``run`` when the session is
-opened with the provider option ``enable_cuda_graph=1`` and the run carries the run-config entry ``gpu_graph_id``:
-each id gets its own graph, captured after a few ordinary runs with that id (the provider's
-``min_num_runs_before_cuda_graph_capture_``: 2 in the recent sources read for this, 1 in older ones; the count is
-kept per id since graph ids exist), and every later run with the id replays it without looking at its inputs, so
-every bound input and output must keep its shape and address (``OrtBackend``'s static binding guarantees it).
-``gpu_graph_id=-1`` runs eagerly. :class:`GraphBook` gives each pass width (1 to ``max_tokens`` tokens: the pending
-token plus K = 0..``max_tokens - 1`` draft tokens) its own id and counts the successful runs with it; wider passes
-(prefill chunks) run eagerly. A failure in a run with an id turns graphs off for good (:meth:`GraphBook.disable`;
-the backend then reopens its session without them).
+**Graphs.** ONNX Runtime's CUDA execution provider captures a CUDA graph of a whole ``run`` when the session is opened
+with the provider option ``enable_cuda_graph=1`` and the run carries the run-config entry ``gpu_graph_id``: each id gets
+its own graph, captured after a few ordinary runs with that id (the provider's
+``min_num_runs_before_cuda_graph_capture_``, counted per id: :data:`ORT_WARMUP_RUNS`), and every later run with the id
+replays it without looking at its inputs, so every bound input and output must keep its shape and address
+(``OrtBackend``'s static binding guarantees it). ``gpu_graph_id=-1`` runs eagerly. :class:`GraphBook` gives each pass
+width (1 to ``max_tokens`` tokens: the pending token plus K = 0..``max_tokens - 1`` draft tokens) its own id and counts
+the successful runs with it; wider passes (prefill chunks) run eagerly. A failure in a run with an id turns graphs off
+for good (:meth:`GraphBook.disable`; the backend then reopens its session without them).
 
 **Timing.** :class:`PhaseTimer` adds up wall time per phase of a pass (``host``: checks, staging and binding on
 the host; ``run``: the ``run_with_iobinding`` call; ``sync``: explicit waits for the device; ``readback``: copying
@@ -44,8 +42,8 @@ from .session import cuda_provider_options, execution_providers, open_session
 logger = logging.getLogger(__name__)
 
 # The CUDA execution provider's ordinary runs per graph id before it captures (min_num_runs_before_cuda_graph_capture_
-# in onnxruntime/core/providers/cuda/cuda_execution_provider.h: 2 in recent sources, 1 in older ones); the run after
-# them captures. ONNX Runtime decides; this count only tells the warm-up how many runs to make (one too many is a
+# in onnxruntime/core/providers/cuda/cuda_execution_provider.h: 2, or 1 in some versions); the run after them
+# captures. ONNX Runtime decides; this count only tells the warm-up how many runs to make (one too many is a
 # replay, harmless) and reports when a width is captured.
 ORT_WARMUP_RUNS = 2
 EAGER = -1  # gpu_graph_id of a run that must not be captured

@@ -6,7 +6,7 @@ V' = V, the identity). Coupled, the row is scattered into a row over the target'
 the head cannot draft (never picked, whatever the processors do), and handed to the core's rule
 (``DraftPicks.pick``), which draws in the target's id order with the uniform of the token's index: the head's draw
 and the target's run over the same ids in the same order and coincide where the two distributions are close. The
-rule itself is not restated here. Greedy, the pick is the row's argmax, as it always was.
+rule itself is not restated here. Greedy, the pick is the row's argmax.
 """
 
 from __future__ import annotations

@@ -31,7 +31,7 @@ class ModelFolderError(ValueError):
 class ModelFileError(ModelFolderError, BackendError):
     """The folder's model file cannot be used: it is not a loadable ONNX model, its external data is missing or
     truncated, or its graph does not match ``genai_config.json``. A ``ModelFolderError`` (the fix is in the
-    folder), and a ``BackendError`` (what the ONNX Runtime backend raised for these before)."""
+    folder), and a ``BackendError`` (a caller that catches the backend's errors catches it too)."""
 
 
 def _as_tuple_of_ints(value: Any) -> tuple[int, ...]:

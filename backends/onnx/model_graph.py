@@ -17,8 +17,8 @@ applies:
 * **MatMulNBits accuracy.** ``matmul_accuracy_level`` sets every ``MatMulNBits`` node's accuracy level (1: float32
   compute, which makes a quantized model's verify passes agree with its one-token decodes).
 * **Logits of the last positions only** (``keep_logits``, asked by ``OrtBatchBackend``, and by ``OrtBackend`` on the
-  CPU with dynamic shapes): a prompt pass needs the logits of its last position, yet the LM head (a fifth of
-  SmolLM2-135M's weights) would run over every position. The rewrite adds an int64 input ``KEEP_LOGITS_INPUT``
+  CPU with dynamic shapes): a prompt pass needs the logits of its last position, yet the LM head (a product with
+  the ``[hidden, vocab]`` matrix) would run over every position. The rewrite adds an int64 input ``KEEP_LOGITS_INPUT``
   (shape ``[1]``: ``L``) and slices the LM head's input to its last ``L`` positions, so ``logits`` is ``[batch, L,
   vocab]``; with ``L`` = the pass width it computes what the file computes. Applied where the logits output is made
   by a ``MatMul`` or ``MatMulNBits`` (the builder's LM head); elsewhere the graph is left as it is

@@ -166,7 +166,7 @@ def route_onnxruntime_logging() -> bool:
     at warning severity and above: a process-wide setting, for an application's start-up (call it before the
     first session opens). Once per process: an application that installs its own callback afterwards
     (``onnxruntime.set_default_logger_callback``) keeps it. Returns False when this onnxruntime has no logging
-    callback (older versions); its messages then go to stderr as before."""
+    callback (older versions); its messages then go to onnxruntime's own stderr sink."""
     global _logging_routed
     import onnxruntime as ort
 
@@ -222,8 +222,7 @@ def execution_providers(provider: str, device_id: int, cuda_options: Mapping[str
 def cuda_provider_options(*, stream: int | None = None, cuda_graphs: bool = False) -> dict[str, str]:
     """CUDA provider options of the stream-ordered path: ``user_compute_stream`` (ONNX Runtime runs its kernels on
     that stream, the one the backend's array module enqueues its copies on, so neither side waits for the other
-    on the host) and ``enable_cuda_graph`` (captured graphs per ``gpu_graph_id``; see ``cuda_graphs.py``). Not yet run
-    on a GPU."""
+    on the host) and ``enable_cuda_graph`` (captured graphs per ``gpu_graph_id``; see ``cuda_graphs.py``)."""
     options: dict[str, str] = {}
     if stream is not None:
         options["user_compute_stream"] = str(int(stream))

@@ -1,56 +1,88 @@
-"""Which quantized settings make speculative decoding exact, and what they cost: SmolLM2-135M and tiny models.
+"""Quantized model folders compared: which settings keep speculative decoding exact and what they cost
+(``settings``), and what int4 costs in quality against fp32, the choice of the default precision (``precision``).
 
-    python scripts/quant_settings.py                 # about 45 minutes on 2 shared cores (2726 s on 2026-11-30)
-    python scripts/quant_settings.py --skip-real     # tiny models only (a minute)
+    python -m bench.quantization settings               # about 45 minutes on 2 shared cores (2726 s on 2026-11-30)
+    python -m bench.quantization settings --skip-real   # tiny models only (a minute)
+    python -m bench.quantization precision [--prompts 64] [--tokens 512] [--generate 16] [--new-tokens 64]
+                                           [--threads 2]
 
-Settings: the builder's fp32, int8 and int4 folders, int8/int4 at each MatMulNBits ``accuracy_level`` (the level a
-folder is built with, ``ortspec convert --accuracy-level``, or set at load, ``matmul_accuracy_level``), and int4 at
-level 4 with the session option ``mlas.qnbit.force_fp32=1`` (onnxruntime >= 1.23: x64, 4-bit, block size 32
+``settings``: the builder's fp32, int8 and int4 folders, int8/int4 at each MatMulNBits ``accuracy_level`` (the level
+a folder is built with, ``ortspec convert --accuracy-level``, or set at load, ``matmul_accuracy_level``), and int4
+at level 4 with the session option ``mlas.qnbit.force_fp32=1`` (onnxruntime >= 1.23: x64, 4-bit, block size 32
 only). For each it measures, with pinned threads and interleaved so that machine noise hits every setting alike:
 
 * **drift**: the largest |logit| difference between verify passes and one-token decodes
   (``Engine.verify_drift``'s protocol, 3 windows of 9 tokens, after contexts of 64, 256 and 512 tokens; 30 to 150
-  on the tiny model), and whether speculative
-  output (prompt lookup, cost-aware width) equals greedy output on the README's demo prompt and three benchmark
-  prompts (``docs/bench/prompts``), 96 new tokens each;
+  on the tiny model), and whether speculative output (prompt lookup, cost-aware width) equals greedy output on the
+  README's demo prompt and three benchmark prompts (``docs/bench/prompts``), 96 new tokens each;
 * **speed**: a decode step and verify passes of 1 + K tokens after a 256-token context
   (``measure_pass_costs`` of ``ortspec.adapters.engine.measurements``, K = 4 and 8; its K values interleaved), and a
-  256-token prefill; each
-  round measures every setting in turn, speeds are ratios to fp32 within a round, medians over rounds; and
-  end-to-end tokens/s of greedy and speculative decoding on the same prompts (settings whose decode step is more
-  than 4x fp32's are not run end to end).
+  256-token prefill; each round measures every setting in turn, speeds are ratios to fp32 within a round, medians
+  over rounds; and end-to-end tokens/s of greedy and speculative decoding on the same prompts (settings whose decode
+  step is more than 4x fp32's are not run end to end).
 
-It writes ``docs/quantization-data.md`` (tables, machine, date) and prints each result as it goes.
+It writes ``--out`` (default docs/bench/quantization-settings.md: tables, machine, date) and prints each result as
+it goes.
+
+``precision``: the speed side of the default precision is ``python -m bench.throughput`` (docs/throughput.json);
+this measures the other side on the same 64 chat prompts (bench/data/throughput-prompts.json), both default
+folders, the same text:
+
+* **perplexity**: each prompt's first ``--tokens`` tokens (chat-formatted) in one verify pass; the mean negative
+  log-likelihood of every token after the first, as exp(mean NLL), per precision, and int4 ÷ fp32;
+* **top-1 agreement**: at how many of those positions int4's most likely next token is fp32's;
+* **greedy continuations**: ``--new-tokens`` new tokens (EOS ignored) from the first ``--generate`` prompts on each
+  precision: how many are identical and, where they differ, the mean position of the first difference.
+
+Then it states the choice: the precision with the best measured batched throughput (docs/throughput.json's
+``fastest_precision``) unless its perplexity is more than ``--max-ppl-ratio`` (default 1.03) times fp32's. Writes
+``--out`` (default docs/bench/quantization-precision.md) and the same numbers as JSON beside it.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
+import json
+import math
 import platform
 import statistics
 import sys
 import tempfile
 import time
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
 
-sys.path.append(str(Path(__file__).resolve().parent.parent))  # the repository root, for tests.support
+import numpy as np
 
-from ortspec.adapters.engine import Engine
+from bench.machine import machine_info
+from ortspec import BackendConfig, Engine
 from ortspec.adapters.engine.cache import cache_root
 from ortspec.adapters.engine.measurements import measure_pass_costs, measure_verify_drift, probe_ids
 from ortspec.adapters.engine.options import DRIFT_WARNING_THRESHOLD
 from ortspec.adapters.engine.tokenizer import Tokenizer
 from ortspec.adapters.tools.convert import (
     EXACT_ACCURACY_LEVEL,
+    convert_smollm2,
     default_model_dir,
     export_folder,
     is_complete,
     prepare_smollm2_hf,
 )
-from ortspec.backends.onnx import BackendConfig, OrtBackend
+from ortspec.backends.onnx import OrtBackend
 
 ROOT = Path(__file__).resolve().parent.parent
+OUT = {
+    "settings": ROOT / "docs" / "bench" / "quantization-settings.md",
+    "precision": ROOT / "docs" / "bench" / "quantization-precision.md",
+}
+PRECISIONS = ("fp32", "int4")
+DATASET = ROOT / "bench" / "data" / "throughput-prompts.json"
+THROUGHPUT = ROOT / "docs" / "throughput.json"
+
+# ``settings``
+
 FORCE_FP32 = {"mlas.qnbit.force_fp32": "1"}
 DRIFT_CONTEXTS = {False: (30, 60, 100, 150), True: (64, 256, 512)}  # tiny, real
 
@@ -80,8 +112,6 @@ def setting_list(folders: dict[str, Path], *, all_levels: bool) -> list[Setting]
 def real_folders(say) -> dict[str, Path]:
     """SmolLM2-135M-Instruct fp32 and int8/int4 at levels 4 and 1, converted into the ortspec cache once (the
     dequantized Hugging Face folder is kept under ``quant/`` to export each variant without redoing it)."""
-    from ortspec.adapters.tools.convert import convert_smollm2
-
     folders = {"fp32": convert_smollm2(default_model_dir("fp32"), "fp32", progress=say)}
     hf_dir = cache_root() / "quant" / "hf-SmolLM2-135M-Instruct"
     for precision in ("int8", "int4"):
@@ -248,15 +278,8 @@ def table(rows: list[dict], real: bool, max_tokens: int = 0) -> list[str]:
     return lines
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--rounds", type=int, default=5, help="interleaved speed rounds (default 5)")
-    parser.add_argument("--prompts", type=int, default=4, help="end-to-end prompts (default 4)")
-    parser.add_argument("--max-tokens", type=int, default=96)
-    parser.add_argument("--skip-real", action="store_true", help="tiny models only")
-    parser.add_argument("--out", type=Path, default=ROOT / "docs" / "quantization-data.md")
-    args = parser.parse_args(argv)
+def run_settings(args: argparse.Namespace) -> int:
+    """``settings``: every quantized setting's drift and speed (module docstring); writes ``--out``."""
 
     def say(message: str) -> None:
         print(message, file=sys.stderr, flush=True)
@@ -267,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
     lines = [
         "# Quantized settings: exactness and speed (measured)",
         "",
-        "Written by `python scripts/quant_settings.py` (do not edit by hand) on "
+        "Written by `python -m bench.quantization settings` (do not edit by hand) on "
         f"{time.strftime('%Y-%m-%d')}, {platform.machine()} {platform.processor() or platform.platform()}, "
         f"{args.threads} intra-op threads; onnxruntime {onnxruntime.__version__}. *drift*: the largest |logit| "
         "difference between verify passes and one-token decodes (3 windows of 9 tokens after each of several "
@@ -288,10 +311,154 @@ def main(argv: list[str] | None = None) -> int:
         lines += ["## SmolLM2-135M-Instruct (256-token context)", ""]
         lines += table(real, real=True, max_tokens=args.max_tokens) + [""]
     lines.append(f"Run time: {time.perf_counter() - started:.0f} s.")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text("\n".join(lines) + "\n", encoding="utf-8")
     print("\n".join(lines))
     return 0
 
 
+# ``precision``
+
+
+def folder(precision: str) -> Path:
+    """The default model's folder at ``precision`` (converted now if it is not yet)."""
+    path = default_model_dir(precision)
+    if not is_complete(path):
+        convert_smollm2(path, precision, progress=lambda m: print(m, file=sys.stderr))
+    return path
+
+
+def token_log_probs(engine: Engine, ids: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    """For ``ids`` folded in from position 0 in one pass: the log-probability of each of ``ids[1:]`` given the
+    tokens before it, and the most likely next token at each of those positions (both ``[len(ids) - 1]``)."""
+    engine.backend.reset()
+    logits = engine.backend.decode_verify(ids, 0)[:-1].astype(np.float64)
+    engine.backend.reset()
+    shifted = logits - logits.max(axis=1, keepdims=True)
+    log_z = np.log(np.exp(shifted).sum(axis=1))
+    targets = np.asarray(ids[1:])
+    return shifted[np.arange(len(targets)), targets] - log_z, logits.argmax(axis=1)
+
+
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    """The first index where ``a`` and ``b`` differ (None when identical)."""
+    for i, (x, y) in enumerate(zip(a, b, strict=False)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def run_precision(args: argparse.Namespace) -> int:
+    """``precision``: int4 against fp32 in quality, and the choice (module docstring); writes ``--out`` and its
+    JSON."""
+    records = json.loads(DATASET.read_text(encoding="utf-8"))["records"][: args.prompts]
+    config = BackendConfig(threads=args.threads)
+    engines = {p: Engine.from_dir(folder(p), config, drafter=False) for p in PRECISIONS}
+    nll = {p: [] for p in PRECISIONS}
+    agree = positions = 0
+    for record in records:
+        ids = engines["fp32"].prompt_ids(record["messages"])[: args.tokens]
+        lp = {p: token_log_probs(e, ids) for p, e in engines.items()}
+        for p in PRECISIONS:
+            nll[p].extend((-lp[p][0]).tolist())
+        agree += int((lp["fp32"][1] == lp["int4"][1]).sum())
+        positions += len(ids) - 1
+    ppl = {p: math.exp(float(np.mean(nll[p]))) for p in PRECISIONS}
+    identical, firsts = 0, []
+    for record in records[: args.generate]:
+        outs = {
+            p: e.generate(record["messages"], max_tokens=args.new_tokens, ignore_eos=True).token_ids
+            for p, e in engines.items()
+        }
+        at = first_difference(list(outs["fp32"]), list(outs["int4"]))
+        identical += at is None
+        if at is not None:
+            firsts.append(at)
+    speed = json.loads(THROUGHPUT.read_text(encoding="utf-8"))["fastest_precision"]
+    fastest = speed["precision"]
+    ratio = ppl["int4"] / ppl["fp32"]
+    choice = fastest if fastest == "fp32" or ratio <= args.max_ppl_ratio else "fp32"
+    result = {
+        "command": "python -m bench.quantization precision",
+        "date_utc": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "machine": machine_info(),
+        "prompts": len(records),
+        "tokens_per_prompt": args.tokens,
+        "scored_positions": positions,
+        "perplexity": ppl,
+        "perplexity_ratio_int4": ratio,
+        "top1_agreement": agree / positions,
+        "greedy": {
+            "prompts": args.generate,
+            "new_tokens": args.new_tokens,
+            "identical": identical,
+            "mean_first_difference": float(np.mean(firsts)) if firsts else None,
+        },
+        "throughput": speed["by"],
+        "max_ppl_ratio": args.max_ppl_ratio,
+        "choice": choice,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
+    args.out.write_text(report(result), encoding="utf-8")
+    print(report(result))
+    return 0
+
+
+def report(r: dict) -> str:
+    """The markdown page for the measured ``r``."""
+    tp = r["throughput"]
+    g = r["greedy"]
+    first = f"{g['mean_first_difference']:.1f}" if g["mean_first_difference"] is not None else "-"
+    return "\n".join(
+        [
+            "# The default precision: int4 (MatMulNBits accuracy level 1) or fp32",
+            "",
+            f"Measured {r['date_utc']} by `{r['command']}` on {r['machine'].get('cpu')} "
+            f"({r['machine'].get('cores', {}).get('usable')} usable cores). Quality on the throughput dataset's "
+            f"{r['prompts']} chat prompts "
+            f"(first {r['tokens_per_prompt']} tokens each, {r['scored_positions']} scored positions); speed from "
+            "docs/throughput.json (`python -m bench.throughput`, the same prompts).",
+            "",
+            "| | fp32 | int4 level 1 | int4 ÷ fp32 |",
+            "| --- | --: | --: | --: |",
+            f"| perplexity | {r['perplexity']['fp32']:.3f} | {r['perplexity']['int4']:.3f} | "
+            f"{r['perplexity_ratio_int4']:.4f} |",
+            f"| ortspec batched, plain: tok/s | {tp['fp32']['tokens_per_s']:.1f} | {tp['int4']['tokens_per_s']:.1f} | "
+            f"{tp['int4']['tokens_per_s'] / tp['fp32']['tokens_per_s']:.2f} |",
+            "",
+            f"int4's most likely next token is fp32's at {100 * r['top1_agreement']:.1f}% of the positions. Greedy "
+            f"continuations ({g['new_tokens']} tokens, EOS ignored): {g['identical']}/{g['prompts']} identical; where "
+            f"they differ, the first difference is at token {first} on average.",
+            "",
+            f"**Choice: {r['choice']}** (the faster precision by batched throughput, unless its perplexity is more "
+            f"than {r['max_ppl_ratio']}x fp32's).",
+            "",
+        ]
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    s = sub.add_parser("settings", help="every quantized setting: exactness (drift) and speed")
+    s.add_argument("--threads", type=int, default=2)
+    s.add_argument("--rounds", type=int, default=5, help="interleaved speed rounds (default 5)")
+    s.add_argument("--prompts", type=int, default=4, help="end-to-end prompts (default 4)")
+    s.add_argument("--max-tokens", type=int, default=96)
+    s.add_argument("--skip-real", action="store_true", help="tiny models only")
+    q = sub.add_parser("precision", help="int4 against fp32 in quality, and the default precision")
+    q.add_argument("--prompts", type=int, default=64)
+    q.add_argument("--tokens", type=int, default=512)
+    q.add_argument("--generate", type=int, default=16)
+    q.add_argument("--new-tokens", type=int, default=64)
+    q.add_argument("--threads", type=int, default=2)
+    q.add_argument("--max-ppl-ratio", type=float, default=1.03)
+    for command, p in (("settings", s), ("precision", q)):
+        p.add_argument("--out", type=Path, default=OUT[command], help=f"the report (default {OUT[command]})")
+    args = parser.parse_args(argv)
+    return run_settings(args) if args.command == "settings" else run_precision(args)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

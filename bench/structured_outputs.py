@@ -1,9 +1,9 @@
 """Structured outputs measured: the grammar engines' mask cost, its overhead on a decode step, and extraction speed.
 
-    python scripts/structured_outputs.py [--folder ~/.cache/ortspec/models/SmolLM2-135M-Instruct-fp32] [--repeat 5]
-        [--records 12]
+    python -m bench.structured_outputs [--folder ~/.cache/ortspec/models/SmolLM2-135M-Instruct-fp32] [--repeat 5]
+        [--records 12] [--out docs/bench/structured-outputs.md]
 
-Results: docs/structured-outputs.md. Three parts:
+The report is printed and written to ``--out``; docs/structured-outputs.md explains the numbers. Three parts:
 
 1. Engines. For llguidance and xgrammar (the latter only when it imports; it is not a dependency of ortspec):
    compile a JSON schema's grammar once, then walk a schema-valid document token by token (its tokenization by the
@@ -22,7 +22,10 @@ Results: docs/structured-outputs.md. Three parts:
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
+import os
+import platform
 import statistics
 import time
 from pathlib import Path
@@ -30,6 +33,7 @@ from typing import Any
 
 import numpy as np
 
+DEFAULT_OUT = Path("docs/bench/structured-outputs.md")
 SCHEMA = {
     "type": "object",
     "properties": {
@@ -216,41 +220,61 @@ def measure_extraction(engine: Any, records: int) -> dict[str, float]:
     }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--folder", type=Path, default=Path.home() / ".cache/ortspec/models/SmolLM2-135M-Instruct-fp32")
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--records", type=int, default=12)
-    args = parser.parse_args()
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"the report (default {DEFAULT_OUT})")
+    args = parser.parse_args(argv)
     text = json.dumps(DOCUMENT, separators=(",", ":"))
+    lines = [
+        "# Structured outputs: the grammar engines' mask cost, its overhead on a decode step, JSON extraction",
+        "",
+        f"Measured {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC by `python -m bench.structured_outputs` "
+        f"on {platform.processor() or platform.machine()} ({os.cpu_count()} CPUs, load average "
+        f"{os.getloadavg()[0]:.2f} at the start), model `{args.folder.name}`, {args.repeat} walks of the document, "
+        f"{args.records} extraction records.",
+        "",
+    ]
     rows = {"llguidance": measure_llguidance(args.folder / "tokenizer.json", text, args.repeat)}
     try:
         rows["xgrammar"] = measure_xgrammar(args.folder, text, args.repeat)
     except ImportError as exc:
-        print(f"xgrammar not measured: {exc}")
-    print("| engine | vocab | tokens | compile ms | median us/token | mean us/token |")
-    print("| --- | --- | --- | --- | --- | --- |")
+        lines += [f"xgrammar not measured: {exc}", ""]
+    lines += [
+        "| engine | vocab | tokens | compile ms | median us/token | mean us/token |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
     for name, r in rows.items():
         cells = [name, str(r["vocab"]), str(r["tokens"])] + [
             f"{r[k]:.1f}" for k in ("compile_ms", "median_us", "mean_us")
         ]
-        print("| " + " | ".join(cells) + " |")
+        lines.append("| " + " | ".join(cells) + " |")
 
     from ortspec.adapters.engine import Engine
 
     engine = Engine.from_dir(args.folder)
     o = measure_overhead(engine, text, args.repeat)
-    print(
-        f"\noverhead: {o['row_us']:.0f} us per constrained row (median; mean {o['row_mean_us']:.0f}) against a "
-        f"{o['step_us'] / 1e3:.1f} ms decode step (median): {100 * o['row_us'] / o['step_us']:.2f}%"
-    )
+    lines += [
+        "",
+        f"overhead: {o['row_us']:.0f} us per constrained row (median; mean {o['row_mean_us']:.0f}) against a "
+        f"{o['step_us'] / 1e3:.1f} ms decode step (median): {100 * o['row_us'] / o['step_us']:.2f}%",
+    ]
     x = measure_extraction(engine, args.records)
-    print(
+    lines += [
+        "",
         f"extraction: {x['records']} records, {x['tokens']} tokens; identical {x['identical']}/{x['records']}, "
         f"schema-valid {x['valid']}/{x['records']}; plain {x['plain_tok_s']:.1f} tok/s ({x['plain_passes']} passes), "
-        f"speculative {x['spec_tok_s']:.1f} tok/s ({x['spec_passes']} passes): {x['speedup']:.2f}x"
-    )
+        f"speculative {x['spec_tok_s']:.1f} tok/s ({x['spec_passes']} passes): {x['speedup']:.2f}x",
+        "",
+    ]
+    report = "\n".join(lines)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(report, encoding="utf-8")
+    print(report)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

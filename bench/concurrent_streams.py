@@ -3,28 +3,27 @@
 ``--streams`` threads each ``stream`` one chat prompt of the batch-scaling dataset (``--new-tokens`` new tokens, EOS
 ignored) at once on ``Engine.from_dir(folder, batch_slots=--streams)`` (its calls share passes: ``shared.py``); the
 same calls run one after another on ``Engine.from_dir(folder)`` (today's one-sequence Engine). Greedy and prompt
-lookup, each after a warm-up. Prints a markdown table: wall seconds, new tokens/s, the ratio, the shared passes'
-rows per pass, how many cores other processes used meanwhile, and whether every stream's text is the text of the
-same call alone.
+lookup, each after a warm-up. Writes a markdown table to ``--out`` (default docs/bench/concurrent-streams.md) and
+prints it: wall seconds, new tokens/s, the ratio, the shared passes' rows per pass, how many cores other processes
+used meanwhile, and whether every stream's text is the text of the same call alone. Exit status 1 when a stream's
+text differs.
 
-    python scripts/concurrent_streams.py [--model DIR] [--streams 8] [--new-tokens 32] [--threads 2]
+    python -m bench.concurrent_streams [--model DIR] [--streams 8] [--new-tokens 32] [--threads 2] [--out FILE]
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
-import sys
 import threading
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.machine import CpuContention, machine_info
+from bench.workloads import build_workloads
+from ortspec import BackendConfig, Engine
 
-from bench.machine import CpuContention, machine_info  # noqa: E402
-from bench.workloads import build_workloads  # noqa: E402
-from ortspec import BackendConfig, Engine  # noqa: E402
-
+DEFAULT_OUT = Path("docs/bench/concurrent-streams.md")
 MODES = {"greedy": {}, "prompt lookup": {"speculative": "prompt-lookup"}}
 
 
@@ -53,14 +52,15 @@ def one_after_another(engine: Engine, prompts: list, options: dict) -> tuple[flo
     return time.perf_counter() - t0, texts
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     ap.add_argument("--model", type=Path, default=None)
     ap.add_argument("--streams", type=int, default=8)
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--max-prompt-tokens", type=int, default=400)
-    args = ap.parse_args()
+    ap.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"the report (default {DEFAULT_OUT})")
+    args = ap.parse_args(argv)
     if args.model is None:
         from ortspec.adapters.tools.convert import convert_smollm2
 
@@ -92,22 +92,31 @@ def main() -> int:
             print(f"{mode}: one after another {t_today:.2f} s, shared {t_shared:.2f} s", flush=True)
     machine = machine_info()
     cores = machine.get("cores")
-    print(
-        f"\nMeasured {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC by "
-        f"`python scripts/concurrent_streams.py` on {machine.get('cpu', 'this machine')} "
+    lines = [
+        "# Concurrent `stream` calls on one Engine: shared passes against one after another",
+        "",
+        f"Measured {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC by "
+        f"`python -m bench.concurrent_streams` on {machine.get('cpu', 'this machine')} "
         f"({cores.get('usable', cores) if isinstance(cores, dict) else cores} cores, shared with other work), "
         f"{args.threads} intra-op threads, `{Path(args.model).name}`; {len(prompts)} chat prompts (at most "
-        f"{args.max_prompt_tokens} tokens) x {args.new_tokens} new tokens, EOS ignored.\n"
-    )
-    print("| decoding | one after another s | tok/s | shared passes s | tok/s | ratio | rows per pass | other load |")
-    print("| --- | --: | --: | --: | --: | --: | --: | --: |")
+        f"{args.max_prompt_tokens} tokens) x {args.new_tokens} new tokens, EOS ignored.",
+        "",
+        "| decoding | one after another s | tok/s | shared passes s | tok/s | ratio | rows per pass | other load |",
+        "| --- | --: | --: | --: | --: | --: | --: | --: |",
+    ]
     for mode, a, a_rate, b, b_rate, per_pass, others in rows:
         load = f"{others:.1f} cores" if others is not None else "?"
         ratio = b_rate / a_rate
-        print(f"| {mode} | {a:.2f} | {a_rate:.1f} | {b:.2f} | {b_rate:.1f} | {ratio:.2f} | {per_pass:.1f} | {load} |")
-    print(f"\nStreams identical to the same call alone: {identical}/{len(prompts) * len(MODES)}.")
+        lines.append(
+            f"| {mode} | {a:.2f} | {a_rate:.1f} | {b:.2f} | {b_rate:.1f} | {ratio:.2f} | {per_pass:.1f} | {load} |"
+        )
+    lines += ["", f"Streams identical to the same call alone: {identical}/{len(prompts) * len(MODES)}.", ""]
+    text = "\n".join(lines)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(text, encoding="utf-8")
+    print(text)
     return 0 if identical == len(prompts) * len(MODES) else 1
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

@@ -1,5 +1,7 @@
 """The cost of one batched pass of B rows x (1 + K) tokens against B single-row passes, on the real model.
 
+    python -m bench.batch_pass_cost [--folder DIR] [--threads 2] [--repeats 5] [--context 128] [--markdown FILE]
+
 For B in 1, 2, 4, 8, 16 and K in 0, 2, 4 (K draft tokens after the pending one), every row at a context of
 ``--context`` tokens, it prints the median wall time (ms) of:
 
@@ -17,7 +19,7 @@ Then, for prompt passes of 128 and 512 tokens (one row at position 0), the media
 head over the last position only (``BatchRow.last_logits=1``, what the batch driver asks for a prompt chunk) and
 over every position (the graph as the file has it), and the largest difference of the last row's logits.
 
-Usage: ``python scripts/batch_pass_cost.py [--folder DIR] [--threads 2] [--repeats 5] [--markdown FILE]``.
+The report is printed and written to ``--markdown`` (default docs/bench/batch-pass-cost.md).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from ortspec.backends.onnx import BackendConfig, OrtBackend, OrtBatchBackend
 BATCHES = (1, 2, 4, 8, 16)
 DRAFTS = (0, 2, 4)
 DEFAULT_FOLDER = Path.home() / ".cache/ortspec/models/SmolLM2-135M-Instruct-fp32"
+DEFAULT_OUT = Path("docs/bench/batch-pass-cost.md")
 
 
 def timed_rounds(runs: list[Callable[[], None]], repeats: int) -> np.ndarray:
@@ -176,7 +179,7 @@ def markdown(results, folder: Path, threads: int, repeats: int, context: int) ->
     lines = [
         "# The cost of a batched pass (B rows x (1 + K) tokens) against B single-row passes",
         "",
-        f"Measured {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC by `scripts/batch_pass_cost.py` on "
+        f"Measured {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC by `python -m bench.batch_pass_cost` on "
         f"{cpu_name()} ({platform.machine()}, a machine shared with other work), onnxruntime "
         f"{onnxruntime.__version__}, {threads} intra-op threads; model `{folder.name}`; every row at a context of "
         f"{context} tokens; median of {repeats} rounds after one warm-up round (the three runs interleaved in each "
@@ -203,21 +206,22 @@ def markdown(results, folder: Path, threads: int, repeats: int, context: int) ->
     return "\n".join(lines) + "\n"
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--folder", type=Path, default=DEFAULT_FOLDER)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--context", type=int, default=128)
-    parser.add_argument("--markdown", type=Path, default=None, help="also write the table here")
-    args = parser.parse_args()
+    parser.add_argument("--markdown", type=Path, default=DEFAULT_OUT, help=f"the report (default {DEFAULT_OUT})")
+    args = parser.parse_args(argv)
     results = measure(args.folder, args.threads, args.repeats, args.context)
     prefill = measure_prefill(args.folder, args.threads, args.repeats)
     text = markdown(results, args.folder, args.threads, args.repeats, args.context) + prefill_markdown(prefill)
     print(text)
-    if args.markdown is not None:
-        args.markdown.write_text(text)
+    args.markdown.parent.mkdir(parents=True, exist_ok=True)
+    args.markdown.write_text(text, encoding="utf-8")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())
