@@ -37,12 +37,16 @@ answer is what ``decode_verify(tokens, position)`` would return for that slot's 
 ``reset`` act on one slot. ``check_batch`` is the one check of a pass, done before any slot changes. A row may ask
 for the hidden states of its positions too (``BatchRow.hidden_states``): the per-slot form of ``HiddenStates``,
 for a drafter bound to one slot (``backends/onnx/slot_drafters.py``).
+
+``BatchBackend`` is what the batch driver drives, whatever the batch size: a one-sequence ``Backend`` runs behind
+it as ``OneSlot(backend)`` (one slot; a row that asks for ``picks`` is answered by its ``DevicePicks``), so a lone
+generation is a batch of one on the same loop.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import Protocol, TypeGuard, runtime_checkable
+from typing import NamedTuple, Protocol, TypeGuard, runtime_checkable
 
 import attrs
 import numpy as np
@@ -179,17 +183,28 @@ class BatchRow:
     (a decode or a verify). ``logits_rows`` is how many rows of logits the pass returns for it. ``hidden_states``:
     the caller will also read the target's final hidden states at those positions (a shared-KV drafter bound to
     the slot does), so a backend that has them keeps them for the slot until its next row (``OrtBatchBackend``:
-    ``hidden_row``); a row without it costs nothing for them."""
+    ``hidden_row``); a row without it costs nothing for them. ``picks``: the caller reads only each row's argmax and
+    margin (``DevicePicks``), so a backend whose logits live on a device (``picks_on_device``) answers the row with
+    ``RowPicks`` instead of its logits rows; only such a backend may be sent one (``check_batch``)."""
 
     slot: int
     tokens: tuple[int, ...] = attrs.field(converter=_ids)
     position: int
     last_logits: int | None = attrs.field(default=None, validator=_check_last_logits)
     hidden_states: bool = False
+    picks: bool = False
 
     @property
     def logits_rows(self) -> int:
         return len(self.tokens) if self.last_logits is None else min(self.last_logits, len(self.tokens))
+
+
+class RowPicks(NamedTuple):
+    """A ``BatchRow.picks`` row's answer: per logits row, the argmax id (lowest on ties, int64 ``[n]``) and the gap
+    between its two largest logits (float32 ``[n]``, NaN for a non-finite row): ``argmax_margin`` of its rows."""
+
+    ids: np.ndarray
+    margins: np.ndarray
 
 
 @runtime_checkable
@@ -220,10 +235,11 @@ class BatchBackend(Protocol):
         """Number of resident KV positions in ``slot``."""
         ...
 
-    def run_pass(self, rows: Sequence[BatchRow]) -> list[np.ndarray]:
+    def run_pass(self, rows: Sequence[BatchRow]) -> Sequence[np.ndarray | RowPicks]:
         """One pass over every row (at most one per slot); each row's slot grows by ``len(row.tokens)``. Returns,
         per row in order, ``[row.logits_rows, vocab]`` float32 logits: the last ``logits_rows`` rows of what
-        ``decode_verify`` gives for that slot alone, valid until the next call on the backend."""
+        ``decode_verify`` gives for that slot alone, valid until the next call on the backend (a ``picks`` row:
+        their ``RowPicks``)."""
         ...
 
     def rewind(self, slot: int, length: int) -> None:
@@ -248,6 +264,58 @@ def check_batch(rows: Sequence[BatchRow], backend: BatchBackend) -> None:
         if row.slot in seen:
             raise BackendError(f"slot {row.slot} has two rows in one pass")
         seen.add(row.slot)
+        if row.picks and not getattr(backend, "picks_on_device", False):
+            raise BackendError(f"the row of slot {row.slot} asks for device picks, which this backend does not make")
         check_tokens(row.tokens, backend.vocab_size, f"the tokens of slot {row.slot}")
         length = backend.current_len(row.slot)
         check_position(row.position, length, len(row.tokens), backend.max_length, f"the position of slot {row.slot}")
+
+
+class OneSlot:
+    """The batched protocol with one slot (slot 0) over a one-sequence ``backend``: what runs a ``Backend`` (the
+    CUDA fast path, static shapes, a hybrid model, a fake) on the batch driver. A row whose caller reads one logits
+    row (a plain step, a prompt chunk) runs as ``backend.decode``; a longer one as ``backend.decode_verify``; a
+    ``picks`` row as ``backend.verify_picks``. ``picks_on_device`` is ``uses_device_picks(backend)``. It owns
+    nothing: the backend's KV cache is the slot's."""
+
+    def __init__(self, backend: Backend) -> None:
+        self.backend = backend
+        self.picks_on_device = uses_device_picks(backend)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.backend.vocab_size
+
+    @property
+    def max_length(self) -> int:
+        return self.backend.max_length
+
+    @property
+    def slots(self) -> int:
+        return 1
+
+    def reset(self, slot: int) -> None:
+        check_slot(slot, 1)
+        self.backend.reset()
+
+    def current_len(self, slot: int) -> int:
+        check_slot(slot, 1)
+        return self.backend.current_len()
+
+    def rewind(self, slot: int, length: int) -> None:
+        check_slot(slot, 1)
+        self.backend.rewind(length)
+
+    def run_pass(self, rows: Sequence[BatchRow]) -> list[np.ndarray | RowPicks]:
+        check_batch(rows, self)
+        (row,) = rows
+        backend = self.backend
+        if row.picks:
+            assert uses_device_picks(backend)
+            return [RowPicks(*backend.verify_picks(row.tokens, row.position))]
+        if row.logits_rows == 1:
+            return [backend.decode(row.tokens, row.position)[None, :]]
+        return [backend.decode_verify(row.tokens, row.position)[-row.logits_rows :]]
+
+    def __repr__(self) -> str:
+        return f"OneSlot({self.backend!r})"

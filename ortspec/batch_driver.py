@@ -49,7 +49,11 @@ the backend to keep their hidden states (``BatchRow.hidden_states``: the last pr
 and the driver's promise to it is ``Generation``'s: when it is asked for a draft, the slot holds the KV of every
 context token but the last and its last row computed the hidden state before that. The core never sees a slot.
 
-Not yet: batched device picks (rows come back as logits).
+Device picks. On a backend whose logits live on a device (``picks_on_device``: the CUDA path behind ``OneSlot``), a
+decoding row whose options need nothing but the argmax (``Options.device_picks_suffice``) asks for picks
+(``BatchRow.picks``) and the core steps from them (``core.step_from_picks``); every other row reads logits.
+
+A lone generation is a batch of one on this loop (``ortspec.driver``): there is no other per-sequence loop.
 """
 
 from __future__ import annotations
@@ -62,23 +66,24 @@ from collections.abc import Callable, Iterator, Sequence
 import attrs
 import numpy as np
 
-from ortspec.backends.base import BackendError, BatchBackend, BatchRow
+from ortspec.backends.base import BackendError, BatchBackend, BatchRow, RowPicks
 from ortspec.core.checks import check_int
 from ortspec.core.prefix import common_prefix_length, resident_tokens, reuse_score, reusing
 from ortspec.core.proposers import Proposer
-from ortspec.core.state import Commit, DecodeState, Detokenize, Options, step
+from ortspec.core.state import Commit, DecodeState, Detokenize, Options, step, step_from_picks
 from ortspec.core.width import WidthPolicy, marginal_row_cost
-from ortspec.driver import (
+from ortspec.results import (
     FinishCallback,
     GenerateResult,
     GenerationAborted,
     GenerationError,
-    Speculation,
     StreamCallback,
     Timings,
 )
+from ortspec.speculation import Speculation
 
-# The default prompt-token budget of one pass (BatchDriver's prefill_budget; why this value: its docstring).
+# The default prompt-token budget of one pass (BatchDriver's prefill_budget; chosen by measurement:
+# docs/serve/prefill-budget/in-process.md).
 DEFAULT_PREFILL_BUDGET = 512
 
 
@@ -197,6 +202,28 @@ class BatchSequence:
             return self._error.partial
         return self._described(tuple(self._undelivered) if self._cancelled else ())
 
+    def delivered(self) -> GenerateResult:
+        """``result()`` without the commits still waiting in the buffer: what a consumer of the iterator was given."""
+        if self._error is not None:
+            return self._error.partial
+        return self._described(tuple(self._undelivered))
+
+    @property
+    def buffered(self) -> int:
+        """Commits made and not yet delivered (by the callback or the iterator)."""
+        return len(self._undelivered)
+
+    @property
+    def proposer(self) -> Proposer | None:
+        """The proposer as it stands now (a learning proposer's latest value; None before a ``SlotProposer`` is
+        bound)."""
+        return self._speculation.proposer
+
+    def resident_tokens(self) -> tuple[int, ...]:
+        """The tokens whose KV its slot holds at its first positions now (``_resident``); empty before it has a
+        slot."""
+        return self._resident(self._driver.backend) if self._slot is not None else ()
+
     def wait(self) -> GenerateResult:
         """Run the driver's passes until this sequence is done; return its result, or raise its error."""
         for _ in self:
@@ -212,6 +239,13 @@ class BatchSequence:
         commits = tuple(self._undelivered)
         self._undelivered.clear()
         return commits
+
+    def take_commit(self) -> Commit | None:
+        """The oldest buffered commit, taken out of the buffer without running a pass (None when none waits or the
+        sequence is cancelled): for a caller that runs the passes itself (``ortspec.driver.Generation``)."""
+        if self._cancelled or not self._undelivered:
+            return None
+        return self._undelivered.popleft()
 
     def __iter__(self) -> Iterator[Commit]:
         """The buffered commits, in order, running the driver's passes while none are waiting; raises the
@@ -258,11 +292,12 @@ class BatchSequence:
         """Prompt tokens still to prefill (0 once decoding)."""
         return len(self.state.prompt_tokens) - self._prefilled if self._phase is Phase.PREFILL else 0
 
-    def _row(self, chunk: int, vocab_size: int, plain_cost: float) -> BatchRow:
+    def _row(self, chunk: int, vocab_size: int, plain_cost: float, device_picks: bool = False) -> BatchRow:
         """This sequence's row of the next pass (a proposer failure raises ``ProposerError``): while prefilling,
         its next ``chunk`` prompt tokens (1 <= chunk <= ``_prompt_left``, the driver's choice); decoding, its
         pending token and draft, ``plain_cost`` being the price of a plain step in this pass
-        (``Speculation.draft``)."""
+        (``Speculation.draft``), asking for picks instead of logits when the backend makes them (``device_picks``)
+        and the options need nothing else."""
         assert self._slot is not None
         state = self.state
         reads_slot = self._slot_proposer is not None  # its proposer reads the hidden state of the last row
@@ -274,19 +309,26 @@ class BatchSequence:
             last = reads_slot and end == len(state.prompt_tokens)
             return BatchRow(self._slot, tokens, self._prefilled, last_logits=1, hidden_states=last)
         self._width, self._draft = self._speculation.draft(state, vocab_size, plain_cost)
-        return BatchRow(self._slot, (state.pending_token, *self._draft), state.kv_len, hidden_states=reads_slot)
+        picks = device_picks and state.options.device_picks_suffice
+        tokens = (state.pending_token, *self._draft)
+        return BatchRow(self._slot, tokens, state.kv_len, hidden_states=reads_slot, picks=picks)
 
-    def _take(self, backend: BatchBackend, row: BatchRow, logits: np.ndarray) -> tuple[Commit, ...]:
-        """Decide (core) with this row's logits ``[row.logits_rows, vocab]`` and rewind the slot; return the
-        commits the step released."""
+    def _take(self, backend: BatchBackend, row: BatchRow, logits: np.ndarray | RowPicks) -> tuple[Commit, ...]:
+        """Decide (core) with this row's logits ``[row.logits_rows, vocab]`` (or its ``RowPicks``) and rewind the
+        slot; return the commits the step released."""
         assert self._slot is not None
         state = self.state
         if self._phase is Phase.PREFILL:
             self._prefilled += len(row.tokens)
             if self._prefilled < len(state.prompt_tokens):
                 return ()
+            assert not isinstance(logits, RowPicks)
             outcome = step(state, logits[-1], None, ())
             self._phase, self._t_prefill = Phase.DECODING, time.perf_counter()
+        elif isinstance(logits, RowPicks):
+            vocab = backend.vocab_size
+            outcome = step_from_picks(state, logits.ids, self._draft, vocab_size=vocab, margins=logits.margins)
+            self._speculation = self._speculation.observe(state, self._width, self._draft, outcome.accepted)
         else:
             outcome = step(state, logits[0], logits[1:], self._draft)
             self._speculation = self._speculation.observe(state, self._width, self._draft, outcome.accepted)
@@ -339,15 +381,10 @@ class BatchDriver:
     ``prefill_chunk``: the most prompt tokens one sequence folds in per pass, so a long prompt is prefilled over
     several passes while the others decode. ``prefill_budget``: the most prompt tokens one pass folds in, summed
     over every prefilling sequence (first come first; ``None``: unbounded, every prefilling sequence gets its
-    chunk). A prompt pass is compute-bound (on 2 CPU threads 128 tokens take 93 ms and 512 take 359 ms: the same
-    cost per token, docs/batch-pass-cost.md), so folding many prompts into one pass buys no throughput; it only
-    holds every decoding sequence, and every newcomer's first token, until the whole pass ends. The default,
-    ``DEFAULT_PREFILL_BUDGET`` (512), is the default chunk, so a request alone is prefilled exactly as without a
-    budget, and it measured best (docs/serve/prefill-budget/in-process.md: 16 requests at once, 9,472 prompt
-    tokens, on the process's CPU clock): against ``None``, the first token's p50 0.58x, its p99 the same, the
-    worst stall p99 0.17x, 6% more tokens per CPU second; 1024 stalled twice as long, 256 took more passes for a
-    later first token and 4% fewer tokens per CPU second. The price: the decoding done beside the prompts delays
-    the last first token (the server, measured under heavy load, README, saw it later in two runs of three).
+    chunk). A prompt pass is compute-bound, so folding many prompts into one pass buys no throughput; it only holds
+    every decoding sequence, and every newcomer's first token, until the whole pass ends. The default,
+    ``DEFAULT_PREFILL_BUDGET``, equals the default chunk, so a request alone is prefilled exactly as without a
+    budget (chosen by measurement: docs/serve/prefill-budget/in-process.md).
     ``decode_costs``: the backend's measured cost of a pass
     of ``n`` one-token rows ÷ one alone, for ``n = 0 .. slots`` (``core.width.marginal_row_cost``;
     ``Engine.batch_decode_costs`` measures it); without it a plain step is priced as alone (1.0), so a
@@ -385,6 +422,27 @@ class BatchDriver:
         self._releases = 0
         self._in_pass = False
         self.passes = 0
+        self.device_picks = bool(getattr(backend, "picks_on_device", False))  # rows may ask for picks
+        self.admitting = True  # False: waiting requests stay waiting (the running ones go on)
+
+    @property
+    def backend(self) -> BatchBackend:
+        """The backend whose slots this driver owns."""
+        return self._backend
+
+    def vouch(self, slot: int, tokens: Sequence[int]) -> None:
+        """The caller vouches that free ``slot`` holds the KV of ``tokens`` at its first positions (a one-sequence
+        backend's previous generation: ``ortspec.driver.Generation``'s ``cached_prefix``), so the next request
+        taking it may reuse them as it would its own resident tokens. ``ValueError`` for a slot in use."""
+        if slot not in self._free:
+            raise ValueError(f"slot {slot!r} is not a free slot of this driver")
+        self._resident[slot] = tuple(tokens)
+        self.prefix_reuse = True
+
+    def forget(self) -> None:
+        """Forget what every free slot holds (each is emptied when next taken): after someone else used the
+        backend's slots (a measurement)."""
+        self._resident = [()] * len(self._resident)
 
     @property
     def running(self) -> tuple[BatchSequence, ...]:
@@ -468,8 +526,8 @@ class BatchDriver:
     def _admit(self) -> list[BatchSequence]:
         """Waiting requests take the free slots, first come first, each the one that serves its prompt best
         (``_best_free``). Returns the admitted (a sequence whose slot cannot be rewound or reset fails instead)."""
-        admitted = []
-        while self._waiting and self._free:
+        admitted: list[BatchSequence] = []
+        while self._waiting and self._free and self.admitting:
             sequence = self._waiting.popleft()
             slot = self._best_free(sequence.state.prompt_tokens)
             self._free.remove(slot)
@@ -509,7 +567,8 @@ class BatchDriver:
             if sequence.phase is Phase.PREFILL and chunk == 0:
                 continue  # the budget is spent: it sits this pass out
             try:
-                batch.append((sequence, sequence._row(chunk, self._backend.vocab_size, plain_cost)))
+                row = sequence._row(chunk, self._backend.vocab_size, plain_cost, self.device_picks)
+                batch.append((sequence, row))
             except Exception as exc:
                 sequence._fail(exc)
                 self._release(sequence)

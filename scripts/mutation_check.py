@@ -42,8 +42,12 @@ UNIT_TESTS: dict[str, tuple[str, ...]] = {
     "core/text.py": ("tests/test_commit_rules.py", "tests/test_core_rules.py", "tests/test_driver.py"),
     "core/sampling.py": ("tests/test_sampling_rules.py", "tests/test_sampling.py", "tests/test_core_rules.py"),
     "core/proposers.py": ("tests/test_proposers.py",),
-    "ortspec/driver.py": ("tests/test_driver.py",),
-    "ortspec/batch_driver.py": ("tests/test_batch_driver.py", "property_tests/test_batching.py"),
+    "ortspec/speculation.py": ("tests/test_driver.py", "tests/test_batch_driver.py"),
+    "ortspec/batch_driver.py": (
+        "tests/test_batch_driver.py",
+        "tests/test_driver.py",
+        "property_tests/test_batching.py",
+    ),
     # moves to adapters/serve/pool.py (issue 18): re-point the server-routing-* mutants with it
     "adapters/serve/pool.py": ("tests/test_server_routing.py", "tests/test_server.py"),
     # moves to adapters/batch/ (issue 18): re-point the batch-resume-* mutants with it
@@ -407,19 +411,20 @@ MUTANTS: dict[str, Mutant] = {
     ),
     # -- the driver -----------------------------------------------------------------------------------------------
     "driver-wrong-width-feedback": Mutant(
-        "ortspec/driver.py",
+        "ortspec/speculation.py",
         "return Speculation(proposer, self.policy.observe(len(draft), accepted))",
         "return Speculation(proposer, self.policy.observe(len(draft), len(draft)))",
     ),
-    "driver-skips-rewind": Mutant(
-        "ortspec/driver.py",
-        "        backend.rewind(outcome.rewind_to)\n        self._speculation",
-        "        self._speculation",
-    ),
     "driver-drops-device-margins": Mutant(
-        "ortspec/driver.py",
-        "outcome = step_from_picks(state, picks, draft, vocab_size=backend.vocab_size, margins=margins)",
-        "outcome = step_from_picks(state, picks, draft, vocab_size=backend.vocab_size, margins=None)",
+        "ortspec/batch_driver.py",
+        "outcome = step_from_picks(state, logits.ids, self._draft, vocab_size=vocab, margins=logits.margins)",
+        "outcome = step_from_picks(state, logits.ids, self._draft, vocab_size=vocab, margins=None)",
+    ),
+    "one-slot-verifies-plain-steps": Mutant(
+        "backends/base.py",
+        "        if row.logits_rows == 1:\n",
+        "        if False:\n",
+        ("tests/test_driver.py",),
     ),
     # -- the batch driver (continuous batching) ---------------------------------------------------------------
     "batch-driver-skips-rewind": Mutant(
