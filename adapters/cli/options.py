@@ -166,7 +166,7 @@ def model_options(
     g.add_argument(
         "--static-shapes",
         action="store_true",
-        help="bind every pass at fixed shapes (the fast CUDA path's binding; see the README's GPU section)",
+        help="bind every pass at fixed shapes (the fast CUDA path's binding; see docs/gpu.md)",
     )
     g.add_argument(
         "--cuda-graphs",
