@@ -5,7 +5,7 @@ prompt lookup with the cost-aware width, the ``ortspec batch`` defaults) goes th
 configuration, ``--repeat`` times in ABBA order (the second pass runs the configurations in reverse, so a drift of
 the machine's load hits all alike):
 
-``embedded 1x2``  one worker process, 2 intra-op threads
+``embedded 1x2``  one worker (in the run's own process), 2 intra-op threads
 ``embedded 2x1``  two worker processes, 1 thread each (pinned to one core each)
 ``ray 1x2``       the same job on a local Ray instance (started by the run, as ``ortspec batch --ray`` does)
 ``ray 2x1``
@@ -34,6 +34,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import attrs
+
 from bench.machine import background_load, machine_info
 from bench.workloads import build_workloads, describe_workloads, encode_chat
 from ortspec.adapters.batch import BatchJob, run_batch
@@ -46,6 +48,7 @@ from ortspec.core.width import acceptance_rate
 CONFIGS = ("embedded 1x2", "embedded 2x1", "ray 1x2", "ray 2x1")
 # What `ortspec batch` uses by default: prompt lookup (3-gram, up to 16 tokens), cost-aware width, chat template.
 OPTIONS = {"speculative": PromptLookup(ngram=3, max_draft=16), "chat": True}
+MAX_BATCH = attrs.fields(BatchJob).max_batch.default  # each worker's slots: the job's default
 
 
 def parse_config(text: str) -> tuple[str, int, int, bool]:
@@ -428,9 +431,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         src = tmp / "input.jsonl"
         workloads = write_dataset(src, model_dir, n, max_new, max_prompt)
         for threads in sorted({parse_config(c)[2] for c in configs}):
-            # The verify cost curve for each thread count is measured once and cached (BatchWorker's warm-up);
-            # doing it here keeps that one-off measurement out of the first timed run.
-            BatchWorker(model_dir, WorkerSettings(threads, OPTIONS))
+            # What speculation needs for each thread count is measured once and cached (BatchWorker's warm-up:
+            # Engine.warm); doing it here keeps that one-off measurement out of the first timed run.
+            BatchWorker(model_dir, WorkerSettings(threads, OPTIONS, max_batch=MAX_BATCH)).close()
         order = [c for r in range(args.repeat) for c in (configs if r % 2 == 0 else configs[::-1])]
         repeats: dict[str, int] = {}
         runs, outs = [], {}

@@ -24,7 +24,7 @@ from bench.workloads import build_workloads
 from ortspec import BackendConfig, Engine
 
 DEFAULT_OUT = Path("docs/bench/concurrent-streams.md")
-MODES = {"greedy": {}, "prompt lookup": {"speculative": "prompt-lookup"}}
+MODES = {"greedy": {"speculative": None}, "prompt lookup": {"speculative": "prompt-lookup"}}
 
 
 def at_once(engine: Engine, prompts: list, options: dict) -> tuple[float, list[str]]:
@@ -77,8 +77,7 @@ def main(argv: list[str] | None = None) -> int:
             options = dict(max_tokens=args.new_tokens, ignore_eos=True, **extra)
             for engine in (today, shared):  # warm-up: sessions, shapes, the verify and batch decode costs
                 engine.generate(prompts[0], max_tokens=4, **extra)
-            scheduler = shared.shared_passes.scheduler
-            assert scheduler is not None
+            scheduler = shared.scheduler
             passes, rows_before = scheduler.passes, sum(n * k for n, k in scheduler.rows_per_pass.items())
             with CpuContention() as load:
                 t_shared, got = at_once(shared, prompts, options)

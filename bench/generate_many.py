@@ -23,7 +23,7 @@ from pathlib import Path
 
 from bench.workloads import build_workloads
 from ortspec import BackendConfig, Engine
-from ortspec.adapters.engine.engine import BATCH_SLOTS
+from ortspec.adapters.engine.engine import DEFAULT_SLOTS as BATCH_SLOTS
 
 
 def main() -> int:

@@ -211,7 +211,7 @@ def measure(settings: list[Setting], args, *, real: bool, say) -> list[dict]:
             for label, engine, _ in engines:
                 if results[label]["decode_vs_fp32"] < 0.25 or not results[label]["end_to_end"]:
                     continue
-                greedy = engine.generate(prompt, max_tokens=args.max_tokens, ignore_eos=True)
+                greedy = engine.generate(prompt, max_tokens=args.max_tokens, ignore_eos=True, speculative=None)
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore", RuntimeWarning)
                     spec = engine.generate(
@@ -367,7 +367,7 @@ def run_precision(args: argparse.Namespace) -> int:
     identical, firsts = 0, []
     for record in records[: args.generate]:
         outs = {
-            p: e.generate(record["messages"], max_tokens=args.new_tokens, ignore_eos=True).token_ids
+            p: e.generate(record["messages"], max_tokens=args.new_tokens, ignore_eos=True, speculative=None).token_ids
             for p, e in engines.items()
         }
         at = first_difference(list(outs["fp32"]), list(outs["int4"]))

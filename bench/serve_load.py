@@ -1,11 +1,13 @@
 """Load test of ``ortspec serve``: concurrent streaming clients against real servers on this machine, one server
-configuration after another (``SERVER_CONFIGS``: the batched Engine and today's worker design; on request, the
-batched Engine without its prompt-token budget per pass, ``--prefill-budget none``).
+configuration after another (``SERVER_CONFIGS``: the server as ``ortspec serve`` runs it, ``batched``; on request,
+the same without its prompt-token budget per pass, ``--prefill-budget none``, and ``--ray`` with one or two
+replicas).
 
-    python -m bench.serve_load                  # batched and workers (those this server has), at 16, 32, 64 clients
-    python -m bench.serve_load --quick          # smoke test: 4 clients x 1 short request, ~2 minutes
-    python -m bench.serve_load --configs workers --concurrency 16 --requests 3
+    python -m bench.serve_load                  # batched, at 16, 32, 64 clients
+    python -m bench.serve_load --quick          # smoke test: 4 clients x 1 short request, ~1 minute
+    python -m bench.serve_load --configs batched --concurrency 16 --requests 3
     python -m bench.serve_load --configs batched,batched-unbudgeted --concurrency 16 --out docs/serve/prefill-budget
+    python -m bench.serve_load --configs batched,ray --baseline batched
 
 It computes every prompt's reference text with an in-process ``Engine`` (plain greedy, no speculation, no prefix
 reuse) before any server starts, then, for each configuration, starts ``ortspec serve`` as a subprocess on a free
@@ -24,21 +26,17 @@ loopback port with a queue bound of at least the largest concurrency, and runs w
 3. **Overload** (first configuration only). More clients at once than slots + queue (one short request each): the
    excess must be refused with clean 429s (``Retry-After``, OpenAI error object), the rest served correctly.
 
-The report puts each configuration's row beside the worker design's at the same concurrency (tokens/s, TTFT p50
-and peak RSS ratios) and says whether the issue's server target (batched at 16 clients >= 4x workers) was met.
+The report puts each configuration's row beside the baseline's (``--baseline``, ``batched`` by default) at the same
+concurrency (tokens/s, TTFT p50 and peak RSS ratios). Results go to ``<out>/serve_load.{json,md}`` (machine, date,
+settings, every number); the exit status is 1 if any phase failed its condition (a load phase's errors or text
+mismatches, the prefix-reuse TTFT target, an overload answer other than 200 or 429 + Retry-After).
 
-``ortspec serve`` with ``--max-batch`` (one batched Engine) runs every configuration (by default batched and
-workers); a server without the flag runs ``workers`` only (``--configs`` selects among those available). Results
-go to ``<out>/serve_load.{json,md}`` (machine, date, settings, every number); the exit status is 1 if any phase
-failed its condition (a load phase's errors or text mismatches, the prefix-reuse TTFT target, an overload answer
-other than 200 or 429 + Retry-After).
-
-Cost on this 2-core machine (SmolLM2-135M-Instruct fp32), estimated from quick runs: per configuration 112
+Cost on this 2-core machine (SmolLM2-135M-Instruct fp32), estimated from earlier runs: per configuration 112
 requests (16 + 32 + 64 clients x 1 request: 66,000 prompt tokens, at most 9,000 generated), plus the references
-(640 tokens decoded alone), two server starts (the batched one measures its pass costs first: up to a minute), the
-reuse phase and the overload phase (~80 requests served, 32 tokens each): about 11 minutes on idle cores, half of
-it the workers configuration (~40 tokens/s at 16 clients, the issue's figure); two to three times that while
-other processes take most of the cores (the report says how many they took). ``--quick`` takes ~2 minutes.
+(640 tokens decoded alone), the server's start (it measures its pass costs first: up to a minute), the reuse phase
+and the overload phase (~80 requests served, 32 tokens each): about 5 minutes on idle cores for ``batched`` (the
+earlier runs took about 11 for it and the retired worker design together, half of it the workers); two to three
+times that while other processes take most of the cores (the report says how many they took).
 """
 
 from __future__ import annotations
@@ -74,13 +72,12 @@ from bench.serve_load_report import (
     ratios,
     summarize_load,
     summarize_overload,
-    target_verdict,
 )
 from bench.workloads import build_workloads
 from ortspec.adapters.engine import Engine
-from ortspec.adapters.engine.options import MANY_REQUESTS_SPECULATIVE
 from ortspec.adapters.engine.tokenizer import Tokenizer
 from ortspec.backends.onnx import BackendConfig
+from ortspec.core.speculative import DEFAULT_SPECULATIVE
 
 T = TypeVar("T")
 MODEL_NAME = "served"
@@ -92,43 +89,29 @@ CORES = "{cores}"  # in a configuration's arguments: the usable cores of this ma
 @dataclass(frozen=True)
 class ServerConfig:
     """One way to run ``ortspec serve``: the CLI arguments that select it (``CORES`` stands for the usable cores),
-    how many requests it decodes at once (``slots``), whether it needs ``--max-batch`` (the batched Engine), and
-    the arguments added when the server has that flag (so the worker design stays the worker design)."""
+    how many requests it decodes at once (``slots``), and whether a run without ``--configs`` runs it."""
 
     args: tuple[str, ...]
     slots: int
-    needs_max_batch: bool = False
-    args_with_max_batch: tuple[str, ...] = ()
-    by_default: bool = True  # run when --configs is not given
+    by_default: bool = True
 
-    def cli_args(self, cores: int, has_max_batch: bool) -> list[str]:
-        extra = self.args_with_max_batch if has_max_batch else ()
-        return [str(cores) if a == CORES else a for a in (*self.args, *extra)]
+    def cli_args(self, cores: int) -> list[str]:
+        return [str(cores) if a == CORES else a for a in self.args]
 
 
 SERVER_CONFIGS = {
-    "batched": ServerConfig(("--max-batch", "16", "--threads", CORES), slots=16, needs_max_batch=True),
-    "workers": ServerConfig(("--workers", "2", "--threads", "1"), slots=2, args_with_max_batch=("--max-batch", "1")),
-    # the batched Engine without a prompt-token budget per pass (every prompt's next chunk in the same pass)
+    "batched": ServerConfig(("--max-batch", "16", "--threads", CORES), slots=16),
+    # the same Engine without a prompt-token budget per pass (every prompt's next chunk in the same pass)
     "batched-unbudgeted": ServerConfig(
-        ("--max-batch", "16", "--threads", CORES, "--prefill-budget", "none"),
-        slots=16,
-        needs_max_batch=True,
-        by_default=False,
+        ("--max-batch", "16", "--threads", CORES, "--prefill-budget", "none"), slots=16, by_default=False
     ),
-    # ortspec serve --ray (a local Ray instance): the same batched Engine as a Ray Serve replica behind the same app
-    # (the Ray path's overhead at the same slots and threads), and two replicas of half the slots and threads each
+    # ortspec serve --ray (a local Ray instance): the same Engine as a Ray Serve replica behind the same app (the Ray
+    # path's overhead at the same slots and threads), and two replicas of half the slots and threads each
     "ray": ServerConfig(
-        ("--ray", "--replicas", "1", "--max-batch", "16", "--threads", CORES),
-        slots=16,
-        needs_max_batch=True,
-        by_default=False,
+        ("--ray", "--replicas", "1", "--max-batch", "16", "--threads", CORES), slots=16, by_default=False
     ),
     "ray-2": ServerConfig(
-        ("--ray", "--replicas", "2", "--max-batch", "8", "--threads", "1"),
-        slots=16,
-        needs_max_batch=True,
-        by_default=False,
+        ("--ray", "--replicas", "2", "--max-batch", "8", "--threads", "1"), slots=16, by_default=False
     ),
 }
 
@@ -151,19 +134,9 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def server_has_max_batch() -> bool:
-    """Whether ``ortspec serve --help`` lists ``--max-batch`` (the batched Engine is there)."""
-    cmd = [sys.executable, "-m", "ortspec.adapters.cli", "serve", "--help"]
-    return "--max-batch" in subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
-
-
-def available_configs(has_max_batch: bool) -> list[str]:
-    return [name for name, c in SERVER_CONFIGS.items() if has_max_batch or not c.needs_max_batch]
-
-
-def default_configs(has_max_batch: bool) -> list[str]:
-    """What a run without ``--configs`` runs: the available configurations run by default."""
-    return [name for name in available_configs(has_max_batch) if SERVER_CONFIGS[name].by_default]
+def default_configs() -> list[str]:
+    """What a run without ``--configs`` runs."""
+    return [name for name, config in SERVER_CONFIGS.items() if config.by_default]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -200,7 +173,7 @@ def compute_references(model_dir: Path, prompts: list[Prompt], threads: int) -> 
     tokens = 0
     with CpuContention() as contention:
         for p in prompts:
-            result = engine.generate(p.messages, max_tokens=p.max_tokens)
+            result = engine.generate(p.messages, max_tokens=p.max_tokens, speculative=None)
             assert result.finish_reason is not None
             p.reference, p.reference_finish = result.text, result.finish_reason.openai
             tokens += len(result.token_ids)
@@ -487,8 +460,8 @@ def _parser() -> argparse.ArgumentParser:
     add("--model", help="model folder (default: SmolLM2-135M-Instruct fp32, converted on first use)")
     add(
         "--configs",
-        help=f"server configurations, in order, from {', '.join(SERVER_CONFIGS)} (default: batched and workers, "
-        "those this server has; the first also runs the prefix-reuse and overload phases)",
+        help=f"server configurations, in order, from {', '.join(SERVER_CONFIGS)} (default: "
+        f"{','.join(default_configs())}; the first also runs the prefix-reuse and overload phases)",
     )
     add("--baseline", default=BASELINE_CONFIG, help=f"every ratio's denominator (default {BASELINE_CONFIG})")
     add("--concurrency", default="16,32,64", help="concurrent clients of each load phase (default 16,32,64)")
@@ -515,9 +488,9 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def parse_args(argv: Sequence[str] | None, has_max_batch: bool) -> argparse.Namespace:
-    """The options, ``--quick`` applied, ``concurrency`` a sorted list and ``configs`` a list of available
-    configuration names; a clear error for anything else."""
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    """The options, ``--quick`` applied, ``concurrency`` a sorted list and ``configs`` a list of configuration
+    names; a clear error for anything else."""
     parser = _parser()
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
@@ -532,14 +505,10 @@ def parse_args(argv: Sequence[str] | None, has_max_batch: bool) -> argparse.Name
         parser.error(f"--concurrency must be comma-separated integers, got {args.concurrency!r}")
     if args.concurrency[0] < 1 or args.requests < 1:
         parser.error("--concurrency and --requests must be at least 1")
-    available = available_configs(has_max_batch)
-    args.configs = args.configs.split(",") if args.configs else default_configs(has_max_batch)
+    args.configs = args.configs.split(",") if args.configs else default_configs()
     unknown = [c for c in args.configs if c not in SERVER_CONFIGS]
     if unknown:
         parser.error(f"--configs: unknown {unknown}; known: {list(SERVER_CONFIGS)}")
-    missing = [c for c in args.configs if c not in available]
-    if missing:
-        parser.error(f"--configs: {missing} need `ortspec serve --max-batch`, which this server does not have")
     if args.baseline not in SERVER_CONFIGS:
         parser.error(f"--baseline: unknown {args.baseline!r}; known: {list(SERVER_CONFIGS)}")
     args.max_queue = args.max_queue or args.concurrency[-1]
@@ -562,13 +531,12 @@ class Collected:
 
 @dataclass(frozen=True)
 class Setup:
-    """What every configuration's run shares: the options, the model, this machine's usable cores, whether the
-    server has ``--max-batch``, the reuse phase's first turns and the tokenizer that counts them."""
+    """What every configuration's run shares: the options, the model, this machine's usable cores, the reuse
+    phase's first turns and the tokenizer that counts them."""
 
     args: argparse.Namespace
     model_dir: Path
     cores: int
-    has_max_batch: bool
     turns: list[list[dict[str, str]]]
     tokenizer: Tokenizer
 
@@ -577,7 +545,7 @@ def run_config(name: str, first: bool, setup: Setup, run: LoadRun, collected: Co
     """Start ``name``'s server, run its phases (prefix reuse and overload only when ``first``), stop it."""
     args, config = setup.args, SERVER_CONFIGS[name]
     log = Path(tempfile.gettempdir()) / f"ortspec-serve_load-{name}.log"
-    config_args = config.cli_args(setup.cores, setup.has_max_batch)
+    config_args = config.cli_args(setup.cores)
     server = ServerProcess(setup.model_dir, config_args, args.max_queue, log)
     try:
         ready_s = server.wait_ready()
@@ -619,8 +587,7 @@ def run_config(name: str, first: bool, setup: Setup, run: LoadRun, collected: Co
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    has_max_batch = server_has_max_batch()
-    args = parse_args(argv, has_max_batch)
+    args = parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     model_dir = _model_dir(args.model)
@@ -633,7 +600,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     tokenizer = Tokenizer.from_folder(model_dir)
     sources = CONVERSATION_SOURCES[: args.conversations]
     turns = [conversation(tokenizer, src, args.conversation_tokens) for src in sources]
-    setup = Setup(args, model_dir, cores, has_max_batch, turns, tokenizer)
+    setup = Setup(args, model_dir, cores, turns, tokenizer)
     run = LoadRun(prompts, args.requests, {})
     collected = Collected(servers=[], load=[])
     for i, name in enumerate(args.configs):
@@ -646,10 +613,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "machine": machine,
         "settings": {
             "model": str(model_dir.name),
-            "speculative": MANY_REQUESTS_SPECULATIVE,  # every server's default proposer (none passes --speculative)
+            "speculative": DEFAULT_SPECULATIVE,  # every server's default proposer (none passes --speculative)
             "configs": args.configs,
             "baseline": args.baseline,
-            "server_has_max_batch": has_max_batch,
             "max_queue": args.max_queue,
             "concurrency": args.concurrency,
             "requests": args.requests,
@@ -664,7 +630,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         "load": collected.load,
         "peak_rss_scope": "phase" if collected.peak_reset else "server's lifetime (the kernel refused a reset)",
         "ratios": ratio_rows,
-        "target": target_verdict(ratio_rows),
         "overload": collected.overload,
         "outcomes": {
             f"{config}@{c}": [asdict(o) | {"chunk_times": len(o.chunk_times)} for o in outcomes]

@@ -125,7 +125,7 @@ def measure_overhead(engine: Any, text: str, repeat: int) -> dict[str, float]:
     from ortspec.core.constraint import Constraint, masked
 
     rf = ResponseFormat.parse({"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA}})
-    grammar = engine._grammar(rf, None)
+    grammar = engine.grammar(rf, None)
     tokens = engine.tokenize(text)
     row = np.random.default_rng(0).standard_normal(engine.backend.vocab_size).astype(np.float32)
     per_row: list[float] = []

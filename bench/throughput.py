@@ -1,4 +1,5 @@
-"""Dataset throughput (issue 19, "Measure"): ortspec batched against today's worker design and ONNX Runtime GenAI.
+"""Dataset throughput (issue 19, "Measure"): ortspec batched, and ``ortspec batch`` end to end, against ONNX Runtime
+GenAI.
 
     python -m bench.throughput [--precision fp32|int4|both] [--prompts N] [--threads T] [--quick] [--out FILE.md]
 
@@ -14,12 +15,12 @@ Columns, each one run over its plan's requests (``PLANS``) on the same model fol
 
 ``ortspec alone``                   ``Engine.generate`` one request after another, plain decoding: the reference
                                     every ortspec output is compared with (greedy once, sampled once).
-``ortspec batched, plain``          continuous batching (``ortspec.BatchDriver`` on the Engine's batch backend,
-``ortspec batched, prompt lookup``  as ``Engine.generate_many``), speculation off / prompt lookup.
-``worker design``                   today's ``ortspec batch`` (``WORKER_DESIGN_ARGS``, plus ``--max-batch 1`` when
-                                    the command has that flag; its defaults otherwise, so prompt lookup) as a
+``ortspec batched, plain``          continuous batching (the Engine's one scheduler over its batch backend,
+``ortspec batched, prompt lookup``  ``Engine.generate_requests``), speculation off / prompt lookup.
+``ortspec batch``                   the command end to end (``batch_args``: its defaults, so one Engine in its
+                                    process, 16 records at once, ``speculative="auto"``, with ``--threads``) as a
                                     subprocess on the requests as JSONL; its wall time includes starting the
-                                    workers and loading the model (seconds, of minutes).
+                                    command and loading the model (seconds, of minutes).
 ``ORT GenAI batched, batch B``      ``OrtGenAIRunner.run_batch`` on consecutive groups of B requests in dataset
                                     order (static batches, right-padded as ORT GenAI pads): every row runs to its
                                     group's largest number of new tokens; tokens/s counts each request's own
@@ -27,9 +28,9 @@ Columns, each one run over its plan's requests (``PLANS``) on the same model fol
 
 Each ortspec column's outputs (token ids) are compared with the same requests decoded alone (identical/total, and
 each mismatch with its first differing position); ORT GenAI's greedy outputs too, as information. The ratios
-printed are each ortspec batched column ÷ the worker design and ÷ the best ORT GenAI batched column of the same
-decoding. ``PLANS`` says which columns each precision runs (int4 is cut to fit the time budget; the report says
-so); its last section picks the precision whose best exact batched column is fastest.
+printed are each ortspec column ÷ the best ORT GenAI batched column of the same decoding. ``PLANS`` says which
+columns each precision runs (int4 is cut to fit the time budget; the report says so); its last section picks the
+precision whose best exact batched column is fastest.
 
 Results go to ``--out`` (default docs/throughput.md) and the same name with ``.json``, with the machine, the date
 and the command. The full run (``--precision both``) takes about 15 minutes on the quiet 2-core machine (an
@@ -42,7 +43,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
-import functools
 import json
 import random
 import subprocess
@@ -61,8 +61,7 @@ from bench.machine import machine_info
 from bench.peers import OrtGenAIRunner, make_peer
 from bench.workloads import CATEGORIES, Workload, build_workloads, encode_chat, python_version_tag
 from ortspec import BackendConfig, Engine
-from ortspec.adapters.engine.engine import BATCH_SLOTS
-from ortspec.adapters.engine.many import batch_request, generate_requests
+from ortspec.adapters.engine.engine import DEFAULT_SLOTS
 from ortspec.adapters.engine.options import GenerationOptions
 from ortspec.adapters.engine.tokenizer import Tokenizer
 from ortspec.driver import GenerateResult
@@ -71,12 +70,9 @@ DATASET = Path(__file__).resolve().parent / "data" / "throughput-prompts.json"
 DATASET_FORMAT = "ortspec-throughput-prompts/1"
 DATASET_SEED = 19  # the random.Random seed of every request's number of new tokens
 NEW_TOKENS = (64, 128)  # each request's number of new tokens is drawn in this range (inclusive)
-# Today's worker design, the baseline of the issue: two `ortspec batch` worker processes, one thread each. Extra
-# arguments of that baseline go here (`--max-batch 1` is added when the command has the flag: see worker_args).
-WORKER_DESIGN_ARGS: tuple[str, ...] = ("--workers", "2", "--threads", "1")
 MODES = ("greedy", "sampled")
 SPECULATION = {"plain": None, "prompt lookup": "prompt-lookup"}  # column name -> Engine's `speculative`
-WARMUP_REQUESTS = 16  # requests of the batched warm-up (4 tokens each), one batch backend's slots
+WARMUP_REQUESTS = DEFAULT_SLOTS  # requests of the batched warm-up (4 tokens each), one batch backend's slots
 
 
 @attrs.frozen
@@ -106,15 +102,15 @@ class Request:
 class Plan:
     """What one precision runs: the decodings ``modes``, each on ``prompts[mode]`` requests spread evenly over the
     dataset (``spread``), ORT GenAI's batch sizes (``genai_batches``; its sampled column at the best greedy one
-    when ``genai_sampled``), and the decodings the worker design runs (``worker_modes``; its prompt lookup is
-    `ortspec batch`'s default). ``note`` says what was cut, for the report."""
+    when ``genai_sampled``), and the decodings ``ortspec batch`` runs (``batch_modes``; with its own defaults).
+    ``note`` says what was cut, for the report."""
 
     precision: str
     prompts: Mapping[str, int] = attrs.field(converter=dict)
     modes: tuple[str, ...]
     genai_batches: tuple[int, ...]
     genai_sampled: bool
-    worker_modes: tuple[str, ...]
+    batch_modes: tuple[str, ...]
     note: str = ""
 
 
@@ -128,7 +124,7 @@ PLANS = {
         (8, 16, 32),
         True,
         ("greedy",),
-        "cut to fit the time budget: sampling on every other request (32), the worker design greedy only",
+        "cut to fit the time budget: sampling on every other request (32), `ortspec batch` greedy only",
     ),
     "int4": Plan(
         "int4",
@@ -138,7 +134,7 @@ PLANS = {
         False,
         (),
         "cut to fit the time budget: greedy only (on the same requests as fp32's greedy columns, which the choice "
-        "of precision compares), ORT GenAI at batch 16 only, no worker design",
+        "of precision compares), ORT GenAI at batch 16 only, no `ortspec batch` run",
     ),
 }
 
@@ -237,9 +233,10 @@ def quick_requests(requests: Sequence[Request], tokenizer: Tokenizer) -> list[Re
 
 
 def generate_batched(engine: Engine, requests: Sequence[tuple[Any, GenerationOptions]]) -> list[GenerateResult]:
-    """``Engine.generate_many`` with each request's own options (its number of tokens and seed):
-    ``ortspec.adapters.engine.many.generate_requests``, as ``ortspec batch`` and the batched server run them."""
-    return generate_requests(engine, [batch_request(engine, prompt, options) for prompt, options in requests])
+    """``Engine.generate_many`` with each request's own options (its number of tokens and seed): every request
+    made ready (``Engine.request``) and run at once on the Engine's one scheduler (``Engine.generate_requests``),
+    as ``ortspec batch`` and the server submit theirs."""
+    return engine.generate_requests([engine.request(prompt, options) for prompt, options in requests])
 
 
 def _ortspec_run(
@@ -264,7 +261,7 @@ def run_alone(engine: Engine, requests: Sequence[Request], mode: str) -> ColumnR
     """Every request decoded alone, plainly, one after another: the reference."""
 
     def run() -> list[GenerateResult]:
-        return [engine.generate(list(q.messages), **q.options(mode)) for q in requests]
+        return [engine.generate(list(q.messages), speculative=None, **q.options(mode)) for q in requests]
 
     return _ortspec_run("ortspec alone", mode, requests, run)
 
@@ -289,7 +286,7 @@ def warm_up(engine: Engine, batched: Engine, requests: Sequence[Request]) -> Non
 
 
 # --------------------------------------------------------------------------
-# Today's worker design: `ortspec batch` as a subprocess
+# `ortspec batch` end to end, as a subprocess
 # --------------------------------------------------------------------------
 
 
@@ -298,23 +295,21 @@ def cli_command() -> list[str]:
     return [sys.executable, "-m", "ortspec.adapters.cli"]
 
 
-@functools.cache
-def worker_args() -> tuple[str, ...]:
-    """``WORKER_DESIGN_ARGS``, plus ``--max-batch 1`` (one request per pass, today's path) when ``ortspec batch``
-    has that flag."""
-    help_text = subprocess.run([*cli_command(), "batch", "--help"], capture_output=True, text=True, check=True).stdout
-    return WORKER_DESIGN_ARGS + (("--max-batch", "1") if "--max-batch" in help_text else ())
+def batch_args(threads: int) -> tuple[str, ...]:
+    """The arguments of the ``ortspec batch`` column beside INPUT OUTPUT and ``--model``: the command's defaults,
+    with every engine's ``threads``."""
+    return ("--threads", str(threads))
 
 
-def run_worker_design(model_dir: Path, requests: Sequence[Request], mode: str, tmp: Path) -> ColumnRun:
-    """``ortspec batch INPUT OUTPUT --model DIR`` + ``worker_args()`` on the requests as JSONL (the command's
-    defaults otherwise: prompt lookup); wall time from the start of the command to its exit."""
-    src, out = tmp / f"worker-{mode}.jsonl", tmp / f"worker-{mode}-out.jsonl"
+def run_batch_command(model_dir: Path, requests: Sequence[Request], mode: str, threads: int, tmp: Path) -> ColumnRun:
+    """``ortspec batch INPUT OUTPUT --model DIR`` + ``batch_args(threads)`` on the requests as JSONL; wall time from
+    the start of the command to its exit."""
+    src, out = tmp / f"batch-{mode}.jsonl", tmp / f"batch-{mode}-out.jsonl"
     out.unlink(missing_ok=True)
     with open(src, "w", encoding="utf-8") as f:
         for q in requests:
             f.write(json.dumps({"id": q.id, "messages": list(q.messages), **q.options(mode)}) + "\n")
-    args = worker_args()
+    args = batch_args(threads)
     command = [*cli_command(), "batch", str(src), str(out), "--model", str(model_dir), *args, "--no-progress"]
     t0 = time.perf_counter()
     done = subprocess.run(command, capture_output=True, text=True)
@@ -324,10 +319,10 @@ def run_worker_design(model_dir: Path, requests: Sequence[Request], mode: str, t
     found = batch_outputs(out)
     errors = {k: v for k, v in found.items() if isinstance(v, str)}
     if errors:
-        raise RuntimeError(f"the worker design failed records: {errors}")
+        raise RuntimeError(f"ortspec batch failed records: {errors}")
     outputs = {k: v for k, v in found.items() if not isinstance(v, str)}
     tokens = sum(len(v) for v in outputs.values())
-    return ColumnRun("worker design", mode, seconds, tokens, outputs, {"arguments": list(args)})
+    return ColumnRun("ortspec batch", mode, seconds, tokens, outputs, {"arguments": list(args)})
 
 
 # --------------------------------------------------------------------------
@@ -402,16 +397,19 @@ def measure(plan: Plan, model_dir: Path, dataset: Sequence[Request], threads: in
         runs.append(run)
         return run
 
-    engine = Engine.from_dir(model_dir, BackendConfig(threads=threads))  # alone: today's one-sequence Engine
-    batched = Engine.from_dir(model_dir, BackendConfig(threads=threads), batch_slots=BATCH_SLOTS)  # as serve opens it
+    config = BackendConfig(threads=threads)
+    engine = Engine.from_dir(model_dir, config, batch_slots=1, drafter=False)  # alone: one request at a time
+    batched = Engine.from_dir(model_dir, config, drafter=False)  # DEFAULT_SLOTS, as serve and batch open it
     warm_up(engine, batched, dataset)
     for mode, requests in by_mode.items():
         done(run_alone(engine, requests, mode))
         for speculation in SPECULATION:
             done(run_batched(batched, requests, mode, speculation))
+    engine.close()
+    batched.close()
     del engine, batched  # their sessions' memory, before the other engines load
-    for mode in plan.worker_modes:
-        done(run_worker_design(model_dir, by_mode[mode], mode, tmp))
+    for mode in plan.batch_modes:
+        done(run_batch_command(model_dir, by_mode[mode], mode, threads, tmp))
     missing = measure_genai(plan, model_dir, by_mode, threads, done)
     tokenizer = Tokenizer.from_folder(model_dir)
     alone = {r.mode: r for r in runs if r.column == "ortspec alone"}
@@ -474,14 +472,11 @@ def measure_genai(
 
 
 def summarize(measured: Mapping[str, Any]) -> list[dict[str, Any]]:
-    """One row per run: tokens/s, ratios to the worker design and to the best ORT GenAI batched column of the
-    same decoding (the worker design's greedy run when it ran greedy only), identity with ortspec alone."""
+    """One row per run: tokens/s, the ratio to the best ORT GenAI batched column of the same decoding, identity
+    with ortspec alone."""
     runs: list[ColumnRun] = measured["runs"]
     rows = []
     for run in runs:
-        worker = [r for r in runs if r.column == "worker design" and r.mode == run.mode] or [
-            r for r in runs if r.column == "worker design"
-        ]
         genai = [r for r in runs if r.column.startswith("ORT GenAI") and r.mode == run.mode]
         best = max(genai, key=lambda r: r.tokens_per_s) if genai else None
         identity = measured["identity"].get(f"{run.mode}|{run.column}")
@@ -492,8 +487,6 @@ def summarize(measured: Mapping[str, Any]) -> list[dict[str, Any]]:
                 "seconds": run.seconds,
                 "tokens": run.tokens,
                 "tokens_per_s": run.tokens_per_s,
-                "vs_worker_design": run.tokens_per_s / worker[0].tokens_per_s if worker else None,
-                "worker_design_mode": worker[0].mode if worker else None,
                 "vs_best_genai": run.tokens_per_s / best.tokens_per_s if best else None,
                 "best_genai": best.column if best else None,
                 "identity": identity,
@@ -525,7 +518,7 @@ def fastest_precision(results: Mapping[str, Any]) -> dict[str, Any] | None:
     }
 
 
-TARGETS = (("vs_worker_design", 4.0, "the worker design"), ("vs_best_genai", 1.3, "ORT GenAI's best batched greedy"))
+TARGETS = (("vs_best_genai", 1.3, "ORT GenAI's best batched greedy"),)
 
 
 def targets(summary: Sequence[Mapping[str, Any]]) -> list[str]:
@@ -551,7 +544,7 @@ def _f(x: float | None, spec: str = ".1f", suffix: str = "") -> str:
 def markdown(report: Mapping[str, Any]) -> str:
     machine = report["machine"]
     lines = [
-        "# Dataset throughput: ortspec batched, today's worker design, ONNX Runtime GenAI batched",
+        "# Dataset throughput: ortspec batched, `ortspec batch`, ONNX Runtime GenAI batched",
         "",
         f"Generated by `{report['command']}` on {report['date_utc']} (UTC) in {report['elapsed_s']:.0f} s. "
         f"Machine: {machine.get('cpu')}, {machine.get('cores')} cores, {machine.get('memory_gib')} GiB, "
@@ -563,10 +556,12 @@ def markdown(report: Mapping[str, Any]) -> str:
         f"number of new tokens in {NEW_TOKENS[0]}..{NEW_TOKENS[1]} (EOS ignored); greedy, and sampled at "
         f"{dict(SAMPLING)} with each request's own seed; each precision's section says which requests it ran. "
         f"{report['threads']} intra-op threads for every "
-        "engine; the worker design is `ortspec batch " + " ".join(report["worker_args"]) + "`.",
+        "engine; the `ortspec batch` column is `ortspec batch INPUT OUTPUT --model DIR "
+        + " ".join(report["batch_args"])
+        + "` (its defaults otherwise).",
         "",
-        "tokens/s = generated tokens ÷ wall seconds of the column's run over the whole dataset. The worker design's "
-        "wall time includes starting its workers and loading the model; ORT GenAI's static batches run every row "
+        "tokens/s = generated tokens ÷ wall seconds of the column's run over the whole dataset. `ortspec batch`'s "
+        "wall time includes starting the command and loading the model; ORT GenAI's static batches run every row "
         "to the group's largest number of new tokens and only each request's own tokens are counted. `identical` "
         "= outputs (token ids) equal to the same request decoded alone by `Engine.generate` (plain decoding, same "
         "options and seed); for ORT GenAI (greedy) information only.",
@@ -581,18 +576,14 @@ def markdown(report: Mapping[str, Any]) -> str:
         )
         lines += [f"Requests: {ran}." + (f" Plan: {plan['note']}." if plan["note"] else ""), ""]
         lines += [
-            "| decoding | column | wall s | tokens | tok/s | ÷ worker design | ÷ best ORT GenAI | identical |",
-            "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+            "| decoding | column | wall s | tokens | tok/s | ÷ best ORT GenAI | identical |",
+            "| --- | --- | ---: | ---: | ---: | ---: | ---: |",
         ]
         for row in result["summary"]:
-            worker_note = (
-                "" if row["worker_design_mode"] in (None, row["mode"]) else f" (vs {row['worker_design_mode']})"
-            )
             identity = row["identity"]
             lines.append(
                 f"| {row['mode']} | {row['column']} | {row['seconds']:.1f} | {row['tokens']} | "
-                f"{row['tokens_per_s']:.1f} | {_f(row['vs_worker_design'], '.2f', 'x')}{worker_note} | "
-                f"{_f(row['vs_best_genai'], '.2f', 'x')} | "
+                f"{row['tokens_per_s']:.1f} | {_f(row['vs_best_genai'], '.2f', 'x')} | "
                 + (f"{identity['identical']}/{identity['total']}" if identity else "–")
                 + " |"
             )
@@ -672,7 +663,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "elapsed_s": time.perf_counter() - started,
             "machine": machine_info(),
             "threads": args.threads,
-            "worker_args": list(worker_args()),
+            "batch_args": list(batch_args(args.threads)),
             "dataset": {
                 "file": str(DATASET.relative_to(Path(__file__).resolve().parent.parent)),
                 "requests": len(dataset),

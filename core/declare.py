@@ -74,15 +74,17 @@ def option(
     bounds: Bounds | None = None,
     converter: Callable[[Any], Any] | None = None,
     validator: Callable[[Any, Any, Any], None] | None = None,
+    none_is_a_value: bool = False,
 ) -> Any:
     """An attrs field declaring one generation option: its default, help and bounds (see the module docstring).
 
-    ``None`` (a JSON null, an unset flag) given for an option whose default is not None means the default. The
+    ``None`` (a JSON null, an unset flag) given for an option whose default is not None means the default, unless
+    ``none_is_a_value`` (None is then one of the option's values, e.g. ``speculative=None``: plain decoding). The
     value is converted (``converter``), then checked (``bounds``, then ``validator(instance, field, value)``) as the
     field is set, so a value with several bad options names the first declared one."""
 
     def convert(value: Any, instance: Any, field: attrs.Attribute) -> Any:
-        if value is None and default is not None:
+        if value is None and default is not None and not none_is_a_value:
             value = default
         elif converter is not None:
             value = converter(value)

@@ -62,7 +62,6 @@ __all__ = [
     "GenerationAborted",
     "GenerationError",
     "GenerationOptions",
-    "GenerationSuperseded",
     "PassGuard",
     "Learner",
     "Limits",
@@ -85,9 +84,8 @@ __all__ = [
 
 _LAZY = {
     "Engine": ("ortspec.adapters.engine.engine", "Engine"),
-    "EngineClosed": ("ortspec.adapters.engine.shared", "EngineClosed"),
+    "EngineClosed": ("ortspec.adapters.engine.calls", "EngineClosed"),
     "GenerationOptions": ("ortspec.adapters.engine.options", "GenerationOptions"),
-    "GenerationSuperseded": ("ortspec.adapters.engine.engine", "GenerationSuperseded"),
     "ModelFolderError": ("ortspec.backends.onnx", "ModelFolderError"),
     "BackendConfig": ("ortspec.backends.onnx", "BackendConfig"),
 }

@@ -89,12 +89,17 @@ def run(engine: Any, tokens: int, speculative: str | None) -> dict[str, Any]:
     """One ``ignore_eos`` generation of ``tokens`` tokens: after each token, the thread CPU time in all and the
     part spent inside the backend's passes (so the rest is ortspec's own: driver, core, proposer, detokenizer,
     callback); RSS every WINDOW tokens."""
+    from ortspec import CostAwareWidth, Options, PromptLookup, generate
+    from ortspec.core import MAX_DRAFT
+
     marks: list[float] = []
     inside: list[float] = []
     rss: list[float] = [rss_mb()]
     spent = [0.0]
     backend = engine.backend
-    passes = {name: getattr(backend, name) for name in ("decode", "decode_verify", "verify_picks")}
+    passes = {
+        name: getattr(backend, name) for name in ("decode", "decode_verify", "verify_picks") if hasattr(backend, name)
+    }
 
     def timed(method: Callable[..., Any]) -> Callable[..., Any]:
         def call(*args: Any) -> Any:
@@ -114,8 +119,16 @@ def run(engine: Any, tokens: int, speculative: str | None) -> dict[str, Any]:
 
     for name, method in passes.items():
         setattr(backend, name, timed(method))
-    try:
-        result = engine.generate_stream(PROMPT, on_token, max_tokens=tokens, ignore_eos=True, speculative=speculative)
+    try:  # the Engine's loop on this thread (its one-sequence backend), so the thread's CPU time is all of it
+        result = generate(
+            backend,
+            engine.prompt_ids(PROMPT),
+            Options(max_tokens=tokens),
+            PromptLookup(ngram=3, max_draft=MAX_DRAFT) if speculative else None,
+            draft_width=CostAwareWidth(engine.measurements.pass_costs()) if speculative else 1,
+            callback=on_token,
+            detokenize=engine.tokenizer.decode,
+        )
     finally:
         for name in passes:
             delattr(backend, name)  # the class's methods again
@@ -213,13 +226,14 @@ def measure(
     """Everything the module docstring lists, on ``model``; a dict of figures. Each timed run is made ``repeats``
     times (in turn: raw greedy, ortspec greedy, ortspec speculative), and each window keeps its least time."""
     from ortspec.adapters.engine import Engine
-    from ortspec.backends.onnx import BackendConfig
+    from ortspec.backends.onnx import BackendConfig, ModelFolder
 
-    engine = Engine.from_dir(model, BackendConfig(threads=1))
+    context = ModelFolder.load(model).context_length  # the whole context for one slot (batched slots cap theirs)
+    engine = Engine.from_dir(model, BackendConfig(threads=1, max_length=context), batch_slots=1)
     folder = engine.folder
     assert folder is not None
     prompt_ids = engine.prompt_ids(PROMPT)
-    engine.verify_drift(), engine.pass_costs()  # measured (or read) now, not inside a timed run
+    engine.measurements.verify_drift(), engine.measurements.pass_costs()  # measured (or read) now, not timed
     log("warm-up: one full-length generation")
     rss_load = rss_mb()
     warm = run(engine, tokens, None)

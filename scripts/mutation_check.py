@@ -1,4 +1,4 @@
-"""Show that the tests catch a broken core, driver, server router or batch runner: apply one deliberate bug (a
+"""Show that the tests catch a broken core, driver, server queue or batch runner: apply one deliberate bug (a
 mutant) at a time to a staged copy of the package, run the unit tests (``tests/``) and the property suite
 (``property_tests/``) against it, and report which test caught it (every one must be).
 
@@ -42,26 +42,28 @@ UNIT_TESTS: dict[str, tuple[str, ...]] = {
     "core/text.py": ("tests/test_commit_rules.py", "tests/test_core_rules.py", "tests/test_driver.py"),
     "core/sampling.py": ("tests/test_sampling_rules.py", "tests/test_sampling.py", "tests/test_core_rules.py"),
     "core/proposers.py": ("tests/test_proposers.py",),
+    "core/speculative.py": ("tests/test_speculative.py",),
+    "adapters/engine/scheduler.py": ("tests/test_scheduler.py",),
     "ortspec/speculation.py": ("tests/test_driver.py", "tests/test_batch_driver.py"),
+    "ortspec/sequence.py": ("tests/test_batch_driver.py", "tests/test_driver.py", "property_tests/test_batching.py"),
     "ortspec/batch_driver.py": (
         "tests/test_batch_driver.py",
         "tests/test_driver.py",
         "property_tests/test_batching.py",
     ),
-    # moves to adapters/serve/pool.py (issue 18): re-point the server-routing-* mutants with it
-    "adapters/serve/pool.py": ("tests/test_server_routing.py", "tests/test_server.py"),
+    "adapters/serve/jobs.py": ("tests/test_server.py",),
     # moves to adapters/batch/ (issue 18): re-point the batch-resume-* mutants with it
     "adapters/batch/run.py": ("tests/test_batch_resume.py", "tests/test_batch.py"),
     "adapters/batch/output.py": ("tests/test_batch_resume.py", "tests/test_batch.py"),
     "adapters/batch/records.py": ("tests/test_batch_resume.py", "tests/test_batch.py"),
-    "adapters/batch/batched.py": ("tests/test_batch_slots.py",),
+    "adapters/batch/worker.py": ("tests/test_batch_slots.py",),
     "adapters/batch/local.py": ("tests/test_batch.py::test_a_record_that_kills_its_worker_is_an_error_line",),
     "core/suffix.py": (
         "tests/test_suffix.py::test_a_snapshot_is_unchanged_by_what_is_added_after_it",
         "tests/test_suffix.py",
     ),
     "core/tokens.py": ("tests/test_shared_sequence.py", "tests/test_proposers.py"),
-    "core/prefix.py": ("tests/test_batch_driver.py", "tests/test_server_routing.py", "tests/test_driver.py"),
+    "core/prefix.py": ("tests/test_batch_driver.py", "tests/test_driver.py"),
 }
 PROPERTY_CHECKED = ("core/", "ortspec/")
 
@@ -415,8 +417,24 @@ MUTANTS: dict[str, Mutant] = {
         "return Speculation(proposer, self.policy.observe(len(draft), accepted))",
         "return Speculation(proposer, self.policy.observe(len(draft), len(draft)))",
     ),
+    # -- what speculative means (core/speculative.py) and the scheduler's hand-over of its slots -----------------
+    "speculative-auto-without-a-drafter-is-prompt-lookup": Mutant(
+        "core/speculative.py",
+        "        speculative = AUTO_LOOKUP\n",
+        '        speculative = "prompt-lookup"\n',
+    ),
+    "speculative-an-int-width-does-not-cap-auto": Mutant(
+        "core/speculative.py",
+        "        return priced, FixedWidth(draft_width)\n",
+        "        return priced, FixedWidth(len(prices.pass_costs) - 1)\n",
+    ),
+    "scheduler-trusts-the-slots-after-a-measurement": Mutant(
+        "adapters/engine/scheduler.py",
+        "        self._parked = False\n        self._driver.forget()\n",
+        "        self._parked = False\n",
+    ),
     "driver-drops-device-margins": Mutant(
-        "ortspec/batch_driver.py",
+        "ortspec/sequence.py",
         "outcome = step_from_picks(state, logits.ids, self._draft, vocab_size=vocab, margins=logits.margins)",
         "outcome = step_from_picks(state, logits.ids, self._draft, vocab_size=vocab, margins=None)",
     ),
@@ -428,7 +446,7 @@ MUTANTS: dict[str, Mutant] = {
     ),
     # -- the batch driver (continuous batching) ---------------------------------------------------------------
     "batch-driver-skips-rewind": Mutant(
-        "ortspec/batch_driver.py",
+        "ortspec/sequence.py",
         "        backend.rewind(self._slot, outcome.rewind_to)\n",
         "",
     ),
@@ -454,7 +472,7 @@ MUTANTS: dict[str, Mutant] = {
         ("tests/test_batch_drafter.py",),
     ),
     "batch-driver-binds-the-drafter-to-slot-0": Mutant(
-        "ortspec/batch_driver.py",
+        "ortspec/sequence.py",
         "self._speculation = self._speculation.with_proposer(self._slot_proposer.bind(slot), state)",
         "self._speculation = self._speculation.with_proposer(self._slot_proposer.bind(0), state)",
         ("tests/test_batch_drafter.py",),
@@ -465,7 +483,7 @@ MUTANTS: dict[str, Mutant] = {
         "for (sequence, row), logits in zip(batch, outputs[::-1], strict=True):",
     ),
     "batch-driver-delivers-after-cancel": Mutant(
-        "ortspec/batch_driver.py",
+        "ortspec/sequence.py",
         "        while self._undelivered and not self._cancelled:\n            commit = self._undelivered.popleft()",
         "        while self._undelivered:\n            commit = self._undelivered.popleft()",
     ),
@@ -497,7 +515,7 @@ MUTANTS: dict[str, Mutant] = {
     ),
     # -- the batch driver's prefix reuse per slot -----------------------------------------------------------------
     "batch-driver-reuses-one-token-too-many": Mutant(
-        "ortspec/batch_driver.py",
+        "ortspec/sequence.py",
         "state = reusing(self.state, common_prefix_length(resident, self.state.prompt_tokens))",
         "state = reusing(self.state, common_prefix_length(resident, self.state.prompt_tokens) + 1)",
     ),
@@ -521,18 +539,14 @@ MUTANTS: dict[str, Mutant] = {
         "self._resident[slot] = self._held_by(sequence) if known else ()",
         "self._resident[slot] = self._held_by(sequence)",
     ),
-    # -- the server's routing by longest cached prefix (adapters/serve/pool.py) ----------------------------------
-    "server-routing-first-idle-worker": Mutant(
-        "adapters/serve/pool.py",
-        "        return max(idle, key=score)",
-        "        return idle[0]",
+    # -- the server's queue limit (adapters/serve/jobs.py: every pool's) -------------------------------------------
+    "serve-queue-admits-one-too-many": Mutant(
+        "adapters/serve/jobs.py",
+        "return len(self._jobs) >= self.parallel + self.max_queue",
+        "return len(self._jobs) > self.parallel + self.max_queue",
+        ("tests/test_server.py::test_full_queue_is_a_429_with_retry_after",),
     ),
-    "server-routing-most-recently-used-on-ties": Mutant(
-        "adapters/serve/pool.py",
-        "return reuse_score(w.resident, ids), -w.last_used",
-        "return reuse_score(w.resident, ids), w.last_used",
-    ),
-    # -- the routing score both the server and the batch driver use (core/prefix.py) ----------------------------
+    # -- the routing score the batch driver uses to pick a slot (core/prefix.py) --------------------------------
     "prefix-score-ignores-the-shared-prefix": Mutant(
         "core/prefix.py",
         "return 2 * common_prefix_length(resident, prompt) - len(resident)",
@@ -571,9 +585,22 @@ MUTANTS: dict[str, Mutant] = {
     ),
     # -- the batch runner's workers on the batch driver (adapters/batch/) -----------------------------------------
     "batch-slots-defaults-override-the-record": Mutant(
-        "adapters/batch/batched.py",
-        "options = GenerationOptions(**{**self.defaults, **task.options})",
-        "options = GenerationOptions(**{**task.options, **self.defaults})",
+        "adapters/batch/worker.py",
+        "return GenerationOptions(**{**self.defaults, **task.options})",
+        "return GenerationOptions(**{**task.options, **self.defaults})",
+        ("tests/test_batch_slots.py::test_a_records_own_fields_beat_the_jobs_defaults",),
+    ),
+    "batch-opens-the-drafter-for-no-record": Mutant(
+        "adapters/batch/worker.py",
+        "drafter = job.drafter if needs_drafter(defaults, tasks) else False",
+        "drafter = job.drafter",
+        ("tests/test_batch.py::test_the_drafter_is_opened_only_when_a_record_drafts_with_it",),
+    ),
+    "batch-one-worker-runs-in-a-worker-process": Mutant(
+        "adapters/batch/local.py",
+        "if workers == 1:",
+        "if workers == 0:",
+        ("tests/test_batch.py::test_one_worker_runs_in_this_process",),
     ),
     "batch-slots-dead-worker-blames-the-first-of-several": Mutant(
         "adapters/batch/local.py",

@@ -245,7 +245,7 @@ def test_engine_warning_names_the_exact_setting(arch_root):
     exact = Engine.from_dir(
         _build(arch_root, "llama", "int4", hidden=256), BackendConfig(threads=1, matmul_accuracy_level=1)
     )
-    assert exact.verify_drift() <= ROW_TOL
+    assert exact.measurements.verify_drift() <= ROW_TOL
 
 
 def test_a_state_without_its_present_name_is_refused(arch_root, tmp_path):

@@ -1,5 +1,6 @@
-"""``ortspec batch`` embedded (worker processes): records, errors, resumption after a kill, replay of sampled
-records, and every output equal to what the Engine gives for the same record in this process (tiny model)."""
+"""``ortspec batch`` on this machine (one worker in this process, or worker processes): records, errors, resumption
+after a kill, replay of sampled records, the drafter opened only when a record drafts with it, and every output
+equal to what the Engine gives for the same record in this process (tiny model)."""
 
 from __future__ import annotations
 
@@ -13,11 +14,12 @@ from pathlib import Path
 import pytest
 
 from ortspec.adapters.batch import BatchError, BatchJob, run_batch
-from ortspec.adapters.batch.local import available_cores, plan_threads
+from ortspec.adapters.batch.local import plan_threads
 from ortspec.adapters.batch.output import prepare_output
 from ortspec.adapters.batch.records import option_fields, parse_record, read_input
-from ortspec.adapters.batch.worker import BatchWorker, WorkerSettings
+from ortspec.adapters.batch.worker import BatchWorker, WorkerSettings, needs_drafter
 from ortspec.adapters.cli.main import main as cli_main
+from ortspec.adapters.hosts import available_cores
 from ortspec.core import PromptLookup
 
 LOOKUP_TEXT = "the quick brown fox jumps over the lazy dog. the quick brown fox jumps over the lazy dog. the quick"
@@ -148,6 +150,54 @@ def test_workers_times_threads_may_not_exceed_the_cores(tmp_path, capsys):
     assert "put --ray after INPUT OUTPUT" in capsys.readouterr().err
 
 
+def test_the_drafter_is_opened_only_when_a_record_drafts_with_it(tmp_path):
+    """``auto`` and ``shared-kv`` draft with the drafter, as the job's default or a record's own ``speculative``;
+    a run whose records all decode plainly, by a lookup or by their own proposer opens none (``drafter=False``),
+    and warms nothing when none speculates."""
+    fields = option_fields()
+    src = write_jsonl(tmp_path / "in.jsonl", [{"id": 1, "prompt": "x"}])
+
+    def settings(default, *record_values):
+        defaults = {"speculative": default}
+        records = [{"id": i, "prompt": "x", **({} if v is ... else {"speculative": v})} for i, v in
+                   enumerate(record_values)]  # fmt: skip
+        tasks = [parse_record(json.dumps(r), n, defaults, fields) for n, r in enumerate(records, start=1)]
+        job = BatchJob(src, tmp_path / "out.jsonl", drafter="some/drafter")
+        return WorkerSettings.of(job, 1, defaults, tasks)  # type: ignore[arg-type]
+
+    assert settings("auto", ...).drafter == "some/drafter"
+    assert settings("suffix", ..., "shared-kv").drafter == "some/drafter"  # one record asks for it
+    assert settings("suffix", ..., "prompt-lookup", None).drafter is False
+    assert settings("auto", "suffix", None).drafter is False  # every record overrides the default
+    assert settings("auto").drafter is False  # nothing left to run (resumed)
+    assert settings(PromptLookup(), ...).drafter is False  # a proposer object drafts by itself
+    assert settings(None, None, ...).warm is False and settings(None, "suffix").warm is True
+    assert not needs_drafter({"speculative": "auto"}, [])
+
+
+def test_one_worker_runs_in_this_process(tiny_model_dir, tmp_path):
+    """The default (one worker): no worker process; the records run on an Engine of this process."""
+    import multiprocessing
+
+    class Pids:
+        def __init__(self):
+            self.seen = set()
+
+        def propose(self, context, width):
+            self.seen.add(os.getpid())
+            return ()
+
+    pids = Pids()
+    options = {"speculative": pids, "draft_width": 4, "ignore_eos": True}  # a fixed width: every step drafts
+    src = write_jsonl(tmp_path / "in.jsonl", [{"id": i, "prompt": f"record {i}", "max_tokens": 3} for i in range(3)])
+    summary = run_batch(
+        BatchJob(src, tmp_path / "out.jsonl", model=tiny_model_dir, threads=1, options=options),
+        progress=False,
+    )
+    assert summary.written == 3 and summary.errors == 0 and summary.slots == 16 and len(summary.load_s) == 1
+    assert pids.seen == {os.getpid()} and not multiprocessing.active_children()
+
+
 def test_missing_ray_extra_is_a_clear_message(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "ray", None)
     src = write_jsonl(tmp_path / "in.jsonl", [{"id": 1, "prompt": "x"}])
@@ -166,11 +216,11 @@ def test_every_record_equals_the_engine_in_this_process(tiny_model_dir, embedded
         len(r["token_ids"]) for r in got.values() if "text" in r
     )
     # what the same records give through one Engine here, with the same defaults and threads
-    worker = BatchWorker(tiny_model_dir, WorkerSettings(threads=1, defaults=DEFAULTS))
     fields = option_fields()
-    for number, record in enumerate(RECORDS, start=1):
-        expected, _ = worker.run(parse_record(json.dumps(record), number, DEFAULTS, fields))
-        assert got[json.dumps(record["id"])] == expected, record["id"]
+    with BatchWorker(tiny_model_dir, WorkerSettings(threads=1, defaults=DEFAULTS)) as worker:
+        for number, record in enumerate(RECORDS, start=1):
+            expected, _ = worker.run(parse_record(json.dumps(record), number, DEFAULTS, fields))
+            assert got[json.dumps(record["id"])] == expected, record["id"]
     for r in got.values():
         if "error" not in r:
             assert r["finish_reason_openai"] in ("stop", "length") and set(r["stats"]) == {
@@ -285,11 +335,11 @@ run_batch(BatchJob(src, out, model=model, workers=1, threads=1, max_batch=1, opt
 
 
 def test_resume_after_a_kill(tiny_model_dir, tmp_path):
-    """SIGKILL a one-at-a-time run (``max_batch=1``; and its worker) in the middle of its fifth record, leave a
-    half-written line as a kill mid-write would, rerun (batched, the default): every record once, each equal to an
-    uninterrupted run's. The kill comes from the fifth record's first draft, so the first four records (longest
-    prompt first: r23 to r20) are in OUTPUT: on that path the parent hands a worker its next record only after
-    writing the last one. (A batched run killed mid-job: ``test_batch_slots.py``.)"""
+    """SIGKILL a run of one slot (``max_batch=1``, its worker in its process) in the middle of its fifth record,
+    leave a half-written line as a kill mid-write would, rerun (16 slots, the default): every record once, each
+    equal to an uninterrupted run's. The kill comes from the fifth record's first draft, so the first four records
+    (longest prompt first: r23 to r20) are in OUTPUT: a worker of one slot is handed its next record only after
+    the last one is written. (A batched run killed mid-job: ``test_batch_slots.py``.)"""
     records = [
         {"id": f"r{i}", "prompt": f"{i} " + LOOKUP_TEXT[: 20 + 3 * i], "max_tokens": 150, "ignore_eos": True}
         for i in range(24)

@@ -177,7 +177,6 @@ MAX_TOKENS = (10, 26, 17, 21)  # rows leave at different passes, the last prompt
 
 
 def batched_equals_alone(engine, speculative: str, width, sampling: dict) -> list:
-    from ortspec.adapters.engine.many import batch_request, generate_requests
     from ortspec.adapters.engine.options import GenerationOptions
 
     options = [
@@ -186,7 +185,7 @@ def batched_equals_alone(engine, speculative: str, width, sampling: dict) -> lis
         )  # fmt: skip
         for m in MAX_TOKENS
     ]
-    results = generate_requests(engine, [batch_request(engine, p, o) for p, o in zip(PROMPTS, options, strict=True)])
+    results = engine.generate_requests([engine.request(p, o) for p, o in zip(PROMPTS, options, strict=True)])
     for prompt, option, result in zip(PROMPTS, options, results, strict=True):
         plain = engine.generate(prompt, max_tokens=option.max_tokens, ignore_eos=True, **sampling)
         assert result.token_ids == plain.token_ids and result.text == plain.text
@@ -198,9 +197,7 @@ def batched_equals_alone(engine, speculative: str, width, sampling: dict) -> lis
 def engine(tiny_model_dir, drafter_dir):
     from ortspec.adapters.engine import Engine
 
-    engine = Engine.from_dir(tiny_model_dir, CONFIG, drafter=drafter_dir)
-    engine.batch_backend(2)  # two slots for four requests: they join and leave
-    return engine
+    return Engine.from_dir(tiny_model_dir, CONFIG, drafter=drafter_dir, batch_slots=2)  # four requests join and leave
 
 
 @pytest.mark.parametrize("speculative", ["shared-kv", "auto"])
@@ -220,19 +217,17 @@ def test_batched_drafter_generations_are_each_request_alone(engine, speculative,
 
 def test_an_engine_opened_for_batching_runs_the_drafter_alone_and_batched(tiny_model_dir, drafter_dir):
     from ortspec.adapters.engine import Engine
-    from ortspec.backends.onnx.slot_drafters import SlotDrafters
 
     engine = Engine.from_dir(tiny_model_dir, CONFIG, drafter=drafter_dir, batch_slots=2)
-    drafters = engine.slot_drafters()
-    assert isinstance(drafters, SlotDrafters) and engine.drafter is drafters.lone()
+    assert engine.drafter_for_slot is not None and engine.drafter_for_slot(1) is not engine.drafter
     plain = engine.generate(PROMPTS[0], max_tokens=20, ignore_eos=True)
     alone = engine.generate(PROMPTS[0], max_tokens=20, ignore_eos=True, speculative="shared-kv", draft_width=3)
     assert alone.token_ids == plain.token_ids and alone.stats.proposed_tokens > 0
     batched_equals_alone(engine, "auto", "auto", {})
-    assert Engine.from_dir(tiny_model_dir, CONFIG, drafter=False, batch_slots=2).slot_drafters() is None
+    assert Engine.from_dir(tiny_model_dir, CONFIG, drafter=False, batch_slots=2).drafter_for_slot is None
 
 
-def test_drafter_calls_from_many_threads_run_on_the_shared_passes_each_as_alone(tiny_model_dir, drafter_dir):
+def test_drafter_calls_from_many_threads_share_passes_each_as_alone(tiny_model_dir, drafter_dir):
     import concurrent.futures
 
     from ortspec.adapters.engine import Engine
@@ -248,8 +243,7 @@ def test_drafter_calls_from_many_threads_run_on_the_shared_passes_each_as_alone(
                     zip(PROMPTS, calls, strict=True),
                 )
             )
-        scheduler = engine.shared_passes.scheduler
-        assert scheduler is not None and scheduler.ended == len(PROMPTS)  # every call ran on the shared passes
+        assert engine.scheduler.ended == len(PROMPTS)  # every call ran on the Engine's one scheduler
     assert [r.token_ids for r in results] == [a.token_ids for a in alone]
     assert sum(r.stats.proposed_tokens for r in results[::2]) > 0  # the slots' drafters drafted
 
@@ -272,20 +266,18 @@ def test_the_batched_server_serves_the_drafter_and_each_request_gets_its_text_al
     from ortspec.core.checks import ArgumentError
 
     reference = Engine.from_dir(tiny_model_dir, CONFIG, drafter=False)
-    without = load_serving(tiny_model_dir, CONFIG, max_batch=2, drafter=False)
-    with pytest.raises(ArgumentError, match="needs a shared-KV drafter"):
-        create_app(without.engines, ServerSettings(model_name="tiny", speculative="shared-kv"), batch=without.batch)
+    with load_serving(tiny_model_dir, CONFIG, max_batch=2, drafter=False) as without:
+        with pytest.raises(ArgumentError, match="needs a shared-KV drafter"):
+            create_app(without, ServerSettings(model_name="tiny", speculative="shared-kv"))
     serving = load_serving(tiny_model_dir, CONFIG, max_batch=2, drafter=drafter_dir)
-    assert serving.engines[0].slot_drafters() is not None
+    assert serving.drafter_for_slot is not None
     requests = [
         {"prompt": PROMPTS[0], "max_tokens": 14},
         {"prompt": PROMPTS[1], "max_tokens": 20, "temperature": 0.8, "seed": 3},
         {"prompt": PROMPTS[2], "max_tokens": 9},  # waits for a slot: two slots, three requests
     ]
     for speculative in ("auto", "shared-kv"):
-        app = create_app(
-            serving.engines, ServerSettings(model_name="tiny", speculative=speculative), batch=serving.batch
-        )
+        app = create_app(serving, ServerSettings(model_name="tiny", speculative=speculative))
         out: list[httpx.Response | None] = [None] * len(requests)
         with serve_in_thread(app) as url:
 
@@ -302,6 +294,7 @@ def test_the_batched_server_serves_the_drafter_and_each_request_gets_its_text_al
             options = {k: v for k, v in request.items() if k != "prompt"}
             assert response.json()["choices"][0]["text"] == reference.generate(request["prompt"], **options).text
             assert response.json()["ortspec"]["speculative"] is True
+    serving.close()
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -326,7 +319,7 @@ def test_a_batch_workers_records_use_the_drafter_and_each_line_is_the_record_alo
         tiny_model_dir, WorkerSettings(threads=1, defaults=defaults, max_batch=2, drafter=drafter_dir)
     )
     alone = BatchWorker(tiny_model_dir, WorkerSettings(threads=1, defaults=defaults, drafter=drafter_dir))
-    assert batched.engine.slot_drafters() is not None and batched.note is None
+    assert batched.engine.drafter_for_slot is not None and batched.note is None
     for task in tasks:
         batched.submit(task)  # type: ignore[arg-type]
     lines = {}

@@ -1,8 +1,9 @@
-"""``ortspec batch`` on the batch driver (``--max-batch``, ``BatchJob.max_batch``): each worker keeps up to
+"""``ortspec batch`` on the Engine's one scheduler (``--max-batch``, ``BatchJob.max_batch``): each worker keeps up to
 ``max_batch`` records decoding together and the next joins as soon as a slot frees; every record's line is what
-``Engine.generate`` gives that record alone (``BatchWorker.run``, the one-at-a-time path), errors included; a
-killed batched run resumes; ``max_batch=1`` and a folder that cannot batch take the one-at-a-time path (tiny
-model)."""
+the record gives alone (``BatchWorker.run`` on a worker of one slot), errors included, and a record that cannot
+start gets its error line at once; a record's own fields beat the job's defaults; a killed run resumes;
+``max_batch=1`` is an Engine of one slot, and a folder that cannot batch runs one record at a time and says why
+(tiny model)."""
 
 from __future__ import annotations
 
@@ -16,11 +17,12 @@ import pytest
 from test_batch import BAD_LINES, DEFAULTS, LOOKUP_TEXT, RECORDS, read_output, write_jsonl
 
 from ortspec.adapters.batch import BatchJob, run_batch
-from ortspec.adapters.batch.command import _job
 from ortspec.adapters.batch.records import Task, option_fields, parse_record
 from ortspec.adapters.batch.worker import BatchWorker, WorkerSettings
+from ortspec.adapters.cli.batch import job_of
 from ortspec.adapters.cli.main import build_parser
 from ortspec.backends.onnx import BackendConfig
+from ortspec.batch_driver import Phase
 
 # Lines the Engine refuses (not the record reader): they fail when submitted, with the Engine's message (the tiny
 # model's context holds 256 tokens).
@@ -63,34 +65,53 @@ def tasks(tiny_model_dir: Path) -> list[Task]:
 
 @pytest.fixture(scope="module")
 def alone(tiny_model_dir):
-    """The one-at-a-time path (``max_batch=1``): one ``Engine.generate`` per record."""
-    return BatchWorker(tiny_model_dir, WorkerSettings(threads=1, defaults=DEFAULTS))
+    """A worker of one slot (``max_batch=1``): each record alone."""
+    with BatchWorker(tiny_model_dir, WorkerSettings(threads=1, defaults=DEFAULTS)) as worker:
+        yield worker
 
 
-def drain(worker: BatchWorker, snapshots: list | None = None) -> dict:
-    """Advance ``worker`` until it holds nothing: its lines by task key (``snapshots``: the driver's running
-    sequences after each pass)."""
+def watch(worker: BatchWorker) -> list[set[int]]:
+    """After each of the worker's passes, the records holding a slot (by their scheduled requests' ids), from the
+    pass thread: the worker's requests are collected as its Engine submits them."""
+    submitted: list = []
+    submit = worker.engine.submit
+
+    def collect(request, **kwargs):
+        submitted.append(submit(request, **kwargs))
+        return submitted[-1]
+
+    worker.engine.submit = collect  # type: ignore[method-assign]
+    snapshots: list[set[int]] = []
+    running = (Phase.PREFILL, Phase.DECODING)
+    worker.engine.scheduler.observe(
+        lambda _: snapshots.append(
+            {id(r) for r in list(submitted) if r.sequence is not None and r.sequence.phase in running}
+        )
+    )
+    return snapshots
+
+
+def drain(worker: BatchWorker) -> dict:
+    """Advance ``worker`` until it holds nothing: its lines by task key."""
     lines = {}
     while worker.held:
-        for task, record, metrics in worker.advance():
+        for task, record, metrics in worker.advance(timeout=60):
             assert task.key not in lines
             lines[task.key] = (record, metrics)
-        if snapshots is not None and worker.batched is not None:
-            snapshots.append({id(s) for s in worker.batched.driver.running})
     return lines
 
 
 def test_each_line_is_the_record_alone_and_slots_refill_as_they_free(tiny_model_dir, alone):
     # a tiny prompt-token budget per pass: the records' prompts are prefilled a few tokens a pass, first come first
     settings = WorkerSettings(threads=1, defaults=DEFAULTS, max_batch=3, prefill_budget=5)
-    worker = BatchWorker(tiny_model_dir, settings)
-    assert worker.slots == 3 and worker.note is None
-    assert worker.batched is not None and worker.batched.driver.prefill_budget == 5
-    todo = tasks(tiny_model_dir)
-    for task in todo:
-        worker.submit(task)
-    snapshots: list[set[int]] = []
-    lines = drain(worker, snapshots)
+    with BatchWorker(tiny_model_dir, settings) as worker:
+        assert worker.slots == 3 and worker.note is None and worker.engine.prefill_budget == 5
+        snapshots = watch(worker)
+        todo = tasks(tiny_model_dir)
+        for task in todo:
+            worker.submit(task)
+        lines = drain(worker)
+        passes = worker.engine.scheduler.passes
     assert len(lines) == len(todo)  # more records than slots: every one written once
     for task in todo:
         assert lines[task.key][0] == alone.run(task)[0], task.id
@@ -99,40 +120,62 @@ def test_each_line_is_the_record_alone_and_slots_refill_as_they_free(tiny_model_
     assert "the drafter broke" in errors["fails"] and lines['"fails"'][0]["partial"]["token_ids"]
     # at most 3 at once; a record joined while one that started with it was still running (not in waves)
     assert max(len(s) for s in snapshots) == 3
-    first = snapshots[0]
+    first = next(s for s in snapshots if s)
     assert any(len(s) == 3 and s & first and s != first for s in snapshots), snapshots
     steps = sum(m["steps"] for _, m in lines.values() if m["ok"])
-    assert worker.batched is not None and worker.batched.driver.passes < steps  # the passes were shared
+    assert passes < steps  # the passes were shared
 
 
-def test_max_batch_1_is_the_one_at_a_time_path(tiny_model_dir, alone):
-    assert alone.batched is None and alone.slots == 1 and alone.note is None
+def test_a_records_own_fields_beat_the_jobs_defaults(tiny_model_dir):
+    """The job drafts with prompt lookup and asks for 5 tokens; a record that says ``speculative: null`` and 9
+    tokens gets plain decoding and 9 tokens, beside a record that takes the defaults."""
+    defaults = {**DEFAULTS, "max_tokens": 5, "ignore_eos": True}
+    own = {"id": "own", "prompt": LOOKUP_TEXT, "speculative": None, "max_tokens": 9}
+    taken = {"id": "defaults", "prompt": LOOKUP_TEXT}
+    fields = option_fields()
+    todo = [parse_record(json.dumps(r), n, defaults, fields) for n, r in enumerate([own, taken], start=1)]
+    with BatchWorker(tiny_model_dir, WorkerSettings(threads=1, defaults=defaults, max_batch=2)) as worker:
+        for task in todo:
+            worker.submit(task)  # type: ignore[arg-type]
+        lines = {key: record for key, (record, _) in drain(worker).items()}
+    assert len(lines['"own"']["token_ids"]) == 9 and lines['"own"']["stats"]["proposed"] == 0
+    assert len(lines['"defaults"']["token_ids"]) == 5 and lines['"defaults"']["stats"]["proposed"] > 0
+
+
+def test_max_batch_1_is_an_engine_of_one_slot_and_a_refused_record_answers_at_once(tiny_model_dir, alone):
+    assert alone.slots == 1 and alone.note is None and alone.engine.batch.slots == 1
     task = tasks(tiny_model_dir)[0]
     alone.submit(task)
-    [(done, record, metrics)] = alone.advance()
+    [(done, record, metrics)] = alone.advance(timeout=60)
     assert done is task and record == alone.run(task)[0] and metrics["ok"]
-    assert alone.engine._batch is None  # no batch backend was opened
+    refused = parse_record(ENGINE_CHECKED[-1], 5, DEFAULTS, option_fields())  # its prompt is past the context
+    assert isinstance(refused, Task)
+    alone.submit(refused)
+    [(done, record, metrics)] = alone.advance(timeout=0)  # its line is ready: no pass ran for it
+    assert done is refused and "context" in record["error"] and not metrics["ok"] and not alone.held
+    assert alone.advance(timeout=0) == []  # nothing held: no wait
     parser = build_parser()
-    assert _job(parser.parse_args(["batch", "in.jsonl", "out.jsonl"])).max_batch == 16
-    assert _job(parser.parse_args(["batch", "in.jsonl", "out.jsonl", "--max-batch", "1"])).max_batch == 1
-    job = _job(parser.parse_args(["batch", "in.jsonl", "out.jsonl"]))
-    assert job.prefill_budget == 512 and WorkerSettings.of(job, 1, {}).prefill_budget == 512
-    job = _job(parser.parse_args(["batch", "in.jsonl", "out.jsonl", "--prefill-budget", "none"]))
-    assert job.prefill_budget is None and WorkerSettings.of(job, 1, {}).prefill_budget is None
+    assert job_of(parser.parse_args(["batch", "in.jsonl", "out.jsonl"])).max_batch == 16
+    assert job_of(parser.parse_args(["batch", "in.jsonl", "out.jsonl", "--max-batch", "1"])).max_batch == 1
+    job = job_of(parser.parse_args(["batch", "in.jsonl", "out.jsonl"]))
+    assert job.prefill_budget == 512 and WorkerSettings.of(job, 1, {}, []).prefill_budget == 512
+    job = job_of(parser.parse_args(["batch", "in.jsonl", "out.jsonl", "--prefill-budget", "none"]))
+    assert job.prefill_budget is None and WorkerSettings.of(job, 1, {}, []).prefill_budget is None
 
 
 def test_a_folder_that_cannot_batch_runs_one_at_a_time_and_says_why_once(tiny_model_dir, tmp_path):
     backend = BackendConfig(share_buffer=False)  # OrtBatchBackend refuses: buffer sharing off
-    worker = BatchWorker(tiny_model_dir, WorkerSettings(threads=1, defaults=DEFAULTS, backend=backend, max_batch=4))
-    assert worker.batched is None and worker.slots == 1
-    assert worker.note is not None and "buffer sharing is off" in worker.note
+    settings = WorkerSettings(threads=1, defaults=DEFAULTS, backend=backend, max_batch=4)
+    with BatchWorker(tiny_model_dir, settings) as worker:
+        assert worker.slots == 1
+        assert worker.note is not None and "buffer sharing is off" in worker.note
     src = write_jsonl(tmp_path / "in.jsonl", RECORDS[:4])
     notes: list[str] = []
     job = BatchJob(src, tmp_path / "out.jsonl", model=tiny_model_dir, workers=2, threads=1, backend=backend,
                    options=DEFAULTS)  # fmt: skip
     summary = run_batch(job, progress=False, log=notes.append)
     assert summary.written == 4 and summary.errors == 0 and summary.slots == 1
-    assert [n for n in notes if "cannot run batched" in n] == [worker.note]
+    assert [n for n in notes if "one sequence at a time" in n] == [worker.note]
 
 
 KILLED_BATCHED_RUN = """
@@ -154,8 +197,8 @@ run_batch(BatchJob(src, out, model=model, workers=1, threads=1, max_batch=4, opt
 
 
 def test_a_batched_run_killed_mid_job_resumes(tiny_model_dir, alone, tmp_path):
-    """SIGKILL a batched run (4 slots) right after its fifth line, while the worker holds more records, leave a
-    half-written line, rerun: every record once, each what ``Engine.generate`` gives it alone."""
+    """SIGKILL a batched run (one worker in its process, 4 slots) right after its fifth line, while the worker
+    holds more records, leave a half-written line, rerun: every record once, each what it gives alone."""
     records = [
         {"id": f"r{i}", "prompt": f"{i} " + LOOKUP_TEXT[: 20 + 3 * i], "max_tokens": 8 + 5 * (i % 5),
          "ignore_eos": True, "draft_width": 4}

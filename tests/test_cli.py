@@ -110,12 +110,13 @@ def test_ctrl_c_ends_with_status_130_and_no_traceback(tiny_model_dir, capsys, mo
 
 
 def test_a_failed_generation_ends_with_status_1_and_the_reason(tiny_model_dir, capsys, monkeypatch):
-    from ortspec.backends.onnx import OrtBackend
+    from ortspec.backends.onnx import OrtBackend, OrtBatchBackend
 
     def failing(self, *args, **kwargs):
         raise RuntimeError("device lost")
 
     monkeypatch.setattr(OrtBackend, "_run", failing)
+    monkeypatch.setattr(OrtBatchBackend, "_run", failing)
     code, _, err = _run(capsys, "generate", "hi", "--model", str(tiny_model_dir), "--threads", "1",
                         "--speculative", "none")  # fmt: skip
     assert code == 1 and "ortspec: generation failed after 0 tokens: RuntimeError: device lost" in err

@@ -421,8 +421,8 @@ def test_the_folders_stop_below_is_the_drafters_alone_and_batched(tiny_model_dir
     config = BackendConfig(threads=1, max_length=128)
     assert Engine.from_dir(tiny_model_dir, config, drafter=sure).drafter.stop_below == 0.4
     with Engine.from_dir(tiny_model_dir, config, drafter=sure, batch_slots=2) as batched:
-        slots = batched.slot_drafters()
-        assert slots is not None and {slots.for_slot(s).stop_below for s in (0, 1, 2)} == {0.4}
+        for_slot = batched.drafter_for_slot
+        assert for_slot is not None and {for_slot(s).stop_below for s in (0, 1, 2)} == {0.4}
     backend = OrtBackend.from_folder(tiny_model_dir, config)
     assert SharedKvProposer.open(backend, sure, stop_below=0.0).stop_below == 0.0
 

@@ -8,9 +8,9 @@ import sys
 
 import pytest
 
-from ortspec import FinishReason, GenerationAborted, GenerationError, PromptLookup
+from ortspec import FinishReason, GenerationAborted, PromptLookup
 from ortspec.adapters.cli.main import main as cli_main
-from ortspec.adapters.engine import Engine, GenerationSuperseded
+from ortspec.adapters.engine import Engine
 from ortspec.backends.onnx import BackendConfig, ModelFolderError
 from ortspec.core.checks import ArgumentError
 from tests.support.conformance import GreedyReplay
@@ -208,7 +208,7 @@ def test_verify_drift_is_measured_and_warned_about(engine, tiny_model_dir):
 
     from ortspec.backends.onnx import OrtBackend
 
-    assert engine.verify_drift() < 1e-3
+    assert engine.measurements.verify_drift() < 1e-3
 
     class Drifting:
         def __init__(self, inner):
@@ -225,7 +225,7 @@ def test_verify_drift_is_measured_and_warned_about(engine, tiny_model_dir):
         engine.tokenizer,
         eos_token_ids=engine.eos_token_ids,
     )
-    assert drifting.verify_drift() == pytest.approx(0.25, abs=1e-3)
+    assert drifting.measurements.verify_drift() == pytest.approx(0.25, abs=1e-3)
     with pytest.warns(RuntimeWarning, match="can differ from plain"):
         drifting.generate("abc abc", max_tokens=4, speculative="prompt-lookup", draft_width=2)
     with warnings.catch_warnings():
@@ -234,8 +234,8 @@ def test_verify_drift_is_measured_and_warned_about(engine, tiny_model_dir):
         drifting.generate("abc abc", max_tokens=4)  # greedy never warns
 
 
-def test_concurrent_generate_calls_on_one_engine_are_serialized(engine):
-    """Threads sharing an Engine: each generation is what it is alone (sequences never share the KV)."""
+def test_concurrent_generate_calls_on_one_engine_each_give_what_they_give_alone(engine):
+    """Threads sharing an Engine share its passes: each generation is what it is alone (each has its own slot)."""
     import threading
 
     prompts = ["alpha beta gamma", "one two three four", "the quick brown fox", "x y z x y z"]
@@ -262,13 +262,16 @@ def test_concurrent_generate_calls_on_one_engine_are_serialized(engine):
     assert len(got) == len(threads)
 
 
-def test_an_iterator_superseded_by_another_generation_raises(engine):
-    it = iter(engine.start("alpha beta gamma", max_tokens=30, ignore_eos=True))
-    next(it)
+def test_an_iterator_and_another_generation_share_the_engine_each_as_alone(engine):
+    """A started call and a generation made while it is half consumed both run on the Engine's one scheduler:
+    each gives what it gives alone."""
+    alone = engine.generate("alpha beta gamma", max_tokens=30, ignore_eos=True).token_ids
+    call = engine.start("alpha beta gamma", max_tokens=30, ignore_eos=True)
+    it = iter(call)
+    first = next(it)
     other = engine.generate("one two three", max_tokens=5, ignore_eos=True)
-    with pytest.raises(GenerationError) as info:
-        list(it)
-    assert isinstance(info.value.__cause__, GenerationSuperseded)
+    assert (first.token_id, *(c.token_id for c in it)) == alone
+    assert call.result().token_ids == alone
     assert engine.generate("one two three", max_tokens=5, ignore_eos=True).token_ids == other.token_ids
 
 
@@ -294,7 +297,7 @@ def test_separate_engines_in_threads_run_in_parallel_correctly(tiny_model_dir):
 def test_prefix_reuse_prefills_only_the_new_tokens_and_changes_nothing(tiny_model_dir):
     fresh = Engine.from_dir(tiny_model_dir, BackendConfig(threads=1))
     reuse = Engine.from_dir(tiny_model_dir, BackendConfig(threads=1), prefix_reuse=True)
-    reuse.verify_drift(), reuse.pass_costs()  # measured once; a measurement takes the backend (and its KV)
+    reuse.measurements.verify_drift(), reuse.measurements.pass_costs()  # measured once (it empties the slots)
     turn1 = [{"role": "user", "content": "tell me about the quick brown fox"}]
     r1 = reuse.generate(turn1, max_tokens=20, ignore_eos=True)
     assert r1.cached_prompt_tokens == 0

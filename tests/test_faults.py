@@ -11,7 +11,6 @@ import logging
 import shutil
 import signal
 import sys
-import threading
 from pathlib import Path
 
 import onnxruntime as ort
@@ -59,13 +58,13 @@ def engines(tiny_model_dir):
     plain = Engine.from_dir(tiny_model_dir, BackendConfig(threads=1))
     reuse = Engine.from_dir(tiny_model_dir, BackendConfig(threads=1), prefix_reuse=True)
     for engine in (plain, reuse):
-        engine.verify_drift()  # measured before the first speculative run, so that run counts only its own passes
+        engine.measurements.verify_drift()  # measured before the first speculative run: it counts only its passes
     return plain, reuse
 
 
 @pytest.fixture(scope="module")
 def greedy(engines):
-    return engines[0].generate(PROMPT, max_tokens=TOKENS, ignore_eos=True)
+    return engines[0].generate(PROMPT, max_tokens=TOKENS, ignore_eos=True, speculative=None)
 
 
 def _replay(engine, greedy):
@@ -74,8 +73,8 @@ def _replay(engine, greedy):
 
 def _stream(engine, session, greedy, speculative, **kwargs):
     """Generate with ``session`` in place of the backend's; return (streamed token ids, the error or None)."""
-    real = engine.backend.session
-    engine.backend.session = session
+    real = engine.batch.session
+    engine.batch.session = session
     streamed: list[int] = []
     try:
         engine.generate_stream(
@@ -91,7 +90,7 @@ def _stream(engine, session, greedy, speculative, **kwargs):
     except GenerationError as exc:
         return streamed, exc
     finally:
-        engine.backend.session = real
+        engine.batch.session = real
 
 
 @pytest.mark.parametrize("speculative", [False, True], ids=["greedy", "speculative"])
@@ -99,12 +98,12 @@ def test_an_onnxruntime_run_failing_at_any_pass_keeps_what_was_committed(engines
     """Every pass of the generation fails in turn (the prompt pass is run 1): the error carries exactly the tokens
     streamed before it, a prefix of the greedy output, and the same Engine then generates the greedy output."""
     for engine in engines:
-        counter = FailingSession(engine.backend.session)
+        counter = FailingSession(engine.batch.session)
         _stream(engine, counter, greedy, speculative)
         runs = counter.runs
         assert runs >= 3
         for fail_at in range(1, runs + 1):
-            streamed, error = _stream(engine, FailingSession(engine.backend.session, fail_at), greedy, speculative)
+            streamed, error = _stream(engine, FailingSession(engine.batch.session, fail_at), greedy, speculative)
             assert error is not None, f"run {fail_at} failed but the generation did not"
             assert isinstance(error.__cause__, BackendError) and "onnxruntime failed" in str(error.__cause__)
             assert list(error.partial.token_ids) == streamed == list(greedy.token_ids[: len(streamed)])
@@ -121,13 +120,13 @@ def test_a_keyboard_interrupt_from_the_callback_mid_block_leaves_the_engine_usab
     tokens after it): KeyboardInterrupt propagates as it is, and the next generation is the greedy one."""
     for engine in engines:
         passes: list[int] = []  # the target pass that committed each token
-        counter = FailingSession(engine.backend.session)
-        engine.backend.session = counter
+        counter = FailingSession(engine.batch.session)
+        engine.batch.session = counter
         try:
             engine.generate_stream(PROMPT, lambda *_, p=passes, c=counter: p.append(c.runs), max_tokens=TOKENS,
                                    ignore_eos=True, speculative=_replay(engine, greedy), draft_width=6)  # fmt: skip
         finally:
-            engine.backend.session = counter.inner
+            engine.batch.session = counter.inner
         mid_block = [i for i in range(1, len(passes) - 1) if passes[i - 1] == passes[i] == passes[i + 1]]
         assert mid_block, passes
         for at in mid_block[:3]:
@@ -149,28 +148,15 @@ def test_a_keyboard_interrupt_from_the_callback_mid_block_leaves_the_engine_usab
 def test_a_keyboard_interrupt_inside_a_pass_leaves_the_engine_usable(engines, greedy, speculative):
     """KeyboardInterrupt raised as a run returns (before the backend or the driver records it) at every pass."""
     for engine in engines:
-        counter = FailingSession(engine.backend.session)
+        counter = FailingSession(engine.batch.session)
         _stream(engine, counter, greedy, speculative)
         for fail_at in range(1, counter.runs + 1):
-            session = FailingSession(engine.backend.session, fail_at, raise_after=KeyboardInterrupt())
+            session = FailingSession(engine.batch.session, fail_at, raise_after=KeyboardInterrupt())
             with pytest.raises(KeyboardInterrupt):
                 _stream(engine, session, greedy, speculative)
             assert engine.generate(PROMPT, max_tokens=TOKENS, ignore_eos=True).token_ids == greedy.token_ids
-            assert engine.backend.current_len() <= engine.backend.max_length
-
-
-def _free_for_other_threads(lock) -> bool:
-    got: list[bool] = []
-
-    def take() -> None:
-        if lock.acquire(timeout=5):
-            lock.release()
-            got.append(True)
-
-    thread = threading.Thread(target=take)
-    thread.start()
-    thread.join()
-    return got == [True]
+            batch = engine.batch
+            assert all(batch.current_len(slot) <= batch.max_length for slot in range(batch.slots))
 
 
 _OURS = tuple(str(Path(m.__file__).parent) for m in (ortspec, ortspec.core, ortspec.backends, ortspec.adapters))
@@ -204,8 +190,8 @@ def _profiled_generate(engine, profile, speculative):
 
 def test_a_real_sigint_at_any_moment_leaves_the_engine_usable(engines, greedy):
     """A real SIGINT lands at places spread over the whole generation (greedy and speculative, with and without
-    prefix reuse): every one interrupts it, and after each the next generation is the greedy one and the Engine's
-    lock is free."""
+    prefix reuse): every one interrupts it, and after each the next generation is the greedy one and no request is
+    left running."""
     previous = signal.getsignal(signal.SIGINT)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     landed: list[tuple[str, int, int]] = []
@@ -221,7 +207,8 @@ def test_a_real_sigint_at_any_moment_leaves_the_engine_usable(engines, greedy):
                         _profiled_generate(engine, SigintAt(at), speculative)
                     landed.append((type(speculative).__name__, at, count.places))
                     assert engine.generate(PROMPT, max_tokens=TOKENS, ignore_eos=True).token_ids == greedy.token_ids
-                    assert _free_for_other_threads(engine._lock), "an interrupt left the Engine's lock held"
+                    idle = engine.scheduler.wait_until(lambda s: s.ended == s.submitted, timeout_s=30)
+                    assert idle, "an interrupt left a request running"
     finally:
         signal.signal(signal.SIGINT, previous)
     assert len(landed) == 24, landed
@@ -243,7 +230,7 @@ def test_onnxruntime_log_lines_go_to_python_logging_not_stderr(tiny_model_dir, t
     capfd.readouterr()
     with caplog.at_level(logging.WARNING, logger="ortspec.onnxruntime"):
         with pytest.raises(GenerationError) as info:
-            engine.generate(list(range(3, 303)), max_tokens=4)
+            engine.generate(list(range(3, 303)), max_tokens=4, speculative=None)
     assert "cos_cache" in str(info.value.__cause__)
     err = capfd.readouterr().err
     assert "\x1b[" not in err and "onnxruntime" not in err, err
@@ -251,4 +238,4 @@ def test_onnxruntime_log_lines_go_to_python_logging_not_stderr(tiny_model_dir, t
     assert records and records[0].levelno == logging.ERROR and "cos_cache" in records[0].getMessage()
     assert "\x1b[" not in records[0].getMessage() and records[0].ort_logid == "onnxruntime-genai"
     # and the engine still serves prompts that fit the graph
-    assert len(engine.generate("hello", max_tokens=3, ignore_eos=True).token_ids) == 3
+    assert len(engine.generate("hello", max_tokens=3, ignore_eos=True, speculative=None).token_ids) == 3

@@ -41,11 +41,11 @@ def test_each_result_is_the_prompt_generated_alone(engine, options):
             want.finish_reason,
             want.stop_matched,
         )
-    assert engine.batch_backend().runs > 0
+    assert engine.batch.runs > 0
 
 
 def test_more_prompts_than_slots_wait_for_a_free_slot(engine):
-    from ortspec.adapters.engine.engine import BATCH_SLOTS
+    from ortspec.adapters.engine.engine import DEFAULT_SLOTS as BATCH_SLOTS
 
     prompts = [f"count {i} {i} {i}" for i in range(BATCH_SLOTS + 3)]
     many = engine.generate_many(prompts, max_tokens=6, ignore_eos=True)
@@ -53,7 +53,7 @@ def test_more_prompts_than_slots_wait_for_a_free_slot(engine):
 
 
 def test_with_prefix_reuse_prompts_reuse_a_shared_prefix_and_each_result_is_the_prompt_alone(tiny_model_dir, engine):
-    from ortspec.adapters.engine.engine import BATCH_SLOTS
+    from ortspec.adapters.engine.engine import DEFAULT_SLOTS as BATCH_SLOTS
 
     reuse = Engine.from_dir(tiny_model_dir, BackendConfig(threads=1), prefix_reuse=True)
     system = list(range(5, 25))  # a shared opening; the later prompts take slots freed by the first ones
@@ -65,7 +65,7 @@ def test_with_prefix_reuse_prompts_reuse_a_shared_prefix_and_each_result_is_the_
 
 
 def test_bad_input_is_refused_before_anything_runs(engine):
-    runs = engine.batch_backend().runs
+    runs = engine.batch.runs
     with pytest.raises(ArgumentError) as info:
         engine.generate_many("not a list", max_tokens=4)
     assert info.value.argument == "prompts"
@@ -75,17 +75,18 @@ def test_bad_input_is_refused_before_anything_runs(engine):
     with pytest.raises(ArgumentError) as info:
         engine.generate_many(["ok"], speculative="shared-kv")
     assert info.value.argument == "speculative"
-    assert engine.batch_backend().runs == runs
+    assert engine.batch.runs == runs
     assert engine.generate_many([], max_tokens=4) == []
 
 
-def test_the_batch_backend_is_kept_until_another_slot_count_is_asked_for(tiny_model_dir):
-    engine = Engine.from_dir(tiny_model_dir, BackendConfig(threads=1))
-    three = engine.batch_backend(3)
-    assert three.slots == 3 and engine.batch_backend() is three and engine.batch_backend(3) is three
-    two = engine.batch_backend(2)
-    assert two.slots == 2 and engine.batch_backend() is two
-    assert engine.generate_many(["hello"], max_tokens=3)[0].text == engine.generate("hello", max_tokens=3).text
+def test_batch_slots_sets_the_sequences_run_at_once_fixed_at_load(tiny_model_dir, engine):
+    three = Engine.from_dir(tiny_model_dir, BackendConfig(threads=1), batch_slots=3)
+    assert three.batch.slots == 3
+    got = three.generate_many(PROMPTS, max_tokens=5)  # five prompts, three slots: two wait for a free one
+    assert [r.token_ids for r in got] == [r.token_ids for r in engine.generate_many(PROMPTS, max_tokens=5)]
+    with pytest.raises(ArgumentError) as info:
+        Engine.from_dir(tiny_model_dir, batch_slots=0)
+    assert info.value.argument == "batch_slots"
 
 
 def test_the_engines_prefill_budget_changes_no_result(tiny_model_dir, engine):

@@ -43,20 +43,21 @@ def test_drift_and_costs_are_measured_once_and_read_from_one_file(tiny_model_dir
     first = Engine.from_dir(tiny_model_dir, BackendConfig(threads=1))
     first.generate("abc abc abc", max_tokens=4, speculative="prompt-lookup")  # measures both
     files = list((cache / "measurements").glob("*.json"))
-    assert files == [first.measurement_file()]
+    assert files == [first.measurements.measurement_file()]
     records = json.loads(files[0].read_text())
-    assert set(records) == {"verify_drift", "pass_costs"}
+    assert set(records) == {"verify_drift", "pass_costs", "batch decode costs"}
     assert records["pass_costs"]["params"]["kmax"] == 16 and len(records["pass_costs"]["result"]["curve"]) == 17
 
     second = Engine.from_dir(tiny_model_dir, BackendConfig(threads=1))  # a new process would see the same: a new Engine
-    counter = CountingSession(second.backend.session)
-    second.backend.session = counter
+    counter = CountingSession(second.batch.session)
+    second.batch.session = counter
     result = second.generate("abc abc abc", max_tokens=4, speculative="prompt-lookup")
     assert counter.runs == result.stats.steps  # only the generation's own passes: nothing was measured
-    assert second.verify_drift() == first.verify_drift() and second.pass_costs() == first.pass_costs()
+    m1, m2 = first.measurements, second.measurements
+    assert m2.verify_drift() == m1.verify_drift() and m2.pass_costs() == m1.pass_costs()
 
     other_threads = Engine.from_dir(tiny_model_dir, BackendConfig(threads=2))
-    assert other_threads.measurement_file() != first.measurement_file()
+    assert other_threads.measurements.measurement_file() != m1.measurement_file()
 
 
 @pytest.mark.parametrize("capacity", [1, 2, 3, 5, 9, 17, 18, 40])
@@ -84,8 +85,8 @@ def test_a_small_max_length_measures_and_generates(tiny_model_dir, cache):
 
 def test_input_errors_come_before_any_measurement(tiny_model_dir, cache):
     engine = Engine.from_dir(tiny_model_dir, BackendConfig(threads=1, max_length=8))
-    counter = CountingSession(engine.backend.session)
-    engine.backend.session = counter
+    counter = CountingSession(engine.batch.session)
+    engine.batch.session = counter
     for call in (
         lambda: engine.generate("far too long a prompt for eight tokens", speculative="prompt-lookup"),
         lambda: engine.generate([1, 999], speculative="prompt-lookup"),
@@ -103,11 +104,11 @@ def test_a_failing_measurement_says_what_was_measured(tiny_model_dir, cache):
         def run_with_iobinding(self, *args):
             raise RuntimeError("device lost")
 
-    real = engine.backend.session
-    engine.backend.session = Broken()
+    real = engine.batch.session
+    engine.batch.session = Broken()
     with pytest.raises(BackendError, match="measuring this model's verify drift failed"):
         engine.generate("abc", max_tokens=3, speculative="prompt-lookup")
-    engine.backend.session = real
+    engine.batch.session = real
     assert len(engine.generate("abc", max_tokens=3, ignore_eos=True, speculative="prompt-lookup").token_ids) == 3
 
 
@@ -133,20 +134,21 @@ def test_cached_measurement_rereads_remeasures_and_survives_bad_files(tmp_path):
 def test_batch_decode_costs_are_measured_once_and_kept(cache, tiny_model_dir):
     """The batch backend's decode cost curve: 0 for no rows, 1 for one, non-decreasing to the slots; a second
     Engine on the same folder reads it from the cache without running a pass."""
-    from ortspec.adapters.engine.engine import BATCH_SLOTS
+    from ortspec.adapters.engine.engine import DEFAULT_SLOTS
     from ortspec.adapters.engine.measurements import batch_sizes
 
     assert batch_sizes(16) == (1, 2, 4, 8, 16) and batch_sizes(6) == (1, 2, 4, 6) and batch_sizes(1) == (1,)
     engine = Engine.from_dir(tiny_model_dir, BackendConfig(threads=1))
-    costs = engine.batch_decode_costs()
-    assert len(costs) == BATCH_SLOTS + 1 and costs[:2] == (0.0, 1.0)
+    costs = engine.measurements.batch_decode_costs()
+    assert len(costs) == DEFAULT_SLOTS + 1 and costs[:2] == (0.0, 1.0)
     assert all(b >= a for a, b in zip(costs, costs[1:], strict=False))
-    assert engine.batch_backend().runs > 0
-    assert all(engine.batch_backend().current_len(slot) == 0 for slot in range(BATCH_SLOTS))
+    assert engine.batch.runs > 0
+    assert all(engine.batch.current_len(slot) == 0 for slot in range(DEFAULT_SLOTS))
     again = Engine.from_dir(tiny_model_dir, BackendConfig(threads=1))
-    assert again.batch_decode_costs() == costs and again.batch_backend().runs == 0
-    # the batch driver prices plain steps with it (generate_many: when a request's width is priced, "auto")
-    from ortspec.adapters.engine.many import batch_driver
-
-    assert batch_driver(again).decode_costs == costs
-    assert batch_driver(again, priced=False).decode_costs is None
+    assert again.measurements.batch_decode_costs() == costs and again.batch.runs == 0
+    # the scheduler prices plain steps with it once a request's width is priced ("auto"); plain requests leave it
+    plain = Engine.from_dir(tiny_model_dir, BackendConfig(threads=1))
+    plain.generate("abc", max_tokens=3, speculative=None)
+    assert plain.scheduler.decode_costs is None
+    again.generate("abc", max_tokens=3, speculative="prompt-lookup")
+    assert again.scheduler.decode_costs == costs

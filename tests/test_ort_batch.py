@@ -234,21 +234,22 @@ def test_the_lone_slot_is_a_backend_beside_the_slots_on_the_same_session(batch, 
         np.testing.assert_array_equal(rows_again, rows)
 
 
-def test_an_engine_opened_for_batching_has_one_session(tiny_model_dir):
+def test_an_engine_has_one_session_and_its_measurements_run_on_the_lone_slot(tiny_model_dir):
     from ortspec.adapters.engine import Engine
+    from ortspec.backends.onnx import OrtBackend
     from ortspec.backends.onnx.config import SLOT_LENGTH
     from ortspec.backends.onnx.drafter import DrafterError
 
-    plain = Engine.from_dir(tiny_model_dir, BackendConfig(threads=1))
+    alone = OrtBackend.from_folder(tiny_model_dir, BackendConfig(threads=1))
     batched = Engine.from_dir(tiny_model_dir, BackendConfig(threads=1), batch_slots=2)
-    assert batched.backend is batched.batch_backend().lone() and batched.batch_backend().slots == 2
-    assert batched.backend.max_length == min(plain.backend.max_length, SLOT_LENGTH)
+    assert batched.backend is batched.batch.lone() and batched.batch.slots == 2
+    assert batched.backend.max_length == min(alone.max_length, SLOT_LENGTH)
     options = dict(max_tokens=12, temperature=0.8, seed=3)
+    plain = Engine(alone, batched.tokenizer, eos_token_ids=batched.eos_token_ids)  # one sequence: OneSlot
+    assert plain.batch.slots == 1 and plain.backend is alone
     assert batched.generate("a b c a b", **options).token_ids == plain.generate("a b c a b", **options).token_ids
     many = batched.generate_many(["a b c a b", "x y"], **options)
     assert [r.token_ids for r in many] == [plain.generate(p, **options).token_ids for p in ["a b c a b", "x y"]]
-    with pytest.raises(ValueError, match="opened for batching"):
-        batched.batch_backend(4)
     with pytest.raises(DrafterError, match="no drafter found"):  # a batched Engine runs a drafter, when it has one
         Engine.from_dir(tiny_model_dir, BackendConfig(threads=1), batch_slots=2, drafter=True)
 

@@ -38,11 +38,13 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def generated(real_engine):
-    """``real_engine.generate(prompt, chat=True, **options)`` for options of plain values, each distinct call run
-    once in this module (the same call gives the same result: greedy, or sampling with a seed)."""
+    """``real_engine.generate(prompt, chat=True, **options)`` for options of plain values (plain decoding unless
+    ``speculative`` says otherwise), each distinct call run once in this module (the same call gives the same result:
+    greedy, or sampling with a seed)."""
     runs = {}
 
     def generate(prompt, **options):
+        options = {"speculative": None, **options}
         key = (prompt, tuple(sorted(options.items())))
         if key not in runs:
             runs[key] = real_engine.generate(prompt, chat=True, **options)
@@ -152,7 +154,7 @@ def test_int4_at_level_one_is_exact(int4_engine):
     """The quantized folder ortspec builds: no drift warning, and speculative output equals greedy output."""
     import warnings
 
-    assert int4_engine.verify_drift() < 1e-3
+    assert int4_engine.measurements.verify_drift() < 1e-3
     for prompt in PROMPTS[:2]:
         greedy = int4_engine.generate(prompt, chat=True, max_tokens=64)
         with warnings.catch_warnings():

@@ -14,7 +14,8 @@ import threading
 import pytest
 
 from ortspec import FinishReason, GenerationError, Options, PromptLookup, generate
-from ortspec.adapters.engine.scheduler import BatchScheduler, PassReport, ScheduledRequest
+from ortspec.adapters.engine.scheduler import BatchScheduler, PassReport, ScheduledRequest, Submission
+from ortspec.backends.base import BatchRow
 from ortspec.backends.fake import FakeBackend, FakeBatchBackend, FakeModel
 from ortspec.core.sampling import Sampling
 from tests.support.gates import GATE_S, GatedBackend, ManualClock
@@ -58,9 +59,10 @@ class Collected:
         self.ended.set()
 
 
-def submit(scheduler, prompt, options, proposer=None, **kwargs) -> tuple[ScheduledRequest, Collected]:
+def submit(scheduler, prompt, options, proposer=None, deadline=None, **kwargs) -> tuple[ScheduledRequest, Collected]:
     seen = Collected()
-    request = scheduler.submit(prompt, options, proposer, on_commit=seen.on_commit, on_done=seen.on_done, **kwargs)
+    submission = Submission(prompt, options, proposer, **kwargs)
+    request = scheduler.submit(submission, on_commit=seen.on_commit, on_done=seen.on_done, deadline=deadline)
     return request, seen
 
 
@@ -148,7 +150,9 @@ def test_a_listener_that_raises_stops_only_its_request(scheduler):
 
     ok, ok_seen = submit(scheduler, [3, 4], Options(max_tokens=6))
     bad_ended = threading.Event()
-    bad = scheduler.submit([1, 2], Options(max_tokens=50), on_commit=explode, on_done=lambda r: bad_ended.set())
+    bad = scheduler.submit(
+        Submission([1, 2], Options(max_tokens=50)), on_commit=explode, on_done=lambda r: bad_ended.set()
+    )
     assert bad_ended.wait(GATE_S) and ok_seen.ended.wait(GATE_S)
     assert isinstance(bad.error, RuntimeError) and bad.cancelled
     assert ok.error is None and ok.result().token_ids == alone([3, 4], Options(max_tokens=6)).token_ids
@@ -174,7 +178,7 @@ def test_close_ends_every_request_and_refuses_new_ones(gate):
     for request, seen in [(running, running_seen), *queued]:
         assert seen.ended.is_set() and request.done.is_set() and request.cancelled
     with pytest.raises(RuntimeError, match="closed"):
-        scheduler.submit([1], Options())
+        scheduler.submit(Submission([1], Options()))
 
 
 class ResetFails(FakeBatchBackend):
@@ -224,3 +228,28 @@ def test_a_finished_request_reports_its_final_state_once_and_a_cancelled_one_nev
     assert seen2.ended.wait(GATE_S)
     assert [tuple(s.generated_tokens) for s in finished] == [done.result().token_ids]
     assert finished[0].finished and finished[0].prompt_tokens == (1, 2, 3)
+
+
+def test_exclusive_waits_for_the_running_holds_the_slots_and_the_driver_forgets_what_they_held():
+    """A measurement holds the slots (``exclusive``): requests running then finish first, none is admitted while
+    it holds them, and what it left in a slot is never reused as a request's prefix afterwards."""
+    backend = FakeBatchBackend(MODEL, 1, 256)
+    s = BatchScheduler(backend, prefix_reuse=True)
+    try:
+        prompt, options = [1, 2, 3, 4, 5, 6], Options(max_tokens=6)
+        want = alone(prompt, options).token_ids
+        first = Collected()
+        s.submit(Submission(prompt, options), on_commit=first.on_commit, on_done=first.on_done)
+        assert s.wait_until(lambda sch: sch.passes >= 1, timeout_s=GATE_S)  # it holds the slot
+        with s.exclusive():
+            assert first.ended.is_set()  # the running request finished before the slots were handed over
+            passes, waiting = s.passes, Collected()
+            s.submit(Submission(prompt, options), on_commit=waiting.on_commit, on_done=waiting.on_done)
+            backend.reset(0)  # the measurement's own tokens in the slot, where the prompt's prefix was
+            backend.run_pass([BatchRow(0, (9, 9, 9, 9, 9), 0)])
+            assert s.passes == passes and not waiting.ended.is_set()  # nothing ran meanwhile
+        assert waiting.ended.wait(GATE_S)
+        result = waiting.request.result()
+        assert result.token_ids == want and result.cached_prompt_tokens == 0
+    finally:
+        s.close()

@@ -1,6 +1,6 @@
-"""``python -m bench.serve_load``: its quick mode end to end on the tiny model (real server subprocesses, every
-configuration the server has), and its pieces on synthetic outcomes (the configuration table, options, summaries,
-ratios against the worker design, the target line, the markdown)."""
+"""``python -m bench.serve_load``: its quick mode end to end on the tiny model (a real server subprocess, the default
+configuration), and its pieces on synthetic outcomes (the configuration table, options, summaries, ratios against
+the baseline, the markdown)."""
 
 from __future__ import annotations
 
@@ -11,13 +11,7 @@ import pytest
 pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 
-from bench.serve_load import (  # noqa: E402
-    SERVER_CONFIGS,
-    available_configs,
-    default_configs,
-    parse_args,
-    server_has_max_batch,
-)
+from bench.serve_load import SERVER_CONFIGS, default_configs, parse_args  # noqa: E402
 from bench.serve_load_report import (  # noqa: E402
     Outcome,
     Prompt,
@@ -26,18 +20,17 @@ from bench.serve_load_report import (  # noqa: E402
     markdown,
     ratios,
     summarize_load,
-    target_verdict,
 )
 
 
 def test_quick_run_checks_every_stream_on_every_configuration(tiny_model_dir, tmp_path):
-    """Concurrent streams equal to their references on each configuration, an overload served or refused with
-    429 + Retry-After and nothing else, results written."""
+    """Concurrent streams equal to their references, an overload served or refused with 429 + Retry-After and
+    nothing else, the next turn of a conversation reusing the first's KV, results written."""
     from bench.serve_load import main
 
     assert main(["--quick", "--model", str(tiny_model_dir), "--out", str(tmp_path)]) == 0
     result = json.loads((tmp_path / "serve_load.json").read_text())
-    configs = default_configs(server_has_max_batch())
+    configs = default_configs()
     assert [s["config"] for s in result["servers"]] == configs
     assert [(r["config"], r["concurrency"]) for r in result["load"]] == [(c, 4) for c in configs]
     for row in result["load"]:
@@ -47,32 +40,27 @@ def test_quick_run_checks_every_stream_on_every_configuration(tiny_model_dir, tm
     assert over["refused_429"] == over["refused_429_with_retry_after"] and over["other_errors"] == 0
     assert over["served"] + over["refused_429"] == over["requests"] == over["capacity"] + 4
     assert over["served"] >= over["capacity"] // 2
-    if result["prefix_reuse"]["config"] == "workers":
-        assert all(r["second_turn_cached_tokens"] > 0 for r in result["prefix_reuse"]["conversations"])
+    assert all(r["second_turn_cached_tokens"] > 0 for r in result["prefix_reuse"]["conversations"])
     assert "# `ortspec serve` under load" in (tmp_path / "serve_load.md").read_text()
 
 
 def test_configuration_table_and_options():
-    batched, workers = SERVER_CONFIGS["batched"], SERVER_CONFIGS["workers"]
-    assert batched.cli_args(cores=2, has_max_batch=True) == ["--max-batch", "16", "--threads", "2"]
-    assert workers.cli_args(cores=2, has_max_batch=False) == ["--workers", "2", "--threads", "1"]
-    assert workers.cli_args(cores=2, has_max_batch=True)[-2:] == ["--max-batch", "1"]
-    assert available_configs(False) == ["workers"] and default_configs(False) == ["workers"]
-    assert available_configs(True) == ["batched", "workers", "batched-unbudgeted", "ray", "ray-2"]
-    assert default_configs(True) == ["batched", "workers"]
-    assert SERVER_CONFIGS["batched-unbudgeted"].cli_args(2, True)[-2:] == ["--prefill-budget", "none"]
-    assert SERVER_CONFIGS["ray"].cli_args(2, True)[:3] == ["--ray", "--replicas", "1"]
-    assert parse_args(["--configs", "ray", "--baseline", "batched"], has_max_batch=True).baseline == "batched"
+    assert SERVER_CONFIGS["batched"].cli_args(cores=2) == ["--max-batch", "16", "--threads", "2"]
+    assert list(SERVER_CONFIGS) == ["batched", "batched-unbudgeted", "ray", "ray-2"]  # the worker design is retired
+    assert default_configs() == ["batched"]
+    assert SERVER_CONFIGS["batched-unbudgeted"].cli_args(2)[-2:] == ["--prefill-budget", "none"]
+    assert SERVER_CONFIGS["ray"].cli_args(2)[:3] == ["--ray", "--replicas", "1"]
+    assert parse_args(["--configs", "batched,ray"]).baseline == "batched"
+    assert parse_args(["--configs", "ray", "--baseline", "ray"]).baseline == "ray"
 
-    args = parse_args(["--concurrency", "64,16,32"], has_max_batch=True)
-    assert args.concurrency == [16, 32, 64] and args.max_queue == 64 and args.configs == ["batched", "workers"]
-    quick = parse_args(["--quick", "--requests", "2", "--max-prompt-tokens=1000"], has_max_batch=False)
-    assert quick.concurrency == [4] and quick.requests == 2 and quick.configs == ["workers"] and quick.max_queue == 4
+    args = parse_args(["--concurrency", "64,16,32"])
+    assert args.concurrency == [16, 32, 64] and args.max_queue == 64 and args.configs == ["batched"]
+    quick = parse_args(["--quick", "--requests", "2", "--max-prompt-tokens=1000"])
+    assert quick.concurrency == [4] and quick.requests == 2 and quick.configs == ["batched"] and quick.max_queue == 4
     assert quick.max_prompt_tokens == 1000 and quick.conversation_tokens == 120  # given wins, even as the default
-    bad = (["--configs", "batched"], False), (["--max-queue", "8"], True), (["--configs", "x"], True)
-    for argv, has in (*bad, (["--baseline", "x"], True)):
+    for argv in (["--max-queue", "8"], ["--configs", "x"], ["--configs", "workers"], ["--baseline", "x"]):
         with pytest.raises(SystemExit):
-            parse_args(argv, has_max_batch=has)
+            parse_args(argv)
 
 
 def _outcomes(times: list[list[float]], text: str = "ab") -> list[Outcome]:
@@ -84,7 +72,6 @@ def _outcomes(times: list[list[float]], text: str = "ab") -> list[Outcome]:
 
 
 def _result(rows: list[dict]) -> dict:
-    ratio_rows = ratios(rows)
     result = {
         "command": "python -m bench.serve_load",
         "machine": {"date_utc": "d", "cpu": "c", "cores": {"usable": 2}, "memory_gib": 1, "python": "py"}
@@ -102,8 +89,7 @@ def _result(rows: list[dict]) -> dict:
         | {"cpu": {"server_cores": 1, "client_cores": 0, "other_cores": 0}},
         "load": rows,
         "peak_rss_scope": "phase",
-        "ratios": ratio_rows,
-        "target": target_verdict(ratio_rows),
+        "ratios": ratios(rows),
         "overload": {"config": "batched", "capacity": 32, "requests": 48, "served": 32, "refused_429": 16}
         | {"refused_429_with_retry_after": 16, "other_errors": 0, "served_text_consistent_with_reference": "32/32"}
         | {"cpu": {"server_cores": 1, "client_cores": 0, "other_cores": 0}},
@@ -113,7 +99,7 @@ def _result(rows: list[dict]) -> dict:
     return result
 
 
-def test_summaries_ratios_target_and_markdown():
+def test_summaries_ratios_and_markdown():
     prompts = {"p": Prompt("p", [], 2, 5, reference="ab", reference_finish="stop")}
     extra = {"peak_rss_mib": 200.0, "rss_after_mib": 150.0, "server_cpu_s": 3.0, "batch_histogram_means": {}}
     extra["cpu"] = {"server_cores": 1.5, "client_cores": 0.1, "other_cores": 0.2}
@@ -124,22 +110,21 @@ def test_summaries_ratios_target_and_markdown():
         {"ortspec_batch_rows_sum": 50.0, "ortspec_batch_rows_count": 7.0, "ortspec_target_passes_total": 9.0},
     )
     assert batched["batch_histogram_means"] == {"ortspec_batch_rows": 8.0}
-    workers = {"config": "workers", "concurrency": 16} | extra
-    workers |= summarize_load(_outcomes([[0.4, 0.5]], text="ab") + _outcomes([[0.6, 0.9]], text="x"), 4.0, prompts)
-    assert (batched["tokens_per_s"], workers["tokens_per_s"]) == (4.0, 1.0)
-    assert (batched["ttft_ms_p50"], workers["ttft_ms_p50"]) == (100.0, 500.0)
-    assert workers["text_equals_reference"] == "1/2" and workers["mismatched_prompts"] == ["p"]
+    ray = {"config": "ray", "concurrency": 16} | extra
+    ray |= summarize_load(_outcomes([[0.4, 0.5]], text="ab") + _outcomes([[0.6, 0.9]], text="x"), 4.0, prompts)
+    assert (batched["tokens_per_s"], ray["tokens_per_s"]) == (4.0, 1.0)
+    assert (batched["ttft_ms_p50"], ray["ttft_ms_p50"]) == (100.0, 500.0)
+    assert ray["text_equals_reference"] == "1/2" and ray["mismatched_prompts"] == ["p"]
 
-    assert ratios([batched, workers]) == [
-        {"config": "batched", "baseline": "workers", "concurrency": 16, "tokens_per_s": 4.0, "ttft_p50": 0.2}
+    assert ratios([batched, ray]) == [
+        {"config": "ray", "baseline": "batched", "concurrency": 16, "tokens_per_s": 0.25, "ttft_p50": 5.0}
         | {"peak_rss": 1.0}  # the same synthetic memory on both rows
     ]
-    result = _result([batched, workers])
-    assert result["target"]["met"] is True and "met, measured 4.0x" in result["target"]["line"]
-    assert result["failures"] == ["text differs from the reference for ['p'], workers at 16 clients"]
+    result = _result([batched, ray])
+    assert result["failures"] == ["text differs from the reference for ['p'], ray at 16 clients"]
     text = markdown(result)
-    assert "| batched ÷ workers | 16 | 4.0 | 0.2 | 1.0 |" in text and "batch_rows 8.0" in text
-    assert "| workers | 16 | 2 | 0 | 1/2 |" in text and "Verdict: FAIL" in text
+    assert "| ray ÷ batched | 16 | 0.25 | 5.0 | 1.0 |" in text and "batch_rows 8.0" in text
+    assert "| ray | 16 | 2 | 0 | 1/2 |" in text and "Verdict: FAIL" in text
 
     alone = _result([batched])
-    assert alone["target"]["met"] is None and "not measured" in markdown(alone) and alone["passed"]
+    assert "No ratios" in markdown(alone) and alone["passed"]

@@ -77,13 +77,6 @@ def test_prefix_ranks_send_a_prompt_to_the_replicas_holding_most_of_it():
     assert prefix_ranks({}, [1], 0.5) == [[]]
 
 
-def test_ray_takes_no_workers(tiny_model_dir, capsys):
-    from ortspec.adapters.cli.main import main
-
-    assert main(["serve", "--model", str(tiny_model_dir), "--ray", "--workers", "2"]) == 2
-    assert "--workers does not combine" in capsys.readouterr().err
-
-
 def _stream_text(lines) -> tuple[str, list[dict]]:
     """The text and the events of a stream's lines (``response.iter_lines()``, or what is left of them)."""
     events = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]

@@ -9,9 +9,9 @@ clock the test moves, makes the rest deterministic, measured in target passes an
 queue is a 429 with Retry-After, a client that disconnects stops its generation within one pass, a request past its
 deadline is a 504 within one pass, and a backend failure is a clean 500.
 
-Both server designs run every test they share (``POOLS``): one batched Engine (``BatchPool``, the default of
-``ortspec serve``) and one Engine per worker (``WorkerPool``). What only the batched one does is in
-test_server_batch.py; prefix routing, only the workers', in test_server_routing.py.
+The server runs every request on its one Engine's scheduler (``BatchPool``); what is about sharing passes and slots
+(concurrent requests, the batch metrics, ``load_serving``) is in test_server_batch.py; the batch driver's choice of
+slot by the longest cached prefix, in test_batch_driver.py.
 """
 
 from __future__ import annotations
@@ -30,8 +30,9 @@ import httpx  # noqa: E402
 import openai  # noqa: E402
 
 from ortspec.adapters.engine import Engine  # noqa: E402
+from ortspec.adapters.engine.scheduler import Scheduling  # noqa: E402
 from ortspec.adapters.serve.app import create_app  # noqa: E402
-from ortspec.adapters.serve.run import load_engines, serve_in_thread  # noqa: E402
+from ortspec.adapters.serve.run import load_serving, serve_in_thread  # noqa: E402
 from ortspec.adapters.serve.settings import ServerSettings  # noqa: E402
 from ortspec.backends.onnx import BackendConfig, OrtBatchBackend  # noqa: E402
 from tests.support.gates import GATE_S, GatedBackend, ManualClock  # noqa: E402
@@ -46,21 +47,13 @@ def reference(tiny_model_dir):
     return Engine.from_dir(tiny_model_dir, BackendConfig(threads=1))
 
 
-POOLS = ("batched", "workers")  # the two designs whose shared behaviour every test below checks
-
-
-@pytest.fixture(scope="module", params=POOLS)
-def server(request, tiny_model_dir):
-    """Speculative (prompt lookup) by default; one batched Engine with 4 slots, or two workers with prefix
-    reuse."""
-    settings = ServerSettings(model_name=MODEL)
-    if request.param == "batched":
-        engine = Engine.from_dir(tiny_model_dir, BackendConfig(threads=1))
-        app = create_app([engine], settings, batch=engine.batch_backend(4))
-    else:
-        app = create_app(load_engines(tiny_model_dir, BackendConfig(threads=1), workers=2), settings)
-    with serve_in_thread(app) as url:
-        yield url
+@pytest.fixture(scope="module")
+def server(tiny_model_dir):
+    """The server's defaults (speculative ``suffix``, prefix reuse) on the Engine ``ortspec serve`` opens, with 4
+    slots."""
+    with load_serving(tiny_model_dir, BackendConfig(threads=1), max_batch=4) as engine:
+        with serve_in_thread(create_app(engine, ServerSettings(model_name=MODEL))) as url:
+            yield url
 
 
 @pytest.fixture(scope="module")
@@ -91,7 +84,7 @@ def test_models_health_and_metrics(server, client):
     assert [m.id for m in client.models.list().data] == [MODEL]
     health = httpx.get(server + "/health").json()
     assert health["status"] == "ok" and health["busy"] == health["waiting"] == 0
-    assert health["workers"] == 2 or (health["workers"] == 1 and health["max_batch"] == 4)
+    assert health["workers"] == 1 and health["max_batch"] == 4
     metrics = httpx.get(server + "/metrics")
     assert metrics.status_code == 200 and metrics.headers["content-type"].startswith("text/plain")
     assert "# TYPE ortspec_target_passes_total counter" in metrics.text
@@ -269,14 +262,12 @@ def test_async_clients_in_parallel_get_the_engine_text(server, reference):
     assert streamed_texts == wants and whole_texts == wants
 
 
-def test_prefix_reuse_routes_the_next_turn_and_changes_nothing(tiny_model_dir, reference):
-    """Two conversations on a fresh two-worker server, then each one's next turn: it goes to the worker holding its
+def test_prefix_reuse_takes_the_next_turns_slot_and_changes_nothing(tiny_model_dir, reference):
+    """Two conversations on a fresh server of two slots, then each one's next turn: it takes the slot holding its
     KV, prefills only the new tokens, and the text is what a fresh Engine (no reuse) produces."""
-    app = create_app(
-        load_engines(tiny_model_dir, BackendConfig(threads=1), workers=2), ServerSettings(model_name=MODEL)
-    )
-    with serve_in_thread(app) as url:
-        _two_conversations(openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0), reference)
+    with load_serving(tiny_model_dir, BackendConfig(threads=1), max_batch=2) as engine:
+        with serve_in_thread(create_app(engine, ServerSettings(model_name=MODEL))) as url:
+            _two_conversations(openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0), reference)
 
 
 def _two_conversations(client, reference) -> None:
@@ -289,14 +280,12 @@ def _two_conversations(client, reference) -> None:
         r = client.chat.completions.create(model=MODEL, messages=conv, max_tokens=12)
         assert r.choices[0].message.content == reference.generate(conv, max_tokens=12).text
         first.append(r)
-    assert {r.model_extra["ortspec"]["worker"] for r in first} == {0, 1}  # the idle worker with nothing shared
     for conv, r in zip(convs, first, strict=True):
         turn = conv + [
             {"role": "assistant", "content": r.choices[0].message.content},
             {"role": "user", "content": "and then?"},
         ]
         again = client.chat.completions.create(model=MODEL, messages=turn, max_tokens=12)
-        assert again.model_extra["ortspec"]["worker"] == r.model_extra["ortspec"]["worker"]
         assert again.usage.prompt_tokens_details.cached_tokens >= r.usage.prompt_tokens
         assert again.choices[0].message.content == reference.generate(turn, max_tokens=12).text
 
@@ -336,16 +325,16 @@ BAD = [
     ("completions", dict(GOOD, temperature=0.5, min_p=1.5), 400, "min_p"),
     (
         "chat/completions",
-        dict(GOOD_CHAT, max_tokens=None, max_completion_tokens=0, stop=[""]),
+        dict(GOOD_CHAT, max_tokens=None, max_completion_tokens=0, top_k=-1),
         400,
         "max_completion_tokens",
     ),
-    ("chat/completions", dict(GOOD_CHAT, stop=[""]), 400, "stop"),
+    ("chat/completions", dict(GOOD_CHAT, stop=[""]), 400, "stop[0]"),
     ("completions", dict(GOOD, seed=-1), 400, "seed"),
     ("completions", dict(GOOD, n=2), 400, "n"),
     ("completions", dict(GOOD, seed="x"), 400, "seed"),
     ("completions", dict(GOOD, stop=3), 400, "stop"),
-    ("completions", dict(GOOD, stop=[""]), 400, "stop"),
+    ("completions", dict(GOOD, stop=[""]), 400, "stop[0]"),
     ("completions", dict(GOOD, stream="yes"), 400, "stream"),
     ("completions", dict(GOOD, logprobs=9), 400, "logprobs"),
     ("completions", dict(GOOD, ortspec={"speculative": "maybe"}), 400, "ortspec.speculative"),
@@ -413,27 +402,23 @@ def _idle(pool) -> bool:
     return pool.busy == 0 and pool.waiting == 0
 
 
-@pytest.fixture(scope="module", params=POOLS)
-def gated_server(request, tiny_model_dir):
-    """One worker (or one batched Engine with one slot), one queue slot, a gated backend and a manual clock."""
-    base = Engine.from_dir(tiny_model_dir, BackendConfig(threads=1))
+@pytest.fixture(scope="module")
+def gated_server(tiny_model_dir):
+    """An Engine of one slot, its batch backend gated, on a manual clock (the scheduler's deadlines are read on it),
+    and one queue slot."""
+    base = Engine.from_dir(tiny_model_dir, BackendConfig(threads=1))  # the folder and tokenizer, loaded
     clock = ManualClock()
     settings = ServerSettings(model_name=MODEL, max_queue=1, request_timeout_s=TIMEOUT, speculative=None)
-    if request.param == "batched":
-        backend = GatedBackend(OrtBatchBackend.from_folder(base.folder, BackendConfig(threads=1), slots=1))
-        engine = Engine(base.backend, base.tokenizer, eos_token_ids=(), folder=base.folder)
-        app = create_app([engine], settings, clock=clock, batch=backend)
-    else:
-        backend = GatedBackend(base.backend)
-        engine = Engine(backend, base.tokenizer, eos_token_ids=(), folder=base.folder, prefix_reuse=True)
-        app = create_app([engine], settings, clock=clock)
-    with serve_in_thread(app) as url:
-        yield Gated(url, backend, app.state.pool, clock)
+    backend = GatedBackend(OrtBatchBackend.from_folder(base.folder, BackendConfig(threads=1), slots=1))
+    with Engine(backend, base.tokenizer, folder=base.folder, scheduling=Scheduling(clock=clock)) as engine:
+        app = create_app(engine, settings)
+        with serve_in_thread(app) as url:
+            yield Gated(url, backend, app.state.pool, clock)
 
 
 @pytest.fixture
 def gated(gated_server):
-    """The gated server, its gate open again and its worker idle after the test."""
+    """The gated server, its gate open again and its slot idle after the test."""
     yield gated_server
     gated_server.backend.open()
     assert gated_server.pool.wait_until(_idle, GATE_S)
@@ -462,7 +447,7 @@ def test_full_queue_is_a_429_with_retry_after(gated):
         assert refused.status_code == 429, refused.text
         assert int(refused.headers["Retry-After"]) >= 1
         assert refused.json()["error"]["code"] == "queue_full"
-    # closing the running stream cancels its job and frees the worker for the queued request, which is past its
+    # closing the running stream cancels its job and frees the slot for the queued request, which is past its
     # deadline by then and ends cleanly with a 504
     assert running_job.cancelled.wait(GATE_S)
     clock.advance(TIMEOUT + 1)
@@ -482,8 +467,8 @@ def test_a_disconnected_stream_stops_within_one_pass(gated):
         assert response.status_code == 200
         backend.wait_blocked_at(start + 4)
         job = pool.jobs[0]
-    # the client is gone while the worker waits for its next pass: the job is cancelled, and once the gate opens
-    # the worker runs at most the pass it was about to run
+    # the client is gone while the scheduler waits for its next pass: the job is cancelled, and once the gate
+    # opens the scheduler runs at most the pass it was about to run
     assert job.cancelled.wait(GATE_S)
     backend.open()
     assert pool.wait_until(_idle, GATE_S)
@@ -515,7 +500,7 @@ def test_a_request_past_its_deadline_is_a_504_within_one_pass(gated):
     out: list[httpx.Response] = []
     thread = _post(url, {"model": MODEL, "prompt": "hi", "max_tokens": 1000}, out)
     backend.wait_blocked_at(start + 3)
-    clock.advance(TIMEOUT + 1)  # the deadline passes while the worker waits for its next pass
+    clock.advance(TIMEOUT + 1)  # the deadline passes while the scheduler waits for its next pass
     backend.open()
     thread.join(GATE_S)
     assert out[0].status_code == 504 and out[0].json()["error"]["type"] == "timeout_error"
@@ -524,7 +509,7 @@ def test_a_request_past_its_deadline_is_a_504_within_one_pass(gated):
     assert backend.passes <= start + 3 + 1
 
 
-def test_a_backend_failure_is_a_clean_500_and_the_worker_stays_usable(gated):
+def test_a_backend_failure_is_a_clean_500_and_the_server_stays_usable(gated):
     url, backend, _, _ = gated
     backend.fail_at = backend.passes + 5
     r = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 20}, timeout=GATE_S)
@@ -544,8 +529,10 @@ def test_a_backend_failure_is_a_clean_500_and_the_worker_stays_usable(gated):
 def test_cli_has_a_serve_command():
     from ortspec.adapters.cli.main import build_parser
 
-    args = build_parser().parse_args(["serve", "--workers", "2", "--port", "0", "--no-prefix-reuse"])
-    assert args.workers == 2 and args.port == 0 and args.prefix_reuse is False and args.speculative == "suffix"
+    args = build_parser().parse_args(["serve", "--max-batch", "2", "--port", "0", "--no-prefix-reuse"])
+    assert args.max_batch == 2 and args.port == 0 and args.prefix_reuse is False and args.speculative == "auto"
+    with pytest.raises(SystemExit):  # the worker design is retired: one Engine serves every request
+        build_parser().parse_args(["serve", "--workers", "2"])
     assert args.prefill_budget == 512
     assert build_parser().parse_args(["serve", "--prefill-budget", "none"]).prefill_budget is None
     assert build_parser().parse_args(["serve", "--prefill-budget", "64"]).prefill_budget == 64
@@ -559,10 +546,8 @@ def test_real_model_served_text_equals_engine_and_reuse_changes_nothing(real_mod
     turn of a conversation reuses the first turn's KV and still equals a fresh Engine's text."""
     conv = [{"role": "user", "content": "Repeat exactly: the cat sat on the mat, and the dog sat on the log."}]
     want = real_engine.generate(conv, max_tokens=40)
-    app = create_app(
-        load_engines(real_model_dir, BackendConfig(threads=2), workers=1), ServerSettings(model_name=MODEL)
-    )
-    with serve_in_thread(app) as url:
+    engine = load_serving(real_model_dir, BackendConfig(threads=2), max_batch=2)
+    with engine, serve_in_thread(create_app(engine, ServerSettings(model_name=MODEL))) as url:
         client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
         for speculative in (True, False):
             extra = {"ortspec": {"speculative": speculative}}

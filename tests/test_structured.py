@@ -218,7 +218,9 @@ def test_forced_tokens_in_front_of_a_draft_head(drafter_engine, speculative):
     a drafter is plain constrained decoding's, greedy and sampled, alone and batched (generate_many)."""
     rf = FORMATS[0][0]
     for sampling in ({}, {"temperature": 0.8, "seed": 5}):
-        plain = drafter_engine.generate("the quick brown fox", max_tokens=60, response_format=rf, **sampling)
+        plain = drafter_engine.generate(
+            "the quick brown fox", max_tokens=60, response_format=rf, speculative=None, **sampling
+        )
         assert plain.finish_reason is FinishReason.GRAMMAR_COMPLETE and _obeys(plain.text, "json")
         spec = drafter_engine.generate(
             "the quick brown fox", max_tokens=60, response_format=rf, speculative=speculative, **sampling

@@ -164,7 +164,10 @@ def engine(tiny_model_dir):
 
 
 def test_an_engine_drafts_a_finished_output_for_the_next_request_and_outputs_stay_plain(engine):
-    plain = engine.generate(PROMPT, max_tokens=24, ignore_eos=True)
+    from ortspec.adapters.engine.suffix_cache import SuffixCache
+
+    engine.suffix_cache = SuffixCache()  # a fresh one: earlier tests drafted from the Engine's own
+    plain = engine.generate(PROMPT, max_tokens=24, ignore_eos=True, speculative=None)
     assert engine.suffix_cache.tokens == 0  # nothing is recorded before a request drafts by suffix
     first = engine.generate(PROMPT, max_tokens=24, ignore_eos=True, speculative="suffix", draft_width=8)
     assert engine.suffix_cache.tokens > len(first.token_ids)

@@ -28,7 +28,7 @@ def test_quick_throughput_writes_its_report(tmp_path):
         *((mode, column) for mode in ("greedy", "sampled") for column in (
             "ortspec alone", "ortspec batched, plain", "ortspec batched, prompt lookup", "ORT GenAI batched, batch 8"
         )),
-        ("greedy", "worker design"),
+        ("greedy", "ortspec batch"),
     }  # fmt: skip
     for key, identity in result["identity"].items():
         assert identity["total"] == 2

@@ -240,7 +240,7 @@ CHOICES = [
 @pytest.mark.parametrize(("choice", "parallel"), CHOICES)
 def test_calls_obey_the_schemas_and_speculation_changes_nothing(engine, choice, parallel):
     kw = {"tools": TOOLS, "tool_choice": choice, "parallel_tool_calls": parallel, "max_tokens": 100}
-    plain = engine.generate(ASK, **kw)
+    plain = engine.generate(ASK, speculative=None, **kw)
     spec = engine.generate(ASK, speculative="prompt-lookup", **kw)
     assert spec.token_ids == plain.token_ids and spec.finish_reason == plain.finish_reason
     assert spec.stats.steps <= plain.stats.steps
@@ -329,22 +329,17 @@ def test_batch_records_with_tools_get_their_calls(tools_model_dir, engine, tmp_p
 # -- the server, through the official openai client -------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module", params=("batched", "workers"))
-def served(request, tools_model_dir, engine):
+@pytest.fixture(scope="module")
+def served(tools_model_dir, engine):
     pytest.importorskip("fastapi", reason="the server needs the serve extra: pip install 'ortspec[serve]'")
     import openai
 
     from ortspec.adapters.serve.app import create_app
-    from ortspec.adapters.serve.run import load_engines, serve_in_thread
+    from ortspec.adapters.serve.run import serve_in_thread
     from ortspec.adapters.serve.settings import ServerSettings
 
-    settings = ServerSettings(model_name="tiny")
-    if request.param == "batched":
-        served_engine = Engine.from_dir(tools_model_dir, BackendConfig(threads=1))
-        app = create_app([served_engine], settings, batch=served_engine.batch_backend(2))
-    else:
-        app = create_app(load_engines(tools_model_dir, BackendConfig(threads=1), workers=1), settings)
-    with serve_in_thread(app) as url:
+    served_engine = Engine.from_dir(tools_model_dir, BackendConfig(threads=1), batch_slots=2)
+    with served_engine, serve_in_thread(create_app(served_engine, ServerSettings(model_name="tiny"))) as url:
         yield url, openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
 
 
@@ -434,13 +429,19 @@ BAD = [
         {"messages": [*ASK, _called("get_weather", "{nope"), {"role": "tool", "tool_call_id": "c", "content": "x"}]},
         "messages",
     ),
-    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "strin"}}}]}, "tools"),
-    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "integer"}}}]}, "tools"),
+    (
+        {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "strin"}}}]},
+        "tools[0].function.parameters",
+    ),
+    (
+        {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "integer"}}}]},
+        "tools[0].function.parameters",
+    ),
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
     ({"tool_choice": "required"}, "tool_choice"),
     ({"tools": TOOLS, "parallel_tool_calls": "yes"}, "parallel_tool_calls"),
-    ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0]"),
-    ({"messages": [{"role": "user", "content": None}]}, "messages[0]"),
+    ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].tool_call_id"),
+    ({"messages": [{"role": "user", "content": None}]}, "messages[0].content"),
 ]
 
 

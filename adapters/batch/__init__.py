@@ -1,11 +1,13 @@
-"""Batch generation over a JSONL dataset, on this machine (worker processes) or on a Ray cluster (Ray Data).
+"""Batch generation over a JSONL dataset, on this machine (in this process, or worker processes) or on a Ray
+cluster (Ray Data).
 
-    ortspec batch prompts.jsonl results.jsonl --workers 2 --threads 1 --max-batch 16
+    ortspec batch prompts.jsonl results.jsonl                       # one Engine in this process, 16 records at once
+    ortspec batch prompts.jsonl results.jsonl --workers 2 --threads 1   # two worker processes
     ortspec batch prompts.jsonl results.jsonl --ray                 # a local Ray instance
     ortspec batch prompts.jsonl results.jsonl --ray auto --workers 8 --threads 4
 
     from ortspec.adapters.batch import BatchJob, run_batch
-    summary = run_batch(BatchJob("prompts.jsonl", "results.jsonl", model=folder, workers=2, threads=1))
+    summary = run_batch(BatchJob("prompts.jsonl", "results.jsonl", model=folder, max_batch=16))
 
 Input: one JSON object per line: ``id`` (a string or an integer, unique in the file), ``prompt`` (text or token
 ids) or ``messages`` (chat turns), and any of the Engine's generation keywords (``GenerationOptions``: max_tokens,
@@ -25,13 +27,15 @@ The rooms, by role:
   duplicate ids, the task messages sent to Ray workers.
 - ``output.py``: the output records: their lines, the writer (one write and one flush per record),
   resumption (``prepare_output``), and ``BatchOutput``, through which every line of a run goes.
-- ``worker.py``: ``BatchWorker``, one Engine turning tasks into their lines (``submit``, ``advance``; ``run``: one
-  record with ``Engine.generate``); ``WorkerSettings``, how it opens and how many records it decodes at once.
-- ``batched.py``: ``BatchedRecords``, a worker's records on its Engine's batch driver (``--max-batch``).
-- ``local.py``: the embedded runner: worker processes on this machine, pinned to their cores.
+- ``worker.py``: ``BatchWorker``, one Engine whose one scheduler runs the records (``submit``; ``advance``: the
+  lines finished since); ``WorkerSettings``, how it opens (its slots, and its drafter only when a record drafts
+  with it).
+- ``local.py``: the local runner: one worker in this process, or worker processes pinned to their cores
+  (``--workers N``).
 - ``ray.py``: the Ray runner: the same workers as a Ray Data actor pool (the ``ray`` extra).
 - ``run.py``: ``run_batch``, the entry point: checks, reads, resumes, then runs one of the two runners.
-- ``command.py``: ``ortspec batch``'s arguments as a ``BatchJob`` (``cmd_batch``).
+
+The command line's ``ortspec batch`` (``adapters/cli/batch.py``) turns its arguments into a ``BatchJob``.
 """
 
 from .job import BatchError, BatchJob, BatchSummary

@@ -36,20 +36,23 @@ class BatchJob:
     ``GenerationOptions`` keywords for every record (a record's own fields win; ``speculative`` may be a proposer
     object, e.g. ``PromptLookup(...)``). ``workers`` x ``threads``: Engines, and intra-op threads for each
     (``threads`` None: the cores shared out); on this machine the product may not exceed the cores this process
-    may use, and each worker is pinned to its own cores (``pin``). ``max_batch``: the records each worker decodes
-    at once on its Engine's batch driver (continuous batching: the next record joins as soon as a slot frees); 1
-    runs one ``Engine.generate`` per record, and so does a folder that cannot be batched (a hybrid model, CUDA,
-    static shapes; a note says why). ``prefill_budget``: the most prompt tokens one of a worker's batched passes
-    folds in (``BatchDriver``'s; None: unbounded). ``ray``: run on Ray Data instead: ``"local"`` starts a local
-    Ray instance, any other value is the address for ``ray.init`` (``"auto"``, ``"ray://host:10001"``);
-    ``ship_model`` then puts the model folder into Ray's object store for nodes that do not have it.
+    may use; one worker runs in this process, more run as worker processes, each pinned to its own cores
+    (``pin``). ``max_batch``: the records each worker decodes at once, the slots of its Engine's one scheduler
+    (continuous batching: the next record joins as soon as a slot frees); a folder that cannot be batched (a
+    hybrid model, CUDA, static shapes) runs one record at a time (a note says why). ``prefill_budget``: the most
+    prompt tokens one of a worker's passes folds in (``BatchDriver``'s; None: unbounded). ``ray``: run on Ray
+    Data instead: ``"local"`` starts a local Ray instance, any other value is the address for ``ray.init``
+    (``"auto"``, ``"ray://host:10001"``); ``ship_model`` then puts the model folder into Ray's object store for
+    nodes that do not have it.
     ``backend``: how each worker's Engine opens its model (``BackendConfig``: ``provider``, ``max_length``, the
     fast CUDA path's ``static_shapes`` / ``cuda_graphs``, ...; its ``threads`` must be None: each worker's
     threads are the job's ``threads``).
     ``retry_errors``: drop OUTPUT's error lines first and run those records again. ``drafter``: the shared-KV
     drafter each worker's Engine opens (``Engine.from_dir``'s: None, the one found for the model, if any; a folder;
-    False, none), which ``speculative`` ``"auto"`` and ``"shared-kv"`` use (batched: its session shared by the
-    worker's slots).
+    False, none), which ``speculative`` ``"auto"`` and ``"shared-kv"`` use (its session shared by the worker's
+    slots). It is opened only when a record the run has to do drafts with it (its own ``speculative``, or the
+    job's default, is ``"auto"`` or ``"shared-kv"``): a run whose records all decode plainly or with a lookup
+    loads no drafter, whatever ``drafter`` says.
 
     The value is not checked when it is made: ``run_batch`` checks it before anything runs (``BatchError``)."""
 
@@ -70,7 +73,7 @@ class BatchJob:
 
     @property
     def mode(self) -> str:
-        """``"embedded"`` (worker processes here) or ``"ray"``."""
+        """``"embedded"`` (on this machine: in this process, or worker processes) or ``"ray"``."""
         return "embedded" if self.ray is None else "ray"
 
 
@@ -81,10 +84,10 @@ class BatchSummary:
     them). ``tokens`` generated and ``prompt_tokens`` read by the successful records; ``wall_s`` from the start
     of the run (reading INPUT) to the last line; ``first_line_s`` to the first generated line (startup: worker
     start and model load); ``load_s`` per worker (Engine load and warm-up); ``ray_init_s``: starting or joining
-    Ray; ``slots``: the records a worker decodes at once (the most over the workers: ``max_batch``, or 1 on the
-    one-at-a-time path); ``prefill_s``/``decode_s``/``generate_s``: sums over records of the Engine's timings
-    (prompt pass, the steps after it, whole call; batched, a record's times start when it reaches its worker's
-    driver, so its wait for a slot counts as prefill); ``steps``/``proposed``/``accepted``: summed ``stats``."""
+    Ray; ``slots``: the records a worker decodes at once (the most over the workers: ``max_batch``, or 1 for a
+    folder that cannot batch); ``prefill_s``/``decode_s``/``generate_s``: sums over records of the Engine's
+    timings (prompt pass, the steps after it, whole call; a record's times start when it reaches its worker's
+    scheduler, so its wait for a slot counts as prefill); ``steps``/``proposed``/``accepted``: summed ``stats``."""
 
     mode: str
     workers: int

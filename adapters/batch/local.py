@@ -1,21 +1,25 @@
-"""The embedded runner: worker processes on this machine.
+"""The local runner: the batch job on this machine, in this process (one worker, the default) or in worker
+processes (``--workers N``, N > 1).
 
-N worker processes (``spawn``), each with its own ``BatchWorker`` (one Engine) and T intra-op threads pinned to
-its own cores (N x T <= the cores this process may use). A worker decodes up to ``slots`` records at once (its
-``max_batch``; 1 on the one-at-a-time path). The parent keeps each ready worker holding its slots and one more
-(the next record waits in the worker, so it joins at the first pass after a slot frees), at most its share of
-what is left so that every worker gets some; tasks go out in the order given (longest prompt first), and each
-answer is written as it arrives (completion order). On the one-at-a-time path a worker holds one record: the
-parent hands it the next only after writing the last.
+One worker runs in this process: one ``BatchWorker`` (one Engine, whose one scheduler runs the records), fed up to
+its slots and one more (the next record waits in the scheduler, so it joins at the first pass after a slot frees;
+with one slot, the next record is submitted only after the last is written). Tasks go in the order given (longest
+prompt first) and each line is written as it finishes (completion order). A crash of this process (the OOM killer,
+a fault in a native library) ends the run: rerun to resume.
 
-A worker that dies (a crash, the OOM killer) while it holds one task costs that record an error line; while it
-holds several, any of them may be the cause, so each runs again alone (in a worker holding nothing else: the
+N worker processes (``spawn``), each with its own ``BatchWorker`` and T intra-op threads pinned to its own cores
+(N x T <= the cores this process may use). The parent keeps each ready worker holding its slots and one more (one
+with one slot: the next only after the last is written), at most its share of what is left so that every worker
+gets some; tasks go out in the order given, and each answer is written as it arrives.
+
+A worker process that dies (a crash, the OOM killer) while it holds one task costs that record an error line; while
+it holds several, any of them may be the cause, so each runs again alone (in a worker holding nothing else: the
 first to drain, at the latest once the other records are handed out), where a record that kills its worker again
-gets the error line. A new worker takes the dead one's place. A worker that
-cannot load the model stops the run (``BatchError``).
+gets the error line. A new worker takes the dead one's place. A worker that cannot load the model stops the run
+(``BatchError``).
 
-Channels: each worker reads tasks from its own queue and answers on its own pipe (one writer, no lock): a worker
-killed in the middle of a write can then only break its own channel, never block the others' answers, as it
+Channels: each worker process reads tasks from its own queue and answers on its own pipe (one writer, no lock): a
+worker killed in the middle of a write can then only break its own channel, never block the others' answers, as it
 could while holding the write lock of a queue shared by all workers. Messages on the pipe: ``("ready", index,
 load_s, slots, note)`` (``note``: why it does not batch, or None), ``("failed", index, error text)``, ``("done",
 index, task key, output line, metrics)``.
@@ -35,22 +39,36 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from ortspec.adapters.hosts import available_cores
+
 from .job import BatchError
 from .output import BatchOutput, encode_line
 from .records import Task, error_record
-from .worker import BatchWorker, WorkerSettings, take_waiting
+from .worker import BatchWorker, WorkerSettings
 
 # How the parent waits for worker messages before checking that its workers are alive (seconds).
 _POLL_S = 0.5
 # How long stopped workers get to exit before they are terminated (seconds).
 _STOP_S = 5.0
+# How long a worker process holding records waits for one to finish before it looks for new tasks (seconds).
+_ADVANCE_S = 0.05
 
 
-def available_cores() -> list[int]:
-    """The CPU ids this process may run on."""
-    if hasattr(os, "sched_getaffinity"):
-        return sorted(os.sched_getaffinity(0))
-    return list(range(os.cpu_count() or 1))
+def take_waiting(inbox: Any, *, wait: bool, timeout: float | None = None) -> list[Any]:
+    """Everything waiting in ``inbox`` (a multiprocessing queue), for a worker's next ``submit``; ``wait``: first
+    wait up to ``timeout`` seconds for one item (a worker that holds no task), raising ``queue.Empty`` if none
+    came. A worker that holds tasks never waits here: it waits for its records instead (``BatchWorker.advance``)."""
+    items = [inbox.get(timeout=timeout)] if wait else []
+    with contextlib.suppress(queue.Empty):
+        while True:
+            items.append(inbox.get_nowait())
+    return items
+
+
+def room(slots: int) -> int:
+    """The most records a worker holds at once: its slots and the next record (one slot: that one alone, so the
+    next is handed over only after the last is written)."""
+    return slots + 1 if slots > 1 else 1
 
 
 def plan_threads(workers: int, threads: int | None, cores: int, *, where: str = "here") -> int:
@@ -76,9 +94,9 @@ def plan_threads(workers: int, threads: int | None, cores: int, *, where: str = 
 def _worker_main(
     index: int, cpus: list[int] | None, model_dir: str, settings: WorkerSettings, tasks: Any, results: Any
 ) -> None:
-    """A worker process: pin to ``cpus``, load, then take tasks from its queue (waiting only while it holds none)
-    and advance them, answering on ``results`` (the module docstring lists the messages), until ``None`` or its
-    parent is gone. Ctrl-C is the parent's to handle (it stops the workers)."""
+    """A worker process: pin to ``cpus``, load, then take tasks from its queue (waiting there only while it holds
+    none), submit them and answer each finished record on ``results`` (the module docstring lists the messages),
+    until ``None`` or its parent is gone. Ctrl-C is the parent's to handle (it stops the workers)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     parent = os.getppid()
     if cpus is not None and hasattr(os, "sched_setaffinity"):
@@ -88,20 +106,21 @@ def _worker_main(
     except Exception as exc:
         results.send(("failed", index, f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=3)}"))
         return
-    results.send(("ready", index, worker.load_s, worker.slots, worker.note))
-    while True:
-        try:
-            new = take_waiting(tasks, wait=not worker.held, timeout=1.0)
-        except queue.Empty:
-            if os.getppid() != parent:
+    with worker:
+        results.send(("ready", index, worker.load_s, worker.slots, worker.note))
+        while True:
+            try:
+                new = take_waiting(tasks, wait=not worker.held, timeout=1.0)
+            except queue.Empty:
+                if os.getppid() != parent:
+                    return
+                continue
+            if None in new:
                 return
-            continue
-        if None in new:
-            return
-        for task in new:
-            worker.submit(task)
-        for task, record, metrics in worker.advance():
-            results.send(("done", index, task.key, encode_line(record), metrics))
+            for task in new:
+                worker.submit(task)
+            for task, record, metrics in worker.advance(timeout=_ADVANCE_S):
+                results.send(("done", index, task.key, encode_line(record), metrics))
 
 
 class WorkerProcesses:
@@ -162,12 +181,8 @@ class WorkerProcesses:
         if kind == "ready":
             _, _, load_s, slots, note = message
             self.ready.add(index)
-            self.room[index] = slots + 1 if slots > 1 else 1
-            self.output.summary.load_s.append(float(load_s))
-            self.output.summary.slots = max(self.output.summary.slots, slots)
-            if note is not None and note not in self.notes:
-                self.notes.add(note)
-                self.say(note)
+            self.room[index] = room(slots)
+            _loaded(self.output, load_s, slots, note, self.notes, self.say)
             return
         held = self.holding[index]
         for i, task in enumerate(held):
@@ -247,6 +262,37 @@ class WorkerProcesses:
                 proc.join(1.0)
 
 
+def _loaded(
+    output: BatchOutput, load_s: float, slots: int, note: str | None, notes: set[str], say: Callable[[str], object]
+) -> None:
+    """A worker is ready: its load time and slots into the summary, its note (why it does not batch) said once."""
+    output.summary.load_s.append(float(load_s))
+    output.summary.slots = max(output.summary.slots, slots)
+    if note is not None and note not in notes:
+        notes.add(note)
+        say(note)
+
+
+def run_in_process(
+    output: BatchOutput, tasks: Sequence[Task], model_dir: Path, settings: WorkerSettings, say: Callable[[str], object]
+) -> None:
+    """Run ``tasks`` (in this order) on one ``BatchWorker`` in this process, writing each record to ``output`` as it
+    finishes. ``BatchError`` when the model cannot be loaded."""
+    try:
+        worker = BatchWorker(model_dir, settings, name="worker-0")
+    except Exception as exc:
+        raise BatchError(f"the worker could not load the model: {type(exc).__name__}: {exc}") from exc
+    with worker:
+        _loaded(output, worker.load_s, worker.slots, worker.note, set(), say)
+        pending = list(reversed(tasks))  # pop() takes the next one
+        most = room(worker.slots)
+        while pending or worker.held:
+            while pending and worker.held < most:
+                worker.submit(pending.pop())
+            for _, record, metrics in worker.advance(timeout=_POLL_S):
+                output.write(record, metrics)
+
+
 def run_embedded(
     output: BatchOutput,
     tasks: Sequence[Task],
@@ -257,9 +303,12 @@ def run_embedded(
     pin: bool,
     say: Callable[[str], object],
 ) -> None:
-    """Run ``tasks`` (in this order) on ``workers`` processes, writing each record to ``output`` as it completes;
-    ``pin``: each worker on its own ``settings.threads`` cores; ``say`` gets each worker note once (why the model
-    does not batch)."""
+    """Run ``tasks`` (in this order) on this machine, writing each record to ``output`` as it completes: one worker
+    in this process, or ``workers`` > 1 worker processes (``pin``: each on its own ``settings.threads`` cores).
+    ``say`` gets each worker note once (why the model does not batch)."""
+    if workers == 1:
+        run_in_process(output, tasks, model_dir, settings, say)
+        return
     processes = WorkerProcesses(output, model_dir, settings, workers=workers, pin=pin, say=say)
     try:
         processes.run(tasks)

@@ -17,7 +17,8 @@ from typing import Any
 
 import attrs
 
-from ortspec.adapters.engine.options import SPECULATIVE_CHOICES, GenerationOptions, speculative_value
+from ortspec.adapters.engine.options import GenerationOptions
+from ortspec.core.speculative import SPECULATIVE_CHOICES, check_speculative, speculative_value
 
 from .job import BatchError
 
@@ -69,9 +70,13 @@ def record_options(raw: Mapping[str, Any], fields: Sequence[str]) -> dict[str, A
     options = {k: v for k, v in raw.items() if k in fields}
     if "speculative" in options:
         options["speculative"] = speculative_value(options["speculative"])
-        if options["speculative"] is not None and options["speculative"] not in SPECULATIVE_CHOICES:
+        try:  # in JSON, a name of core.speculative's table or null
+            if not isinstance(options["speculative"], (str, type(None))):
+                raise TypeError
+            check_speculative(options["speculative"])
+        except (TypeError, ValueError):
             names = ", ".join(repr(name) for name in SPECULATIVE_CHOICES)
-            raise ValueError(f"speculative={raw['speculative']!r}: expected null, 'none' or one of {names}")
+            raise ValueError(f"speculative={raw['speculative']!r}: expected null, 'none' or one of {names}") from None
     if options.get("logit_bias") is not None:
         bias = options["logit_bias"]
         if not isinstance(bias, Mapping):

@@ -16,12 +16,13 @@ from typing import Any
 
 import attrs
 
-from ortspec.adapters.engine.options import speculative_value
+from ortspec.adapters.hosts import available_cores
 from ortspec.backends.onnx.config import BackendConfig
 from ortspec.batch_driver import check_prefill_budget
+from ortspec.core.speculative import speculative_value
 
 from .job import BatchError, BatchJob, BatchSummary
-from .local import available_cores, plan_threads, run_embedded
+from .local import plan_threads, run_embedded
 from .output import BatchOutput, prepare_output
 from .records import Task, check_options, option_fields, read_input, record_key
 from .worker import WorkerSettings
@@ -46,11 +47,7 @@ def _defaults(job: BatchJob) -> dict[str, Any]:
         raise BatchError(f"options: unknown generation keyword(s) {', '.join(map(repr, unknown))}")
     defaults["speculative"] = speculative_value(defaults.get("speculative"))
     try:
-        check_options(defaults)
-        if defaults["speculative"] not in (None, "auto", "shared-kv"):  # those two: the workers' Engines resolve
-            from ortspec.adapters.engine.options import make_proposer
-
-            make_proposer(defaults["speculative"])
+        check_options(defaults)  # ``speculative``: a name of core.speculative's table, None or a proposer
     except ValueError as exc:
         raise BatchError(f"options: {exc}") from None
     return defaults
@@ -127,9 +124,9 @@ def run_batch(job: BatchJob, *, progress: bool = True, log: Callable[[str], obje
     if job.ray is None:
         threads = plan_threads(job.workers, job.threads, len(available_cores()))
     else:
-        from .ray import import_ray
+        from .ray import import_ray_data
 
-        import_ray()  # the extra is there, or a clear message before anything runs
+        import_ray_data()  # the extra is there, or a clear message before anything runs
     pending = _pending(job, defaults, say)
     model_dir = job.model if job.model is not None else _default_model()
     if pending.tasks and (job.ray in (None, "local") or job.ship_model or model_dir.is_dir()):
@@ -144,7 +141,7 @@ def run_batch(job: BatchJob, *, progress: bool = True, log: Callable[[str], obje
             output.write(record)
         if pending.tasks and job.ray is None:
             assert threads is not None
-            settings = WorkerSettings.of(job, threads, defaults)
+            settings = WorkerSettings.of(job, threads, defaults, pending.tasks)
             run_embedded(output, pending.tasks, model_dir, settings, workers=job.workers, pin=job.pin, say=say)
         elif pending.tasks:
             from .ray import run_ray

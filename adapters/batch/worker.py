@@ -1,56 +1,36 @@
-"""One batch worker: an Engine that turns tasks into their output lines and metrics, up to ``max_batch`` records at
-once on its batch driver (``batched.py``), or one at a time with ``Engine.generate``. Both runners use it: each
-embedded worker process holds one (``local.py``), and so does each Ray Data actor (``ray.py``)."""
+"""One batch worker: an Engine whose one scheduler runs a job's records, up to ``max_batch`` at once, each record's
+line made the pass it finishes. Both runners use it: the local runner holds one in this process (one worker) or
+one in each worker process (``--workers N``; ``local.py``), and each Ray Data actor holds one (``ray.py``)."""
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import os
 import queue
 import time
-from collections.abc import Iterator, Mapping
-from pathlib import Path
-from typing import Any
+from collections.abc import Callable, Iterable, Mapping
+from typing import TYPE_CHECKING, Any
 
 import attrs
 
 from ortspec.adapters.engine.options import GenerationOptions
+from ortspec.adapters.engine.tools import ToolUse
+from ortspec.adapters.hosts import file_lock
 from ortspec.backends.onnx.config import BackendConfig
 from ortspec.batch_driver import DEFAULT_PREFILL_BUDGET, check_prefill_budget
+from ortspec.core.speculative import DRAFTER_NAMES
 
-from .batched import BatchedRecords, Finished
 from .job import BatchJob
 from .output import failure_lines, result_lines
 from .records import Task
 
+if TYPE_CHECKING:
+    from ortspec.adapters.engine.scheduler import ScheduledRequest
 
-@contextlib.contextmanager
-def file_lock(path: Path) -> Iterator[None]:
-    """An exclusive lock on ``path`` across processes (none where ``fcntl`` is missing)."""
-    try:
-        import fcntl
-    except ImportError:  # pragma: no cover - Windows
-        yield
-        return
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
-
-
-def take_waiting(inbox: Any, *, wait: bool, timeout: float | None = None) -> list[Any]:
-    """Everything waiting in ``inbox`` (a ``queue.Queue`` or a multiprocessing queue), for a worker's next
-    ``advance``; ``wait``: first wait up to ``timeout`` seconds for one item (a worker that holds no task), raising
-    ``queue.Empty`` if none came. A worker that holds tasks never waits: its passes go on."""
-    items = [inbox.get(timeout=timeout)] if wait else []
-    with contextlib.suppress(queue.Empty):
-        while True:
-            items.append(inbox.get_nowait())
-    return items
+# A finished record: its task, its output line and its metrics (``output.result_lines``, ``failure_lines``).
+Finished = tuple[Task, dict[str, Any], dict[str, Any]]
+# The ``speculative`` names that draft with the Engine's drafter (``core.speculative``: "shared-kv" is the drafter
+# alone, "auto" the suffix lookup or the drafter, per draft); every other value drafts without it.
 
 
 def _max_batch(value: object) -> int:
@@ -59,13 +39,30 @@ def _max_batch(value: object) -> int:
     return value
 
 
+def speculative_of(task: Task, defaults: Mapping[str, Any]) -> Any:
+    """The ``speculative`` value ``task`` runs with: its own, else the job's default (None: plain decoding)."""
+    return task.options["speculative"] if "speculative" in task.options else defaults.get("speculative")
+
+
+def needs_drafter(defaults: Mapping[str, Any], tasks: Iterable[Task]) -> bool:
+    """Whether any of ``tasks`` drafts with the Engine's drafter (``DRAFTER_NAMES``), its own ``speculative`` or the
+    job's default."""
+    return any(isinstance(s, str) and s in DRAFTER_NAMES for s in (speculative_of(t, defaults) for t in tasks))
+
+
+def speculates(defaults: Mapping[str, Any], tasks: Iterable[Task]) -> bool:
+    """Whether any of ``tasks`` speculates (its ``speculative`` is not None)."""
+    return any(speculative_of(t, defaults) is not None for t in tasks)
+
+
 @attrs.frozen
 class WorkerSettings:
     """How every worker of a run opens its Engine and what it generates with: ``threads`` intra-op threads,
     ``backend`` (the rest of how the model is opened: ``BackendConfig``), the job's ``defaults``
-    (``GenerationOptions`` keywords; a record's own win), ``max_batch``, the records a worker decodes at once
-    (1: one ``Engine.generate`` per record), ``prefill_budget``, the most prompt tokens one of its batched passes
-    folds in (the Engine's), and ``drafter`` (``Engine.from_dir``'s). Pickled to each worker."""
+    (``GenerationOptions`` keywords; a record's own win), ``max_batch``, the records a worker decodes at once (its
+    Engine's ``batch_slots``), ``prefill_budget``, the most prompt tokens one of its passes folds in (the
+    Engine's), ``drafter`` (``Engine.from_dir``'s; ``False``: none is opened) and ``warm``: measure what
+    speculation needs before the first record (``Engine.warm``). Pickled to each worker."""
 
     threads: int
     defaults: Mapping[str, Any] = attrs.field(factory=dict, converter=dict)
@@ -75,99 +72,148 @@ class WorkerSettings:
         default=DEFAULT_PREFILL_BUDGET, validator=lambda _i, _a, v: check_prefill_budget(v)
     )
     drafter: str | os.PathLike[str] | bool | None = None
+    warm: bool = True
 
     @classmethod
-    def of(cls, job: BatchJob, threads: int, defaults: Mapping[str, Any]) -> WorkerSettings:
-        """A run's settings for ``job``: each worker's ``threads`` and the job's generation ``defaults``."""
-        return cls(threads, defaults, job.backend, job.max_batch, job.prefill_budget, job.drafter)
+    def of(cls, job: BatchJob, threads: int, defaults: Mapping[str, Any], tasks: Iterable[Task]) -> WorkerSettings:
+        """A run's settings for ``job``: each worker's ``threads`` and the job's generation ``defaults``, for the
+        ``tasks`` the run has to do. The drafter is opened only when one of them drafts with it (``needs_drafter``:
+        its own ``speculative`` or the job's default is ``"shared-kv"`` or ``"auto"``), as ``job.drafter`` says;
+        otherwise not at all (``False``), whatever ``job.drafter`` says. The workers warm up only when one of them
+        speculates."""
+        tasks = list(tasks)
+        drafter = job.drafter if needs_drafter(defaults, tasks) else False
+        return cls(
+            threads,
+            defaults,
+            job.backend,
+            job.max_batch,
+            job.prefill_budget,
+            drafter,
+            speculates(defaults, tasks),
+        )
 
 
 class BatchWorker:
-    """One Engine and the job's defaults: turns tasks into their output records and metrics.
+    """One Engine (``Engine.from_dir(..., batch_slots=max_batch)``) and the job's defaults: turns tasks into their
+    output lines and metrics.
 
-    ``submit`` and ``advance`` are how a runner feeds it: with ``max_batch`` > 1 the tasks run on the Engine's batch
-    driver (``BatchedRecords``: ``slots`` = ``max_batch`` records decode together, a submitted task joins when a
-    slot frees), else, or when the folder cannot be batched (``note`` says why), one at a time with ``run``
-    (``Engine.generate``, ``slots`` = 1). Either way each record's line is what ``run`` gives it.
+    ``submit`` makes a task's request (``Engine.request``) and submits it to the Engine's one scheduler
+    (``Engine.submit``): up to ``slots`` records decode together, and one submitted while every slot is taken joins
+    at the first pass after one frees (first come first). When a record finishes, the scheduler's pass thread makes
+    its line and puts it in the worker's queue, which ``advance`` empties; or hands it to the ``on_done`` given to
+    ``submit``. A record that cannot start (a bad prompt or option) gets its error line at once; one that fails
+    midway gets its error line with its ``partial`` result, and the others go on. Each record's line is what the
+    record gives alone (``run``), whatever shares its passes, except its ``stats``: speculation is priced by the
+    pass a record joins. A folder that cannot run batched runs one record at a time (one slot; ``note`` says why
+    when ``max_batch`` asked for more).
 
-    Loading warms what the first speculative generation would otherwise measure (the verify drift, and the verify
-    cost curve for ``draft_width="auto"``). The cost curve is cached per machine; workers measure it one at a time
-    (a file lock), so all but the first read the same curve, and every worker picks the same draft widths.
-    ``load_s``: seconds the load and warm-up took. One thread uses a worker at a time."""
+    Loading warms what the first speculative record would otherwise measure (``Engine.warm``: the verify drift, the
+    verify cost curve, the drafter's step, the batch decode costs; each kept on disk per machine) unless
+    ``settings.warm`` is False. Workers warm one at a time (a file lock), so all but the first read what the first
+    measured, and every worker picks the same draft widths. ``load_s``: seconds the load and warm-up took.
+
+    ``submit`` (with ``on_done``) and ``run`` may be called from any thread; ``submit`` without it and ``advance``
+    from one thread at a time. ``close`` (or ``with``) ends the Engine."""
 
     def __init__(self, model_dir: str | os.PathLike[str], settings: WorkerSettings, *, name: str = "worker") -> None:
         from ortspec.adapters.engine import Engine
         from ortspec.adapters.engine.cache import cache_root
-        from ortspec.backends.base import BackendError
-        from ortspec.backends.onnx import ModelFolderError
 
         t0 = time.perf_counter()
         self.name = name
         self.defaults = dict(settings.defaults)
-        config = attrs.evolve(settings.backend, threads=settings.threads)
-        self.note: str | None = None
-        engine: Engine | None = None
-        if settings.max_batch > 1:  # one session: the Engine's own backend is its batch backend's lone slot
-            try:
-                engine = Engine.from_dir(
-                    model_dir,
-                    config,
-                    drafter=settings.drafter,
-                    batch_slots=settings.max_batch,
-                    prefill_budget=settings.prefill_budget,
-                )
-            except ModelFolderError:
-                raise
-            except (BackendError, ValueError) as exc:
-                self.note = f"the model cannot run batched, so each worker runs one record at a time: {exc}"
-        if engine is None:
-            engine = Engine.from_dir(model_dir, config, drafter=settings.drafter)
-        self.engine = engine
-        if self.defaults.get("speculative") is not None:
-            with file_lock(cache_root() / "measurements" / ".measure.lock"):
-                if self.defaults.get("draft_width", "auto") == "auto":
-                    self.engine.pass_costs()
-                self.engine.verify_drift()
-                self.engine.draft_cost()  # 0.0 without a drafter
-        self.batched: BatchedRecords | None = None  # the batched path, or None (one at a time)
-        if settings.max_batch > 1 and self.note is None:
-            self.batched = BatchedRecords(self.engine, self.defaults, name)
-        self._queue: collections.deque[Task] = collections.deque()  # the one-at-a-time path's tasks
+        self.engine = Engine.from_dir(
+            model_dir,
+            attrs.evolve(settings.backend, threads=settings.threads),
+            drafter=settings.drafter,
+            batch_slots=settings.max_batch,
+            prefill_budget=settings.prefill_budget,
+        )
+        # Why the folder runs one record at a time (only news when more were asked for).
+        self.note: str | None = self.engine.note if settings.max_batch > 1 else None
+        try:
+            if settings.warm:
+                with file_lock(cache_root() / "measurements" / ".measure.lock"):
+                    self.engine.warm()
+        except BaseException:
+            self.engine.close()
+            raise
+        self._finished: queue.SimpleQueue[Finished] = queue.SimpleQueue()
+        self._held = 0  # submitted without ``on_done``, not yet returned by ``advance``
         self.load_s = time.perf_counter() - t0
 
     @property
     def slots(self) -> int:
         """Records this worker decodes at once."""
-        return self.batched.slots if self.batched is not None else 1
+        return self.engine.batch.slots
 
     @property
     def held(self) -> int:
-        """Tasks submitted whose line ``advance`` has not returned yet."""
-        return self.batched.held if self.batched is not None else len(self._queue)
+        """Tasks submitted (without ``on_done``) whose line ``advance`` has not returned yet."""
+        return self._held
 
-    def submit(self, task: Task) -> None:
-        """Take ``task``; its line comes back from a later ``advance``."""
-        if self.batched is not None:
-            self.batched.submit(task)
-        else:
-            self._queue.append(task)
+    def options(self, task: Task) -> GenerationOptions:
+        """``task``'s generation options: the job's defaults, its own fields winning (``ValueError`` naming a bad
+        one)."""
+        return GenerationOptions(**{**self.defaults, **task.options})
 
-    def advance(self) -> list[Finished]:
-        """Work on the submitted tasks: one pass of the batch driver, or one whole record one at a time; returns
-        the ``(task, output record, metrics)`` of the records that finished (none when nothing is held)."""
-        if self.batched is not None:
-            return self.batched.step()
-        if not self._queue:
+    def submit(self, task: Task, on_done: Callable[[Finished], object] | None = None) -> None:
+        """Take ``task``: its ``(task, output line, metrics)`` goes to ``on_done`` (on the scheduler's pass thread,
+        or on this one for a record that cannot start), or, without one, comes back from a later ``advance``."""
+        if on_done is None:
+            self._held += 1
+        deliver = on_done if on_done is not None else self._finished.put
+        try:
+            options = self.options(task)
+            request = self.engine.request(task.prompt, options)
+            tools = options.tool_use()
+            self.engine.submit(request, on_done=lambda scheduled: deliver(self._finish(task, scheduled, tools)))
+        except Exception as exc:  # a bad record never stops the run
+            deliver((task, *failure_lines(task, exc, self.name)))
+
+    def _finish(self, task: Task, scheduled: ScheduledRequest, tools: ToolUse | None) -> Finished:
+        """(On the pass thread.) The line and metrics of ``task``'s request, now done."""
+        try:
+            result = scheduled.result()
+            if scheduled.error is not None:
+                return (task, *failure_lines(task, scheduled.error, self.name))  # type: ignore[arg-type]
+            if scheduled.cancelled or result is None:
+                raise RuntimeError("the batch worker closed before this record finished")
+            return (task, *result_lines(task, result, self.name, tools))
+        except Exception as exc:  # never leave a record without its line
+            return (task, *failure_lines(task, exc, self.name))
+
+    def advance(self, timeout: float | None = None) -> list[Finished]:
+        """The records finished since the last call (submitted without ``on_done``). While tasks are held and none
+        is finished, blocks until one is, at most ``timeout`` seconds (None: no limit); returns at once, empty,
+        when nothing is held."""
+        if not self._held:
             return []
-        task = self._queue.popleft()
-        return [(task, *self.run(task))]
+        try:
+            done = [self._finished.get(timeout=timeout)]
+        except queue.Empty:
+            return []
+        with contextlib.suppress(queue.Empty):
+            while True:
+                done.append(self._finished.get_nowait())
+        self._held -= len(done)
+        return done
 
     def run(self, task: Task) -> tuple[dict[str, Any], dict[str, Any]]:
-        """(output record, metrics) for ``task`` with ``Engine.generate``; every failure is an error record. The
-        metrics are what ``BatchSummary.add`` counts (``output.result_lines``)."""
-        options = {**self.defaults, **task.options}
-        try:
-            result = self.engine.generate(task.prompt, **options)
-        except Exception as exc:  # a bad record never stops the run
-            return failure_lines(task, exc, self.name)
-        return result_lines(task, result, self.name, GenerationOptions(**options).tool_use())
+        """(output line, metrics) for ``task``, waiting for it: what the record gives alone when the worker holds
+        nothing else. The metrics are what ``BatchSummary.add`` counts (``output.result_lines``)."""
+        box: queue.SimpleQueue[Finished] = queue.SimpleQueue()
+        self.submit(task, on_done=box.put)
+        _, record, metrics = box.get()
+        return record, metrics
+
+    def close(self) -> None:
+        """End the Engine (records still running are cancelled: their lines are not written). Idempotent."""
+        self.engine.close()
+
+    def __enter__(self) -> BatchWorker:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()

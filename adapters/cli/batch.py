@@ -1,12 +1,16 @@
-"""``ortspec batch``: generate for every record of a JSONL file, resumable. The batch runner is imported only when
-the command runs or its ``--defaults`` are parsed, through :func:`_runner` (the one import of it)."""
+"""``ortspec batch``: generate for every record of a JSONL file, resumable. The command's arguments become a
+``BatchJob`` (:func:`job_of`), which ``run_batch`` runs. The batch runner (``ortspec.adapters.batch``) is imported
+only when the command runs or its ``--defaults`` are checked."""
 
 from __future__ import annotations
 
 import argparse
-from types import ModuleType
-from typing import Any
+import json
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
+from .engine_args import backend_config, drafter, speculative
 from .options import (
     add_command,
     default_proposer_option,
@@ -16,33 +20,37 @@ from .options import (
     prefill_budget_option,
 )
 
+if TYPE_CHECKING:
+    from ortspec.adapters.batch import BatchJob
+
 EXAMPLES = """\
 examples:
-  ortspec batch prompts.jsonl results.jsonl --workers 2 --threads 1
+  ortspec batch prompts.jsonl results.jsonl                    # one Engine in this process, 16 records at once
   ortspec batch prompts.jsonl results.jsonl --max-batch 32     # 32 records decode together per worker
+  ortspec batch prompts.jsonl results.jsonl --workers 2 --threads 1   # two worker processes
   ortspec batch prompts.jsonl results.jsonl --defaults '{"temperature": 0.7, "top_p": 0.9}'
   ortspec batch prompts.jsonl results.jsonl --ray              # a local Ray instance; --ray auto joins a cluster
 
-A rerun with the same OUTPUT resumes. Exit status: 0; 1 if records were lost (a worker died); 2 for bad input;
+A rerun with the same OUTPUT resumes. Exit status: 0; 1 if records were lost (a worker process died); 2 for bad input;
 130 if interrupted (rerun to resume)."""
 
 
-def _runner() -> ModuleType:
-    """The batch command's module (``cmd_batch``, ``defaults_json``)."""
-    from ortspec.adapters.batch import command
-
-    return command
-
-
-def _defaults(text: str) -> dict:
-    return _runner().defaults_json(text)
+def defaults_json(text: str) -> dict[str, Any]:
+    """``--defaults``: a JSON object of generation fields (argparse type)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("expected a JSON object of generation fields")
+    return value
 
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
     p = add_command(
         sub,
         "batch",
-        "generate for every record of a JSONL file (worker processes here, or Ray), resumable",
+        "generate for every record of a JSONL file (here, or on Ray), resumable",
         "Generate for every record of INPUT (one JSON object per line: id, prompt or messages, and optional "
         "generation fields) into OUTPUT (one JSON line per record, in completion order). A rerun with the same "
         "OUTPUT skips the records already there. See docs/batch.md.",
@@ -57,13 +65,19 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         drafter=True,
     )
     r = p.add_argument_group("workers")
-    r.add_argument("--workers", type=positive_int, default=1, metavar="N", help="Engines running at once (default 1)")
+    r.add_argument(
+        "--workers",
+        type=positive_int,
+        default=1,
+        metavar="N",
+        help="Engines running at once (default 1: in this process; N > 1: worker processes, or Ray actors)",
+    )
     r.add_argument(
         "--max-batch",
         type=positive_int,
         default=16,
         metavar="N",
-        help="records each worker decodes at once, joining as slots free (default %(default)s); 1: one at a time",
+        help="records each worker decodes at once, joining as slots free (default %(default)s)",
     )
     prefill_budget_option(r)
     r.add_argument(
@@ -80,9 +94,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         action="store_true",
         help="with --ray: send the model folder through Ray's object store to nodes that lack it",
     )
-    r.add_argument(
-        "--no-pin", dest="pin", action="store_false", help="do not pin each embedded worker to its own cores"
-    )
+    r.add_argument("--no-pin", dest="pin", action="store_false", help="do not pin each worker process to its own cores")
     g = p.add_argument_group("generation defaults (a record's own fields win)")
     default_proposer_option(g)
     g.add_argument(
@@ -96,7 +108,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     )
     g.add_argument(
         "--defaults",
-        type=_defaults,
+        type=defaults_json,
         default={},
         metavar="JSON",
         help='more default generation fields, as in a record, e.g. \'{"temperature": 0.7, "top_p": 0.9}\'',
@@ -107,5 +119,67 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     return p
 
 
+def _missing_output(args: argparse.Namespace) -> str:
+    """Why OUTPUT is missing, in the words the user needs."""
+    if args.ray is not None and (Path(args.ray).suffix in (".jsonl", ".json") or Path(args.ray).is_file()):
+        return f"--ray took {args.ray!r} as the cluster address: put --ray after INPUT OUTPUT, or give one"
+    return "give OUTPUT, the JSONL file for the results"
+
+
+def job_of(args: argparse.Namespace) -> BatchJob:
+    """The job the arguments ask for; ``ValueError`` naming a bad one. ``--speculative`` is the name itself (the
+    Engine resolves it, as every surface does), or prompt lookup with its own settings (``engine_args.speculative``)."""
+    from ortspec.adapters.batch import BatchJob
+    from ortspec.adapters.batch.records import RECORD_KEYS, option_fields, record_options
+
+    if set(args.defaults) & set(RECORD_KEYS):
+        raise ValueError("--defaults takes generation fields only (not id, prompt or messages)")
+    record_defaults = record_options(args.defaults, option_fields())
+    options = {
+        "max_tokens": args.max_tokens,
+        "chat": args.chat,
+        "draft_width": args.draft_width,
+        "speculative": speculative(args),
+        **record_defaults,
+    }
+    return BatchJob(
+        args.input,
+        args.output,
+        model=args.model,
+        options=options,
+        workers=args.workers,
+        threads=args.threads,
+        max_batch=args.max_batch,
+        prefill_budget=args.prefill_budget,
+        ray=args.ray,
+        backend=backend_config(args, threads=None),
+        retry_errors=args.retry_errors,
+        pin=args.pin,
+        ship_model=args.ship_model,
+        drafter=drafter(args),
+    )
+
+
 def run(args: argparse.Namespace) -> int:
-    return _runner().cmd_batch(args)
+    """``ortspec batch``: exit status 0 (every record written), 1 (some lost: rerun), 2 (the run could not start
+    or go on), 130 (interrupted)."""
+    from ortspec.adapters.batch import BatchError, run_batch
+
+    if args.output is None:
+        print(f"ortspec batch: {_missing_output(args)}", file=sys.stderr)
+        return 2
+    try:
+        job = job_of(args)
+    except ValueError as exc:
+        print(f"ortspec batch: {exc}", file=sys.stderr)
+        return 2
+    try:
+        summary = run_batch(job, progress=args.progress)
+    except BatchError as exc:
+        print(f"ortspec batch: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"\nortspec batch: interrupted; rerun the same command to resume ({args.output})", file=sys.stderr)
+        return 130
+    print(f"ortspec batch: {summary.line()}", file=sys.stderr)
+    return 0 if not summary.lost else 1

@@ -68,14 +68,14 @@ def run(args: argparse.Namespace) -> int:
     margins = args.tie_margin
     kwargs = generation_kwargs(args)
     kwargs.pop("tie_margin")
-    eng.generate(prompts[0], **dict(kwargs, max_tokens=4))  # warm-up
+    eng.generate(prompts[0], **dict(kwargs, max_tokens=4, speculative=None))  # warm-up
     proposer = speculative(args) or PromptLookup(max_draft=MAX_DRAFT)
     greedy: list[GenerateResult] = []
     spec: dict[float, list[GenerateResult]] = {m: [] for m in margins}
     runs = [(p, r) for p in prompts for r in range(args.repeat)]
     # Each prompt runs greedy then every speculative setting back to back, so machine noise hits all alike.
     for prompt, _ in tqdm(runs, desc="greedy vs speculative", unit="prompt", file=sys.stderr):
-        greedy.append(eng.generate(prompt, **kwargs))
+        greedy.append(eng.generate(prompt, speculative=None, **kwargs))
         for m in margins:
             spec[m].append(eng.generate(prompt, speculative=proposer, tie_margin=m, **kwargs))
     g_tps = statistics.median(r.tokens_per_second for r in greedy)
@@ -85,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
     )
     print(
         f"greedy                  {g_tps:8.1f} tok/s (median, end to end); verify-vs-decode drift "
-        f"{eng.verify_drift():.3g} logits"
+        f"{eng.measurements.verify_drift():.3g} logits"
     )
     for m in margins:
         _print_speculative(m, spec[m], greedy, g_tps)

@@ -50,7 +50,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         sub,
         "demo",
         "speculative vs greedy on a built-in input-grounded prompt (the main job)",
-        "Greedy decoding, then prompt-lookup speculative decoding, on a built-in code-editing prompt.",
+        "Greedy decoding, then speculative decoding (--speculative, default auto), on a built-in code-editing prompt.",
         EXAMPLES,
     )
     model_options(p, drafter=True)
@@ -78,7 +78,7 @@ def _compare(eng, kwargs: dict, proposer, label: str) -> bool:
     """Plain, then speculative (streamed) on the demo prompt with ``kwargs``; print both and whether they agree. The
     speculative run starts from an empty suffix cache, so it cannot draft the plain run's answer to the same
     prompt (the cache records every finished generation of the Engine)."""
-    plain = eng.generate(DEMO_PROMPT, **kwargs)
+    plain = eng.generate(DEMO_PROMPT, speculative=None, **kwargs)
     eng.suffix_cache = SuffixCache()
     names = {
         "auto": "auto: the suffix lookup or the shared-KV drafter"

@@ -11,7 +11,7 @@ from typing import Any
 
 from ortspec.adapters.engine.options import speculative_value
 from ortspec.adapters.engine.surfaces import SAMPLING_OPTIONS, flag_values
-from ortspec.core import PromptLookup
+from ortspec.core import MAX_DRAFT, PromptLookup
 
 
 def model_dir(args: argparse.Namespace) -> Path:
@@ -60,13 +60,18 @@ def drafter(args: argparse.Namespace) -> str | bool | None:
 
 
 def speculative(args: argparse.Namespace):
-    """``None``, the name ``shared-kv`` or ``auto`` (the Engine resolves it with its drafter), or a
-    ``PromptLookup`` with the command line's settings."""
-    if speculative_value(args.speculative) is None:
-        return None
-    if args.speculative in ("shared-kv", "auto"):
-        return args.speculative
-    return PromptLookup(ngram=args.ngram, max_draft=args.max_draft, min_ngram=args.min_ngram)
+    """``--speculative`` as the Engine takes it: the name itself (``core.speculative``'s one table, resolved by the
+    Engine as on every other surface; ``none`` is None), or, with prompt lookup's own settings (``--ngram``,
+    ``--min-ngram``, ``--max-draft``), a ``PromptLookup`` with them. ``ValueError`` for those settings with another
+    name."""
+    name = speculative_value(args.speculative)
+    lookup = {k: v for k in ("ngram", "min_ngram", "max_draft") if (v := getattr(args, k, None)) is not None}
+    if not lookup:
+        return name
+    if name != "prompt-lookup":
+        flags = ", ".join("--" + k.replace("_", "-") for k in lookup)
+        raise ValueError(f"{flags}: prompt lookup's settings need --speculative prompt-lookup (got {args.speculative})")
+    return PromptLookup(**{"ngram": 3, "max_draft": MAX_DRAFT, "min_ngram": 1, **lookup})
 
 
 def generation_kwargs(args: argparse.Namespace) -> dict[str, Any]:

@@ -13,7 +13,7 @@ import math
 import re
 from typing import Any
 
-from ortspec.adapters.engine.options import MANY_REQUESTS_SPECULATIVE, SPECULATIVE_CHOICES, GenerationOptions
+from ortspec.adapters.engine.options import DEFAULT_SPECULATIVE, SPECULATIVE_CHOICES, GenerationOptions
 from ortspec.adapters.engine.surfaces import SAMPLING_OPTIONS, add_flags, flag
 from ortspec.batch_driver import DEFAULT_PREFILL_BUDGET
 from ortspec.core import MAX_DRAFT, options_of
@@ -202,10 +202,10 @@ def model_options(
 
 def default_proposer_option(g: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
     """``--speculative`` of the commands that run many requests (``serve``, ``batch``): their default proposer,
-    ``MANY_REQUESTS_SPECULATIVE`` unless it says otherwise."""
+    ``DEFAULT_SPECULATIVE`` (every surface's) unless it says otherwise."""
     g.add_argument(
         "--speculative",
-        default=MANY_REQUESTS_SPECULATIVE,
+        default=DEFAULT_SPECULATIVE,
         choices=(*SPECULATIVE_CHOICES, "none"),
         help="default proposer (default %(default)s); prompt-lookup = the request's own context only; suffix = "
         "the context and the Engine's earlier outputs; auto = per draft, the suffix lookup or the shared-KV "
@@ -230,16 +230,16 @@ def lookup_options(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
     ``--draft-width``; returned so a command can add its own speculation flags to it."""
     d = p.add_argument_group("speculation")
     d.add_argument(
-        "--ngram", type=positive_int, default=3, metavar="N",
-        help="prompt lookup: longest suffix matched (default 3)",
+        "--ngram", type=positive_int, default=None, metavar="N",
+        help="with --speculative prompt-lookup: longest suffix matched (default 3)",
     )  # fmt: skip
     d.add_argument(
-        "--min-ngram", type=positive_int, default=1, metavar="N",
-        help="prompt lookup: shortest suffix tried (default 1)",
+        "--min-ngram", type=positive_int, default=None, metavar="N",
+        help="with --speculative prompt-lookup: shortest suffix tried (default 1)",
     )  # fmt: skip
     d.add_argument(
-        "--max-draft", type=positive_int, default=MAX_DRAFT, metavar="N",
-        help="prompt lookup: most tokens proposed (default %(default)s)",
+        "--max-draft", type=positive_int, default=None, metavar="N",
+        help=f"with --speculative prompt-lookup: most tokens proposed (default {MAX_DRAFT})",
     )  # fmt: skip
     d.add_argument(
         "--draft-width",
@@ -272,7 +272,7 @@ def generation_options(p: argparse.ArgumentParser, default_tokens: int = 128, ma
     )
     g.add_argument(
         "--speculative",
-        default="auto",
+        default=DEFAULT_SPECULATIVE,
         choices=(*SPECULATIVE_CHOICES, "none"),
         help="draft proposer: auto (default) = per draft, the suffix lookup or the shared-KV drafter, whichever "
         "has earned more (the suffix lookup alone without a drafter); prompt-lookup = 3-gram lookup in the context; "

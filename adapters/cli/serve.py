@@ -1,21 +1,23 @@
-"""``ortspec serve``: the OpenAI-compatible HTTP server. The server module (it needs the ``serve`` extra) is
-imported only when the command runs, in :func:`run`."""
+"""``ortspec serve``: the OpenAI-compatible HTTP server. The server modules (they need the ``serve`` extra) are
+imported only when the command runs, in :func:`run`: the Engine (``serve.run.load_serving``), measured, behind the
+app (``serve.app.create_app``) on uvicorn until interrupted; with ``--ray``, Ray Serve replicas of that Engine
+behind the same app (``serve.ray.run.cmd_serve_ray``)."""
 
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 from typing import Any
 
-from .engine_args import model_dir
+from .engine_args import backend_config, drafter, model_dir
 from .options import add_command, default_proposer_option, model_options, port, positive_int, prefill_budget_option
 
 EXAMPLES = """\
 examples:
-  ortspec serve                                # one batched engine, 16 slots
+  ortspec serve                                # one engine, 16 slots
   ortspec serve --max-batch 32 --port 8080
   ortspec serve --prefill-budget 256           # newcomers' prompts: at most 256 tokens per pass
   ortspec serve --speculative auto              # the suffix lookup or the shared-KV drafter, per draft
-  ortspec serve --workers 2 --threads 1        # two engines of one sequence each
   ortspec serve --model ./my-model-folder --speculative none
   ortspec serve --ray --replicas 2 --threads 1  # two batched engines as Ray Serve replicas (local Ray)
   ortspec serve --ray auto --replicas 4 --max-replicas 8 --ship-model   # on this node's Ray cluster, autoscaled
@@ -28,10 +30,9 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         sub,
         "serve",
         "OpenAI-compatible HTTP server (needs the 'serve' extra: pip install 'ortspec[serve]')",
-        "Serve /v1/completions, /v1/chat/completions, /v1/models, /health and /metrics over HTTP. By default one "
-        "batched Engine (its slots share one session) runs every request holding one of its --max-batch slots in each "
-        "pass; with --workers N (or --max-batch 1) every worker is its own Engine of one sequence (own KV, prefix "
-        "reuse). Requests queue for a free slot or worker.",
+        "Serve /v1/completions, /v1/chat/completions, /v1/models, /health and /metrics over HTTP. One Engine (its "
+        "slots share one session) runs every request holding one of its --max-batch slots in each pass; the others "
+        "queue for a free slot.",
         EXAMPLES,
     )
     model_options(p, drafter=True)
@@ -41,27 +42,21 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         "--max-batch",
         type=positive_int,
         default=None,
-        help="slots of the one batched engine (default 16); 1: the worker design (--workers)",
+        help="slots of the engine: requests decoded together (default 16)",
     )
     prefill_budget_option(p)
-    p.add_argument(
-        "--workers",
-        type=positive_int,
-        default=1,
-        help="engines of one sequence each, with their own KV and prefix reuse, instead of the batched engine "
-        "(default 1; not with --max-batch above 1)",
-    )
     default_proposer_option(p)
-    p.add_argument(
-        "--max-queue", type=positive_int, default=64, help="requests that may wait for a slot or worker; more: 429"
-    )
+    p.add_argument("--max-queue", type=positive_int, default=64, help="requests that may wait for a slot; more: 429")
     p.add_argument("--timeout", type=float, default=600.0, help="per-request timeout in seconds (default 600)")
     p.add_argument(
         "--default-max-tokens", type=positive_int, default=None, help="when a request has none (default: context)"
     )
     p.add_argument("--model-name", help="model id served (default: the model folder's name)")
     p.add_argument(
-        "--prefix-reuse", action=argparse.BooleanOptionalAction, default=True, help="reuse KV (workers; default on)"
+        "--prefix-reuse",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="a request takes the free slot holding its longest prefix (default on)",
     )
     p.add_argument("--log-level", default="info", help="uvicorn log level (default info)")
     ray = p.add_argument_group("Ray Serve (needs the 'ray' extra: pip install 'ortspec[ray]'; docs/serve/ray.md)")
@@ -91,6 +86,48 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ortspec.adapters.serve.run import cmd_serve  # the one import of the server; needs the 'serve' extra
-
     return cmd_serve(args, model_dir(args))
+
+
+def cmd_serve(args: argparse.Namespace, model: Path) -> int:
+    """Load the Engine (``load_serving``), measure it, serve until interrupted, then close it; with ``--ray``, the
+    Engine as Ray Serve replicas (``cmd_serve_ray``) behind the same app."""
+    import uvicorn  # the server's imports: they need the 'serve' extra
+
+    from ortspec.adapters.engine.options import speculative_value
+    from ortspec.adapters.serve.app import create_app
+    from ortspec.adapters.serve.run import load_serving
+    from ortspec.adapters.serve.settings import ServerSettings
+
+    settings = ServerSettings(
+        model_name=args.model_name or Path(model).name,
+        speculative=speculative_value(args.speculative),
+        max_queue=args.max_queue,
+        request_timeout_s=args.timeout,
+        default_max_tokens=args.default_max_tokens,
+    )
+    backend = backend_config(args, threads=args.threads)
+    if args.ray is not None:
+        from ortspec.adapters.serve.ray.replica import ReplicaSettings  # needs the 'ray' extra
+        from ortspec.adapters.serve.ray.run import cmd_serve_ray
+
+        replica = ReplicaSettings(
+            backend=backend,
+            server=settings,
+            max_batch=args.max_batch,
+            prefill_budget=args.prefill_budget,
+            prefix_reuse=args.prefix_reuse,
+            drafter=drafter(args),
+        )
+        return cmd_serve_ray(args, model, replica)
+    engine = load_serving(
+        model,
+        backend,
+        max_batch=args.max_batch,
+        prefix_reuse=args.prefix_reuse,
+        prefill_budget=args.prefill_budget,
+        drafter=drafter(args),
+    )
+    with engine:
+        uvicorn.run(create_app(engine, settings), host=args.host, port=args.port, log_level=args.log_level)
+    return 0

@@ -1,48 +1,58 @@
 """The Engine's measurements of its model on this machine: the verify drift, the verify cost curve, the batch
 backend's decode costs and a drafter's cost, each measured once per model file, provider, thread count and
 onnxruntime version and kept in the user cache (``measurements.cached_measurement``), and the warning when
-speculative output may differ from plain output. ``EngineMeasurements`` is a part of ``Engine`` (its base class):
-it reads the Engine's backend, folder and drafter, and measures under the Engine's lock, superseding any generation
-in flight (``_take_backend``)."""
+speculative output may differ from plain output. ``Measurements`` is one part of an ``Engine``
+(``engine.measurements``): it reads what the Engine loaded, and measures with the backend's slots held for it
+(``exclusive``: the Engine's scheduler pauses), one measurement at a time."""
 
 from __future__ import annotations
 
-import abc
+import contextlib
 import hashlib
 import threading
 import warnings
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from ortspec.adapters.engine.cache import cache_root
 from ortspec.adapters.engine.options import DRIFT_WARNING_THRESHOLD
 from ortspec.backends.base import Backend, BatchBackend
 from ortspec.backends.onnx import ModelFolder
 from ortspec.core import MAX_DRAFT, Proposer
+from ortspec.core.speculative import Prices
 
 R = TypeVar("R")
 
 
-class EngineMeasurements(abc.ABC):
-    """What ``Engine`` measures (the module docstring). The attributes below are the Engine's (set by its
-    ``__init__``)."""
+class Measurements:
+    """What an Engine measures (the module docstring): on ``backend``, the one-sequence view of the model
+    (``OrtBatchBackend.lone()``, or the backend behind ``OneSlot``), with ``drafter`` bound to it; the decode costs on
+    ``batch``. ``exclusive()`` holds the backend's slots while a measurement runs (``BatchScheduler.exclusive``, or
+    nothing before the scheduler starts). Thread-safe."""
 
-    backend: Backend
-    folder: ModelFolder | None
-    drafter: Proposer | None
-    _lock: threading.RLock
-    _epoch: int
-    _last: Any
-    _drift: float | None
-    _drift_warned: bool
-    _pass_costs: tuple[float, ...] | None
-    _batch_decode_costs: tuple[float, ...] | None
-    _draft_cost: float | None
+    def __init__(
+        self,
+        backend: Backend,
+        batch: BatchBackend,
+        folder: ModelFolder | None,
+        drafter: Proposer | None,
+        exclusive: Callable[[], AbstractContextManager[object]] = contextlib.nullcontext,
+    ) -> None:
+        self.backend, self.batch, self.folder, self.drafter = backend, batch, folder, drafter
+        self.exclusive = exclusive
+        self._lock = threading.RLock()
+        self._drift: float | None = None
+        self._drift_warned = False
+        self._pass_costs: tuple[float, ...] | None = None
+        self._batch_decode_costs: tuple[float, ...] | None = None
+        self._draft_cost: float | None = None
 
-    @abc.abstractmethod
-    def batch_backend(self, slots: int | None = None) -> BatchBackend:
-        """The Engine's batch backend (``Engine.batch_backend``), which the batch decode costs are measured on."""
+    def prices(self) -> Prices:
+        """The prices a cost-aware width policy reads (``core.speculative.Prices``): ``pass_costs`` and
+        ``draft_cost``."""
+        return Prices(self.pass_costs(), self.draft_cost())
 
     def verify_drift(self) -> float:
         """Largest logit difference between this backend's verify passes and one-token decodes (3 windows of up to
@@ -75,14 +85,15 @@ class EngineMeasurements(abc.ABC):
     def batch_decode_costs(self) -> tuple[float, ...]:
         """The batch backend's ``decode_costs`` (a pass of ``n`` one-token rows ÷ one alone, ``n = 0 .. slots``;
         ``measurements.measure_batch_decode_costs``): how the batch driver prices a plain step so that speculation
-        fades as the batch fills. Measured once and kept like ``verify_drift``. It empties the batch backend's
-        slots: call it before the batch backend is in use. ``BackendError`` if it fails."""
+        fades as the batch fills. Measured once and kept like ``verify_drift`` (it empties the slots, which it
+        holds meanwhile). ``BackendError`` if it fails."""
         if self._batch_decode_costs is None:
             from ortspec.adapters.engine.measurements import cached_batch_decode_costs
 
-            backend = self.batch_backend()
+            backend = self.batch
             self._batch_decode_costs = self._measured(
-                "batch decode costs", lambda before: cached_batch_decode_costs(backend, self.measurement_file())
+                "batch decode costs",
+                lambda before: cached_batch_decode_costs(backend, self.measurement_file(), before=before),
             )
         return self._batch_decode_costs
 
@@ -131,26 +142,25 @@ class EngineMeasurements(abc.ABC):
         return cache_root() / "measurements" / (hashlib.sha256(key.encode()).hexdigest()[:16] + ".json")
 
     def _measured(self, what: str, measure: Callable[[Callable[[], None]], R]) -> R:
-        """Run ``measure(before)`` under the lock; ``before()`` is called just before the backend is used (a cache
-        hit never calls it), and takes the backend. A failure becomes a ``BackendError`` saying what was measured."""
+        """Run ``measure(before)`` under the lock; ``before()``, called just before the backend is used (a cache hit
+        never calls it), holds the slots until the measurement ends (``exclusive``). A failure becomes a
+        ``BackendError`` saying what was measured."""
         from ortspec.backends.base import BackendError
 
-        with self._lock:
+        with self._lock, contextlib.ExitStack() as held:
             try:
-                return measure(self._take_backend)
+
+                def hold() -> None:
+                    held.enter_context(self.exclusive())
+
+                return measure(hold)
             except Exception as exc:
                 raise BackendError(
                     f"measuring this model's {what} failed (a speculative generation measures it once, then reads it "
                     f"from the cache): {type(exc).__name__}: {exc}"
                 ) from exc
 
-    def _take_backend(self) -> None:
-        """A measurement is about to use (and reset) the backend (the caller holds the lock): it supersedes any
-        generation in flight, and the KV of the last sequence is gone."""
-        self._epoch += 1
-        self._last = None
-
-    def _warn_if_inexact(self) -> None:
+    def warn_if_inexact(self) -> None:
         """Warn once when speculative output may differ from plain output here: the measured verify drift
         exceeds ``DRIFT_WARNING_THRESHOLD``, or (CPU) the graph has ``MatMulNBits`` nodes at accuracy level 4,
         whose int8-activation kernels give results that depend on how many tokens a pass holds (a one-off

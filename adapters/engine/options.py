@@ -15,82 +15,36 @@ import attrs
 
 from ortspec.adapters.engine.structured import ResponseFormat
 from ortspec.adapters.engine.tools import Function, Named, ToolUse, parse_tool_choice, parse_tools
-from ortspec.core import (
-    MAX_DRAFT,
-    DraftRule,
-    Limits,
-    PromptLookup,
-    Proposer,
-    Sampling,
-    SuffixProposer,
-    SuffixSnapshot,
-    WidthPolicy,
-    option,
-)
+from ortspec.core import Limits, Proposer, Sampling, WidthPolicy, option
 from ortspec.core.checks import ArgumentError
+from ortspec.core.speculative import (
+    AUTO_LOOKUP,
+    DEFAULT_SPECULATIVE,
+    SPECULATIVE_CHOICES,
+    SPECULATIVE_NAMES,
+    check_speculative,
+    speculative_value,
+)
 from ortspec.driver import StreamCallback
 
 Prompt = str | Sequence[int] | Sequence[Mapping[str, str]]
 
-# Every name ``speculative`` takes and what it drafts with: the one table (the Engine, the command line, the server
-# and batch read it).
-SPECULATIVE_NAMES = {
-    "prompt-lookup": "what followed the context's last 3 tokens earlier in the context",
-    "suffix": "the most frequent continuation of the context's longest suffix match, in the context and in the "
-    "Engine's recent outputs (its suffix cache)",
-    "shared-kv": "the Engine's drafter",
-    "auto": "per draft, the suffix lookup or the drafter, whichever has earned more (without a drafter: the suffix "
-    "lookup alone)",
-}
-SPECULATIVE_CHOICES = tuple(SPECULATIVE_NAMES)
-# The lookup "auto" drafts with: alone without a drafter, beside it with one. Suffix drafting needs no more target
-# passes than prompt lookup on copy-heavy text, with fewer rejected draft tokens, and far fewer on a repetitive
-# stream (docs/suffix-cache.md), so it is the lookup "auto" uses.
-AUTO_LOOKUP = "suffix"
-# What the commands that run many requests (``ortspec serve``, ``ortspec batch``) draft with unless told otherwise:
-# the suffix cache, so an agent's tenth call or a dataset's hundredth record drafts what the earlier ones wrote.
-MANY_REQUESTS_SPECULATIVE = "suffix"
+__all__ = [
+    "AUTO_LOOKUP",
+    "DEFAULT_SPECULATIVE",
+    "SPECULATIVE_CHOICES",
+    "SPECULATIVE_NAMES",
+    "GenerationOptions",
+    "Prompt",
+    "speculative_value",
+]
+
 # Verify-vs-decode logit drift (in logits) above which speculative output is no longer guaranteed to equal plain.
 DRIFT_WARNING_THRESHOLD = 1e-3
 
 
-def make_proposer(
-    speculative: str | Proposer | None, snapshot: SuffixSnapshot | None = None, rule: DraftRule | None = None
-) -> Proposer | None:
-    """``None`` (plain decoding), ``"prompt-lookup"`` (3-gram lookup drafting up to ``MAX_DRAFT`` tokens),
-    ``"suffix"`` (suffix drafting over the context and ``snapshot``, the Engine's suffix cache as a request starts,
-    by ``rule``, default ``DraftRule()``),
-    or any proposer. (``"shared-kv"`` and ``"auto"`` need an Engine's drafter: ``Engine.start_with`` resolves
-    them.)"""
-    if speculative is None:
-        return None
-    if isinstance(speculative, str):
-        if speculative == "prompt-lookup":
-            return PromptLookup(ngram=3, max_draft=MAX_DRAFT)
-        if speculative == "suffix":
-            return SuffixProposer(rule if rule is not None else DraftRule(), cache=snapshot)
-        if speculative in SPECULATIVE_CHOICES:
-            raise ArgumentError(
-                "speculative", f"speculative={speculative!r} needs an Engine (it reads the Engine's drafter)"
-            )
-        raise ArgumentError(
-            "speculative", f"speculative={speculative!r}: expected None, one of {SPECULATIVE_CHOICES} or a proposer"
-        )
-    if not callable(getattr(speculative, "propose", None)):
-        raise ArgumentError("speculative", f"speculative={speculative!r} has no propose(context_tokens, width) method")
-    return speculative
-
-
-def speculative_value(value: Any) -> Any:
-    """``speculative`` as the Engine takes it: ``"none"`` (what a command line or a JSON record says) is ``None``,
-    plain decoding; anything else is itself. The one place that rule lives."""
-    return None if value == "none" else value
-
-
 def _check_speculative(instance: Any, attribute: Any, value: Any) -> None:
-    if value is None or isinstance(value, str) or callable(getattr(value, "propose", None)):
-        return
-    raise ArgumentError("speculative", f"speculative={value!r} has no propose(context_tokens, width) method")
+    check_speculative(value)
 
 
 def _check_draft_width(instance: Any, attribute: Any, value: Any) -> None:
@@ -114,12 +68,14 @@ class GenerationOptions(Sampling, Limits):
     """
 
     speculative: str | Proposer | None = option(
-        None,
-        "how drafts are made: None (plain decoding), 'prompt-lookup', 'suffix' (the longest suffix match in the "
-        "context and the Engine's recent outputs), 'shared-kv' (the Engine's drafter), 'auto' (per draft, the "
-        "suffix lookup or the drafter, whichever has earned more), or a proposer object ('none' is None)",
+        DEFAULT_SPECULATIVE,
+        "how drafts are made (default 'auto'): None (plain decoding), 'prompt-lookup', 'suffix' (the longest "
+        "suffix match in the context and the Engine's recent outputs), 'shared-kv' (the Engine's drafter), 'auto' "
+        "(per draft, the suffix lookup or the drafter, whichever has earned more), or a proposer object ('none' is "
+        "None)",
         converter=speculative_value,
         validator=_check_speculative,
+        none_is_a_value=True,
     )
     draft_width: int | WidthPolicy | str = option(
         "auto",

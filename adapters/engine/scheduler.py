@@ -18,11 +18,14 @@ Contract:
   partial result); the others go on, and so does the scheduler.
 - ``close`` cancels every request (each still gets its ``on_done``) and joins the pass thread; ``submit`` after it
   raises ``RuntimeError``.
+- ``exclusive()`` (any thread but the pass thread) hands the backend's slots to its caller for a while (a
+  measurement): admission stops, the running sequences finish, then no pass runs until the block ends, and the
+  driver forgets what the slots held (the waiting requests are admitted after it, into emptied slots).
 
-Observable for tests and metrics: ``passes`` (backend passes run), ``rows_per_pass`` (rows -> passes with that
-many rows), ``submitted`` and ``ended`` (requests submitted, and done, so far), ``on_pass`` (called on the pass
-thread after each pass with its ``PassReport``) and ``wait_until`` (block until a predicate on the scheduler holds;
-tested after every pass, whenever a request is submitted and whenever one ends).
+Observable for tests and metrics: ``passes`` (backend passes run), ``rows_per_pass`` (rows -> passes with that many
+rows), ``submitted`` and ``ended`` (requests submitted, and done, so far), ``on_pass`` (called on the pass thread
+after each pass with its ``PassReport``; ``observe`` adds more such observers) and ``wait_until`` (block until a
+predicate on the scheduler holds; tested after every pass, whenever a request is submitted and whenever one ends).
 
 Each sequence is stepped by the core with its own rows (``BatchDriver``), so a request's output is what the same
 request gives alone, whatever else shares its passes.
@@ -31,14 +34,24 @@ request gives alone, whatever else shares its passes.
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import NamedTuple
 
+import attrs
+
 from ortspec.backends.base import BatchBackend
-from ortspec.batch_driver import DEFAULT_PREFILL_BUDGET, BatchDriver, BatchSequence, Phase, SlotProposer
+from ortspec.batch_driver import (
+    DEFAULT_PREFILL_BUDGET,
+    BatchDriver,
+    BatchSequence,
+    Phase,
+    SlotProposer,
+    check_prefill_budget,
+)
 from ortspec.core.proposers import Proposer
 from ortspec.core.state import Commit, Detokenize, Options
 from ortspec.core.width import WidthPolicy
@@ -47,6 +60,18 @@ from ortspec.driver import FinishCallback, GenerateResult
 log = logging.getLogger("ortspec.scheduler")
 
 Clock = Callable[[], float]
+
+
+@attrs.frozen
+class Scheduling:
+    """How an Engine's scheduler runs: ``prefix_reuse`` and ``prefill_budget`` (``BatchDriver``'s; the budget an int
+    >= 1 or None) and ``clock``, the seconds a request's ``deadline`` is read on."""
+
+    prefix_reuse: bool = False
+    prefill_budget: int | None = attrs.field(
+        default=DEFAULT_PREFILL_BUDGET, validator=lambda _i, _a, v: check_prefill_budget(v)
+    )
+    clock: Callable[[], float] = time.monotonic
 
 
 class PassReport(NamedTuple):
@@ -61,9 +86,9 @@ class Submission(NamedTuple):
 
     prompt_tokens: Sequence[int]
     options: Options
-    proposer: Proposer | SlotProposer | None
-    draft_width: int | WidthPolicy
-    detokenize: Detokenize | None
+    proposer: Proposer | SlotProposer | None = None
+    draft_width: int | WidthPolicy = 8
+    detokenize: Detokenize | None = None
     on_finish: FinishCallback | None = None
 
 
@@ -142,7 +167,8 @@ class BatchScheduler:
             prefix_reuse=prefix_reuse,
         )
         self.slots = backend.slots
-        self.clock, self._on_pass = clock, on_pass
+        self.clock = clock
+        self._observers: list[Callable[[PassReport], object]] = [on_pass] if on_pass is not None else []
         self.passes = 0
         self.submitted = 0  # requests submitted so far
         self.ended = 0  # requests done so far (their on_done ran)
@@ -151,6 +177,8 @@ class BatchScheduler:
         self._inbox: collections.deque[ScheduledRequest] = collections.deque()
         self._live: list[ScheduledRequest] = []  # the pass thread's: handed to the driver, not done yet
         self._closed = False
+        self._paused = 0  # callers in ``exclusive`` (or waiting to be)
+        self._parked = False  # the pass thread is waiting for them: the slots are theirs
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -161,31 +189,25 @@ class BatchScheduler:
 
     @property
     def decode_costs(self) -> tuple[float, ...] | None:
-        """The driver's ``decode_costs`` (None: a plain step is priced as alone)."""
+        """The driver's ``decode_costs`` (None: a plain step is priced as alone). Settable from any thread: the
+        passes after the assignment price by the new curve."""
         return self._driver.decode_costs
+
+    @decode_costs.setter
+    def decode_costs(self, costs: Sequence[float] | None) -> None:
+        self._driver.decode_costs = tuple(costs) if costs is not None else None
 
     def submit(
         self,
-        prompt_tokens: Sequence[int],
-        options: Options,
-        proposer: Proposer | SlotProposer | None = None,
+        submission: Submission,
         *,
-        draft_width: int | WidthPolicy = 8,
-        detokenize: Detokenize | None = None,
         on_commit: Callable[[Commit], object] | None = None,
         on_done: Callable[[ScheduledRequest], object] | None = None,
         deadline: float | None = None,
-        on_finish: FinishCallback | None = None,
     ) -> ScheduledRequest:
-        """A new request (the arguments of ``BatchDriver.submit``; check them first, as ``Engine.prepare`` does: a
-        submission the driver refuses ends with ``error`` its ``ValueError``). From any thread."""
-        request = ScheduledRequest(
-            self,
-            Submission(prompt_tokens, options, proposer, draft_width, detokenize, on_finish),
-            on_commit,
-            on_done,
-            deadline,
-        )
+        """A new request (``submission``: what ``BatchDriver.submit`` takes; check it first, as ``Engine.prepare``
+        does: a submission the driver refuses ends with ``error`` its ``ValueError``). From any thread."""
+        request = ScheduledRequest(self, submission, on_commit, on_done, deadline)
         with self._changed:
             if self._closed:
                 raise RuntimeError("the batch scheduler is closed")
@@ -193,6 +215,45 @@ class BatchScheduler:
             self.submitted += 1
             self._changed.notify_all()
         return request
+
+    def observe(self, on_pass: Callable[[PassReport], object]) -> Callable[[], None]:
+        """Call ``on_pass(report)`` on the pass thread after every pass from now on (metrics); it must not raise.
+        Returns what stops it (idempotent)."""
+        with self._changed:
+            self._observers = [*self._observers, on_pass]
+
+        def stop() -> None:
+            with self._changed:
+                self._observers = [o for o in self._observers if o is not on_pass]
+
+        return stop
+
+    @contextlib.contextmanager
+    def exclusive(self) -> Iterator[BatchDriver]:
+        """The backend's slots for the caller until the block ends (the module docstring): yields the driver, whose
+        settings (``decode_costs``) the caller may change meanwhile. ``RuntimeError`` once closed, or from the pass
+        thread."""
+        if threading.current_thread() is self._thread:
+            raise RuntimeError("BatchScheduler.exclusive was called from its own pass thread")
+        with self._changed:
+            if self._closed:
+                raise RuntimeError("the batch scheduler is closed")
+            self._paused += 1
+            self._changed.notify_all()
+            try:
+                self._changed.wait_for(lambda: self._parked or self._closed)
+                if self._closed:
+                    raise RuntimeError("the batch scheduler closed")
+            except BaseException:
+                self._paused -= 1
+                self._changed.notify_all()
+                raise
+        try:
+            yield self._driver
+        finally:
+            with self._changed:
+                self._paused -= 1
+                self._changed.notify_all()
 
     def close(self) -> None:
         """Cancel every request (each gets its ``on_done``) and join the pass thread. Idempotent."""
@@ -219,9 +280,13 @@ class BatchScheduler:
     def _run(self) -> None:
         while True:
             with self._changed:
-                self._changed.wait_for(lambda: self._closed or self._busy())
+                self._changed.wait_for(lambda: self._closed or self._busy() or self._paused > 0)
                 if self._closed:
                     break
+                if self._paused and not self._driver.running:
+                    self._park()
+                    continue
+                self._driver.admitting = not self._paused
                 arrived = list(self._inbox)
                 self._inbox.clear()
             for request in arrived:
@@ -231,7 +296,8 @@ class BatchScheduler:
             report = self._next_pass()
             try:
                 ran = self._driver.step()
-            except Exception as exc:  # a bug in the driver: fail what it holds, keep serving
+            except BaseException as exc:  # a bug in the driver, or an interrupt raised in a pass: fail what it holds
+                # and keep serving (the pass thread never dies with requests waiting on it)
                 log.exception("a batch pass raised")
                 self._fail_all(exc)
                 ran = False
@@ -241,9 +307,18 @@ class BatchScheduler:
                     self.passes += 1
                     self.rows_per_pass[report.rows] += 1
                     self._changed.notify_all()
-                if self._on_pass is not None:
-                    self._on_pass(report)
+                for observer in self._observers:
+                    observer(report)
         self._shut_down()
+
+    def _park(self) -> None:
+        """(Under the condition.) Leave the slots to the callers of ``exclusive`` until they are done; then forget
+        what the slots held."""
+        self._parked = True
+        self._changed.notify_all()
+        self._changed.wait_for(lambda: self._closed or not self._paused)
+        self._parked = False
+        self._driver.forget()
 
     def _hand_over(self, request: ScheduledRequest) -> None:
         """Give the request to the driver (unless it was cancelled in the inbox)."""
@@ -313,9 +388,9 @@ class BatchScheduler:
                 self.ended += 1
                 self._changed.notify_all()
 
-    def _fail_all(self, exc: Exception) -> None:
-        """The driver itself raised (a bug): end every live request with ``exc`` and go on with a fresh driver on
-        the same backend (every slot is reset when next taken)."""
+    def _fail_all(self, exc: BaseException) -> None:
+        """The driver itself raised (a bug, or an interrupt from inside a pass): end every live request with ``exc``
+        and go on with a fresh driver on the same backend (every slot is reset when next taken)."""
         for request in self._live:
             request._error = exc
             request.cancel()

@@ -1,10 +1,10 @@
 """``SuffixCache``: an Engine's recent outputs, for ``speculative="suffix"`` to draft from across requests.
 
-The mutable part of suffix drafting (the rule and the immutable values are ``core/suffix.py``'s): one per Engine,
-so one per model, shared by all its generations (one at a time, ``generate_many``, the batched server's slots, a
-batch worker's records). A request takes ``snapshot()`` when it starts and drafts from that value to its end;
-``add`` records a request's output after it finished (its prompt's last ``PROMPT_TAIL`` tokens, then its output),
-making the next snapshot. Thread-safe: the server's pass thread adds while request threads take snapshots.
+The mutable part of suffix drafting (the rule and the immutable values are ``core/suffix.py``'s): one per Engine, so
+one per model, shared by all its requests (every call on its one scheduler, the server's, a batch job's). A request
+takes ``snapshot()`` when it starts and drafts from that value to its end; ``add`` records a request's output after
+it finished (its prompt's last ``PROMPT_TAIL`` tokens, then its output), making the next snapshot. Thread-safe: the
+server's pass thread adds while request threads take snapshots.
 
 It records nothing until the first snapshot is taken (an Engine that never drafts by suffix keeps no corpus);
 from then on every finished generation of the Engine is recorded, speculative or not. Memory: the corpus holds at

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -18,7 +19,8 @@ import attrs
 
 from ortspec.adapters.engine.options import GenerationOptions
 from ortspec.core import Sampling, options_of
-from ortspec.core.declare import OptionSpec
+from ortspec.core.declare import Bounds, OptionSpec
+from ortspec.core.sampling import F32_TINY
 
 SAMPLING_OPTIONS: tuple[str, ...] = tuple(f.name for f in attrs.fields(Sampling))
 
@@ -81,33 +83,71 @@ def flag_values(args: argparse.Namespace, names: Iterable[str]) -> dict[str, Any
     return out
 
 
-def request_fields(names: Iterable[str]) -> dict[str, tuple[Any, Any]]:
+def bounds_schema(bounds: Bounds) -> dict[str, Any]:
+    """``bounds`` as JSON Schema keywords (beside the value's type): the one translation of a declaration's bounds,
+    so a request field states exactly the values the option's check accepts."""
+    out: dict[str, Any] = {}
+    if bounds.minimum is not None:
+        out["exclusiveMinimum" if bounds.low_open else "minimum"] = bounds.minimum
+    if bounds.maximum is not None:
+        out["exclusiveMaximum" if bounds.high_open else "maximum"] = bounds.maximum
+    return out
+
+
+# What an option's own validator refuses within its bounds, as JSON Schema (the validator is the rule; this says it
+# to a client): temperature is 0 or at least float32's smallest normal (``core/sampling.py``).
+_WITHIN_BOUNDS: dict[str, dict[str, Any]] = {
+    "temperature": {"not": {"type": "number", "exclusiveMinimum": 0, "exclusiveMaximum": F32_TINY}},
+}
+# The JSON key of a ``logit_bias`` entry: a token id in decimal, one spelling per id (no sign, no leading zero).
+TOKEN_ID_KEY = re.compile(r"^(0|[1-9][0-9]*)$")
+
+
+def option_schema(name: str) -> dict[str, Any]:
+    """The JSON Schema keywords of option ``name`` as a request states it (beside the value's type): its help and
+    bounds from its declaration, and what its validator refuses within them."""
+    field, spec = declared([name])[0]
+    out: dict[str, Any] = {"description": spec.help}
+    if spec.bounds is not None:
+        out |= bounds_schema(spec.bounds)
+    if field.name == "logit_bias":
+        out["propertyNames"] = {"pattern": TOKEN_ID_KEY.pattern}
+    return out | _WITHIN_BOUNDS.get(name, {})
+
+
+def check_bounds(name: str, value: object) -> None:
+    """``ArgumentError`` naming ``name`` unless ``value`` lies within option ``name``'s declared bounds (what the
+    option's field checks as it is set; for a value given but not used, e.g. ``max_tokens`` beside a chat request's
+    ``max_completion_tokens``)."""
+    bounds = declared([name])[0][1].bounds
+    if bounds is not None:
+        bounds.check(name, value)
+
+
+def request_fields(names: Iterable[str], *, integer: Any = int, number: Any = float) -> dict[str, tuple[Any, Any]]:
     """Pydantic field definitions (``create_model`` style: name -> (annotation, FieldInfo)) for the options in
-    ``names``, each optional (None: the declaration's default), documented with the declaration's help and bounds.
-    The bounds are documented, not enforced here: the Engine checks every value and the server answers 400 naming
-    the field, as for every other refused value."""
+    ``names``, each optional (None: the declaration's default), documented by ``option_schema`` (help, bounds).
+    ``integer`` and ``number``: the annotations of a JSON integer and a JSON number (the server's wire types).
+    The bounds are stated, not enforced here: the Engine checks every value against the same declaration and the
+    server answers 400 naming the field, as for every other refused value."""
     from pydantic import Field
 
     out: dict[str, tuple[Any, Any]] = {}
     for field, spec in declared(names):
-        extra: dict[str, Any] = {}
         annotation: Any = Any
         if spec.bounds is not None:
-            b = spec.bounds
-            annotation = int | None if b.kind == "int" else float | None
-            if b.minimum is not None:
-                extra["exclusiveMinimum" if b.low_open else "minimum"] = b.minimum
-            if b.maximum is not None:
-                extra["exclusiveMaximum" if b.high_open else "maximum"] = b.maximum
+            annotation = (integer if spec.bounds.kind == "int" else number) | None
         elif field.name == "logit_bias":
-            annotation = dict[str, float] | None
-        out[field.name] = (annotation, Field(default=None, description=spec.help, json_schema_extra=extra or None))
+            annotation = dict[str, number] | None
+        extra = option_schema(field.name)
+        description = extra.pop("description")
+        out[field.name] = (annotation, Field(default=None, description=description, json_schema_extra=extra or None))
     return out
 
 
 def json_logit_bias(value: Mapping[str, Any]) -> dict[int, float]:
     """A JSON object's ``logit_bias`` (string keys) as ``{token id: bias}``; ``ValueError`` naming ``logit_bias``."""
-    try:
-        return {int(k): v for k, v in value.items()}
-    except (TypeError, ValueError):
-        raise ValueError(f"logit_bias: keys must be token ids, got {json.dumps(list(value))[:80]}") from None
+    bad = [k for k in value if not (isinstance(k, str) and TOKEN_ID_KEY.fullmatch(k))]
+    if bad:
+        raise ValueError(f'logit_bias: keys must be token ids in decimal (e.g. "13"), got {json.dumps(bad)[:80]}')
+    return {int(k): v for k, v in value.items()}

@@ -3,9 +3,9 @@
 Endpoints: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions`` (streamed as server-sent
 events ending in ``data: [DONE]``), ``GET /health``, ``GET /metrics`` (Prometheus text format).
 
-A request is validated (``models``), made ready (token ids from the pool's Engine's tokenizer and chat template,
-``GenerationOptions``), handed to the pool (``batch_pool.BatchPool``: one batched Engine; or ``pool.WorkerPool``: one
-Engine per worker), and its job's events become the response (``responses``). A client that disconnects, while its
+A request is validated (``models``), made ready (token ids from the pool's tokenizer and chat template,
+``GenerationOptions``), handed to the pool (``batch_pool.BatchPool``: the Engine's one scheduler; or ``--ray``'s
+``RayPool``), and its job's events become the response (``responses``). A client that disconnects, while its
 request waits or generates, cancels its job.
 """
 
@@ -17,7 +17,7 @@ import functools
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Sequence
+from collections.abc import AsyncIterator, Awaitable
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
@@ -35,12 +35,11 @@ from ortspec.adapters.serve.errors import (
     APIError,
     Cancelled,
     QueueFull,
-    RequestTimeout,
     job_error,
     named,
     queue_full_error,
 )
-from ortspec.adapters.serve.jobs import Clock, Failed, Finished, RequestGeneration, ServePool
+from ortspec.adapters.serve.jobs import Failed, Finished, RequestGeneration, ServePool
 from ortspec.adapters.serve.metrics import Metrics
 from ortspec.adapters.serve.models import (
     ChatCompletionRequest,
@@ -53,10 +52,8 @@ from ortspec.adapters.serve.models import (
     validation_error,
 )
 from ortspec.adapters.serve.openapi import RESPONSES, openapi_document
-from ortspec.adapters.serve.pool import WorkerPool
 from ortspec.adapters.serve.responses import LogprobFormatter, ResponseShape, ortspec_stats
 from ortspec.adapters.serve.settings import ServerSettings
-from ortspec.backends.base import BatchBackend
 from ortspec.backends.onnx import route_onnxruntime_logging
 from ortspec.core.checks import ArgumentError
 from ortspec.core.state import Commit, TokenLogprob
@@ -171,15 +168,13 @@ class _Routes:
     async def _submit(
         self, body: GenerationRequest, request: Request, prepared: Prepared, deadline: float
     ) -> RequestGeneration:
-        """The job for a request, once a worker took it (429 when the queue is full, 504 past the deadline)."""
+        """The job for a request, once the pool took it (429 when the queue is full)."""
         try:
             return await _unless_disconnected(
                 request, self.pool.submit(prepared, stream=body.stream, deadline=deadline)
             )
         except QueueFull as exc:
             raise queue_full_error(exc) from None
-        except RequestTimeout as exc:
-            raise job_error(exc, prepared.fields) from None
 
     async def _generate(self, body: GenerationRequest, request: Request) -> Response:
         arrived = self.pool.clock()
@@ -212,7 +207,7 @@ class _Routes:
             return Response(status_code=499)  # the client went away; nobody reads this
         finally:
             if not streaming:
-                job.cancel()  # a no-op once it finished; otherwise the worker stops within one pass
+                job.cancel()  # a no-op once it finished; otherwise it stops within one pass
 
 
 def _extension(result: GenerateResult, job: RequestGeneration) -> dict[str, Any]:
@@ -256,7 +251,7 @@ async def _stream(job: RequestGeneration, shape: ResponseShape, include_usage: b
             break
         yield {"data": "[DONE]"}
     finally:
-        job.cancel()  # no-op once finished; otherwise the worker stops within one pass
+        job.cancel()  # no-op once finished; otherwise it stops within one pass
 
 
 def _handle_errors(app: FastAPI) -> None:
@@ -280,53 +275,26 @@ def _handle_errors(app: FastAPI) -> None:
         return APIError(500, f"internal error: {type(exc).__name__}", type="server_error").response()
 
 
-def create_app(
-    engines: Sequence[Engine],
-    settings: ServerSettings,
-    *,
-    clock: Clock = time.monotonic,
-    batch: BatchBackend | None = None,
-) -> FastAPI:
-    """The ASGI app serving ``engines`` (``make_pool``'s pool; ``app_for``). With ``batch`` (the batch backend of the
-    one Engine in ``engines``, e.g. ``engine.batch_backend(slots)``): every request on that one batched Engine
-    (``BatchPool``). Without it: one worker per Engine (``WorkerPool``; give each its own Engine, with
-    ``prefix_reuse=True`` for the prefix routing to pay). The measurements run at startup
-    (``settings.measure_at_startup``). ``clock``: where request deadlines and durations are read (seconds; tests
-    pass one they move by hand). The pool, metrics and settings are on ``app.state``."""
-    return app_for(make_pool(engines, settings, Metrics(), clock=clock, batch=batch), settings)
+def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
+    """The ASGI app serving ``engine`` (``make_pool``'s pool; ``app_for``): every request on the Engine's one
+    scheduler. The measurements run at startup (``settings.measure_at_startup``: ``Engine.warm``). Request deadlines
+    and durations are read on the Engine's clock (``Engine.from_dir(clock=...)``; tests pass one they move by hand).
+    The Engine stays open when the app stops: its owner closes it. The pool, metrics and settings are on
+    ``app.state``."""
+    return app_for(make_pool(engine, settings, Metrics()), settings)
 
 
-def make_pool(
-    engines: Sequence[Engine],
-    settings: ServerSettings,
-    metrics: Metrics,
-    *,
-    clock: Clock = time.monotonic,
-    batch: BatchBackend | None = None,
-) -> WorkerPool | BatchPool:
-    """The pool serving ``engines`` as ``create_app`` says, recording into ``metrics``: what ``ortspec serve`` runs
-    in its process, and what each replica of ``ortspec serve --ray`` runs."""
-    if settings.speculative == "shared-kv" and any(engine.drafter is None for engine in engines):
+def make_pool(engine: Engine, settings: ServerSettings, metrics: Metrics) -> BatchPool:
+    """The pool serving ``engine`` as ``create_app`` says, recording into ``metrics``: what ``ortspec serve`` runs
+    in its process, and what each replica of ``ortspec serve --ray`` runs. ``ArgumentError`` for a default
+    ``speculative="shared-kv"`` when the Engine has no drafter."""
+    if settings.speculative == "shared-kv" and engine.drafter is None:
         raise ArgumentError(
             "speculative",
-            "speculative='shared-kv' needs a shared-KV drafter, and the engines have none: train one with 'ortspec "
+            "speculative='shared-kv' needs a shared-KV drafter, and the Engine has none: train one with 'ortspec "
             "train-drafter' (found by default) or give --drafter DIR",
         )
-    if (
-        batch is not None
-        and len(engines) == 1
-        and engines[0].drafter is not None
-        and engines[0].batch_backend() is not batch
-    ):
-        raise ValueError(
-            "a batched server's Engine with a drafter runs on its own batch_backend(), whose slots it reads"
-        )
-    limits = {"max_queue": settings.max_queue, "timeout_s": settings.request_timeout_s, "metrics": metrics}
-    if batch is None:
-        return WorkerPool(engines, clock=clock, **limits)  # type: ignore[arg-type]
-    if len(engines) != 1:
-        raise ValueError(f"a batched server runs one Engine, got {len(engines)}")
-    return BatchPool(engines[0], batch, clock=clock, **limits)  # type: ignore[arg-type]
+    return BatchPool(engine, max_queue=settings.max_queue, timeout_s=settings.request_timeout_s, metrics=metrics)
 
 
 def app_for(pool: ServePool, settings: ServerSettings) -> FastAPI:

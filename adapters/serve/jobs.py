@@ -1,11 +1,13 @@
-"""What both pools share: a request's job and its events, how a job's outcome is recorded (metrics, the event the
-app reads), and ``PoolCore`` (the queue limit, ``Retry-After``, ``wait_until`` and the busy/waiting gauges).
+"""What the app's pools share (``batch_pool.BatchPool``, ``ray.pool.RayPool``): a request's job and its events, how
+a job's outcome is recorded (metrics, the event the app reads), ``SubmittedJobs`` (the jobs from submission to
+their end, the queue limit, ``Retry-After``, ``wait_until`` and the busy/waiting gauges), and what the app needs of a
+pool (``ServePool``) and of the model's text (``Texts``).
 
 A job's events, in order: ``Started`` (the generation has begun; sent before the first ``Commit``), each
 ``Commit`` when streaming, then ``Finished`` or ``Failed`` (a job refused or ended before it started sends only
-``Failed``). The pool's thread (a worker thread, or the batch
-scheduler's pass thread) emits them; the event loop reads them (``next``). ``cancel`` may be called from any
-thread: the generation stops within one target pass.
+``Failed``). The pool's thread (the Engine scheduler's pass thread, or the Ray pool's relay on the event loop)
+emits them; the event loop reads them (``next``). ``cancel`` may be called from any thread: the generation stops
+within one target pass.
 """
 
 from __future__ import annotations
@@ -57,9 +59,9 @@ class Texts(Protocol):
 
 class RequestGeneration:
     """One request's generation in a pool. ``texts``: whose tokenizer reads its tokens (for logprob text);
-    ``worker``: the index reported in the response's ``ortspec.worker`` (0 on the batched pool).
-    ``deadline``: on the pool's clock. ``on_cancel``: what else ``cancel`` does (the batched pool cancels the
-    scheduled request there)."""
+    ``worker``: the index reported in the response's ``ortspec.worker`` (0 on the batched pool; the replica's rank
+    on Ray). ``deadline``: on the pool's clock. ``on_cancel``: what else ``cancel`` does (the batched pool cancels the
+    scheduled request there, the Ray pool its relay)."""
 
     def __init__(
         self,
@@ -132,10 +134,11 @@ class RequestGeneration:
 
 
 class ServePool(Protocol):
-    """What the app serves requests with (``BatchPool``, ``WorkerPool``, or ``ortspec serve --ray``'s ``RayPool``):
-    ``submit`` starts a request's job; the rest is what the routes and ``/health`` read. Every method runs on the
-    event loop except ``measure`` and ``close`` (a thread of the server's, before the first request and after the
-    last)."""
+    """What the app serves requests with (``BatchPool`` on one Engine, or ``ortspec serve --ray``'s ``RayPool``):
+    ``submit`` starts a request's job (``QueueFull`` when the queue is full); the rest is what the routes and
+    ``/health`` read. ``clock``: where the app reads request deadlines and durations (seconds). Every method runs on
+    the event loop except ``measure`` and ``close`` (a thread of the server's, before the first request and after
+    the last)."""
 
     metrics: Metrics
     clock: Clock
@@ -161,25 +164,39 @@ class ServePool(Protocol):
     async def submit(self, prepared: Prepared, *, stream: bool, deadline: float) -> RequestGeneration: ...
 
 
-class PoolCore:
-    """The queue limit, ``Retry-After``, the gauges and ``wait_until``, for a pool whose ``busy`` and ``waiting``
-    are its own. ``parallel``: how many requests run at once (workers, or slots). Every method runs on the event
-    loop except ``wait_until``."""
+class SubmittedJobs:
+    """The jobs a pool submitted and that have not ended (``_jobs``, oldest first; the value per job is the pool's
+    own: the Ray pool keeps the replica serving it), the queue limit, ``Retry-After``, the gauges and
+    ``wait_until``. ``parallel``: how many requests run at once (slots); the oldest ``parallel`` jobs are busy (they
+    hold a slot), the rest wait. Every method runs on the event loop except ``wait_until``."""
 
     def __init__(self, *, parallel: int, max_queue: int, timeout_s: float, metrics: Metrics, clock: Clock) -> None:
         self.parallel = parallel
         self.max_queue = check_int("max_queue", max_queue, 0)
         self.timeout_s, self.metrics, self.clock = timeout_s, metrics, clock
+        self._jobs: dict[RequestGeneration, Any] = {}  # submitted and not ended, oldest first
         self._service_s = 1.0  # moving average of a job's time running, for Retry-After
         self._changed = threading.Condition()  # notified whenever busy or waiting changes
 
     @property
+    def jobs(self) -> tuple[RequestGeneration, ...]:
+        """The jobs submitted and not ended, oldest first."""
+        return tuple(self._jobs)
+
+    @property
     def busy(self) -> int:
-        raise NotImplementedError
+        """Requests holding a slot."""
+        return min(len(self._jobs), self.parallel)
 
     @property
     def waiting(self) -> int:
-        raise NotImplementedError
+        """Requests waiting for a slot."""
+        return max(0, len(self._jobs) - self.parallel)
+
+    @property
+    def full(self) -> bool:
+        """Whether ``max_queue`` jobs already wait beyond the slots (the next one is refused: ``QueueFull``)."""
+        return len(self._jobs) >= self.parallel + self.max_queue
 
     def wait_until(self, predicate: Callable[[Any], bool], timeout_s: float) -> bool:
         """From a thread other than the event loop's: block until ``predicate(pool)`` holds (it is tested whenever
@@ -201,28 +218,3 @@ class PoolCore:
     def retry_after(self) -> int:
         """Seconds until a queue slot is likely free: the waiting requests' share of the mean service time."""
         return max(1, math.ceil(self._service_s * (self.waiting + 1) / self.parallel))
-
-
-class SubmittedJobs(PoolCore):
-    """A ``PoolCore`` that counts its jobs from submission to their end (``_jobs``, oldest first): the oldest
-    ``parallel`` are busy (they hold a slot), the rest wait. The batched pool and ``ortspec serve --ray``'s pool
-    (whose value per job is the replica serving it)."""
-
-    def __init__(self, *, parallel: int, max_queue: int, timeout_s: float, metrics: Metrics, clock: Clock) -> None:
-        super().__init__(parallel=parallel, max_queue=max_queue, timeout_s=timeout_s, metrics=metrics, clock=clock)
-        self._jobs: dict[RequestGeneration, Any] = {}  # submitted and not ended, oldest first
-
-    @property
-    def jobs(self) -> tuple[RequestGeneration, ...]:
-        """The jobs submitted and not ended, oldest first."""
-        return tuple(self._jobs)
-
-    @property
-    def busy(self) -> int:
-        """Requests holding a slot."""
-        return min(len(self._jobs), self.parallel)
-
-    @property
-    def waiting(self) -> int:
-        """Requests waiting for a slot."""
-        return max(0, len(self._jobs) - self.parallel)

@@ -32,15 +32,15 @@ class Metrics:
             registry=r,
         )
         self.rejected = Counter("ortspec_rejected", "requests refused because the queue was full", registry=r)
-        self.queue_wait = Histogram("ortspec_queue_wait_seconds", "time waiting for a worker or a slot", registry=r)
+        self.queue_wait = Histogram("ortspec_queue_wait_seconds", "time waiting for a slot", registry=r)
         self.ttft = Histogram(
             "ortspec_time_to_first_token_seconds", "request arrival to the first generated token", registry=r
         )
-        self.duration = Histogram("ortspec_generation_seconds", "time a request held a worker or a slot", registry=r)
-        self.waiting = Gauge("ortspec_queue_depth", "requests waiting for a worker or a slot", registry=r)
-        self.busy = Gauge("ortspec_workers_busy", "workers (or slots) running a generation", registry=r)
-        self.workers = Gauge("ortspec_workers", "workers (engines)", registry=r)
-        self.batch_slots = Gauge("ortspec_batch_slots", "slots of the batched engine (0: worker pool)", registry=r)
+        self.duration = Histogram("ortspec_generation_seconds", "time a request held a slot", registry=r)
+        self.waiting = Gauge("ortspec_queue_depth", "requests waiting for a slot", registry=r)
+        self.busy = Gauge("ortspec_workers_busy", "slots running a generation", registry=r)
+        self.workers = Gauge("ortspec_workers", "engines serving (1; with --ray, the replicas)", registry=r)
+        self.batch_slots = Gauge("ortspec_batch_slots", "slots of an engine", registry=r)
         self.batch_rows = Histogram(
             "ortspec_batch_rows", "sequences in each batched pass", buckets=ROW_BUCKETS, registry=r
         )

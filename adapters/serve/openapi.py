@@ -9,10 +9,15 @@ The models below describe what ``responses.py`` and the routes build; they are t
 (the routes return their JSON as built). ``tests/test_openapi_fuzz.py`` holds the two together: Schemathesis
 fuzzes the app from this document and checks every status, content type and body against it.
 
-Statuses: 200; 400 (malformed JSON, a wrong type, an unknown field, a value the Engine refuses, a prompt longer
-than the context, ``n != 1``); 404 (``model`` is not the served id); 413 (a body over ``max_body_bytes``, on any
-route); 429 (the queue is full, with ``Retry-After``); 500 (a generation that failed, or any other error); 504 (a
-request past its timeout). A client that goes away gets nothing (the access log and metrics say 499).
+The request bodies are the request models' schemas (``models.py``): they state every rule the server's validation
+applies, bounds and rules between fields included, so a request valid by the document is answered 200 but for the
+refusals no JSON Schema can state (``BEYOND_SCHEMA``), which the 400's description lists; the fuzz test holds the
+server to that too.
+
+Statuses: 200; 400 (malformed JSON, a request the schema refuses, or one of ``BEYOND_SCHEMA``); 404 (``model`` is
+not the served id); 413 (a body over ``max_body_bytes``, on any route); 429 (the queue is full, with
+``Retry-After``); 500 (a generation that failed, or any other error); 504 (a request past its timeout). A client
+that goes away gets nothing (the access log and metrics say 499).
 """
 
 from __future__ import annotations
@@ -244,9 +249,25 @@ def _event_stream(chunk: type[BaseModel]) -> dict[str, Any]:
 # What each route declares
 # ------------------------------------------------------------------------------------------------------------------
 
+# What a request valid by the schema may still be refused for (400, ``param`` naming the field): what depends on the
+# served model or on a compiler's verdict, and what no JSON Schema can state. The 400's description lists them.
+BEYOND_SCHEMA: dict[str, str] = {
+    "context": "`prompt` / `messages`: the prompt is longer than the model's context (code `context_length_exceeded`)",
+    "vocabulary": "`prompt` / `logit_bias`: a token id outside the model's vocabulary",
+    "empty_prompt": "`prompt` / `messages`: the text encodes to no token at all",
+    "constraint": "`response_format`: a schema, regular expression or grammar that the constraint compiler "
+    "(llguidance) refuses, or that no output can match",
+    "tools": "`tools`: a function's parameters schema that the constraint compiler refuses, or two functions of one "
+    "name",
+    "tool_choice": "`tool_choice`: a function that is not one of `tools`",
+    "call_arguments": "`messages`: an earlier tool call's `arguments` that are not JSON text",
+    "unicode": "any string field: a string with an unpaired surrogate escape (not Unicode text; I-JSON, RFC 7493)",
+}
 _ERRORS: dict[int, str] = {
-    400: "The request is malformed or a value is refused (not JSON, a wrong type, an unknown field, a value out of "
-    "range, a prompt longer than the context, n != 1); `param` names the field. Validation errors are 400, not 422.",
+    400: "The request is malformed (not JSON), refused by the schema (a wrong type, an unknown field, a value out of "
+    "range, a rule between fields), or valid by the schema but refused for what no schema states: "
+    + "; ".join(BEYOND_SCHEMA.values())
+    + ". `param` names the field. Validation errors are 400, not 422.",
     404: "`model` is not the served model (code `model_not_found`).",
     413: "The request body is over the server's limit (code `request_too_large`).",
     429: "Every worker is busy and the queue is full (code `queue_full`); retry after `Retry-After` seconds.",

@@ -184,6 +184,7 @@ class OrtBatchBackend:
         _check_cpu_only(config)
         facts = loaded.facts if loaded is not None else read_graph_facts(folder.model_path)
         self.session = session
+        self.graph_facts = facts  # what the graph holds (the quantized kernels' accuracy levels: Measurements)
         self.folder = folder
         self.config = config
         self.graph = inspect_graph(session, folder, facts)
@@ -473,11 +474,12 @@ class LoneSlot:
     """The one-sequence ``Backend`` protocol (``backends/base.py``) on an ``OrtBatchBackend``'s lone slot: what an
     Engine opened for batching measures and generates on, with the batch backend's session (no second copy of
     the weights). ``decode`` asks the run for its last position's logits only. Attributes for the Engine's
-    measurement cache: ``provider``, ``threads`` and ``variant`` (the batch backend's)."""
+    measurement cache: ``provider``, ``threads``, ``variant`` and ``graph_facts`` (the batch backend's)."""
 
     def __init__(self, batch: OrtBatchBackend) -> None:
         self.batch = batch
         self.provider, self.threads, self.variant = batch.provider, batch.threads, batch.variant
+        self.graph_facts = batch.graph_facts
 
     @property
     def vocab_size(self) -> int:

@@ -1,4 +1,4 @@
-"""``ortspec serve --ray``: the batched Engine as a Ray Serve deployment of replicas behind ``ortspec serve``'s own
+"""``ortspec serve --ray``: the Engine as a Ray Serve deployment of replicas behind ``ortspec serve``'s own
 app (the same routes, streaming, errors, metrics and extension fields). Needs the ``ray`` extra
 (``pip install 'ortspec[ray]'``); import it only when serving on Ray. The package re-exports nothing.
 
@@ -9,7 +9,7 @@ Rooms, each knowing only the ones below it:
   ``cmd_serve_ray``.
 - ``pool.py``: ``RayPool``, the app's pool on the ingress: a request's job relayed from a replica's stream.
 - ``router.py``: ``PrefixAffinityRouter`` (Ray Serve's request router hook) and its rule, ``prefix_ranks``.
-- ``replica.py``: ``EngineReplica`` (the deployment class: ``app.make_pool`` on a batched Engine),
+- ``replica.py``: ``EngineReplica`` (the deployment class: ``app.make_pool`` on the Engine ``run.load_serving`` opens),
   ``ReplicaSettings`` (``ortspec serve``'s options as one value), the messages between the two sides.
 
 How it runs and what was measured: docs/serve/ray.md.

@@ -83,7 +83,7 @@ class RayPool(SubmittedJobs):
     async def submit(self, prepared: Prepared, *, stream: bool, deadline: float) -> RequestGeneration:
         """Start the request's job on a replica (``QueueFull`` when ``max_queue`` requests already wait beyond the
         replicas' slots). The caller reads the job's events and cancels the job when it stops reading."""
-        if len(self._jobs) >= self.parallel + self.max_queue:
+        if self.full:
             self.metrics.rejected.inc()
             raise QueueFull(self.retry_after())
         loop = asyncio.get_running_loop()

@@ -1,6 +1,6 @@
-"""``EngineReplica``: one replica of ``ortspec serve --ray``'s Ray Serve deployment: a batched Engine behind the same
-pool ``ortspec serve`` runs (``app.make_pool``: a ``BatchPool``, or one worker for a folder that cannot run
-batched), fed by the ingress through a deployment handle.
+"""``EngineReplica``: one replica of ``ortspec serve --ray``'s Ray Serve deployment: the Engine ``ortspec serve``
+opens (``run.load_serving``) behind the same pool (``app.make_pool``: a ``BatchPool`` on the Engine's one
+scheduler), fed by the ingress through a deployment handle.
 
 A request arrives as a ``ReplicaRequest`` (the ingress made it ready: token ids, options, fields) and
 ``generate`` streams its job's events back in messages (lists: the events ready at once), in order: a
@@ -9,7 +9,7 @@ A request arrives as a ``ReplicaRequest`` (the ingress made it ready: token ids,
 ``Retry-After``, a 504, a 500) with the outcome the ingress counts. When the caller cancels the stream (its client
 went away), Ray Serve cancels ``generate``, which cancels the job: it is in no pass after the current one.
 
-The model folder is found as the batch job's actors find it (``batch.ray.materialize``): at its path on the
+The model folder is found as the batch job's actors find it (``ray_support.materialize``): at its path on the
 replica's node, or shipped through the object store and written once per node into the ortspec cache; a node
 without it fails the replica with an error naming the folder and the node.
 """
@@ -23,13 +23,14 @@ from typing import Any, NamedTuple
 
 import attrs
 
-from ortspec.adapters.batch.ray import materialize
+from ortspec.adapters.engine import Engine
+from ortspec.adapters.ray_support import materialize
 from ortspec.adapters.serve.app import make_pool
 from ortspec.adapters.serve.errors import Cancelled, QueueFull, RequestTimeout, job_error, queue_full_error
 from ortspec.adapters.serve.jobs import Failed, Finished, Started
 from ortspec.adapters.serve.metrics import Metrics
 from ortspec.adapters.serve.models import Prepared
-from ortspec.adapters.serve.run import DEFAULT_MAX_BATCH, load_batched
+from ortspec.adapters.serve.run import DEFAULT_MAX_BATCH, load_serving
 from ortspec.adapters.serve.settings import ServerSettings
 from ortspec.backends.base import BatchBackend
 from ortspec.backends.onnx import BackendConfig
@@ -40,12 +41,12 @@ from ortspec.core.state import Commit
 @attrs.frozen(kw_only=True)
 class ReplicaSettings:
     """``ortspec serve``'s options, as every replica opens its Engine and serves with them (one value, pickled to
-    each replica). ``backend``, ``prefill_budget``, ``prefix_reuse``, ``drafter``: as for ``run.load_batched``;
-    ``max_batch``: the slots (even 1: a replica is always batched; None: ``ortspec serve``'s default).
-    ``server``: the ``ServerSettings`` (``max_queue`` is each replica's queue beyond its slots; the ingress bounds
-    the whole). ``source``: the model folder's path on every node, or its shipped files (``batch.ray.model_source``;
-    ``run.ray_app`` fills it in). ``wrap_batch``: what the batch backend is wrapped in before serving (tests: a
-    gate; None: nothing)."""
+    each replica). ``backend``, ``prefill_budget``, ``prefix_reuse``, ``drafter``: as for ``run.load_serving``;
+    ``max_batch``: the slots (None: ``ortspec serve``'s default). ``server``: the ``ServerSettings``
+    (``max_queue`` is each replica's queue beyond its slots; the ingress bounds the whole). ``source``: the model
+    folder's path on every node, or its shipped files (``ray_support.model_source``; ``run.ray_app`` fills it in).
+    ``wrap_batch``: what the Engine's batch backend is wrapped in before serving (tests: a gate; None: nothing); the
+    wrapper must pass everything but the passes through, ``lone()`` included (``wrapped``)."""
 
     backend: BackendConfig
     server: ServerSettings
@@ -58,7 +59,7 @@ class ReplicaSettings:
 
     @property
     def slots(self) -> int:
-        """A replica's batch slots: ``max_batch``, or ``ortspec serve``'s default (a replica is always batched)."""
+        """A replica's batch slots: ``max_batch``, or ``ortspec serve``'s default."""
         return self.max_batch if self.max_batch is not None else DEFAULT_MAX_BATCH
 
 
@@ -115,18 +116,18 @@ class EngineReplica:
         from ray import serve
 
         model_dir = materialize(settings.source)
-        serving = load_batched(
+        engine = load_serving(
             Path(model_dir),
             settings.backend,
-            settings.slots,
+            max_batch=settings.slots,
             prefix_reuse=settings.prefix_reuse,
             prefill_budget=settings.prefill_budget,
             drafter=settings.drafter,
         )
-        batch = serving.batch
-        if batch is not None and settings.wrap_batch is not None:
-            batch = settings.wrap_batch(batch)
-        self.pool = make_pool(serving.engines, settings.server, Metrics(), clock=time.monotonic, batch=batch)
+        if settings.wrap_batch is not None:
+            engine = wrapped(engine, settings.wrap_batch)
+        self.engine = engine
+        self.pool = make_pool(engine, settings.server, Metrics())
         if settings.server.measure_at_startup:
             self.pool.measure()
         context = serve.get_replica_context()
@@ -163,6 +164,15 @@ class EngineReplica:
             job.cancel()  # no-op once it ended; otherwise the scheduler drops it after the current pass
 
     def __del__(self) -> None:
-        pool = getattr(self, "pool", None)
+        pool, engine = getattr(self, "pool", None), getattr(self, "engine", None)
         if pool is not None:
             pool.close()
+        if engine is not None:
+            engine.close()
+
+
+def wrapped(engine: Engine, wrap: Callable[[BatchBackend], BatchBackend]) -> Engine:
+    """``engine`` with its batch backend wrapped in ``wrap`` (before its scheduler starts, so the scheduler drives
+    ``wrap(engine.batch)``; the measurements keep the unwrapped backend)."""
+    engine.batch = wrap(engine.batch)  # its scheduler starts on first use: it drives the wrapped backend
+    return engine

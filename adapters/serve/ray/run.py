@@ -26,9 +26,8 @@ import attrs
 import uvicorn
 from fastapi import FastAPI
 
-from ortspec.adapters.batch.job import BatchError
-from ortspec.adapters.batch.ray import model_source, plan_actors, ray_session
 from ortspec.adapters.engine.tokenizer import PromptReader, Tokenizer
+from ortspec.adapters.ray_support import RayError, model_source, plan_actors, ray_session
 from ortspec.adapters.serve.app import app_for
 from ortspec.adapters.serve.metrics import Metrics
 from ortspec.adapters.serve.ray.pool import RayPool
@@ -53,7 +52,7 @@ class RayOptions:
     (at the start; all the time without autoscaling), ``max_replicas`` (above ``replicas``: autoscaling up to it;
     None: a fixed count), ``ship_model`` (the folder's files go through the object store to each node instead of
     being read at the same path there), ``threads`` (Ray CPUs and intra-op threads per replica; None: the local
-    cores shared out among the replicas, at most one node's: ``batch.ray.plan_actors``)."""
+    cores shared out among the replicas, at most one node's: ``ray_support.plan_actors``)."""
 
     address: str = "local"
     replicas: int = attrs.field(default=1, validator=int_at_least(1))
@@ -134,9 +133,11 @@ def ray_app(model_dir: Path, settings: ReplicaSettings, options: RayOptions) -> 
     with contextlib.ExitStack() as stack:
         try:
             ray = stack.enter_context(ray_session(options.address))
-            _, threads = plan_actors(ray, options.address, options.replicas, options.threads, log.warning)
-        except BatchError as exc:
-            raise RayServeError(str(exc).replace("workers", "replicas")) from None
+            _, threads = plan_actors(
+                ray, options.address, options.replicas, options.threads, log.warning, noun="replica"
+            )
+        except RayError as exc:
+            raise RayServeError(str(exc)) from None
         source = stack.enter_context(model_source(ray, model_dir, options.ship_model))
         replica = attrs.evolve(settings, source=source, backend=attrs.evolve(settings.backend, threads=threads))
         handle = deploy(ray, replica, options, threads)

@@ -1,0 +1,167 @@
+"""What ``speculative`` means: the one table of names, the one default, and the one factory that maps a name (or a
+proposer) and ``draft_width`` to a proposer and a width policy. Every surface (the library, the command line, the
+server, batch, Ray) resolves ``speculative`` here, so a name drafts the same way wherever it is typed.
+
+    proposer, width = speculation(speculative, draft_width, sources, prices)
+
+``sources`` are what a name may draft from (the suffix cache's snapshot and its rule, the drafter); ``prices`` the
+pass prices a cost-aware width policy needs (``needs_prices`` says when: measuring them is the caller's). Pure: no
+I/O, no measuring, no process state.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+
+from .checks import ArgumentError
+from .lookup_or_draft import LookupOrDraft
+from .proposers import MAX_DRAFT, Lookup, PromptLookup, Proposer
+from .suffix import DraftRule, SuffixProposer, SuffixSnapshot
+from .width import CostAwareWidth, FixedWidth, WidthPolicy
+
+# Every name ``speculative`` takes and what it drafts with.
+SPECULATIVE_NAMES = {
+    "prompt-lookup": "what followed the context's last 3 tokens earlier in the context",
+    "suffix": "the most frequent continuation of the context's longest suffix match, in the context and in the "
+    "Engine's recent outputs (its suffix cache)",
+    "shared-kv": "the Engine's drafter",
+    "auto": "per draft, the suffix lookup or the drafter, whichever has earned more (without a drafter: the suffix "
+    "lookup alone)",
+}
+SPECULATIVE_CHOICES = tuple(SPECULATIVE_NAMES)
+# The names that draft with the drafter, and those that draft from the suffix cache.
+DRAFTER_NAMES = ("shared-kv", "auto")
+SUFFIX_NAMES = ("suffix", "auto")
+# What every surface drafts with unless told otherwise (chosen by measurement: docs/speed.md). Exact output makes
+# speculating by default safe: it changes only how fast the same tokens arrive.
+DEFAULT_SPECULATIVE = "auto"
+# The lookup "auto" drafts with: alone without a drafter, beside it with one (chosen by measurement:
+# docs/suffix-cache.md).
+AUTO_LOOKUP = "suffix"
+
+
+def speculative_value(value: Any) -> Any:
+    """``speculative`` as given: ``"none"`` (what a command line or a JSON record says) is ``None``, plain decoding;
+    anything else is itself."""
+    return None if value == "none" else value
+
+
+def check_speculative(value: Any) -> None:
+    """``ArgumentError`` naming ``speculative`` unless ``value`` is None, a name of ``SPECULATIVE_NAMES`` or an
+    object with ``propose(context_tokens, width)``."""
+    if value is None or value in SPECULATIVE_NAMES:
+        return
+    if isinstance(value, str):
+        raise ArgumentError(
+            "speculative", f"speculative={value!r}: expected None, 'none', one of {SPECULATIVE_CHOICES} or a proposer"
+        )
+    if not callable(getattr(value, "propose", None)):
+        raise ArgumentError("speculative", f"speculative={value!r} has no propose(context_tokens, width) method")
+
+
+@attrs.frozen
+class Sources:
+    """What a name drafts from: ``snapshot``, the suffix cache as the request starts (``"suffix"``, ``"auto"``'s
+    lookup), by ``rule``; ``drafter``, a draft model reading the target (``"shared-kv"``, ``"auto"``; None when there
+    is none)."""
+
+    snapshot: SuffixSnapshot | None = None
+    rule: DraftRule = attrs.field(factory=DraftRule)
+    drafter: Proposer | None = None
+
+
+def _costs(values: Any) -> tuple[float, ...]:
+    return tuple(float(v) for v in values)
+
+
+@attrs.frozen
+class Prices:
+    """A backend's measured prices: ``pass_costs[k]``, a pass over the pending token and ``k`` draft tokens ÷ a
+    plain step (k = 0 .. the widest draft); ``draft_cost``, the drafter's time per draft token ÷ a plain step."""
+
+    pass_costs: tuple[float, ...] = attrs.field(converter=_costs)
+    draft_cost: float = 0.0
+
+
+def check_sources(speculative: Any, sources: Sources) -> None:
+    """``ArgumentError`` naming ``speculative`` when it is not a name or proposer (``check_speculative``), or names
+    a source that is not there (``"shared-kv"`` without a drafter): what ``speculation`` refuses, checked before
+    anything is measured."""
+    check_speculative(speculative)
+    if speculative == "shared-kv" and sources.drafter is None:
+        raise ArgumentError(
+            "speculative",
+            "speculative='shared-kv' needs a drafter: train one with 'ortspec train-drafter' (Engine.from_dir finds "
+            "it) or pass Engine.from_dir(..., drafter=DIR)",
+        )
+
+
+def needs_prices(speculative: Any, draft_width: object) -> bool:
+    """Whether ``speculation`` needs ``Prices`` for these options: a speculative request whose width is ``"auto"``,
+    or ``"auto"`` (each of its sources is priced, whatever the width)."""
+    return speculative is not None and (draft_width == "auto" or speculative == "auto")
+
+
+def lookup(name: str, sources: Sources) -> Lookup:
+    """The proposer of a name that drafts from the context alone: ``"prompt-lookup"`` (3-gram lookup, up to
+    ``MAX_DRAFT`` tokens) or ``"suffix"`` (the suffix proposer over the context and ``sources.snapshot``)."""
+    if name == "prompt-lookup":
+        return PromptLookup(ngram=3, max_draft=MAX_DRAFT)
+    assert name == "suffix", name
+    return SuffixProposer(sources.rule, cache=sources.snapshot)
+
+
+def speculation(
+    speculative: Any, draft_width: int | WidthPolicy | str, sources: Sources, prices: Prices | None = None
+) -> tuple[Proposer | None, int | WidthPolicy]:
+    """The proposer and width policy a request starts with. ``speculative``: None (plain decoding), a name of
+    ``SPECULATIVE_NAMES``, or a proposer (used as it is). ``draft_width``: ``"auto"`` (cost-aware on ``prices``), an
+    int (the most draft tokens per pass; for ``"auto"``, a cap under each source's own priced policy) or a width
+    policy. ``"auto"`` without a drafter is ``AUTO_LOOKUP``; ``"shared-kv"`` without one is refused
+    (``ArgumentError``). ``prices`` must be given when ``needs_prices`` says so."""
+    check_sources(speculative, sources)
+    if speculative is None:
+        return None, 1 if draft_width == "auto" else draft_width  # type: ignore[return-value]
+    drafter = sources.drafter
+    if speculative == "auto" and drafter is not None:
+        return _auto(LookupOrDraft(lookup(AUTO_LOOKUP, sources), drafter), draft_width, _priced(prices))
+    if speculative == "auto":
+        speculative = AUTO_LOOKUP
+    proposer = drafter if speculative == "shared-kv" else speculative
+    if isinstance(proposer, str):
+        proposer = lookup(proposer, sources)
+    assert proposer is not None
+    if draft_width != "auto":
+        return proposer, draft_width  # type: ignore[return-value]
+    priced = _priced(prices)
+    if proposer is drafter:
+        return proposer, _drafter_policy(priced, drafter)
+    return proposer, CostAwareWidth(priced.pass_costs)
+
+
+def _priced(prices: Prices | None) -> Prices:
+    if prices is None:
+        raise ValueError("speculation: these options need the backend's Prices (needs_prices)")
+    return prices
+
+
+def _drafter_policy(prices: Prices, drafter: Proposer) -> CostAwareWidth:
+    """The drafter's cost-aware policy: the curve up to its widest draft, each draft token priced at its step."""
+    limit = int(getattr(drafter, "max_draft", MAX_DRAFT))
+    return CostAwareWidth(prices.pass_costs[: limit + 1], draft_cost=prices.draft_cost)
+
+
+def _auto(
+    auto: LookupOrDraft, draft_width: int | WidthPolicy | str, prices: Prices
+) -> tuple[Proposer, int | WidthPolicy]:
+    """``"auto"`` with a drafter: each source priced by its own policy; the request's width only caps them (the
+    widest curve, or the int given)."""
+    priced = auto.priced(CostAwareWidth(prices.pass_costs), _drafter_policy(prices, auto.drafter))
+    if isinstance(draft_width, int):
+        return priced, FixedWidth(draft_width)
+    if draft_width == "auto":
+        return priced, FixedWidth(len(prices.pass_costs) - 1)
+    assert not isinstance(draft_width, str), draft_width
+    return priced, draft_width

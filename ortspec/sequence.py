@@ -1,0 +1,293 @@
+"""``BatchSequence``: one request in a ``BatchDriver``, the one per-sequence loop: its row of each pass (a prompt
+chunk, or the pending token and a draft), the core's step on that row's logits or picks, the rewind, and the
+delivery of its commits (a callback, or an iterator's buffer). ``SlotProposer``: a proposer bound to the slot the
+sequence takes. ``Phase``: where a sequence is. The driver (``ortspec/batch_driver.py``) decides which sequences
+run and when; a sequence decides nothing itself: every decision is the core's.
+"""
+
+from __future__ import annotations
+
+import collections
+import enum
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING
+
+import attrs
+import numpy as np
+
+from ortspec.backends.base import BatchBackend, BatchRow, RowPicks
+from ortspec.core.prefix import common_prefix_length, resident_tokens, reusing
+from ortspec.core.proposers import Proposer
+from ortspec.core.state import Commit, DecodeState, step, step_from_picks
+from ortspec.results import FinishCallback, GenerateResult, GenerationAborted, GenerationError, StreamCallback, Timings
+from ortspec.speculation import Speculation
+
+if TYPE_CHECKING:
+    from ortspec.batch_driver import BatchDriver
+
+
+@attrs.frozen
+class SlotProposer:
+    """A proposer that reads its sequence's own slot of the target (a shared-KV drafter bound to the slot's KV and
+    hidden states): ``bind(slot)`` makes the sequence's proposer when the driver admits it into ``slot`` (module
+    docstring). What ``bind`` raises fails that sequence."""
+
+    bind: Callable[[int], Proposer]
+
+
+class Phase(enum.Enum):
+    """Where a sequence is: waiting for a slot, prefilling its prompt in chunks, decoding, or done (finished and
+    released, failed, or cancelled)."""
+
+    WAITING = "waiting"
+    PREFILL = "prefill"
+    DECODING = "decoding"
+    DONE = "done"
+
+
+class BatchSequence:
+    """One request in a ``BatchDriver``: made by ``BatchDriver.submit``, advanced by the driver's passes.
+
+    With a ``callback``, each commit is delivered at the end of the pass that made it, as
+    ``callback(text, token_id, finish_reason)``; without one, commits also wait in a buffer that iterating the
+    sequence reads (iterating drives the driver's passes while the buffer is empty). ``result()`` is what the
+    sequence committed so far (after ``cancel``, what was delivered); ``wait()`` drives the passes until the
+    sequence is done and returns its result or raises its error.
+    Not thread-safe, except ``cancel``, which may be called from anywhere and takes effect before the next pass.
+    """
+
+    def __init__(
+        self,
+        driver: BatchDriver,
+        state: DecodeState,
+        speculation: Speculation,
+        callback: StreamCallback | None,
+        slot_proposer: SlotProposer | None = None,
+        on_finish: FinishCallback | None = None,
+    ) -> None:
+        self._t_start = time.perf_counter()
+        self._on_finish = on_finish
+        self._t_prefill = self._t_start
+        self._t_first: float | None = None
+        self._driver = driver
+        self.state = state
+        self._speculation = speculation
+        self._slot_proposer = slot_proposer  # binds the proposer at admission (its rows keep hidden states)
+        self._callback = callback
+        self._undelivered: collections.deque[Commit] = collections.deque()
+        self._error: GenerationError | None = None
+        self._cancelled = False
+        self._phase = Phase.DONE if state.finished else Phase.WAITING
+        self._slot: int | None = None  # while it holds one
+        self._prefilled = 0  # prompt tokens whose KV the slot holds (from the reused ones on), while prefilling
+        self._width = 0  # the width and draft of the row in flight
+        self._draft: tuple[int, ...] = ()
+
+    @property
+    def phase(self) -> Phase:
+        return self._phase
+
+    @property
+    def slot(self) -> int | None:
+        """The slot it holds, or held last (None until it is admitted)."""
+        return self._slot
+
+    @property
+    def done(self) -> bool:
+        """True once the sequence has finished, failed or been cancelled (its buffer may still hold commits)."""
+        return self._phase is Phase.DONE
+
+    @property
+    def error(self) -> GenerationError | None:
+        """Why the sequence failed (``GenerationAborted`` when its callback raised), or None."""
+        return self._error
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled
+
+    def cancel(self) -> None:
+        """Stop the sequence: it is in no pass after the current one, its slot is freed, nothing more is delivered
+        (by its callback or its iterator), and ``result()`` reports what was delivered (``finish_reason`` None).
+        A sequence that is done (finished, failed or cancelled) ignores it."""
+        if self._phase is not Phase.DONE:
+            self._cancelled = True
+
+    def result(self) -> GenerateResult:
+        """What the sequence committed so far (the finished result, or a partial one with ``finish_reason`` None;
+        after ``cancel``, only what was delivered); a failed sequence's ``error.partial``. Timings count from
+        ``submit``."""
+        if self._error is not None:
+            return self._error.partial
+        return self._described(tuple(self._undelivered) if self._cancelled else ())
+
+    def delivered(self) -> GenerateResult:
+        """``result()`` without the commits still waiting in the buffer: what a consumer of the iterator was given."""
+        if self._error is not None:
+            return self._error.partial
+        return self._described(tuple(self._undelivered))
+
+    @property
+    def buffered(self) -> int:
+        """Commits made and not yet delivered (by the callback or the iterator)."""
+        return len(self._undelivered)
+
+    @property
+    def proposer(self) -> Proposer | None:
+        """The proposer as it stands now (a learning proposer's latest value; None before a ``SlotProposer`` is
+        bound)."""
+        return self._speculation.proposer
+
+    def resident_tokens(self) -> tuple[int, ...]:
+        """The tokens whose KV its slot holds at its first positions now (``_resident``); empty before it has a
+        slot."""
+        return self._resident(self._driver.backend) if self._slot is not None else ()
+
+    def wait(self) -> GenerateResult:
+        """Run the driver's passes until this sequence is done; return its result, or raise its error."""
+        for _ in self:
+            pass
+        return self.result()
+
+    def take_commits(self) -> tuple[Commit, ...]:
+        """The buffered commits, oldest first, taken out of the buffer without running a pass: for a caller that
+        runs the driver's passes itself (``BatchScheduler``'s pass thread) and delivers the commits its own way.
+        Nothing once the sequence is cancelled. A sequence with a callback buffers nothing past its pass."""
+        if self._cancelled:
+            return ()
+        commits = tuple(self._undelivered)
+        self._undelivered.clear()
+        return commits
+
+    def take_commit(self) -> Commit | None:
+        """The oldest buffered commit, taken out of the buffer without running a pass (None when none waits or the
+        sequence is cancelled): for a caller that runs the passes itself (``ortspec.driver.Generation``)."""
+        if self._cancelled or not self._undelivered:
+            return None
+        return self._undelivered.popleft()
+
+    def __iter__(self) -> Iterator[Commit]:
+        """The buffered commits, in order, running the driver's passes while none are waiting; raises the
+        sequence's ``GenerationError`` after the commits released before the failure."""
+        while True:
+            while self._undelivered and not self._cancelled:
+                yield self._undelivered.popleft()
+            if self._error is not None:
+                raise self._error
+            if self._phase is Phase.DONE:
+                return
+            if not self._driver.step() and self._phase is not Phase.DONE:
+                raise RuntimeError("the batch driver is idle but this sequence is not done")
+
+    # -- the driver's side --------------------------------------------------------------------------------------
+
+    def _enter(self, backend: BatchBackend, slot: int, resident: Sequence[int]) -> None:
+        """Take ``slot``, which holds the KV of ``resident`` at its first positions, and start prefilling after
+        the part of the shared prefix that the core reuses (the slot is rewound to it, or reset); a
+        ``SlotProposer`` is bound to the slot."""
+        state = reusing(self.state, common_prefix_length(resident, self.state.prompt_tokens))
+        reused = state.cached_prefix
+        if reused:
+            backend.rewind(slot, reused)
+        else:
+            backend.reset(slot)
+        if self._slot_proposer is not None:
+            self._speculation = self._speculation.with_proposer(self._slot_proposer.bind(slot), state)
+        self.state, self._slot, self._phase, self._prefilled = state, slot, Phase.PREFILL, reused
+
+    def _resident(self, backend: BatchBackend) -> tuple[int, ...]:
+        """The tokens whose KV its slot holds at its first positions, whatever happened to the sequence (finished,
+        failed, cancelled; a failed pass leaves the slot as it was): ``core.prefix.resident_tokens`` of the slot's
+        length (while prefilling, the slot holds exactly the prompt tokens prefilled so far)."""
+        assert self._slot is not None
+        return resident_tokens(self.state, backend.current_len(self._slot))
+
+    def _drop(self) -> None:
+        """End a cancelled sequence (before the pass it would have joined)."""
+        self._phase = Phase.DONE
+
+    @property
+    def _prompt_left(self) -> int:
+        """Prompt tokens still to prefill (0 once decoding)."""
+        return len(self.state.prompt_tokens) - self._prefilled if self._phase is Phase.PREFILL else 0
+
+    def _row(self, chunk: int, vocab_size: int, plain_cost: float, device_picks: bool = False) -> BatchRow:
+        """This sequence's row of the next pass (a proposer failure raises ``ProposerError``): while prefilling,
+        its next ``chunk`` prompt tokens (1 <= chunk <= ``_prompt_left``, the driver's choice); decoding, its
+        pending token and draft, ``plain_cost`` being the price of a plain step in this pass
+        (``Speculation.draft``), asking for picks instead of logits when the backend makes them (``device_picks``)
+        and the options need nothing else."""
+        assert self._slot is not None
+        state = self.state
+        reads_slot = self._slot_proposer is not None  # its proposer reads the hidden state of the last row
+        if self._phase is Phase.PREFILL:
+            assert 1 <= chunk <= self._prompt_left
+            end = self._prefilled + chunk
+            # only the last chunk's last row is read; earlier chunks' rows not at all (one is the least to ask)
+            tokens = state.prompt_tokens[self._prefilled : end]
+            last = reads_slot and end == len(state.prompt_tokens)
+            return BatchRow(self._slot, tokens, self._prefilled, last_logits=1, hidden_states=last)
+        self._width, self._draft = self._speculation.draft(state, vocab_size, plain_cost)
+        picks = device_picks and state.options.device_picks_suffice
+        tokens = (state.pending_token, *self._draft)
+        return BatchRow(self._slot, tokens, state.kv_len, hidden_states=reads_slot, picks=picks)
+
+    def _take(self, backend: BatchBackend, row: BatchRow, logits: np.ndarray | RowPicks) -> tuple[Commit, ...]:
+        """Decide (core) with this row's logits ``[row.logits_rows, vocab]`` (or its ``RowPicks``) and rewind the
+        slot; return the commits the step released."""
+        assert self._slot is not None
+        state = self.state
+        if self._phase is Phase.PREFILL:
+            self._prefilled += len(row.tokens)
+            if self._prefilled < len(state.prompt_tokens):
+                return ()
+            assert not isinstance(logits, RowPicks)
+            outcome = step(state, logits[-1], None, ())
+            self._phase, self._t_prefill = Phase.DECODING, time.perf_counter()
+        elif isinstance(logits, RowPicks):
+            vocab = backend.vocab_size
+            outcome = step_from_picks(state, logits.ids, self._draft, vocab_size=vocab, margins=logits.margins)
+            self._speculation = self._speculation.observe(state, self._width, self._draft, outcome.accepted)
+        else:
+            outcome = step(state, logits[0], logits[1:], self._draft)
+            self._speculation = self._speculation.observe(state, self._width, self._draft, outcome.accepted)
+        backend.rewind(self._slot, outcome.rewind_to)
+        self.state = outcome.state
+        if outcome.commits and self._t_first is None:
+            self._t_first = time.perf_counter()
+        if self.state.finished:
+            self._phase = Phase.DONE
+            if self._on_finish is not None:
+                self._on_finish(self.state)
+        return outcome.commits
+
+    def _described(self, undelivered: tuple[Commit, ...]) -> GenerateResult:
+        timings = Timings.since(self._t_start, self._t_prefill, self._t_first, time.perf_counter())
+        return GenerateResult.of(self.state, undelivered, timings)
+
+    def _fail(self, exc: Exception) -> None:
+        """End the sequence with a ``GenerationError`` for ``exc``, carrying every commit made before it (the
+        iterator yields the buffered ones before it raises)."""
+        self._error = GenerationError.after(exc, self._described(()))
+        self._error.__cause__ = exc
+        self._phase = Phase.DONE
+
+    def _buffer(self, commits: Sequence[Commit]) -> None:
+        self._undelivered.extend(commits)
+
+    def _deliver(self) -> None:
+        """With a callback, call it for each buffered commit until the sequence is cancelled or the callback
+        raises (which fails the sequence with ``GenerationAborted``)."""
+        if self._callback is None:
+            return
+        while self._undelivered and not self._cancelled:
+            commit = self._undelivered.popleft()
+            last = self.state.finished and not self._undelivered
+            try:
+                self._callback(commit.text, commit.token_id, self.state.finish_reason if last else None)
+            except Exception as exc:
+                self._error = GenerationAborted(self._described(tuple(self._undelivered)))
+                self._error.__cause__ = exc
+                self._phase = Phase.DONE
+                return
