@@ -34,8 +34,9 @@ SPECULATIVE_CHOICES = tuple(SPECULATIVE_NAMES)
 # The names that draft with the drafter, and those that draft from the suffix cache.
 DRAFTER_NAMES = ("shared-kv", "auto")
 SUFFIX_NAMES = ("suffix", "auto")
-# What every surface drafts with unless told otherwise (chosen by measurement: docs/speed.md). Exact output makes
-# speculating by default safe: it changes only how fast the same tokens arrive.
+# What every surface drafts with unless told otherwise (chosen by measurement, alone and many at once:
+# docs/bench/default-speculation.md). Exact output makes speculating by default safe: it changes only how fast
+# the same tokens arrive.
 DEFAULT_SPECULATIVE = "auto"
 # The lookup "auto" drafts with: alone without a drafter, beside it with one (chosen by measurement:
 # docs/suffix-cache.md).
