@@ -26,6 +26,7 @@ import attrs
 
 from ortspec.backends.base import Backend, OneSlot
 from ortspec.batch_driver import BatchDriver
+from ortspec.core.prefix import reusing
 from ortspec.core.proposers import Proposer
 from ortspec.core.state import Commit, DecodeState, Detokenize, Options
 from ortspec.core.width import WidthPolicy
@@ -132,6 +133,8 @@ class Generation:
         self._sequence = self._driver.submit(
             prompt_tokens, options, proposer, draft_width=draft_width, detokenize=detokenize, on_finish=on_finish
         )
+        if cached_prefix and self._sequence.done:  # the prompt fills the context: no pass, the vouched KV stands
+            self._sequence.state = reusing(self._sequence.state, cached_prefix)
         self._pass()  # the prompt pass
         if self._sequence.error is not None:
             raise self._sequence.error
