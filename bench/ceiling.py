@@ -44,7 +44,7 @@ import attrs
 from bench.engines import BASELINE, KMAX, NGRAM_PEER, REFERENCE
 from bench.workloads import STREAM_CATEGORIES, build_workloads, encode_chat, workloads_digest
 from ortspec.adapters.engine.suffix_cache import SuffixCache
-from ortspec.core import Proposer, SuffixProposer
+from ortspec.core import DraftContext, Proposer, SuffixProposer
 
 AUTO = "ortspec-auto"
 CATEGORIES = ("code_edit", "repetitive")
@@ -89,12 +89,13 @@ def copy_passes(
 
 def lookup_passes(proposer: Proposer, prompt: Sequence[int], output: Sequence[int], max_draft: int = KMAX) -> list[int]:
     """The drafts (token counts verified) of ``proposer``'s passes over ``output`` after ``prompt``, greedy: a pass
-    at ``j`` verifies ``proposer.propose(prompt + output[:j], K)``, ``K = min(max_draft, tokens left - 1)``, cut to
-    ``K``, commits its prefix that agrees with ``output[j:]`` and then its own pick. Costs the proposer's calls."""
+    at ``j`` verifies ``proposer.propose(DraftContext(prompt + output[:j], K))``, ``K = min(max_draft, tokens left
+    - 1)``, cut to ``K``, commits its prefix that agrees with ``output[j:]`` and then its own pick. Costs the
+    proposer's calls."""
     out, passes, j = [int(t) for t in output], [], 1
     while j < len(out):
         k = min(max_draft, len(out) - j - 1)
-        draft = tuple(proposer.propose([*prompt, *out[:j]], k))[:k]
+        draft = tuple(proposer.propose(DraftContext([*prompt, *out[:j]], k)))[:k] if k > 0 else ()
         agreed = next((i for i, t in enumerate(draft) if t != out[j + i]), len(draft))
         passes.append(len(draft))
         j += agreed + 1

@@ -41,9 +41,12 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from ortspec.core.proposers import DraftContext
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_REPLAY_INPUTS = REPO / "bench" / "data" / "replay-fp32.json"
@@ -230,11 +233,12 @@ class OracleDrafts:
         self.sequence = [*prompt, *greedy]
         self.vocab, self.wrong_every = vocab, wrong_every
 
-    def propose(self, context: Sequence[int], width: int) -> tuple[int, ...]:
-        n = len(context)
-        if list(context[-8:]) != self.sequence[max(0, n - 8) : n]:
+    def propose(self, context: DraftContext) -> tuple[int, ...]:
+        tokens = context.tokens
+        n = len(tokens)
+        if list(tokens[-8:]) != self.sequence[max(0, n - 8) : n]:
             return ()
-        draft = self.sequence[n : n + width]
+        draft = self.sequence[n : n + context.width]
         return tuple((t + 1) % self.vocab if (n + i) % self.wrong_every == 0 else t for i, t in enumerate(draft))
 
 

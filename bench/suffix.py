@@ -54,7 +54,7 @@ from bench.repetitive import repetitive_stream
 from bench.workloads import build_workloads
 from ortspec import BackendConfig, Engine
 from ortspec.adapters.engine.suffix_cache import PROMPT_TAIL, SuffixCache
-from ortspec.core import DraftRule, SuffixProposer
+from ortspec.core import DraftContext, DraftRule, SuffixProposer
 from ortspec.core.tokens import Shared
 
 OUT = {"stream": Path("docs/bench/suffix-stream.md"), "replay": Path("docs/bench/suffix-replay.md")}
@@ -113,7 +113,7 @@ class Ours:
         self.proposer = SuffixProposer(self.rule, cache=self.cache.snapshot())
 
     def propose(self, i: int, context: Sequence[int], width: int) -> Sequence[int]:
-        return self.proposer.propose(context, width)
+        return self.proposer.propose(DraftContext(context, width))
 
     def commit(self, i: int, tokens: Sequence[int]) -> None:
         pass

@@ -700,7 +700,9 @@ def drafter_record(cfg: SuiteConfig, engine: Engine, probe: Sequence[Sequence[in
             training = {k: record[k] for k in keys if k in record}
     context = list(probe[0])
     log(f"drafter step at a {len(context)}-token context")
-    cost = measure_draft_cost(engine.backend, engine.drafter, context, width=4, repeats=cfg.cost_repeat)
+    cost = measure_draft_cost(
+        engine.backend, engine.drafter, context, width=4, repeats=cfg.cost_repeat, slot=engine.lone_slot
+    )
     log(f"drafter step {cost['step_s'] * 1000:.2f} ms = {cost['cost'] * 100:.1f}% of a decode step")
     return {"folder": str(folder), "training": training, "cost": cost}
 

@@ -5,7 +5,7 @@ from .declare import Bounds, OptionSpec, option, options_of, spec
 from .forced import ForcedTokens
 from .lookup_or_draft import LookupOrDraft
 from .options import Limits, Options
-from .proposers import MAX_DRAFT, Couplable, Learner, Lookup, NgramIndex, PricedProposer, PromptLookup, Proposer
+from .proposers import MAX_DRAFT, DraftContext, Learner, NgramIndex, PromptLookup, Proposer
 from .sampling import DraftPicker, Sampling
 from .state import (
     Commit,
@@ -31,9 +31,9 @@ __all__ = [
     "AdditiveWidth",
     "Bounds",
     "Commit",
-    "Couplable",
     "CostAwareWidth",
     "DecodeState",
+    "DraftContext",
     "DraftPicker",
     "DraftRule",
     "FinishReason",
@@ -41,9 +41,7 @@ __all__ = [
     "ForcedTokens",
     "Grammar",
     "Learner",
-    "PricedProposer",
     "Limits",
-    "Lookup",
     "LookupOrDraft",
     "Matcher",
     "NgramIndex",

@@ -15,8 +15,7 @@ import attrs
 
 from .constraint import Constraint, Grammar
 from .options import Options
-from .proposers import Couplable, Learner, Proposer, context_part
-from .sampling import DraftPicker
+from .proposers import DraftContext, Learner, Proposer
 
 
 def forcing(proposer: Proposer | None, options: Options, prompt_len: int) -> Proposer | None:
@@ -30,11 +29,10 @@ def forcing(proposer: Proposer | None, options: Options, prompt_len: int) -> Pro
 
 @attrs.frozen
 class ForcedTokens:
-    """Drafts the tokens ``grammar`` forces after the generated tokens (``context_tokens[prompt_len:]``), then what
-    ``inner`` (None: nothing) proposes after them, up to the width; after forced tokens only what of ``inner``
-    drafts from the context alone (``core.proposers.context_part``: not a draft head, which needs the target to
-    have processed the whole context). A frozen ``Learner``: ``observe`` passes the inner proposer's share of a
-    verified draft to it, when it learns.
+    """Drafts the tokens ``grammar`` forces after the generated tokens (``context.tokens[prompt_len:]``), then what
+    ``inner`` (None: nothing) proposes after them (``DraftContext.after``: a context the target holds no state for,
+    where a draft head drafts nothing), up to the width. A frozen ``Learner``: ``observe`` passes the inner
+    proposer's share of a verified draft to it, when it learns.
 
     Cost: the grammar's forced tokens after each step's new tokens (the proposer keeps its own matcher, moved
     along the context as ``Constraint`` moves one); where tokens are forced and ``inner`` drafts after them, the
@@ -54,30 +52,17 @@ class ForcedTokens:
         assert self._constraint is not None
         return self._constraint.forced(context_tokens, self.prompt_len)
 
-    def propose(self, context_tokens: Sequence[int], width: int) -> tuple[int, ...]:
-        forced = self.forced(context_tokens)[:width]
-        if len(forced) >= width or self.inner is None:
+    def propose(self, context: DraftContext) -> tuple[int, ...]:
+        forced = self.forced(context.tokens)[: context.width]
+        if len(forced) >= context.width or self.inner is None:
             return forced
-        if not forced:
-            return tuple(self.inner.propose(context_tokens, width))
-        inner = context_part(self.inner)  # after forced tokens the target has not processed: not a draft head
-        if inner is None:
-            return forced
-        return forced + tuple(inner.propose((*context_tokens, *forced), width - len(forced)))
+        return forced + tuple(self.inner.propose(context.after(forced) if forced else context))
 
-    def coupled(self, picker: DraftPicker) -> ForcedTokens:
-        """This value with its inner proposer coupled to a sampled generation (``core.proposers.Couplable``): the
-        inner one drafts after the forced tokens, whose indexes and penalties ``picker`` counts from the context."""
-        if not isinstance(self.inner, Couplable):
-            return self
-        return attrs.evolve(self, inner=self.inner.coupled(picker))
-
-    def observe(self, context_tokens: Sequence[int], width: int, draft: Sequence[int], accepted: int) -> ForcedTokens:
+    def observe(self, context: DraftContext, draft: Sequence[int], accepted: int) -> ForcedTokens:
         if not isinstance(self.inner, Learner):
             return self
-        n = len(self.forced(context_tokens)[:width])
-        if n >= width or (n and context_part(self.inner) is not self.inner):
-            return self  # nothing of the inner one's, or only its context part drafted (which does not learn)
-        after = (*context_tokens, *draft[:n]) if n else context_tokens
-        inner = self.inner.observe(after, width - n, draft[n:], max(0, accepted - n))
+        n = len(self.forced(context.tokens)[: context.width])
+        if n >= context.width or accepted < n:
+            return self  # nothing of the inner one's, or a stop rule ended the step before its draft was verified
+        inner = self.inner.observe(context.after(draft[:n]) if n else context, draft[n:], max(0, accepted - n))
         return attrs.evolve(self, inner=inner)

@@ -1,8 +1,8 @@
 """``speculative="auto"``: per draft, prompt lookup or a draft model (the shared-KV drafter), whichever has earned more.
 
 A frozen value that learns like a width policy (``core.proposers.Learner``): ``propose`` is a pure function of the
-value and the context, and the driver replaces the value with ``observe(context, draft, accepted)`` after each
-verified draft. It only chooses which draft to verify; the core checks every draft token against the target, so
+value and the draft's context, and the driver replaces the value with ``observe(context, draft, accepted)`` after
+each verified draft. It only chooses which draft to verify; the core checks every draft token against the target, so
 the output never depends on this value, only the speed.
 """
 
@@ -14,8 +14,8 @@ from typing import Any
 import attrs
 
 from .checks import int_at_least
-from .proposers import Couplable, Lookup, Proposer
-from .sampling import DraftPicker
+from .proposers import DraftContext, PromptLookup, Proposer
+from .suffix import SuffixProposer
 from .width import CostAwareWidth
 
 _POLICY = {"strong": "lookup_policy", "weak": "weak_lookup_policy", "drafter": "drafter_policy"}
@@ -35,8 +35,12 @@ class LookupOrDraft:
     Each policy prices its source (``draft_cost``: 0 for lookup, the head's step for the drafter) and learns only
     from its own drafts (``observe``). Widths are capped by the driver's ``width``, so the driver's own policy should
     only cap (a ``FixedWidth`` of the largest width). Unpriced (no policies; see :meth:`priced`), lookup drafts
-    whenever it has a draft and each source drafts up to the driver's width. ``lookup_drafts`` and
-    ``drafter_drafts`` count the verified drafts of each source.
+    whenever it has a draft and each source drafts up to the driver's width. Where the target holds no state for
+    the context (``DraftContext.slot`` None: after tokens drafted in front, such as a grammar's forced ones) the
+    lookup is the source whenever it has a draft (as wide as its policy allows), since a draft head could not draft
+    there. Under sampling the drafter drafts with the
+    context's ``picker``; lookup drafts copy the context as they are. ``lookup_drafts`` and ``drafter_drafts``
+    count the verified drafts of each source.
 
     **Strong matches learn while the drafter drafts.** A source that is not chosen learns nothing from its own
     drafts, so after a few misses a strong match could lose to the drafter for the rest of a request while long
@@ -48,7 +52,7 @@ class LookupOrDraft:
     away from a better source.
     """
 
-    lookup: Lookup  # prompt lookup, or the suffix proposer
+    lookup: PromptLookup | SuffixProposer
     drafter: Proposer
     lookup_policy: CostAwareWidth | None = None  # strong matches
     weak_lookup_policy: CostAwareWidth | None = None
@@ -58,15 +62,6 @@ class LookupOrDraft:
     drafter_drafts: int = 0
     shadow: tuple[int, tuple[int, ...]] | None = None  # (context length, a strong match's draft the drafter beat)
 
-    @property
-    def reads_target_state(self) -> bool:
-        """Whether its drafter reads the target's state (a draft head; ``core.proposers.context_part``)."""
-        return bool(getattr(self.drafter, "reads_target_state", False))
-
-    def context_part(self) -> Proposer:
-        """What drafts from the context alone: the lookup."""
-        return self.lookup
-
     def priced(self, lookup_policy: CostAwareWidth, drafter_policy: CostAwareWidth) -> LookupOrDraft:
         """This value with the sources' width policies (made from the backend's measured costs): ``lookup_policy``
         for both kinds of lookup match, ``drafter_policy`` for the drafter."""
@@ -74,43 +69,34 @@ class LookupOrDraft:
             self, lookup_policy=lookup_policy, weak_lookup_policy=lookup_policy, drafter_policy=drafter_policy
         )
 
-    def coupled(self, picker: DraftPicker) -> LookupOrDraft:
-        """This value with its drafter coupled to a sampled generation (``core.proposers.Couplable``); lookup drafts
-        copy the context and stay as they are."""
-        if not isinstance(self.drafter, Couplable):
-            return self
-        return attrs.evolve(self, drafter=self.drafter.coupled(picker))
-
-    def _choose(self, context_tokens: Sequence[int], width: int) -> tuple[str, tuple[int, ...], str]:
-        """``(source, draft, match)`` for a draft after ``context_tokens``: the chosen source; the lookup's draft
-        (uncut; ``()`` without one); and its match's kind, ``strong`` or ``weak`` (``weak`` without a draft)."""
-        draft, matched = self.lookup.match(context_tokens, width)
+    def _choose(self, context: DraftContext) -> tuple[str, tuple[int, ...], str]:
+        """``(source, draft, match)`` for a draft in ``context``: the chosen source; the lookup's draft (uncut;
+        ``()`` without one); and its match's kind, ``strong`` or ``weak`` (``weak`` without a draft)."""
+        draft, matched = self.lookup.match(context.tokens, context.width)
         match = "strong" if draft and matched >= self.strong_ngram else "weak"
         policy: CostAwareWidth | None = getattr(self, _POLICY[match])
-        if draft and _rate(policy) >= _rate(self.drafter_policy):
+        if draft and (context.slot is None or _rate(policy) >= _rate(self.drafter_policy)):
             return match, draft, match
         return "drafter", draft, match
 
-    def propose(self, context_tokens: Sequence[int], width: int) -> tuple[int, ...]:
-        return self.propose_at(context_tokens, width, 1.0)
-
-    def propose_at(self, context_tokens: Sequence[int], width: int, plain_cost: float) -> tuple[int, ...]:
-        """``propose`` in a pass where a plain step costs ``plain_cost`` (a ``core.proposers.PricedProposer``): the
-        source is chosen as alone (by the sources' rates, which a cheaper plain step does not reorder), and its
-        width is its policy's ``width_at(plain_cost)``, so speculation fades as a batch fills."""
-        source, draft, _ = self._choose(context_tokens, width)
+    def propose(self, context: DraftContext) -> tuple[int, ...]:
+        """The chosen source's draft (the source chosen by the sources' rates, which a cheaper plain step does not
+        reorder), as wide as its policy's ``width_at(context.plain_cost)`` allows, so speculation fades as a batch
+        fills."""
+        source, draft, _ = self._choose(context)
         if source != "drafter":
-            return draft[: _width(getattr(self, _POLICY[source]), width, plain_cost)]
-        k = _width(self.drafter_policy, width, plain_cost)
-        return tuple(self.drafter.propose(context_tokens, k))[:k] if k > 0 else ()
+            return draft[: _width(getattr(self, _POLICY[source]), context.width, context.plain_cost)]
+        k = _width(self.drafter_policy, context.width, context.plain_cost)
+        return tuple(self.drafter.propose(attrs.evolve(context, width=k)))[:k] if k > 0 else ()
 
-    def observe(self, context_tokens: Sequence[int], width: int, draft: Sequence[int], accepted: int) -> LookupOrDraft:
-        """This value after ``accepted`` of ``draft`` (what ``propose(context_tokens, width)`` returned) were
-        committed: the source that drafted it (the same choice ``propose`` made) learns it; an empty draft counts
-        as an idle step of that source's policy. A strong match the drafter beat is kept to be scored at the next
-        call (the class docstring's ``shadow``), and the one kept before is scored now."""
+    def observe(self, context: DraftContext, draft: Sequence[int], accepted: int) -> LookupOrDraft:
+        """This value after ``accepted`` of ``draft`` (what ``propose(context)`` returned) were committed: the
+        source that drafted it (the same choice ``propose`` made) learns it; an empty draft counts as an idle step
+        of that source's policy. A strong match the drafter beat is kept to be scored at the next call (the class
+        docstring's ``shadow``), and the one kept before is scored now."""
+        context_tokens = context.tokens
         learned = self._shadow_learned(context_tokens)
-        source, lookup_draft, match = self._choose(context_tokens, width)
+        source, lookup_draft, match = self._choose(context)
         name = _POLICY[source]
         policy: CostAwareWidth | None = getattr(learned, name)
         verified = 1 if draft else 0

@@ -1,10 +1,14 @@
-"""Draft proposers: pure functions of the context that guess the next tokens.
+"""Draft proposers: pure functions of a draft's context that guess the next tokens.
 
-A proposer is any object with ``propose(context_tokens, width) -> tuple[int, ...]``: ``context_tokens`` is the
-prompt followed by every committed token, ``width`` the most tokens the step can use (the driver has already
-capped it by the remaining token budget and context). A proposer may return fewer tokens, or none; the driver
-truncates anything longer and rejects ids outside the vocabulary, so a wrong guess costs speed, never
-correctness.
+A proposer is any object with ``propose(context: DraftContext) -> tuple[int, ...]``, the one protocol the driver
+calls. The context is one frozen value: the tokens (the prompt, then every committed token), the width (the most
+tokens the step can use: the driver has capped it by the remaining token budget and context), the price of a plain
+step in the pass the draft joins, the slot whose target state a draft head reads, and the target's own seeded pick
+rule when the generation samples. A proposer may return fewer tokens, or none; the driver truncates anything
+longer and rejects ids outside the vocabulary, so a wrong guess costs speed, never correctness.
+
+A proposer that learns from what the target accepted is a frozen value too (``Learner``): after each verified draft
+the driver replaces it with ``observe(context, draft, accepted)``.
 """
 
 from __future__ import annotations
@@ -17,7 +21,6 @@ from typing import Protocol, runtime_checkable
 import attrs
 
 from .checks import int_at_least
-from .options import Options
 from .sampling import DraftPicker
 from .tokens import Shared
 
@@ -25,81 +28,51 @@ from .tokens import Shared
 MAX_DRAFT = 16
 
 
+@attrs.frozen
+class DraftContext:
+    """What a proposer drafts after.
+
+    ``tokens``: the prompt followed by every committed token (perhaps followed by tokens drafted in front of this
+    proposer: see ``after``). ``width``: the most draft tokens the step can use (>= 1). ``plain_cost``: what one
+    plain step costs in the pass the draft joins, relative to a plain step alone (1.0 alone; less in a batched
+    pass, where speculation should fade: ``core.width.marginal_row_cost``). ``slot``: the batch backend's slot
+    whose target state is exactly that of ``tokens`` (the KV of every token but the last, and the hidden state that
+    predicted the last), which a draft head reads; None when the target holds no state for these tokens (they run
+    past what it processed), and a proposer that reads the target then drafts nothing. ``picker``: the target's own
+    seeded pick rule (``core.sampling.DraftPicker``) when the generation samples, None when it is greedy; a proposer
+    that drafts from a distribution of its own (a draft model) picks each draft token with it, so that its drafts
+    are the tokens the target will pick where the two distributions are close."""
+
+    tokens: Sequence[int]
+    width: int
+    plain_cost: float = 1.0
+    slot: int | None = None
+    picker: DraftPicker | None = None
+
+    def after(self, drafted: Sequence[int]) -> DraftContext:
+        """The context of a proposer that drafts after ``drafted`` (tokens drafted in front of it, fewer than
+        ``width``): the tokens with them appended, the width left, and no target state (the target has not
+        processed them)."""
+        return attrs.evolve(self, tokens=(*self.tokens, *drafted), width=self.width - len(drafted), slot=None)
+
+
 @runtime_checkable
 class Proposer(Protocol):
-    def propose(self, context_tokens: Sequence[int], width: int) -> tuple[int, ...]:
-        """Up to ``width`` token ids that probably follow ``context_tokens``."""
+    def propose(self, context: DraftContext) -> tuple[int, ...]:
+        """Up to ``context.width`` token ids that probably follow ``context.tokens``."""
         ...
-
-
-@runtime_checkable
-class PricedProposer(Protocol):
-    """A proposer that sizes its drafts with its own width policies (``LookupOrDraft``), and so, like a
-    ``core.width.PricedWidth`` policy, by the price of a plain step in the pass the draft joins: the driver calls
-    ``propose_at(context_tokens, width, plain_cost)`` instead of ``propose`` (``plain_cost``: 1.0 alone; in a
-    batched pass, what one more one-token row costs there)."""
-
-    def propose(self, context_tokens: Sequence[int], width: int) -> tuple[int, ...]: ...
-
-    def propose_at(self, context_tokens: Sequence[int], width: int, plain_cost: float) -> tuple[int, ...]: ...
 
 
 @runtime_checkable
 class Learner(Protocol):
     """A proposer whose choices learn from what the target accepted, as a frozen value (like a width policy):
-    ``propose`` stays a pure function of the value and the context; after each verified draft the driver replaces
-    the value with ``observe(context_tokens, width, draft, accepted)`` after every step it was asked to propose for
-    (the call's arguments, the draft as verified, possibly empty, and how many of its tokens were committed)."""
+    ``propose`` stays a pure function of the value and the context; after each step it was asked to draft for, the
+    driver replaces the value with ``observe(context, draft, accepted)`` (the context it was asked with, the draft
+    as verified, possibly empty, and how many of its tokens were committed)."""
 
-    def propose(self, context_tokens: Sequence[int], width: int) -> tuple[int, ...]: ...
+    def propose(self, context: DraftContext) -> tuple[int, ...]: ...
 
-    def observe(self, context_tokens: Sequence[int], width: int, draft: Sequence[int], accepted: int) -> Learner: ...
-
-
-@runtime_checkable
-class Couplable(Protocol):
-    """A proposer that drafts from a distribution of its own (a draft model, or one that holds one) and, when the
-    generation samples, can draft with the target's own pick rule instead of its argmax: ``coupled(picker)`` is this
-    proposer for one sampled generation, picking each draft token with ``picker`` (``core.sampling.DraftPicker``)
-    from its own logits. The driver asks for it once per generation (``coupling``)."""
-
-    def propose(self, context_tokens: Sequence[int], width: int) -> tuple[int, ...]: ...
-
-    def coupled(self, picker: DraftPicker) -> Proposer: ...
-
-
-def coupling(proposer: Proposer | None, options: Options, prompt_len: int) -> Proposer | None:
-    """The proposer of a generation with ``options`` and a prompt of ``prompt_len`` tokens: a ``Couplable`` one
-    coupled to its seeded sampling (``DraftPicker(options.sampling, prompt_len)``) when it samples
-    (``temperature > 0``); otherwise ``proposer`` unchanged (greedy drafting stays the draft model's argmax)."""
-    if proposer is None or options.sampling.temperature == 0.0 or not isinstance(proposer, Couplable):
-        return proposer
-    return proposer.coupled(DraftPicker(options.sampling, prompt_len))
-
-
-def context_part(proposer: Proposer) -> Proposer | None:
-    """What of ``proposer`` can draft after tokens the target has not processed yet (a grammar's forced tokens,
-    drafted in front of it: ``core.forced.ForcedTokens``). A proposer that reads the target's own state for the
-    context (a draft head reading the target's KV and last hidden state: it sets ``reads_target_state``) can only
-    draft right after what the target processed; the context is then a promise it checks. So: ``proposer`` itself
-    when it drafts from the context alone; else its ``context_part()`` when it has one (``LookupOrDraft``: its
-    lookup); else None."""
-    if not getattr(proposer, "reads_target_state", False):
-        return proposer
-    part = getattr(proposer, "context_part", None)
-    return part() if callable(part) else None
-
-
-@runtime_checkable
-class Lookup(Protocol):
-    """A proposer that also says how long a match its draft follows (``PromptLookup``, ``suffix.SuffixProposer``):
-    what ``LookupOrDraft`` weighs against a drafter."""
-
-    def propose(self, context_tokens: Sequence[int], width: int) -> tuple[int, ...]: ...
-
-    def match(self, context_tokens: Sequence[int], width: int) -> tuple[tuple[int, ...], int]:
-        """``propose``'s draft and the length of the context suffix it matched (0 with no draft)."""
-        ...
+    def observe(self, context: DraftContext, draft: Sequence[int], accepted: int) -> Learner: ...
 
 
 @attrs.frozen
@@ -128,11 +101,12 @@ class PromptLookup:
         if self.min_ngram > self.ngram:
             raise ValueError(f"min_ngram ({self.min_ngram}) must not exceed ngram ({self.ngram})")
 
-    def propose(self, context_tokens: Sequence[int], width: int) -> tuple[int, ...]:
-        return self.match(context_tokens, width)[0]
+    def propose(self, context: DraftContext) -> tuple[int, ...]:
+        return self.match(context.tokens, context.width)[0]
 
     def match(self, context_tokens: Sequence[int], width: int) -> tuple[tuple[int, ...], int]:
-        """``propose``'s draft and the length of the context suffix it matched (0 with no draft)."""
+        """``propose``'s draft after ``context_tokens`` (at most ``width`` tokens) and the length of the context
+        suffix it matched (0 with no draft): what ``LookupOrDraft`` weighs against a drafter."""
         n_ctx = len(context_tokens)
         limit = min(width, self.max_draft)
         if limit < 1 or n_ctx < 2:

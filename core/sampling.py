@@ -309,10 +309,10 @@ class DraftPicker:
     inverse-CDF draws coincide, so the draft is the token the target will pick; where they are not, a draft token is
     only a worse guess: drafts are proposals, and the core accepts exactly the target's picks.
 
-    One per sampled generation (``core.proposers.coupling``): ``sampling`` its options, ``prompt_len`` its prompt's
-    length, so that any context a proposer is asked about (prompt + generated, perhaps + tokens drafted in front,
-    as ``ForcedTokens`` passes) splits into prompt and generated tokens, and its first draft token's index is
-    ``len(context_tokens) - prompt_len``."""
+    One per sampled generation (``core.proposers.DraftContext.picker``): ``sampling`` its options, ``prompt_len``
+    its prompt's length, so that any context a proposer is asked about (prompt + generated, perhaps + tokens
+    drafted in front, as ``ForcedTokens`` passes) splits into prompt and generated tokens, and its first draft
+    token's index is ``len(context_tokens) - prompt_len``."""
 
     sampling: Sampling
     prompt_len: int

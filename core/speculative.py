@@ -17,7 +17,7 @@ import attrs
 
 from .checks import ArgumentError
 from .lookup_or_draft import LookupOrDraft
-from .proposers import MAX_DRAFT, Lookup, PromptLookup, Proposer
+from .proposers import MAX_DRAFT, PromptLookup, Proposer
 from .suffix import DraftRule, SuffixProposer, SuffixSnapshot
 from .width import CostAwareWidth, FixedWidth, WidthPolicy
 
@@ -50,8 +50,8 @@ def speculative_value(value: Any) -> Any:
 
 
 def check_speculative(value: Any) -> None:
-    """``ArgumentError`` naming ``speculative`` unless ``value`` is None, a name of ``SPECULATIVE_NAMES`` or an
-    object with ``propose(context_tokens, width)``."""
+    """``ArgumentError`` naming ``speculative`` unless ``value`` is None, a name of ``SPECULATIVE_NAMES`` or a
+    proposer (an object with ``propose(context)``: ``core.proposers.Proposer``)."""
     if value is None or value in SPECULATIVE_NAMES:
         return
     if isinstance(value, str):
@@ -59,18 +59,19 @@ def check_speculative(value: Any) -> None:
             "speculative", f"speculative={value!r}: expected None, 'none', one of {SPECULATIVE_CHOICES} or a proposer"
         )
     if not callable(getattr(value, "propose", None)):
-        raise ArgumentError("speculative", f"speculative={value!r} has no propose(context_tokens, width) method")
+        raise ArgumentError("speculative", f"speculative={value!r} has no propose(context) method")
 
 
 @attrs.frozen
 class Sources:
     """What a name drafts from: ``snapshot``, the suffix cache as the request starts (``"suffix"``, ``"auto"``'s
     lookup), by ``rule``; ``drafter``, a draft model reading the target (``"shared-kv"``, ``"auto"``; None when there
-    is none)."""
+    is none), drafting at most ``drafter_max_draft`` tokens per pass."""
 
     snapshot: SuffixSnapshot | None = None
     rule: DraftRule = attrs.field(factory=DraftRule)
     drafter: Proposer | None = None
+    drafter_max_draft: int = MAX_DRAFT
 
 
 def _costs(values: Any) -> tuple[float, ...]:
@@ -105,7 +106,7 @@ def needs_prices(speculative: Any, draft_width: object) -> bool:
     return speculative is not None and (draft_width == "auto" or speculative == "auto")
 
 
-def lookup(name: str, sources: Sources) -> Lookup:
+def lookup(name: str, sources: Sources) -> PromptLookup | SuffixProposer:
     """The proposer of a name that drafts from the context alone: ``"prompt-lookup"`` (3-gram lookup, up to
     ``MAX_DRAFT`` tokens) or ``"suffix"`` (the suffix proposer over the context and ``sources.snapshot``)."""
     if name == "prompt-lookup":
@@ -127,7 +128,7 @@ def speculation(
         return None, 1 if draft_width == "auto" else draft_width  # type: ignore[return-value]
     drafter = sources.drafter
     if speculative == "auto" and drafter is not None:
-        return _auto(LookupOrDraft(lookup(AUTO_LOOKUP, sources), drafter), draft_width, _priced(prices))
+        return _auto(LookupOrDraft(lookup(AUTO_LOOKUP, sources), drafter), draft_width, _priced(prices), sources)
     if speculative == "auto":
         speculative = AUTO_LOOKUP
     proposer = drafter if speculative == "shared-kv" else speculative
@@ -138,7 +139,7 @@ def speculation(
         return proposer, draft_width  # type: ignore[return-value]
     priced = _priced(prices)
     if proposer is drafter:
-        return proposer, _drafter_policy(priced, drafter)
+        return proposer, _drafter_policy(priced, sources)
     return proposer, CostAwareWidth(priced.pass_costs)
 
 
@@ -148,18 +149,17 @@ def _priced(prices: Prices | None) -> Prices:
     return prices
 
 
-def _drafter_policy(prices: Prices, drafter: Proposer) -> CostAwareWidth:
+def _drafter_policy(prices: Prices, sources: Sources) -> CostAwareWidth:
     """The drafter's cost-aware policy: the curve up to its widest draft, each draft token priced at its step."""
-    limit = int(getattr(drafter, "max_draft", MAX_DRAFT))
-    return CostAwareWidth(prices.pass_costs[: limit + 1], draft_cost=prices.draft_cost)
+    return CostAwareWidth(prices.pass_costs[: sources.drafter_max_draft + 1], draft_cost=prices.draft_cost)
 
 
 def _auto(
-    auto: LookupOrDraft, draft_width: int | WidthPolicy | str, prices: Prices
+    auto: LookupOrDraft, draft_width: int | WidthPolicy | str, prices: Prices, sources: Sources
 ) -> tuple[Proposer, int | WidthPolicy]:
     """``"auto"`` with a drafter: each source priced by its own policy; the request's width only caps them (the
     widest curve, or the int given)."""
-    priced = auto.priced(CostAwareWidth(prices.pass_costs), _drafter_policy(prices, auto.drafter))
+    priced = auto.priced(CostAwareWidth(prices.pass_costs), _drafter_policy(prices, sources))
     if isinstance(draft_width, int):
         return priced, FixedWidth(draft_width)
     if draft_width == "auto":

@@ -50,7 +50,7 @@ from collections.abc import Iterable, Sequence
 import attrs
 
 from .checks import int_at_least, number_in
-from .proposers import MAX_DRAFT, NgramIndex, ngram_index
+from .proposers import MAX_DRAFT, DraftContext, NgramIndex, ngram_index
 from .tokens import Shared
 
 # Ends each document of a snapshot's corpus: no context holds it (ids are below the vocabulary size, < 2**32 - 1),
@@ -160,12 +160,12 @@ class SuffixProposer:
     rule: DraftRule = DraftRule()
     cache: SuffixSnapshot | None = None
 
-    def propose(self, context_tokens: Sequence[int], width: int) -> tuple[int, ...]:
-        return self.match(context_tokens, width)[0]
+    def propose(self, context: DraftContext) -> tuple[int, ...]:
+        return self.match(context.tokens, context.width)[0]
 
     def match(self, context_tokens: Sequence[int], width: int) -> tuple[tuple[int, ...], int]:
-        """``propose``'s draft and the length of the match it follows (0 with no draft): what
-        ``LookupOrDraft`` reads of a lookup."""
+        """``propose``'s draft after ``context_tokens`` (at most ``width`` tokens) and the length of the match it
+        follows (0 with no draft): what ``LookupOrDraft`` reads of a lookup."""
         best = self.scored(context_tokens, width)
         return best.draft, best.matched
 

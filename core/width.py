@@ -43,6 +43,17 @@ class PricedWidth(Protocol):
     def width_at(self, plain_cost: float) -> int: ...
 
 
+def width_policy(draft_width: int | WidthPolicy) -> WidthPolicy:
+    """``draft_width`` as a policy: a policy as it is; an int ``k``, ``FixedWidth(k)``."""
+    return draft_width if isinstance(draft_width, WidthPolicy) else FixedWidth(draft_width)
+
+
+def asked_width(policy: WidthPolicy, plain_cost: float) -> int:
+    """The width ``policy`` asks for in a pass where a plain step costs ``plain_cost`` (1.0 alone): a
+    ``PricedWidth`` policy's ``width_at(plain_cost)``, any other's ``width()``."""
+    return policy.width_at(plain_cost) if isinstance(policy, PricedWidth) else policy.width()
+
+
 def marginal_row_cost(decode_costs: Sequence[float], rows: int) -> float:
     """What one more one-token row costs in a pass of ``rows`` one-token rows (it included), in units of a plain
     step alone: ``decode_costs[rows] - decode_costs[rows - 1]``, where ``decode_costs[n]`` is the time of a pass of

@@ -5,12 +5,13 @@ imported on first use: they load onnxruntime and tokenizers) wrap a model folder
 """
 
 from ortspec.backends.base import Backend, BackendError, BatchBackend, BatchRow
-from ortspec.batch_driver import BatchDriver, BatchSequence, SlotProposer
+from ortspec.batch_driver import BatchDriver, BatchSequence
 from ortspec.core import (
     MAX_DRAFT,
     AdditiveWidth,
     Commit,
     CostAwareWidth,
+    DraftContext,
     FinishReason,
     FixedWidth,
     Learner,
@@ -53,6 +54,7 @@ __all__ = [
     "BatchSequence",
     "Commit",
     "CostAwareWidth",
+    "DraftContext",
     "Engine",
     "EngineClosed",
     "FinishReason",
@@ -71,7 +73,6 @@ __all__ = [
     "PromptLookup",
     "Proposer",
     "ProposerError",
-    "SlotProposer",
     "Speculation",
     "Sampling",
     "Stats",

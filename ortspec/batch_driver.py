@@ -4,8 +4,7 @@
         drop the cancelled sequences; admit waiting requests into free slots, first come first: each takes the free
             slot whose resident tokens serve its prompt best (core.prefix.reuse_score; least recently released,
             then lowest, on ties), the core decides how much of the shared prefix it reuses
-            (core.prefix.reusing), and backend.rewind(slot, reused) keeps that much (backend.reset(slot) for none);
-            a request that carries a SlotProposer gets its proposer now: slot_proposer.bind(slot)
+            (core.prefix.reusing), and backend.rewind(slot, reused) keeps that much (backend.reset(slot) for none)
         for every running sequence, in the order they were admitted, at most one row:
             prefilling: the next chunk of its prompt at the chunk's position, from the reused length on, asking
                         for the logits of its last position only; a chunk is min(prefill_chunk, what is left of
@@ -13,8 +12,9 @@
                         prefill_budget prompt tokens, first come first; a prefilling sequence that gets no token
                         sits the pass out (no row), and the first one always gets >= 1 (progress)
             decoding:   every pass, budget or not:
-                        (pending, *draft) at state.kv_len; width, draft = speculation.draft(state, vocab, plain_cost)
-                        (core.draft_width / take_draft, exactly as ``Generation`` asks; plain_cost: what one
+                        (pending, *draft) at state.kv_len; context, draft = speculation.draft(state, vocab,
+                        plain_cost, slot): the proposer's propose(DraftContext), cut by core.draft_width /
+                        take_draft; plain_cost: what one
                         more one-token row costs in a pass with this many decoding sequences, priced by
                         core.width.marginal_row_cost on the backend's decode_costs, so speculation fades as
                         the batch fills)
@@ -22,7 +22,7 @@
         for every row, with its own [len(tokens), vocab] logits:
             a prompt chunk that is not the last: nothing to decide
             else: outcome = core.step(state, rows[0], rows[1:], draft); backend.rewind(slot, outcome.rewind_to)
-                  speculation = speculation.observe(state, width, draft, outcome.accepted)
+                  speculation = speculation.observe(context, draft, outcome.accepted)
         then deliver each sequence's commits (its callback, or its iterator's buffer); free the slots of the
         sequences that finished, failed or were cancelled, each slot remembering its resident tokens
 
@@ -41,13 +41,12 @@ on the tokens before it); only the prefill work changes (``cached_prompt_tokens`
 request takes the lowest free slot, emptied. A new driver knows nothing of what its backend's slots hold: it
 starts with every slot empty.
 
-Proposers that read the target's own state (the shared-KV drafter: its sequence's KV and last hidden state).
-Such a proposer belongs to a slot, which is known only at admission, so the request carries a ``SlotProposer``
-(``bind(slot) -> Proposer``) instead of a proposer; the driver, the one place that knows slots, calls it when the
-sequence takes its slot and uses what it returns as the sequence's proposer from then on. That sequence's rows ask
-the backend to keep their hidden states (``BatchRow.hidden_states``: the last prompt chunk's, every decode row's),
-and the driver's promise to it is ``Generation``'s: when it is asked for a draft, the slot holds the KV of every
-context token but the last and its last row computed the hidden state before that. The core never sees a slot.
+Proposers that read the target's own state (the shared-KV drafter: its sequence's KV and last hidden state) read it
+in the slot the draft's context names (``DraftContext.slot``, the sequence's slot). A request whose proposer does so
+is submitted with ``reads_target_state``: its rows ask the backend to keep their hidden states
+(``BatchRow.hidden_states``: the last prompt chunk's, every decode row's), and the driver's promise to its proposer
+is: when it is asked for a draft, the slot holds the KV of every context token but the last and its last row
+computed the hidden state before that. The core never sees a slot.
 
 Device picks. On a backend whose logits live on a device (``picks_on_device``: the CUDA path behind ``OneSlot``), a
 decoding row whose options need nothing but the argmax (``Options.device_picks_suffice``) asks for picks
@@ -68,10 +67,10 @@ from ortspec.core.proposers import Proposer
 from ortspec.core.state import Commit, DecodeState, Detokenize, Options
 from ortspec.core.width import WidthPolicy, marginal_row_cost
 from ortspec.results import FinishCallback, StreamCallback
-from ortspec.sequence import BatchSequence, Phase, SlotProposer
+from ortspec.sequence import BatchSequence, Phase
 from ortspec.speculation import Speculation
 
-__all__ = ["DEFAULT_PREFILL_BUDGET", "BatchDriver", "BatchSequence", "Phase", "SlotProposer", "check_prefill_budget"]
+__all__ = ["DEFAULT_PREFILL_BUDGET", "BatchDriver", "BatchSequence", "Phase", "check_prefill_budget"]
 
 
 # The default prompt-token budget of one pass (BatchDriver's prefill_budget; chosen by measurement:
@@ -192,15 +191,16 @@ class BatchDriver:
         self,
         prompt_tokens: Sequence[int],
         options: Options | None = None,
-        proposer: Proposer | SlotProposer | None = None,
+        proposer: Proposer | None = None,
         *,
         draft_width: int | WidthPolicy = 8,
         detokenize: Detokenize | None = None,
         callback: StreamCallback | None = None,
         on_finish: FinishCallback | None = None,
+        reads_target_state: bool = False,
     ) -> BatchSequence:
         """A new request, with the arguments of ``ortspec.generate``; it waits for a free slot and joins at the next
-        pass. ``proposer`` may be a ``SlotProposer``, bound to the slot the request takes (module docstring).
+        pass. ``reads_target_state``: its proposer reads the target's state in its slot (module docstring).
         ``on_finish``: called once with the finished state, at the end of the pass that finished it (not for a
         sequence that fails or is cancelled; ``driver.FinishCallback``). Raises ``ValueError`` for bad input (before
         anything runs). A prompt that fills the context is done at
@@ -210,9 +210,8 @@ class BatchDriver:
         state = DecodeState.start(
             prompt_tokens, options, detokenize, capacity=backend.max_length, vocab_size=backend.vocab_size
         )
-        slot_proposer = proposer if isinstance(proposer, SlotProposer) else None
-        speculation = Speculation.of(None if slot_proposer is not None else proposer, draft_width, state)  # type: ignore[arg-type]
-        sequence = BatchSequence(self, state, speculation, callback, slot_proposer, on_finish)
+        speculation = Speculation.of(proposer, draft_width, state)
+        sequence = BatchSequence(self, state, speculation, callback, reads_target_state, on_finish)
         if sequence.phase is Phase.WAITING:
             self._waiting.append(sequence)
         return sequence

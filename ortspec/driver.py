@@ -6,7 +6,7 @@ a lone generation runs on it with the backend behind the batched protocol as ``O
     driver   = BatchDriver(OneSlot(backend), prefill_chunk=backend.max_length, prefill_budget=None)
     sequence = driver.submit(prompt, options, proposer, draft_width=...)
     the prompt pass (one row: the whole prompt after the cached prefix), then until the state finishes:
-        width, draft = speculation.draft(state)           core.draft_width / take_draft
+        context, draft = speculation.draft(state)         propose(DraftContext), core.draft_width / take_draft
         out   = backend pass over (pending, *draft)       decode, decode_verify, or verify_picks on a device
         state, commits, rewind_to = core.step(...)        every decision is the core's
         backend.rewind(rewind_to); deliver the commits; speculation learns

@@ -1,8 +1,8 @@
 """``BatchSequence``: one request in a ``BatchDriver``, the one per-sequence loop: its row of each pass (a prompt
 chunk, or the pending token and a draft), the core's step on that row's logits or picks, the rewind, and the
-delivery of its commits (a callback, or an iterator's buffer). ``SlotProposer``: a proposer bound to the slot the
-sequence takes. ``Phase``: where a sequence is. The driver (``ortspec/batch_driver.py``) decides which sequences
-run and when; a sequence decides nothing itself: every decision is the core's.
+delivery of its commits (a callback, or an iterator's buffer). ``Phase``: where a sequence is. The driver
+(``ortspec/batch_driver.py``) decides which sequences run and when; a sequence decides nothing itself: every
+decision is the core's.
 """
 
 from __future__ import annotations
@@ -10,30 +10,20 @@ from __future__ import annotations
 import collections
 import enum
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
 
-import attrs
 import numpy as np
 
 from ortspec.backends.base import BatchBackend, BatchRow, RowPicks
 from ortspec.core.prefix import common_prefix_length, resident_tokens, reusing
-from ortspec.core.proposers import Proposer
+from ortspec.core.proposers import DraftContext, Proposer
 from ortspec.core.state import Commit, DecodeState, step, step_from_picks
 from ortspec.results import FinishCallback, GenerateResult, GenerationAborted, GenerationError, StreamCallback, Timings
 from ortspec.speculation import Speculation
 
 if TYPE_CHECKING:
     from ortspec.batch_driver import BatchDriver
-
-
-@attrs.frozen
-class SlotProposer:
-    """A proposer that reads its sequence's own slot of the target (a shared-KV drafter bound to the slot's KV and
-    hidden states): ``bind(slot)`` makes the sequence's proposer when the driver admits it into ``slot`` (module
-    docstring). What ``bind`` raises fails that sequence."""
-
-    bind: Callable[[int], Proposer]
 
 
 class Phase(enum.Enum):
@@ -63,7 +53,7 @@ class BatchSequence:
         state: DecodeState,
         speculation: Speculation,
         callback: StreamCallback | None,
-        slot_proposer: SlotProposer | None = None,
+        reads_target_state: bool = False,
         on_finish: FinishCallback | None = None,
     ) -> None:
         self._t_start = time.perf_counter()
@@ -73,7 +63,7 @@ class BatchSequence:
         self._driver = driver
         self.state = state
         self._speculation = speculation
-        self._slot_proposer = slot_proposer  # binds the proposer at admission (its rows keep hidden states)
+        self._reads_target_state = reads_target_state  # its proposer reads its slot: its rows keep hidden states
         self._callback = callback
         self._undelivered: collections.deque[Commit] = collections.deque()
         self._error: GenerationError | None = None
@@ -81,7 +71,7 @@ class BatchSequence:
         self._phase = Phase.DONE if state.finished else Phase.WAITING
         self._slot: int | None = None  # while it holds one
         self._prefilled = 0  # prompt tokens whose KV the slot holds (from the reused ones on), while prefilling
-        self._width = 0  # the width and draft of the row in flight
+        self._context: DraftContext | None = None  # the draft context and draft of the row in flight
         self._draft: tuple[int, ...] = ()
 
     @property
@@ -135,8 +125,7 @@ class BatchSequence:
 
     @property
     def proposer(self) -> Proposer | None:
-        """The proposer as it stands now (a learning proposer's latest value; None before a ``SlotProposer`` is
-        bound)."""
+        """The proposer as it stands now (a learning proposer's latest value)."""
         return self._speculation.proposer
 
     def resident_tokens(self) -> tuple[int, ...]:
@@ -184,16 +173,13 @@ class BatchSequence:
 
     def _enter(self, backend: BatchBackend, slot: int, resident: Sequence[int]) -> None:
         """Take ``slot``, which holds the KV of ``resident`` at its first positions, and start prefilling after
-        the part of the shared prefix that the core reuses (the slot is rewound to it, or reset); a
-        ``SlotProposer`` is bound to the slot."""
+        the part of the shared prefix that the core reuses (the slot is rewound to it, or reset)."""
         state = reusing(self.state, common_prefix_length(resident, self.state.prompt_tokens))
         reused = state.cached_prefix
         if reused:
             backend.rewind(slot, reused)
         else:
             backend.reset(slot)
-        if self._slot_proposer is not None:
-            self._speculation = self._speculation.with_proposer(self._slot_proposer.bind(slot), state)
         self.state, self._slot, self._phase, self._prefilled = state, slot, Phase.PREFILL, reused
 
     def _resident(self, backend: BatchBackend) -> tuple[int, ...]:
@@ -220,7 +206,7 @@ class BatchSequence:
         and the options need nothing else."""
         assert self._slot is not None
         state = self.state
-        reads_slot = self._slot_proposer is not None  # its proposer reads the hidden state of the last row
+        reads_slot = self._reads_target_state  # its proposer reads the hidden state of the last row
         if self._phase is Phase.PREFILL:
             assert 1 <= chunk <= self._prompt_left
             end = self._prefilled + chunk
@@ -228,7 +214,7 @@ class BatchSequence:
             tokens = state.prompt_tokens[self._prefilled : end]
             last = reads_slot and end == len(state.prompt_tokens)
             return BatchRow(self._slot, tokens, self._prefilled, last_logits=1, hidden_states=last)
-        self._width, self._draft = self._speculation.draft(state, vocab_size, plain_cost)
+        self._context, self._draft = self._speculation.draft(state, vocab_size, plain_cost, self._slot)
         picks = device_picks and state.options.device_picks_suffice
         tokens = (state.pending_token, *self._draft)
         return BatchRow(self._slot, tokens, state.kv_len, hidden_states=reads_slot, picks=picks)
@@ -248,10 +234,10 @@ class BatchSequence:
         elif isinstance(logits, RowPicks):
             vocab = backend.vocab_size
             outcome = step_from_picks(state, logits.ids, self._draft, vocab_size=vocab, margins=logits.margins)
-            self._speculation = self._speculation.observe(state, self._width, self._draft, outcome.accepted)
+            self._speculation = self._speculation.observe(self._context, self._draft, outcome.accepted)
         else:
             outcome = step(state, logits[0], logits[1:], self._draft)
-            self._speculation = self._speculation.observe(state, self._width, self._draft, outcome.accepted)
+            self._speculation = self._speculation.observe(self._context, self._draft, outcome.accepted)
         backend.rewind(self._slot, outcome.rewind_to)
         self.state = outcome.state
         if outcome.commits and self._t_first is None:

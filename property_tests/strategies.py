@@ -324,7 +324,8 @@ class OracleProposer:
         self._path[:] = [base, decoder, stopped]
         return decoder.tokens[len(walked) : len(walked) + n]
 
-    def propose(self, context, width):
+    def propose(self, draft_context):
+        context, width = draft_context.tokens, draft_context.width
         return tuple(self.continuation(context, width))
 
 
@@ -336,7 +337,8 @@ class NoisyOracleProposer:
     oracle: OracleProposer
     seed: int
 
-    def propose(self, context, width):
+    def propose(self, draft_context):
+        context, width = draft_context.tokens, draft_context.width
         rng = np.random.default_rng([self.seed, len(context), int(context[-1])])
         good = width if rng.integers(0, 2) else int(rng.integers(0, width + 1))
         tail = rng.integers(0, self.oracle.model.vocab_size, size=width - good).tolist()
@@ -352,7 +354,8 @@ class AdversarialProposer:
     seed: int
     overshoot: int
 
-    def propose(self, context, width):
+    def propose(self, draft_context):
+        context, width = draft_context.tokens, draft_context.width
         rng = np.random.default_rng([self.seed, len(context), int(context[-1])])
         n = int(rng.integers(0, width + self.overshoot + 1))
         tokens = rng.integers(0, self.model.vocab_size, size=n)
@@ -360,7 +363,7 @@ class AdversarialProposer:
 
 
 class EmptyProposer:
-    def propose(self, context, width):
+    def propose(self, draft_context):
         return ()
 
 
@@ -389,7 +392,8 @@ class FaultyProposer:
     fault: str  # "raise", "out_of_range", "negative", "not_int"
     calls: list = attrs.field(factory=list, eq=False)
 
-    def propose(self, context, width):
+    def propose(self, draft_context):
+        context, width = draft_context.tokens, draft_context.width
         self.calls.append(len(context))
         if len(self.calls) <= self.at:
             return tuple(self.model.greedy(context, width))

@@ -1,8 +1,9 @@
-"""Coupled drafting under seeded sampling (``core.sampling.DraftPicker``, ``core.proposers.coupling``): a draft model
-that picks its drafts with the target's own rule, from its own distribution, changes nothing a request outputs,
-alone or in a batch, however far its distribution is from the target's; and with the target's own distribution,
-every coupled draft is the target's pick, so every draft token is accepted. That last property is the one a wrong
-coupling breaks (another uniform index, other processors, a penalty context without the draft so far).
+"""Coupled drafting under seeded sampling (``core.sampling.DraftPicker``, the ``picker`` of each ``DraftContext``,
+which ``Speculation.of`` builds when the request samples): a draft model that picks its drafts with the target's own
+rule, from its own distribution, changes nothing a request outputs, alone or in a batch, however far its
+distribution is from the target's; and with the target's own distribution, every coupled draft is the target's
+pick, so every draft token is accepted. That last property is the one a wrong coupling breaks (another uniform
+index, other processors, a penalty context without the draft so far).
 
 The drafters are fake: a ``FakeModel``'s rows, ``equal`` (the target's), ``close`` (small noise), ``far`` (noise as
 large as the logits), ``adversarial`` (the row negated: the least likely tokens drafted first) or ``nonfinite`` (a
@@ -21,7 +22,7 @@ from hypothesis import strategies as st
 
 from ortspec import BatchDriver, Generation, generate
 from ortspec.backends.fake import FakeBackend, FakeBatchBackend, FakeModel
-from ortspec.core import FixedWidth, LookupOrDraft, Options, PromptLookup
+from ortspec.core import DraftContext, FixedWidth, LookupOrDraft, Options, PromptLookup
 from ortspec.core.sampling import DraftPicker, Sampling
 from property_tests.conftest import examples
 from property_tests.strategies import Scenario, fake_models, scenarios
@@ -33,8 +34,8 @@ KINDS = ("equal", "close", "far", "adversarial", "nonfinite")
 @attrs.frozen
 class FakeDraftModel:
     """A draft model over a ``FakeModel``'s vocabulary: its row after a context is the target's, perturbed by
-    ``kind`` (deterministically, from the context). Greedy it drafts its argmax; coupled (``coupled``), the picks of
-    its ``DraftPicker``. ``calls`` counts coupled proposals."""
+    ``kind`` (deterministically, from the context). Greedy (a context without a picker) it drafts its argmax;
+    coupled (the context's ``picker``), that picker's picks. ``calls`` records the picker of each proposal."""
 
     model: FakeModel
     kind: str
@@ -55,11 +56,12 @@ class FakeDraftModel:
         scale = 0.05 if self.kind == "close" else float(np.std(row) + 1.0)
         return (row + rng.standard_normal(row.shape[0]).astype(np.float32) * np.float32(scale)).astype(np.float32)
 
-    def propose(self, context, width, picker: DraftPicker | None = None):
-        context = tuple(context)
-        picks = picker.after(context) if picker is not None else None
+    def propose(self, draft_context: DraftContext):
+        self.calls.append(draft_context.picker)
+        context = tuple(draft_context.tokens)
+        picks = draft_context.picker.after(context) if draft_context.picker is not None else None
         draft: list[int] = []
-        for _ in range(width):
+        for _ in range(draft_context.width):
             row = self.row(context + tuple(draft))
             if picks is None:
                 draft.append(int(np.argmax(row)))
@@ -69,19 +71,6 @@ class FakeDraftModel:
                 break
             draft.append(pick.token)
         return tuple(draft)
-
-    def coupled(self, picker: DraftPicker):
-        self.calls.append(picker)
-        return CoupledFake(self, picker)
-
-
-@attrs.frozen
-class CoupledFake:
-    drafter: FakeDraftModel
-    picker: DraftPicker
-
-    def propose(self, context, width):
-        return self.drafter.propose(context, width, self.picker)
 
 
 def same_output(got, want) -> None:
@@ -107,10 +96,10 @@ def test_a_coupled_draft_model_keeps_the_output_exact(sc, kind, width, auto, dat
     spec = generation.run()
     same_output(spec, plain(sc))
     sampling = sc.options.sampling.temperature > 0
-    assert bool(drafter.calls) == sampling  # coupled exactly when the request samples, once
-    assert len(drafter.calls) <= 1
+    # coupled exactly when the request samples: every proposal carries the request's one pick rule, or none
+    want = DraftPicker(sc.options.sampling, len(sc.prompt)) if sampling else None
+    assert all(picker == want for picker in drafter.calls)
     if sampling:
-        assert drafter.calls[0] == DraftPicker(sc.options.sampling, len(sc.prompt))
         event(f"coupled {kind}: accepted {'some' if spec.stats.accepted_tokens else 'none'}")
 
 
@@ -172,10 +161,12 @@ def test_coupled_draft_models_in_a_batch_keep_each_output_exact(batch):
         options = attrs.evolve(no_early_end(sc) if kind == "equal" else sc.options, max_context=None)
         drafter = FakeDraftModel(model, kind)
         sequence = driver.submit(sc.prompt, options, drafter, draft_width=FixedWidth(width), detokenize=sc.detokenize)
-        sequences.append((sc, options, kind, sequence))
+        sequences.append((sc, options, kind, drafter, sequence))
     driver.run()
-    for sc, options, kind, sequence in sequences:
+    for sc, options, kind, drafter, sequence in sequences:
         got = sequence.result()
         same_output(got, plain(sc, options, UNBOUNDED))
+        want = DraftPicker(options.sampling, len(sc.prompt)) if options.sampling.temperature > 0 else None
+        assert all(picker == want for picker in drafter.calls)  # its own request's pick rule, or none
         if kind == "equal" and options.sampling.temperature > 0:
             assert got.stats.accepted_tokens == got.stats.proposed_tokens

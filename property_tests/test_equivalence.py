@@ -520,16 +520,19 @@ def test_prefix_reuse_changes_nothing(sc, data):
 
 class FakeSharedKvDrafter:
     """A proposer that reads the target through its backend, as a shared-KV draft head does (``HiddenStates``):
-    at every call it checks the driver's promise (the KV holds every context token but the last; the last pass
-    computed the position whose hidden state predicted the last token) and drafts from what it read: ``good``
-    drafts the true continuation, ``bad`` drafts ids made from the hidden state, ``adversarial`` drafts the
-    resident tokens backwards (plausible-looking garbage), sometimes more than the width."""
+    at every call it checks the driver's promise (the context names the slot holding its state, ``OneSlot``'s 0; the
+    KV holds every context token but the last; the last pass computed the position whose hidden state predicted the
+    last token) and drafts from what it read: ``good`` drafts the true continuation, ``bad`` drafts ids made from the
+    hidden state, ``adversarial`` drafts the resident tokens backwards (plausible-looking garbage), sometimes more
+    than the width."""
 
     def __init__(self, backend: FakeBackend, oracle: OracleProposer, kind: str) -> None:
         self.backend, self.oracle, self.kind, self.calls = backend, oracle, kind, 0
 
-    def propose(self, context, width):
+    def propose(self, draft_context):
+        context, width = draft_context.tokens, draft_context.width
         self.calls += 1
+        assert draft_context.slot == 0
         kv = self.backend.current_len()
         assert kv == len(context) - 1
         hidden = self.backend.hidden_at(kv - 1)

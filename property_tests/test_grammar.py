@@ -17,8 +17,6 @@ token, a few, most of the vocabulary or none, and accepting states) in its optio
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import attrs
 import numpy as np
 from hypothesis import event, given, settings
@@ -26,7 +24,7 @@ from hypothesis import strategies as st
 
 from ortspec import Generation
 from ortspec.backends.fake import FakeBackend
-from ortspec.core import FinishReason, FixedWidth
+from ortspec.core import DraftContext, FinishReason, FixedWidth
 from ortspec.core.forced import ForcedTokens
 from property_tests.conftest import examples
 from property_tests.reference import greedy_reference
@@ -67,7 +65,8 @@ class ConstrainedOracle:
     prompt: tuple[int, ...]
     output: tuple[int, ...]
 
-    def propose(self, context: Sequence[int], width: int) -> tuple[int, ...]:
+    def propose(self, draft_context: DraftContext) -> tuple[int, ...]:
+        context, width = draft_context.tokens, draft_context.width
         done = tuple(context)[len(self.prompt) :]
         if tuple(context)[: len(self.prompt)] != self.prompt or self.output[: len(done)] != done:
             return ()

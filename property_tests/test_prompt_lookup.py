@@ -7,7 +7,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ortspec.core import PromptLookup
+from ortspec.core import DraftContext, PromptLookup
 from property_tests.conftest import examples
 
 
@@ -47,7 +47,8 @@ def contexts(draw) -> list[int]:
 def test_prompt_lookup_equals_its_reference(context, width, ngram, max_draft, data):
     min_ngram = data.draw(st.integers(1, ngram), label="min_ngram")
     proposer = PromptLookup(ngram=ngram, max_draft=max_draft, min_ngram=min_ngram)
-    assert proposer.propose(context, width) == lookup_reference(context, width, ngram, max_draft, min_ngram)
+    want = lookup_reference(context, width, ngram, max_draft, min_ngram)
+    assert proposer.propose(DraftContext(context, width)) == want
 
 
 @settings(max_examples=examples(600))
@@ -69,6 +70,7 @@ def test_prompt_lookup_on_growing_shared_contexts_equals_its_reference(prompt, m
         for value in (grown, base):
             context = value.with_head(head)
             assert context == head + tuple(value)
-            assert proposer.propose(context, width) == lookup_reference(list(context), width, ngram, 16, 1)
+            want = lookup_reference(list(context), width, ngram, 16, 1)
+            assert proposer.propose(DraftContext(context, width)) == want
     other = Shared([5, 5, 5]).with_head((5, 5))  # another generation: new storage and head
-    assert proposer.propose(other, width) == lookup_reference([5] * 5, width, ngram, 16, 1)
+    assert proposer.propose(DraftContext(other, width)) == lookup_reference([5] * 5, width, ngram, 16, 1)

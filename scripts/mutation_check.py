@@ -41,11 +41,16 @@ UNIT_TESTS: dict[str, tuple[str, ...]] = {
     "core/state.py": ("tests/test_commit_rules.py", "tests/test_core_rules.py", "tests/test_driver.py"),
     "core/text.py": ("tests/test_commit_rules.py", "tests/test_core_rules.py", "tests/test_driver.py"),
     "core/sampling.py": ("tests/test_sampling_rules.py", "tests/test_sampling.py", "tests/test_core_rules.py"),
-    "core/proposers.py": ("tests/test_proposers.py",),
+    "core/proposers.py": ("tests/test_draft_context.py", "tests/test_proposers.py"),
     "core/speculative.py": ("tests/test_speculative.py",),
     "adapters/engine/scheduler.py": ("tests/test_scheduler.py",),
-    "ortspec/speculation.py": ("tests/test_driver.py", "tests/test_batch_driver.py"),
-    "ortspec/sequence.py": ("tests/test_batch_driver.py", "tests/test_driver.py", "property_tests/test_batching.py"),
+    "ortspec/speculation.py": ("tests/test_draft_context.py", "tests/test_driver.py", "tests/test_batch_driver.py"),
+    "ortspec/sequence.py": (
+        "tests/test_draft_context.py",
+        "tests/test_batch_driver.py",
+        "tests/test_driver.py",
+        "property_tests/test_batching.py",
+    ),
     "ortspec/batch_driver.py": (
         "tests/test_batch_driver.py",
         "tests/test_driver.py",
@@ -129,9 +134,9 @@ MUTANTS: dict[str, Mutant] = {
         ("property_tests/test_coupled_drafting.py",),
     ),
     "driver-never-couples": Mutant(
-        "core/proposers.py",
-        "if proposer is None or options.sampling.temperature == 0.0 or not isinstance(proposer, Couplable):",
-        "if True:",
+        "ortspec/speculation.py",
+        "picker = DraftPicker(sampling, len(state.prompt_tokens)) if sampling.temperature > 0.0 else None",
+        "picker = None",
         ("property_tests/test_coupled_drafting.py",),
     ),
     "tie-guard-off": Mutant(
@@ -414,8 +419,8 @@ MUTANTS: dict[str, Mutant] = {
     # -- the driver -----------------------------------------------------------------------------------------------
     "driver-wrong-width-feedback": Mutant(
         "ortspec/speculation.py",
-        "return Speculation(proposer, self.policy.observe(len(draft), accepted))",
-        "return Speculation(proposer, self.policy.observe(len(draft), len(draft)))",
+        "return attrs.evolve(self, proposer=proposer, policy=self.policy.observe(len(draft), accepted))",
+        "return attrs.evolve(self, proposer=proposer, policy=self.policy.observe(len(draft), len(draft)))",
     ),
     # -- what speculative means (core/speculative.py) and the scheduler's hand-over of its slots -----------------
     "speculative-auto-without-a-drafter-is-prompt-lookup": Mutant(
@@ -471,10 +476,26 @@ MUTANTS: dict[str, Mutant] = {
         "first, rows = self._hidden.get(min(self._hidden, default=slot), (0, np.empty((0, 0))))",
         ("tests/test_batch_drafter.py",),
     ),
-    "batch-driver-binds-the-drafter-to-slot-0": Mutant(
+    "draft-context-after-keeps-the-slot": Mutant(
+        "core/proposers.py",
+        "return attrs.evolve(self, tokens=(*self.tokens, *drafted), width=self.width - len(drafted), slot=None)",
+        "return attrs.evolve(self, tokens=(*self.tokens, *drafted), width=self.width - len(drafted))",
+    ),
+    "auto-lets-the-drafter-draft-without-target-state": Mutant(
+        "core/lookup_or_draft.py",
+        "if draft and (context.slot is None or _rate(policy) >= _rate(self.drafter_policy)):",
+        "if draft and _rate(policy) >= _rate(self.drafter_policy):",
+        ("tests/test_draft_context.py",),
+    ),
+    "speculation-drafts-without-the-slot": Mutant(
+        "ortspec/speculation.py",
+        "context = DraftContext(state.context_tokens, width, plain_cost, slot, self.picker)",
+        "context = DraftContext(state.context_tokens, width, plain_cost, None, self.picker)",
+    ),
+    "batch-driver-drafts-in-slot-0": Mutant(
         "ortspec/sequence.py",
-        "self._speculation = self._speculation.with_proposer(self._slot_proposer.bind(slot), state)",
-        "self._speculation = self._speculation.with_proposer(self._slot_proposer.bind(0), state)",
+        "self._context, self._draft = self._speculation.draft(state, vocab_size, plain_cost, self._slot)",
+        "self._context, self._draft = self._speculation.draft(state, vocab_size, plain_cost, 0)",
         ("tests/test_batch_drafter.py",),
     ),
     "batch-driver-rows-to-the-wrong-sequence": Mutant(

@@ -30,6 +30,7 @@ from ortspec.adapters.engine import Engine
 from ortspec.backends.base import BackendError
 from ortspec.backends.onnx import BackendConfig, ModelFileError, ModelFolderError
 from ortspec.backends.onnx.drafter import DrafterError
+from ortspec.core import DraftContext
 from ortspec.core.checks import ArgumentError
 
 PROMPT_IDS = [17, 42, 99, 7, 250, 17, 42, 99]  # token ids: the same on every machine, whatever the tokenizer
@@ -110,7 +111,7 @@ class Garbage:
     draft: Any = ()
     error: str | None = None
 
-    def propose(self, context: Any, width: int) -> Any:
+    def propose(self, draft_context: DraftContext) -> Any:
         if self.error is not None:
             raise RuntimeError(self.error)
         return self.draft

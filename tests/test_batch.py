@@ -183,7 +183,7 @@ def test_one_worker_runs_in_this_process(tiny_model_dir, tmp_path):
         def __init__(self):
             self.seen = set()
 
-        def propose(self, context, width):
+        def propose(self, draft_context):
             self.seen.add(os.getpid())
             return ()
 
@@ -282,8 +282,8 @@ class CrashOn:
     def __init__(self, ids):
         self.ids = list(ids)
 
-    def propose(self, context, width):
-        if list(context[: len(self.ids)]) == self.ids:
+    def propose(self, draft_context):
+        if list(draft_context.tokens[: len(self.ids)]) == self.ids:
             os._exit(3)
         return ()
 
@@ -314,10 +314,10 @@ class KillRunOn:
     def __init__(self, ids, lookup):
         self.ids, self.lookup = list(ids), lookup
 
-    def propose(self, context, width):
-        if list(context[: len(self.ids)]) == self.ids:
+    def propose(self, draft_context):
+        if list(draft_context.tokens[: len(self.ids)]) == self.ids:
             os.killpg(os.getpgrp(), signal.SIGKILL)
-        return self.lookup.propose(context, width)
+        return self.lookup.propose(draft_context)
 
 
 KILLED_RUN = """

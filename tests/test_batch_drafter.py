@@ -1,8 +1,9 @@
 """The shared-KV drafter in batches: ``OrtBatchBackend`` keeps the hidden states a row asks for (and only those),
 a slot's drafter (``SlotDrafters``) reads that slot's KV and hidden state and drafts what the same request drafts
-alone on a one-sequence backend, the batch driver binds a ``SlotProposer`` to the slot a sequence takes, and
-``generate_many`` with ``"shared-kv"`` and ``"auto"`` gives each request what it gives alone (greedy and seeded
-sampling, rows joining and leaving), on an Engine opened either way. Tiny random models and a random drafter."""
+alone on a one-sequence backend, the batch driver names a sequence's slot in each of its draft contexts (and keeps
+the hidden states of a sequence submitted with ``reads_target_state``), and ``generate_many`` with ``"shared-kv"``
+and ``"auto"`` gives each request what it gives alone (greedy and seeded sampling, rows joining and leaving), on an
+Engine opened either way. Tiny random models and a random drafter."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ortspec import BatchDriver, BatchRow, Options, PromptLookup, SlotProposer
+from ortspec import BatchDriver, BatchRow, DraftContext, Options, PromptLookup
 from ortspec.backends.base import BackendError
 from ortspec.backends.fake import FakeBatchBackend, FakeModel
 from ortspec.backends.onnx import BackendConfig, OrtBackend, OrtBatchBackend
@@ -32,7 +33,7 @@ def prompt_ids(n: int, vocab: int, seed: int) -> list[int]:
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# The driver binds a SlotProposer at admission (fake backend)
+# The driver names each sequence's slot in its draft contexts (fake backend)
 # ----------------------------------------------------------------------------------------------------------------
 
 
@@ -46,26 +47,32 @@ class RecordingBatch(FakeBatchBackend):
         return super().run_pass(rows)
 
 
-def test_the_driver_binds_a_slot_proposer_to_the_slot_its_sequence_takes():
+def test_the_driver_names_the_slot_its_sequence_takes_in_each_draft_context():
     backend = RecordingBatch(FakeModel(vocab_size=32, seed=3, markov=4.0), 2, 64)
     driver = BatchDriver(backend, prefill_chunk=4)
-    bound: list[tuple[int, int]] = []  # (sequence, slot)
+    asked: list[tuple[int, int | None]] = []  # (sequence, the slot its draft context names)
 
-    def binder(index: int) -> SlotProposer:
-        def bind(slot: int) -> PromptLookup:
-            bound.append((index, slot))
-            return PromptLookup(ngram=2)
+    class SlotReader:  # reads its sequence's slot (as a draft head does); drafts by prompt lookup
+        def __init__(self, index: int) -> None:
+            self.index = index
 
-        return SlotProposer(bind)
+        def propose(self, context: DraftContext) -> tuple[int, ...]:
+            asked.append((self.index, context.slot))
+            return PromptLookup(ngram=2).propose(context)
 
     prompts = [[1, 2, 3, 1, 2, 3, 1, 2, 3], [4, 5, 4, 5, 4, 5], [6, 7, 6, 7, 6, 7, 6]]
     plain = [driver.submit(p, Options(max_tokens=6 + i)) for i, p in enumerate(prompts)]
     driver.run()
     rows_plain = list(backend.rows)
-    sequences = [driver.submit(p, Options(max_tokens=6 + i), binder(i), draft_width=3) for i, p in enumerate(prompts)]
-    assert bound == []  # nothing is bound before admission
+    sequences = [
+        driver.submit(p, Options(max_tokens=6 + i), SlotReader(i), draft_width=3, reads_target_state=True)
+        for i, p in enumerate(prompts)
+    ]
+    assert asked == []  # nothing is asked before admission
     driver.run()
-    assert [(i, s.slot) for i, s in enumerate(sequences)] == sorted(bound)  # the third took a freed slot
+    # each sequence is asked with its own slot only, the third with the slot it took when one was freed
+    assert [(i, s.slot) for i, s in enumerate(sequences)] == sorted(set(asked))
+    assert sequences[2].slot in (sequences[0].slot, sequences[1].slot)
     for done, reference in zip(sequences, plain, strict=True):
         assert done.result().token_ids == reference.result().token_ids
     assert sum(s.result().stats.proposed_tokens for s in sequences) > 0
@@ -77,14 +84,15 @@ def test_the_driver_binds_a_slot_proposer_to_the_slot_its_sequence_takes():
     assert any(row.hidden_states for row in chunks) and not all(row.hidden_states for row in chunks)
 
 
-def test_a_slot_proposer_that_fails_to_bind_fails_its_sequence_only():
+def test_a_proposer_that_fails_in_its_slot_fails_its_sequence_only():
     backend = FakeBatchBackend(FakeModel(vocab_size=32, seed=3), 2, 64)
     driver = BatchDriver(backend)
 
-    def refuse(slot: int) -> PromptLookup:
-        raise RuntimeError(f"no drafter for slot {slot}")
+    class Refuse:
+        def propose(self, context: DraftContext) -> tuple[int, ...]:
+            raise RuntimeError(f"no drafter for slot {context.slot}")
 
-    failed = driver.submit([1, 2, 3], Options(max_tokens=4), SlotProposer(refuse))
+    failed = driver.submit([1, 2, 3], Options(max_tokens=4), Refuse(), reads_target_state=True)
     fine = driver.submit([1, 2, 3], Options(max_tokens=4))
     driver.run()
     assert failed.error is not None and "no drafter for slot" in str(failed.error.__cause__)
@@ -148,10 +156,13 @@ def test_each_slots_drafter_reads_its_own_slot(tiny_model_dir, drafter_dir):
     for slot, context in contexts.items():
         single.reset()
         single.decode(context[:-1], 0)
-        expected[slot] = alone.propose(context, 4)
+        expected[slot] = alone.propose(DraftContext(context, 4, slot=0))
+        assert alone.propose(DraftContext(context, 4)) == ()  # no slot: the target holds no state for it
     assert expected[0] != expected[2] and all(len(d) == 4 for d in expected.values())
     for slot, context in contexts.items():
-        assert drafters.for_slot(slot).propose(context, 4) == expected[slot]
+        assert drafters.for_slot(slot).propose(DraftContext(context, 4, slot=slot)) == expected[slot]
+        assert drafters.propose(DraftContext(context, 4, slot=slot)) == expected[slot]  # the slot the context names
+        assert drafters.propose(DraftContext(context, 4)) == ()
     # and after a verify row in each slot (the states of a later position, within the row)
     batch.run_pass([BatchRow(s, (c[-1], 5, 6), 11, hidden_states=True) for s, c in contexts.items()])
     for slot, context in contexts.items():
@@ -159,7 +170,8 @@ def test_each_slots_drafter_reads_its_own_slot(tiny_model_dir, drafter_dir):
         single.reset()
         single.decode_verify([*context, 5], 0)
         single.rewind(12)
-        assert drafters.for_slot(slot).propose([*context, 5], 4) == alone.propose([*context, 5], 4)
+        want = alone.propose(DraftContext([*context, 5], 4, slot=0))
+        assert drafters.propose(DraftContext([*context, 5], 4, slot=slot)) == want
     assert drafters.for_slot(2) is drafters.for_slot(2) and drafters.for_slot(2).session is drafters.lone().session
 
 
@@ -215,16 +227,30 @@ def test_batched_drafter_generations_are_each_request_alone(engine, speculative,
                 assert result.stats == alone.stats
 
 
+def assert_drafts_per_slot(engine) -> None:
+    """``engine`` (opened batched) drafts with the drafters of its slots (``SlotDrafters``), and its requests that
+    draft with them (``"shared-kv"``, ``"auto"``) are submitted reading their slot's target state; the others not."""
+    from ortspec.adapters.engine.options import GenerationOptions
+    from ortspec.backends.onnx.slot_drafters import SlotDrafters
+
+    assert isinstance(engine.drafter, SlotDrafters) and engine.drafter.batch is engine.batch
+    for speculative, reads in (("shared-kv", True), ("auto", True), ("prompt-lookup", False), (None, False)):
+        request = engine.request(PROMPTS[0], GenerationOptions(max_tokens=4, speculative=speculative, draft_width=3))
+        assert request.reads_target_state is reads, speculative
+
+
 def test_an_engine_opened_for_batching_runs_the_drafter_alone_and_batched(tiny_model_dir, drafter_dir):
     from ortspec.adapters.engine import Engine
 
     engine = Engine.from_dir(tiny_model_dir, CONFIG, drafter=drafter_dir, batch_slots=2)
-    assert engine.drafter_for_slot is not None and engine.drafter_for_slot(1) is not engine.drafter
+    assert_drafts_per_slot(engine)
+    assert engine.lone_slot == engine.batch.slots  # its one-sequence view is the batch's lone slot
+    assert engine.drafter.for_slot(1) is not engine.drafter.for_slot(engine.lone_slot)
     plain = engine.generate(PROMPTS[0], max_tokens=20, ignore_eos=True)
     alone = engine.generate(PROMPTS[0], max_tokens=20, ignore_eos=True, speculative="shared-kv", draft_width=3)
     assert alone.token_ids == plain.token_ids and alone.stats.proposed_tokens > 0
     batched_equals_alone(engine, "auto", "auto", {})
-    assert Engine.from_dir(tiny_model_dir, CONFIG, drafter=False, batch_slots=2).drafter_for_slot is None
+    assert Engine.from_dir(tiny_model_dir, CONFIG, drafter=False, batch_slots=2).drafter is None
 
 
 def test_drafter_calls_from_many_threads_share_passes_each_as_alone(tiny_model_dir, drafter_dir):
@@ -270,7 +296,7 @@ def test_the_batched_server_serves_the_drafter_and_each_request_gets_its_text_al
         with pytest.raises(ArgumentError, match="needs a shared-KV drafter"):
             create_app(without, ServerSettings(model_name="tiny", speculative="shared-kv"))
     serving = load_serving(tiny_model_dir, CONFIG, max_batch=2, drafter=drafter_dir)
-    assert serving.drafter_for_slot is not None
+    assert_drafts_per_slot(serving)
     requests = [
         {"prompt": PROMPTS[0], "max_tokens": 14},
         {"prompt": PROMPTS[1], "max_tokens": 20, "temperature": 0.8, "seed": 3},
@@ -319,7 +345,8 @@ def test_a_batch_workers_records_use_the_drafter_and_each_line_is_the_record_alo
         tiny_model_dir, WorkerSettings(threads=1, defaults=defaults, max_batch=2, drafter=drafter_dir)
     )
     alone = BatchWorker(tiny_model_dir, WorkerSettings(threads=1, defaults=defaults, drafter=drafter_dir))
-    assert batched.engine.drafter_for_slot is not None and batched.note is None
+    assert_drafts_per_slot(batched.engine)
+    assert batched.note is None
     for task in tasks:
         batched.submit(task)  # type: ignore[arg-type]
     lines = {}

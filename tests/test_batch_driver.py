@@ -41,12 +41,13 @@ class Recorder(list):
 class Oracle:
     """Drafts the model's greedy continuation: every draft token is accepted, so a pass commits several."""
 
-    def propose(self, context, width):
+    def propose(self, draft_context):
+        context, width = draft_context.tokens, draft_context.width
         return MODEL.greedy(list(context), width)
 
 
 class Raising:
-    def propose(self, context, width):
+    def propose(self, draft_context):
         raise RuntimeError("the drafter crashed")
 
 
@@ -421,7 +422,8 @@ def test_speculation_fades_as_the_batch_fills_and_outputs_do_not_change():
             if not drv.step():
                 break
             if decoding:
-                widths.append(first._width)
+                asked = first._context  # the draft context of its row in the pass (None: not asked, width 0)
+                widths.append(asked.width if asked is not None else 0)
         assert first.result().token_ids == alone(copying, options).token_ids
         for i, sequence in enumerate(rest):
             assert sequence.result().token_ids == alone([9, 8, i], Options(max_tokens=12)).token_ids

@@ -39,10 +39,10 @@ class FailAfter:
         self.limit = prompt_len + extra
         self.lookup = DEFAULTS["speculative"]
 
-    def propose(self, context, width):
-        if len(context) >= self.limit:
+    def propose(self, draft_context):
+        if len(draft_context.tokens) >= self.limit:
             raise ValueError("the drafter broke")
-        return self.lookup.propose(context, width)
+        return self.lookup.propose(draft_context)
 
     def __repr__(self) -> str:
         return f"FailAfter({self.limit})"

@@ -20,6 +20,7 @@ from ortspec.adapters.tools.drafter_graph import DRAFTER_METADATA  # noqa: E402
 from ortspec.backends.base import BackendError, HiddenStates  # noqa: E402
 from ortspec.backends.onnx import BackendConfig, OrtBackend  # noqa: E402
 from ortspec.backends.onnx.drafter import DrafterError, DrafterFolder, SharedKvProposer  # noqa: E402
+from ortspec.core import DraftContext  # noqa: E402
 from tests.support.drafters import make_random_drafter  # noqa: E402
 
 
@@ -117,7 +118,7 @@ def live_kv(backend: OrtBackend, layer: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 def test_backend_hidden_states_are_the_lm_heads_input(tiny_model_dir, backend):
-    from ortspec.adapters.tools.target_tables import TargetTables
+    from ortspec.adapters.engine.target_tables import TargetTables
 
     assert isinstance(backend, HiddenStates) and backend.hidden_size == 64
     lm_head = TargetTables(backend.folder).tensor("lm_head.MatMul.weight")
@@ -196,7 +197,7 @@ def test_drafts_equal_the_reference_on_the_targets_kv(which, drafter_dir, full_v
     for length in (2, 9, 40):
         context = prompt_ids(length, backend.vocab_size, seed=length)
         promised_state(backend, context)
-        draft = proposer.propose(context, 6)
+        draft = proposer.propose(DraftContext(context, 6, slot=0))
         keys, values = live_kv(backend, layer)
         hidden = backend.hidden_at(length - 2).astype(np.float64)
         assert draft == reference.draft(context[-1], hidden, length - 1, keys, values, min(6, proposer.max_draft))
@@ -208,9 +209,10 @@ def test_drafts_equal_the_reference_on_the_targets_kv(which, drafter_dir, full_v
 def test_coupled_drafts_are_the_targets_pick_rule_on_the_heads_rows(
     which, drafter_dir, full_vocab_drafter_dir, backend
 ):
-    """Coupled to a sampled generation, each draft token is the verify pass's pick (the core's ``StepContext`` of
-    the prompt and generated tokens, at the token's row, the draft so far in the penalties) made from the reference
-    head's logits scattered over the target vocabulary, ``-inf`` where the head cannot draft."""
+    """Coupled to a sampled generation (the context's ``picker``), each draft token is the verify pass's pick (the
+    core's ``StepContext`` of the prompt and generated tokens, at the token's row, the draft so far in the penalties)
+    made from the reference head's logits scattered over the target vocabulary, ``-inf`` where the head cannot
+    draft."""
     from ortspec.core.sampling import DraftPicker, Sampling, StepContext
 
     folder = drafter_dir if which == "reduced" else full_vocab_drafter_dir
@@ -222,8 +224,8 @@ def test_coupled_drafts_are_the_targets_pick_rule_on_the_heads_rows(
     for length, prompt_len in ((9, 4), (40, 33), (25, 24)):
         context = prompt_ids(length, backend.vocab_size, seed=length)
         promised_state(backend, context)
-        draft = proposer.coupled(DraftPicker(sampling, prompt_len)).propose(context, 6)
-        differs |= draft != proposer.propose(context, 6)
+        draft = proposer.propose(DraftContext(context, 6, slot=0, picker=DraftPicker(sampling, prompt_len)))
+        differs |= draft != proposer.propose(DraftContext(context, 6, slot=0))
         keys, values = live_kv(backend, layer)
         verify = StepContext(sampling, context[:prompt_len], context[prompt_len:])
         token, state, want = context[-1], backend.hidden_at(length - 2).astype(np.float64), []
@@ -247,11 +249,11 @@ def test_the_drafter_reads_the_cache_in_place(drafter_dir, backend):
     reference = ReferenceHead(drafter_dir, backend.folder.num_kv_heads)
     context = prompt_ids(30, backend.vocab_size, seed=3)
     promised_state(backend, context)
-    before = proposer.propose(context, 4)
+    before = proposer.propose(DraftContext(context, 4, slot=0))
     rng = np.random.default_rng(0)
     for buffer in (backend.kv.keys[layer], backend.kv.values[layer]):
         buffer[0, :, :29] = rng.standard_normal(buffer[0, :, :29].shape).astype(np.float32) * 3
-    after = proposer.propose(context, 4)
+    after = proposer.propose(DraftContext(context, 4, slot=0))
     keys, values = live_kv(backend, layer)
     want = reference.draft(context[-1], backend.hidden_at(28).astype(np.float64), 29, keys, values, 4)
     assert after == want and after != before
@@ -262,10 +264,12 @@ def test_the_promise_is_checked(drafter_dir, backend):
     context = prompt_ids(12, backend.vocab_size)
     promised_state(backend, context)
     with pytest.raises(DrafterError, match="holds 11 KV positions but the context has 13 tokens"):
-        proposer.propose([*context, 5], 3)
-    assert proposer.propose(context, 0) == ()
+        proposer.propose(DraftContext([*context, 5], 3, slot=0))
+    assert proposer.propose(DraftContext(context, 0, slot=0)) == ()
+    assert proposer.propose(DraftContext(context, 3)) == ()  # no slot: the target holds no state for the context
+    assert proposer.propose(DraftContext([*context, 5], 3)) == ()  # (such as after tokens drafted in front)
     backend.reset()
-    assert proposer.propose([7], 3) == ()  # nothing cached yet: nothing to read
+    assert proposer.propose(DraftContext([7], 3, slot=0)) == ()  # nothing cached yet: nothing to read
 
 
 def test_a_rejected_draft_costs_nothing(drafter_dir, backend):
@@ -274,15 +278,15 @@ def test_a_rejected_draft_costs_nothing(drafter_dir, backend):
     proposer = SharedKvProposer.open(backend, drafter_dir)
     context = prompt_ids(16, backend.vocab_size, seed=5)
     promised_state(backend, context)
-    draft = proposer.propose(context, 4)
+    draft = proposer.propose(DraftContext(context, 4, slot=0))
     base = backend.current_len()
     rows = backend.decode_verify([context[-1], *draft], base)
     pick = int(np.argmax(rows[0]))
     backend.rewind(base + 1)  # accept nothing: keep the pending token, drop the draft
-    after = proposer.propose([*context, pick], 4)
+    after = proposer.propose(DraftContext([*context, pick], 4, slot=0))
     fresh_backend = OrtBackend.from_folder(backend.folder, BackendConfig(threads=1, max_length=128))
     promised_state(fresh_backend, [*context, pick])
-    assert after == SharedKvProposer.open(fresh_backend, drafter_dir).propose([*context, pick], 4)
+    assert after == SharedKvProposer.open(fresh_backend, drafter_dir).propose(DraftContext([*context, pick], 4, slot=0))
     assert not hasattr(proposer, "rewind")
 
 
@@ -290,7 +294,7 @@ def test_stop_below_drops_unconfident_picks(drafter_dir, backend):
     confident = SharedKvProposer.open(backend, drafter_dir, stop_below=0.999)
     context = prompt_ids(10, backend.vocab_size)
     promised_state(backend, context)
-    assert confident.propose(context, 4) == ()  # a random head is never that sure
+    assert confident.propose(DraftContext(context, 4, slot=0)) == ()  # a random head is never that sure
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -421,8 +425,8 @@ def test_the_folders_stop_below_is_the_drafters_alone_and_batched(tiny_model_dir
     config = BackendConfig(threads=1, max_length=128)
     assert Engine.from_dir(tiny_model_dir, config, drafter=sure).drafter.stop_below == 0.4
     with Engine.from_dir(tiny_model_dir, config, drafter=sure, batch_slots=2) as batched:
-        for_slot = batched.drafter_for_slot
-        assert for_slot is not None and {for_slot(s).stop_below for s in (0, 1, 2)} == {0.4}
+        drafters = batched.drafter  # SlotDrafters: slots 0 and 1, and the lone slot 2
+        assert {drafters.for_slot(s).stop_below for s in (0, 1, 2)} == {0.4}
     backend = OrtBackend.from_folder(tiny_model_dir, config)
     assert SharedKvProposer.open(backend, sure, stop_below=0.0).stop_below == 0.0
 
@@ -437,7 +441,9 @@ def test_engine_finds_the_drafter_beside_the_model(tiny_model_dir, drafter_dir, 
         Engine.from_dir(model, BackendConfig(threads=1)).generate("hi", max_tokens=2, speculative="shared-kv")
     shutil.copytree(drafter_dir, model / "drafter")
     found = Engine.from_dir(model, BackendConfig(threads=1))
-    assert isinstance(found.drafter, SharedKvProposer) and found.drafter.folder.path == model / "drafter"
+    from ortspec.backends.onnx.slot_drafters import SlotDrafters
+
+    assert isinstance(found.drafter, SlotDrafters) and found.drafter.folder.path == model / "drafter"  # batched
     assert Engine.from_dir(model, BackendConfig(threads=1), drafter=False).drafter is None
 
 
@@ -450,6 +456,15 @@ def test_draft_cost_is_measured_and_the_backend_left_reset(tiny_model_dir, draft
     assert result["tokens"] == 3 and result["step_s"] > 0 and result["decode_step_s"] > 0
     assert result["cost"] == pytest.approx(result["step_s"] / result["decode_step_s"])
     assert backend.current_len() == 0
+    # a batched Engine's drafter (SlotDrafters) is measured on the batch's lone slot, the context naming that slot
+    from ortspec.backends.onnx import OrtBatchBackend
+    from ortspec.backends.onnx.slot_drafters import SlotDrafters
+
+    batch = OrtBatchBackend.from_folder(tiny_model_dir, BackendConfig(threads=1, max_length=128), slots=2)
+    lone, drafters = batch.lone(), SlotDrafters.open(batch, drafter_dir)
+    ids = probe_ids(batch.vocab_size, 50)
+    result = measure_draft_cost(lone, drafters, ids, width=3, repeats=3, slot=batch.slots)
+    assert result["tokens"] == 3 and lone.current_len() == 0
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -523,7 +538,7 @@ def test_train_drafter_writes_a_valid_folder_by_counts(tiny_model_dir, tiny_trai
     context = prompt_ids(20, backend.vocab_size)
     promised_state(backend, context)
     assert meta.stop_below == TrainConfig().stop_below == record["config"]["stop_below"]  # the recipe's, recorded
-    assert len(SharedKvProposer.open(backend, folder, stop_below=0.0).propose(context, 3)) == 3
+    assert len(SharedKvProposer.open(backend, folder, stop_below=0.0).propose(DraftContext(context, 3, slot=0))) == 3
 
 
 def test_the_recipe_is_deterministic(tiny_model_dir, tiny_trained, tmp_path):

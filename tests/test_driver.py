@@ -62,7 +62,8 @@ class Oracle:
         self.model, self.extra, self.as_list = model, extra, as_list
         self.calls: list[tuple[tuple[int, ...], int]] = []
 
-    def propose(self, context_tokens, width):
+    def propose(self, draft_context):
+        context_tokens, width = draft_context.tokens, draft_context.width
         self.calls.append((tuple(context_tokens), width))
         out = self.model.greedy(context_tokens, width + self.extra)
         return out if self.as_list else tuple(out)
@@ -74,7 +75,7 @@ class Fixed:
     def __init__(self, tokens):
         self.tokens = tokens
 
-    def propose(self, context_tokens, width):
+    def propose(self, draft_context):
         return self.tokens
 
 

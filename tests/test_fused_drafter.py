@@ -16,6 +16,7 @@ onnx = pytest.importorskip("onnx")
 from ortspec.adapters.tools.drafter_graph import DRAFTER_METADATA, FUSED_FEATURES  # noqa: E402
 from ortspec.backends.onnx import BackendConfig, OrtBackend  # noqa: E402
 from ortspec.backends.onnx.drafter import DrafterError, DrafterFolder, SharedKvProposer  # noqa: E402
+from ortspec.core import DraftContext  # noqa: E402
 from tests.support.drafters import make_random_drafter  # noqa: E402
 
 
@@ -66,11 +67,11 @@ def test_the_first_step_reads_the_fused_row(tiny_model_dir, fused_dir, plain_dir
         state = _reference_fuse(fused_dir, row).astype(np.float32)
         assert np.abs(fused.folder.fusion.apply(row) - state).max() <= 1e-4
         assert np.abs(fused._fuse.run(None, {"row": row[None]})[0][0] - state).max() <= 1e-4  # what drafts read
-        draft = fused.propose(context, 4)
+        draft = fused.propose(DraftContext(context, 4, slot=0))
         # the plain head, fed the fused state as its hidden state, drafts the same: the row is the backend's own
         # buffer (a host view), whose first H values are what a plain head reads
         backend.hidden_row(length - 2)[:hidden] = state
-        assert plain.propose(context, 4) == draft
+        assert plain.propose(DraftContext(context, 4, slot=0)) == draft
         seen.append(draft)
     assert len(set(seen)) > 1
 
@@ -82,10 +83,10 @@ def test_a_target_without_the_streams_is_refused_by_name(tiny_model_dir, fused_d
     backend = _backend(tiny_model_dir)
     context = _ids(12, seed=1)
     backend.decode(context[:-1], 0)
-    with_streams = SharedKvProposer.open(backend, plain_dir).propose(context, 4)
+    with_streams = SharedKvProposer.open(backend, plain_dir).propose(DraftContext(context, 4, slot=0))
     alone = _backend(tiny_model_dir, features=())
     alone.decode(context[:-1], 0)
-    assert SharedKvProposer.open(alone, plain_dir).propose(context, 4) == with_streams
+    assert SharedKvProposer.open(alone, plain_dir).propose(DraftContext(context, 4, slot=0)) == with_streams
 
 
 @pytest.mark.parametrize(

@@ -30,13 +30,13 @@ PRICES = Prices((1.0, 1.1, 1.2, 1.3, 1.5), draft_cost=0.2)
 class Drafter:
     max_draft = 3
 
-    def propose(self, context_tokens, width):
+    def propose(self, draft_context):
         return ()
 
 
 def test_each_name_is_its_proposer_and_width_policy():
     drafter = Drafter()
-    with_drafter, without = Sources(drafter=drafter), Sources()
+    with_drafter, without = Sources(drafter=drafter, drafter_max_draft=drafter.max_draft), Sources()
     assert speculation(None, "auto", without) == (None, 1)
     assert speculation(None, 4, without) == (None, 4)
     lookup, width = speculation("prompt-lookup", "auto", without, PRICES)
@@ -89,14 +89,11 @@ def engine(tiny_model_dir, tmp_path_factory):
     return Engine.from_dir(tiny_model_dir, BackendConfig(threads=1), drafter=drafter_dir, batch_slots=2)
 
 
-def _kind(engine, request) -> str:
-    """What a request drafts with, bound to slot 0 as the scheduler binds it: the proposer's class name."""
-    from ortspec.batch_driver import SlotProposer
-
+def _kind(engine, request) -> tuple[str, bool]:
+    """What a request drafts with, as the scheduler submits it: the proposer's class name, and whether it reads the
+    target's state in its sequence's slot (``reads_target_state``: it drafts with the Engine's drafter)."""
     proposer = request.proposer
-    if isinstance(proposer, SlotProposer):
-        proposer = proposer.bind(0)
-    return "none" if proposer is None else type(proposer).__name__
+    return "none" if proposer is None else type(proposer).__name__, request.reads_target_state
 
 
 def _library(engine, name):
@@ -128,11 +125,11 @@ def _batch_record(engine, name):
 
 
 EXPECTED = {
-    "none": "none",
-    "prompt-lookup": "PromptLookup",
-    "suffix": "SuffixProposer",
-    "shared-kv": "SharedKvProposer",
-    "auto": "LookupOrDraft",
+    "none": ("none", False),
+    "prompt-lookup": ("PromptLookup", False),
+    "suffix": ("SuffixProposer", False),
+    "shared-kv": ("SlotDrafters", True),  # the batched Engine's drafter: it drafts in the slot its context names
+    "auto": ("LookupOrDraft", True),
 }
 
 

@@ -8,6 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from ortspec.core.proposers import DraftContext
 from ortspec.core.suffix import SEPARATOR, DraftRule, SuffixProposer, SuffixSnapshot
 from ortspec.core.tokens import Shared
 
@@ -30,8 +31,8 @@ def test_the_path_stops_when_its_probability_drops_below_the_floor():
     # after "1 2": 3 then 4 (twice), 3 then 5 (twice): p(3) = 1, p(3 4) = 0.5
     context = [1, 2, 3, 4, 9, 1, 2, 3, 4, 9, 1, 2, 3, 5, 9, 1, 2, 3, 5, 9, 1, 2]
     rule = DraftRule(anchor=2, max_match=2, spec_factor=8.0)
-    assert SuffixProposer(attrs.evolve(rule, min_prob=0.6)).propose(context, 8) == (3,)
-    assert SuffixProposer(attrs.evolve(rule, min_prob=0.4)).propose(context, 8)[:2] in ((3, 4), (3, 5))
+    assert SuffixProposer(attrs.evolve(rule, min_prob=0.6)).propose(DraftContext(context, 8)) == (3,)
+    assert SuffixProposer(attrs.evolve(rule, min_prob=0.4)).propose(DraftContext(context, 8))[:2] in ((3, 4), (3, 5))
 
 
 def test_the_draft_length_follows_the_match_length():
@@ -40,7 +41,7 @@ def test_the_draft_length_follows_the_match_length():
     draft, matched = SuffixProposer(rule).match(context, 16)
     assert matched == 4
     assert draft == tuple(range(104, 110))  # floor(1.5 * 4) = 6 tokens
-    assert SuffixProposer(rule).propose(context, 3) == (104, 105, 106)  # and never past the width
+    assert SuffixProposer(rule).propose(DraftContext(context, 3)) == (104, 105, 106)  # and never past the width
 
 
 SOURCE = list(range(100, 130))  # a 30-token stretch of the prompt, which the output copies with an edit
@@ -75,13 +76,13 @@ def test_a_long_match_drafts_by_the_suffix_rule_not_the_resync():
 
 
 def test_a_context_match_runs_on_into_its_own_draft():
-    assert SuffixProposer().propose([7, 8, 7, 8, 7, 8], 6) == (7, 8, 7, 8, 7, 8)
+    assert SuffixProposer().propose(DraftContext([7, 8, 7, 8, 7, 8], 6)) == (7, 8, 7, 8, 7, 8)
 
 
 def test_no_draft_without_a_match_or_width():
-    assert SuffixProposer().propose([1, 2, 3, 4], 8) == ()
-    assert SuffixProposer().propose([1, 2, 1, 2], 0) == ()
-    assert SuffixProposer().propose([], 4) == ()
+    assert SuffixProposer().propose(DraftContext([1, 2, 3, 4], 8)) == ()
+    assert SuffixProposer().propose(DraftContext([1, 2, 1, 2], 0)) == ()
+    assert SuffixProposer().propose(DraftContext([], 4)) == ()
 
 
 def test_the_snapshot_drafts_what_followed_in_earlier_documents():
@@ -89,7 +90,7 @@ def test_the_snapshot_drafts_what_followed_in_earlier_documents():
     proposer = SuffixProposer(cache=snapshot)
     draft, matched = proposer.match([1, 2, 11, 12, 13], 8)
     assert matched == 3 and draft == (14, 15, 16)  # and stops at the document's end (its separator)
-    assert SuffixProposer().propose([1, 2, 11, 12, 13], 8) == ()
+    assert SuffixProposer().propose(DraftContext([1, 2, 11, 12, 13], 8)) == ()
 
 
 def test_no_match_crosses_a_document_boundary():
@@ -119,13 +120,13 @@ def test_a_document_over_the_cap_keeps_its_last_tokens():
 def test_a_snapshot_is_unchanged_by_what_is_added_after_it():
     context = [1, 2, 11, 12]
     old = SuffixSnapshot(max_tokens=30).with_document([11, 12, 13, 14])
-    before = SuffixProposer(cache=old).propose(context, 8)
+    before = SuffixProposer(cache=old).propose(DraftContext(context, 8))
     new = old
     for _ in range(10):  # the same tail followed by something else, many times, then evictions
         new = new.with_document([11, 12, 99, 98])
-    assert SuffixProposer(cache=old).propose(context, 8) == before == (13, 14)
+    assert SuffixProposer(cache=old).propose(DraftContext(context, 8)) == before == (13, 14)
     assert list(old.corpus) == [11, 12, 13, 14, SEPARATOR]
-    assert SuffixProposer(cache=new).propose(context, 8) == (99, 98)
+    assert SuffixProposer(cache=new).propose(DraftContext(context, 8)) == (99, 98)
 
 
 def test_bad_rules_are_refused():
@@ -147,7 +148,7 @@ def test_a_growing_shared_context_drafts_as_a_fresh_one(prefix, steps, width):
     shared = Shared([]).with_head(tuple(prefix))
     proposer = SuffixProposer(DraftRule(anchor=3, occurrences=4, levels=2))
     for token in steps:
-        assert proposer.propose(shared, width) == proposer.propose(tuple(shared), width)
+        assert proposer.propose(DraftContext(shared, width)) == proposer.propose(DraftContext(tuple(shared), width))
         shared = shared.extended([token])
 
 

@@ -82,7 +82,7 @@ def _compare(eng, kwargs: dict, proposer, label: str) -> bool:
     eng.suffix_cache = SuffixCache()
     names = {
         "auto": "auto: the suffix lookup or the shared-KV drafter"
-        if eng.drafter
+        if eng.drafter is not None
         else "auto: the suffix lookup, no drafter",
         "shared-kv": "the shared-KV drafter",
         "suffix": "the suffix lookup",

@@ -11,7 +11,10 @@
 - ``tokenizer.py``: ``Tokenizer`` (tokenizer.json and the folder's chat template; ``check_tokenizer_fits``).
 - ``measured.py``: ``Measurements``, what an Engine measures of its model; ``measurements.py``: measuring a backend
   (the verify cost curve, the verify drift, a drafter's step) and the one on-disk cache for them.
-- ``cache.py``: the cache folder (models, drafters, measurements).
+- ``cache.py``: the cache folder (models, drafters, measurements); ``folders.py``: how a finished folder replaces the
+  one at its destination.
+- ``shipped.py``: the drafters shipped with the package; ``target_tables.py``: the target's embedding and RoPE tables
+  (what a shipped drafter is completed with, and what training reads).
 """
 
 from ortspec.adapters.engine.options import GenerationOptions

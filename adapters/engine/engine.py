@@ -43,8 +43,10 @@ from ortspec.adapters.engine.tokenizer import PromptReader, Tokenizer, check_tok
 from ortspec.adapters.engine.tools import ToolUse
 from ortspec.backends.base import Backend, BackendError, BatchBackend, OneSlot
 from ortspec.backends.onnx import BackendConfig, ModelFolder, ModelFolderError, OrtBatchBackend
+from ortspec.backends.onnx.drafter import SharedKvProposer
+from ortspec.backends.onnx.slot_drafters import SlotDrafters
 from ortspec.batch_driver import DEFAULT_PREFILL_BUDGET, check_prefill_budget
-from ortspec.core import DecodeState, DraftRule, Options, Proposer, check_prompt_fits
+from ortspec.core import DecodeState, DraftRule, Options, check_prompt_fits
 from ortspec.core.checks import ArgumentError, check_int, ids_in_vocab
 from ortspec.core.state import Commit
 from ortspec.results import GenerateResult, StreamCallback
@@ -61,10 +63,10 @@ class Engine:
 
     ``batch``: the batch backend the scheduler drives (an ``OrtBatchBackend``, or ``OneSlot`` over a one-sequence
     backend: a folder that cannot run batched, a fake); ``backend``: its one-sequence view, what the measurements
-    run on (the batch backend's lone slot, or the backend behind ``OneSlot``); ``drafter``: the shared-KV drafter
-    bound to ``backend`` (None without one) and ``drafter_for_slot``, the same drafter bound to a slot of ``batch``
-    (None when ``batch`` is ``OneSlot``: its one slot is ``backend``). ``note``: why the folder runs one sequence at
-    a time, when it does.
+    run on (the batch backend's lone slot, ``lone_slot``, or the backend behind ``OneSlot``, slot 0); ``drafter``:
+    the shared-KV drafter, a proposer that drafts in the slot its draft's context names (``SlotDrafters``, or one
+    bound to the one-sequence backend; None without one). ``note``: why the folder runs one sequence at a time,
+    when it does.
 
     ``prefix_reuse``: a request takes the free slot holding its longest prefix (the next turn of a chat, another
     question about the same document) and prefills only the rest; the output is the same either way, only the time
@@ -79,13 +81,12 @@ class Engine:
         *,
         eos_token_ids: Sequence[int] = (),
         folder: ModelFolder | None = None,
-        drafter: Proposer | None = None,
-        drafter_for_slot: Callable[[int], Proposer] | None = None,
+        drafter: SharedKvProposer | SlotDrafters | None = None,
         backend_config: BackendConfig | None = None,
         scheduling: Scheduling | None = None,
     ) -> None:
         """``backend``: a ``BatchBackend`` with a one-sequence view (``lone()``, as ``OrtBatchBackend``), or a
-        one-sequence ``Backend`` (run as ``OneSlot``). ``drafter`` and ``drafter_for_slot``: see the class docstring
+        one-sequence ``Backend`` (run as ``OneSlot``). ``drafter``: see the class docstring
         (:meth:`from_dir` opens the one found beside the model). ``backend_config``: how ``folder`` was opened.
         ``scheduling``: how the scheduler runs (``Scheduling``: prefix reuse, the prefill budget, and the clock a
         request's ``deadline`` is read on; tests pass a clock they move by hand). ``suffix_cache`` (an attribute):
@@ -96,19 +97,19 @@ class Engine:
                 raise ValueError(f"an Engine's batch backend needs a one-sequence view (lone()): {backend!r}")
             self.batch: BatchBackend = backend
             self.backend: Backend = lone()
+            self.lone_slot = backend.slots
         else:
-            self.batch, self.backend = OneSlot(backend), backend
+            self.batch, self.backend, self.lone_slot = OneSlot(backend), backend, 0
         self.tokenizer = tokenizer
         self.eos_token_ids = frozenset(eos_token_ids)
         self.folder = folder
         self.scheduling = scheduling if scheduling is not None else Scheduling()
         self.drafter = drafter
-        self.drafter_for_slot = drafter_for_slot
         self.backend_config = backend_config if backend_config is not None else BackendConfig()
         self.suffix_cache = SuffixCache()
         self.suffix_rule = DraftRule()  # how "suffix" (and "auto"'s lookup) drafts: core.suffix's rule
         self.note: str | None = None
-        self.measurements = Measurements(self.backend, self.batch, folder, drafter, self._slots_held)
+        self.measurements = Measurements(self.backend, self.batch, folder, (drafter, self.lone_slot), self._slots_held)
         self._scheduler: BatchScheduler | None = None
         self._closed = False
         self._starting = threading.Lock()  # held while the scheduler starts, or while a measurement runs before it
@@ -141,8 +142,6 @@ class Engine:
         Raises ``ValueError`` for a bad argument, ``ModelFolderError`` (a ``ValueError``) naming the file and the
         field or tensor when the folder cannot be used, and ``BackendError`` when onnxruntime fails otherwise."""
         from ortspec.backends.onnx import OrtBackend
-        from ortspec.backends.onnx.drafter import SharedKvProposer
-        from ortspec.backends.onnx.slot_drafters import SlotDrafters
 
         check_prefill_budget(prefill_budget)
         slots = DEFAULT_SLOTS if batch_slots is None else check_int("batch_slots", batch_slots, 1)
@@ -168,8 +167,7 @@ class Engine:
         return cls(
             batch,
             tokenizer,
-            drafter=drafters.lone() if drafters is not None else None,
-            drafter_for_slot=drafters.for_slot if drafters is not None else None,
+            drafter=drafters,
             **loaded,  # type: ignore[arg-type]
             **settings,  # type: ignore[arg-type]
         )
@@ -243,7 +241,7 @@ class Engine:
         try:
             submission = Submission(
                 request.ids, request.options, request.proposer, request.draft_width, self.tokenizer.decode,
-                request.on_finish,
+                request.on_finish, request.reads_target_state,
             )  # fmt: skip
             return scheduler.submit(submission, on_commit=on_commit, on_done=on_done, deadline=deadline)
         except RuntimeError as exc:  # the scheduler closed (it does only when the Engine closes)

@@ -28,19 +28,21 @@ R = TypeVar("R")
 
 class Measurements:
     """What an Engine measures (the module docstring): on ``backend``, the one-sequence view of the model
-    (``OrtBatchBackend.lone()``, or the backend behind ``OneSlot``), with ``drafter`` bound to it; the decode costs on
-    ``batch``. ``exclusive()`` holds the backend's slots while a measurement runs (``BatchScheduler.exclusive``, or
-    nothing before the scheduler starts). Thread-safe."""
+    (``OrtBatchBackend.lone()``, or the backend behind ``OneSlot``), with ``drafter``, a proposer (or None) and the
+    slot at which it reads ``backend`` (``Engine.lone_slot``); the decode costs on ``batch``. ``exclusive()`` holds
+    the backend's slots while a measurement runs (``BatchScheduler.exclusive``, or nothing before the scheduler
+    starts). Thread-safe."""
 
     def __init__(
         self,
         backend: Backend,
         batch: BatchBackend,
         folder: ModelFolder | None,
-        drafter: Proposer | None,
+        drafter: tuple[Proposer | None, int],
         exclusive: Callable[[], AbstractContextManager[object]] = contextlib.nullcontext,
     ) -> None:
-        self.backend, self.batch, self.folder, self.drafter = backend, batch, folder, drafter
+        self.backend, self.batch, self.folder = backend, batch, folder
+        self.drafter, self._drafter_slot = drafter
         self.exclusive = exclusive
         self._lock = threading.RLock()
         self._drift: float | None = None
@@ -116,7 +118,9 @@ class Measurements:
                 key = f"{type(drafter).__name__}@{id(drafter)}"
             self._draft_cost = self._measured(
                 "drafter's cost",
-                lambda before: cached_draft_cost(self.backend, drafter, self.measurement_file(), key, before=before),
+                lambda before: cached_draft_cost(
+                    self.backend, drafter, self.measurement_file(), key, slot=self._drafter_slot, before=before
+                ),
             )
         return self._draft_cost
 

@@ -24,7 +24,7 @@ from typing import Any
 
 from ortspec.backends.base import Backend, BatchBackend, BatchRow, DevicePicks, uses_device_picks
 from ortspec.core import MAX_DRAFT
-from ortspec.core.proposers import Proposer
+from ortspec.core.proposers import DraftContext, Proposer
 
 
 def measure_pass_costs(
@@ -236,16 +236,22 @@ def measure_verify_drift(
 
 
 def measure_draft_cost(
-    backend: Backend, proposer: Proposer, context_ids: Sequence[int], width: int = 4, repeats: int = 15
+    backend: Backend,
+    proposer: Proposer,
+    context_ids: Sequence[int],
+    width: int = 4,
+    repeats: int = 15,
+    slot: int = 0,
 ) -> dict[str, Any]:
     """What a proposer that reads the target (a shared-KV draft head) costs per draft token, relative to a plain
     decode step of the same backend at the same context.
 
     The backend is put in the state the driver promises such a proposer (the KV of every context token but the
-    last, the last pass over the one before); then, interleaved ``repeats`` times: one ``propose(context, width)``
-    and one 1-token ``decode`` (rewound). Returns ``draft_s`` (median seconds of one ``propose``), ``tokens``
-    (median tokens it drafted), ``step_s`` (``draft_s / tokens``), ``decode_step_s`` and ``cost`` (``step_s /
-    decode_step_s``: the ``draft_cost`` of ``CostAwareWidth``). Resets the backend."""
+    last, the last pass over the one before); then, interleaved ``repeats`` times: one ``propose`` (its context
+    naming ``slot``, where the proposer finds ``backend``: 0 for one bound to it, a batch backend's lone slot for
+    ``SlotDrafters``) and one 1-token ``decode`` (rewound). Returns ``draft_s`` (median seconds of one
+    ``propose``), ``tokens`` (median tokens it drafted), ``step_s`` (``draft_s / tokens``), ``decode_step_s`` and
+    ``cost`` (``step_s / decode_step_s``: the ``draft_cost`` of ``CostAwareWidth``). Resets the backend."""
     context = list(context_ids)
     if len(context) < 3:
         raise ValueError("measuring a draft needs a context of at least 3 tokens")
@@ -256,7 +262,7 @@ def measure_draft_cost(
     drafts, sizes, decodes = [], [], []
     for r in range(repeats + 2):
         t0 = time.perf_counter()
-        size = len(proposer.propose(context, width))
+        size = len(proposer.propose(DraftContext(context, width, slot=slot)))
         t1 = time.perf_counter()
         backend.decode(context[-1:], base)
         t2 = time.perf_counter()
@@ -289,18 +295,20 @@ def cached_draft_cost(
     drafter_key: str,
     width: int = 4,
     *,
+    slot: int = 0,
     before: Callable[[], None] | None = None,
 ) -> float:
     """``measure_draft_cost(...)["cost"]`` after a context of ``probe_ids`` (up to 256 tokens, cut to fit the
-    capacity), kept by ``cached_measurement`` under the name ``draft cost`` with ``drafter_key`` (which drafter:
-    its folder and the version of its files) among the params, so another drafter is measured again. ``before()``
-    runs just before the backend is used (not on a cache hit); the measurement resets the backend."""
+    capacity), at ``slot``, kept by ``cached_measurement`` under the name ``draft cost`` with ``drafter_key``
+    (which drafter: its folder and the version of its files) among the params, so another drafter is measured
+    again. ``before()`` runs just before the backend is used (not on a cache hit); the measurement resets the
+    backend."""
     context = max(3, min(256, backend.max_length - width - 2))
 
     def measure() -> dict[str, Any]:
         if before is not None:
             before()
-        result = measure_draft_cost(backend, proposer, probe_ids(backend.vocab_size, context), width)
+        result = measure_draft_cost(backend, proposer, probe_ids(backend.vocab_size, context), width, slot=slot)
         return {key: result[key] for key in ("cost", "step_s", "decode_step_s", "tokens")}
 
     params = {"drafter": drafter_key, "width": width, "context_tokens": context, "probe": "probe_ids"}

@@ -3,7 +3,7 @@ surface takes (``Engine.generate`` and the rest, the server, ``ortspec batch``).
 
     ids, options  = engine.prepare(prompt, generation_options)      checked; a seed drawn when sampling without one
     proposer, width = core.speculative.speculation(name, draft_width, sources, prices)   the one factory
-    proposer = bound to the slot the request takes (a drafter that reads the target), forced tokens in front
+    proposer = core.forced.forcing(proposer, ...)                   a grammar's forced tokens in front
 
 The prices (the verify cost curve, the drafter's step) are measured once per model on this machine and kept on disk;
 ``make_request`` asks for them only when ``core.speculative.needs_prices`` says the options need them.
@@ -13,36 +13,30 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, NamedTuple
 
-import attrs
-
 from ortspec.adapters.engine.options import GenerationOptions, Prompt
-from ortspec.batch_driver import SlotProposer
-from ortspec.core import LookupOrDraft, PricedProposer, PricedWidth, Proposer, WidthPolicy
+from ortspec.core import MAX_DRAFT, LookupOrDraft, PricedWidth, Proposer, WidthPolicy
 from ortspec.core.forced import forcing
 from ortspec.core.speculative import DRAFTER_NAMES, SUFFIX_NAMES, Sources, check_sources, needs_prices, speculation
 from ortspec.core.state import Options
 from ortspec.results import FinishCallback
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
-
     from ortspec.adapters.engine.engine import Engine
 
 
 class Request(NamedTuple):
-    """One prompt made ready for the scheduler: what ``BatchScheduler.submit`` takes for it."""
+    """One prompt made ready for the scheduler: what ``BatchScheduler.submit`` takes for it. ``reads_pass_price``:
+    its speculation reads the price of a plain step in the pass it joins (a ``PricedWidth`` policy, or ``"auto"``'s
+    sources, each priced by its own); ``reads_target_state``: its proposer drafts with the Engine's drafter, which
+    reads the target's state in the sequence's slot."""
 
     ids: list[int]
     options: Options
-    proposer: Proposer | SlotProposer | None
+    proposer: Proposer | None
     draft_width: int | WidthPolicy
     on_finish: FinishCallback  # records the finished output in the Engine's suffix cache (``Engine.record_output``)
-
-    @property
-    def reads_pass_price(self) -> bool:
-        """Whether its speculation reads the price of a plain step in the pass it joins (a ``PricedWidth`` policy,
-        or ``"auto"``'s sources, each with its own)."""
-        return isinstance(self.draft_width, PricedWidth) or isinstance(self.proposer, (SlotProposer, PricedProposer))
+    reads_pass_price: bool = False
+    reads_target_state: bool = False
 
 
 def make_request(engine: Engine, prompt: Prompt, options: GenerationOptions) -> Request:
@@ -52,45 +46,21 @@ def make_request(engine: Engine, prompt: Prompt, options: GenerationOptions) -> 
     name = options.speculative
     drafter = engine.drafter if name in DRAFTER_NAMES else None
     snapshot = engine.suffix_cache.snapshot() if name in SUFFIX_NAMES else None
-    sources = Sources(snapshot=snapshot, rule=engine.suffix_rule, drafter=drafter)
+    max_draft = drafter.max_draft if drafter is not None else MAX_DRAFT
+    sources = Sources(snapshot=snapshot, rule=engine.suffix_rule, drafter=drafter, drafter_max_draft=max_draft)
     check_sources(name, sources)
     ids, core_options = engine.prepare(prompt, options)
     if name is not None:
         engine.measurements.warn_if_inexact()
-    prices = engine.measurements.prices() if needs_prices(name, options.draft_width) else None
+    priced = needs_prices(name, options.draft_width)
+    prices = engine.measurements.prices() if priced else None
     proposer, width = speculation(name, options.draft_width, sources, prices)
-    slotted = bound_to_slots(proposer, drafter, engine.drafter_for_slot)
-    return Request(ids, core_options, with_forced_tokens(slotted, core_options, len(ids)), width, engine.record_output)
+    reads_price = priced or isinstance(width, PricedWidth)
+    reads_target = drafter is not None and drafts_with(proposer, drafter)
+    forced = forcing(proposer, core_options, len(ids))
+    return Request(ids, core_options, forced, width, engine.record_output, reads_price, reads_target)
 
 
-def with_forced_tokens(
-    proposer: Proposer | SlotProposer | None, options: Options, prompt_len: int
-) -> Proposer | SlotProposer | None:
-    """``core.forced.forcing``: the grammar's forced tokens in front of the request's proposer, or of the proposer a
-    ``SlotProposer`` binds to the sequence's slot."""
-    if not isinstance(proposer, SlotProposer):
-        return forcing(proposer, options, prompt_len)
-    bind = proposer.bind
-
-    def bound(slot: int) -> Proposer:
-        forced = forcing(bind(slot), options, prompt_len)
-        assert forced is not None  # forcing keeps a proposer a proposer
-        return forced
-
-    return SlotProposer(bound)
-
-
-def bound_to_slots(
-    proposer: Proposer | None, drafter: Proposer | None, for_slot: Callable[[int], Proposer] | None
-) -> Proposer | SlotProposer | None:
-    """``proposer`` with ``drafter`` (the Engine's own, which ``proposer`` is or holds) replaced, per sequence, by the
-    drafter bound to the sequence's slot (``for_slot``; None: the drafter reads the one slot there is, as it is);
-    ``proposer`` itself when it holds no drafter."""
-    if proposer is None or drafter is None or for_slot is None:
-        return proposer
-    if proposer is drafter:
-        return SlotProposer(for_slot)
-    if isinstance(proposer, LookupOrDraft) and proposer.drafter is drafter:
-        auto = proposer
-        return SlotProposer(lambda slot: attrs.evolve(auto, drafter=for_slot(slot)))
-    return proposer
+def drafts_with(proposer: Proposer | None, drafter: Proposer) -> bool:
+    """Whether ``proposer`` is ``drafter`` or ``"auto"``'s pair holding it."""
+    return proposer is drafter or (isinstance(proposer, LookupOrDraft) and proposer.drafter is drafter)

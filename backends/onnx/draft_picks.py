@@ -13,16 +13,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
-from ortspec.core.sampling import DraftPicker, DraftPicks
+from ortspec.core.sampling import DraftPicks
 
 from .arrays import ArrayModule
-
-if TYPE_CHECKING:
-    from .drafter import SharedKvProposer
 
 
 class HeadPicks:
@@ -74,19 +71,3 @@ class HeadPicks:
         if pick is None or (self.stop_below > 0.0 and math.exp(pick.logprob) < self.stop_below):
             return None
         return pick.token
-
-
-class CoupledDrafter:
-    """A ``SharedKvProposer`` for one sampled generation (``SharedKvProposer.coupled``): its drafts are the coupled
-    picks of ``picker``. The drafter, its session and its counters stay the one bound to the target."""
-
-    reads_target_state = True  # as its drafter (core.proposers.context_part)
-
-    def __init__(self, drafter: SharedKvProposer, picker: DraftPicker) -> None:
-        self.drafter, self.picker = drafter, picker
-
-    def propose(self, context_tokens: Sequence[int], width: int) -> tuple[int, ...]:
-        return self.drafter.propose(context_tokens, width, self.picker)
-
-    def __repr__(self) -> str:
-        return f"{self.drafter!r}.coupled(seed={self.picker.sampling.seed})"

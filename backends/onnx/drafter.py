@@ -31,17 +31,18 @@ Errors: a folder or graph that breaks the contract raises ``DrafterError`` namin
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any, Protocol
 
 import attrs
 import numpy as np
 
-from ortspec.core.sampling import DraftPicker, DraftPicks
+from ortspec.core.proposers import DraftContext
+from ortspec.core.sampling import DraftPicks
 
 from ..base import BackendError
 from .arrays import ArrayModule
-from .draft_picks import CoupledDrafter, HeadPicks
+from .draft_picks import HeadPicks
 from .drafter_folder import KV_LAYOUT, METADATA_NAME, DrafterError, DrafterFolder, KvGroup, check_stop_below
 from .fingerprint import fingerprint_differences, target_fingerprint
 from .folder import ModelFolder
@@ -203,8 +204,6 @@ class SharedKvProposer:
     and a broken one raises ``DrafterError``. Buffers are the proposer's, on the backend's device; nothing KV-sized
     is allocated or copied per call. ``steps`` and ``runs`` count ``propose`` calls that drafted and head runs."""
 
-    reads_target_state = True  # drafts only right after what the target processed (core.proposers.context_part)
-
     def __init__(
         self,
         backend: SharedKvTarget,
@@ -341,24 +340,25 @@ class SharedKvProposer:
         )
 
     # ------------------------------------------------------------------------------------------------------------
-    def coupled(self, picker: DraftPicker) -> CoupledDrafter:
-        """This drafter for one sampled generation (``core.proposers.Couplable``; ``draft_picks.py``)."""
-        return CoupledDrafter(self, picker)
-
-    def propose(self, context_tokens: Sequence[int], width: int, picker: DraftPicker | None = None) -> tuple[int, ...]:
-        """Up to ``min(width, max_draft)`` draft tokens after ``context_tokens`` (see the module docstring): the
-        argmax picks, or with ``picker`` the coupled ones."""
+    def propose(self, context: DraftContext) -> tuple[int, ...]:
+        """Up to ``min(context.width, max_draft)`` draft tokens after ``context.tokens`` (see the module
+        docstring): the argmax picks, or with the context's ``picker`` (a sampled generation) the coupled ones.
+        Bound to one target, it reads that target whatever the context's slot number, and drafts nothing for a
+        context whose slot is None (the target holds no state for it)."""
+        if context.slot is None:
+            return ()
+        tokens = context.tokens
         kv_len = self.backend.current_len()
-        if kv_len != len(context_tokens) - 1:
+        if kv_len != len(tokens) - 1:
             raise DrafterError(
-                f"the backend holds {kv_len} KV positions but the context has {len(context_tokens)} tokens; a "
+                f"the backend holds {kv_len} KV positions but the context has {len(tokens)} tokens; a "
                 "shared-KV drafter needs the KV of every context token but the last (the driver's promise)"
             )
-        steps = min(int(width), self.max_draft)
+        steps = min(int(context.width), self.max_draft)
         if steps < 1 or kv_len < 1:
             return ()
-        picks = picker.after(context_tokens) if picker is not None else None
-        return self.draft(int(context_tokens[-1]), kv_len, steps, picks)
+        picks = context.picker.after(tokens) if context.picker is not None else None
+        return self.draft(int(tokens[-1]), kv_len, steps, picks)
 
     def draft(self, token: int, kv_len: int, steps: int, picks: DraftPicks | None = None) -> tuple[int, ...]:
         """``steps`` picks starting from ``token`` at position ``kv_len`` (the backend's ``current_len()``) and the

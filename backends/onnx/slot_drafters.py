@@ -1,13 +1,14 @@
 """The shared-KV drafter on the slots of an ``OrtBatchBackend``: one drafter session for every slot, and per slot a
-``SharedKvProposer`` bound to that slot alone.
+``SharedKvProposer`` bound to that slot alone. ``SlotDrafters`` is itself the proposer a request drafts with: it
+drafts with the proposer bound to the slot its draft's context names (``DraftContext.slot``).
 
 A shared-KV drafter reads its target's KV and last hidden state in place (``drafter.py``). In a batch the target of
 a sequence is its slot: ``OrtBatchBackend.slot_target(slot)`` (a ``SlotTarget``: the slot's length, the hidden
 states its last row kept, the address of each of its KV heads inside the batch buffers). ``SlotDrafters.for_slot``
 gives the proposer bound to one slot, made on first use and kept (its IO binding and few-kilobyte buffers are the
 slot's; the ONNX session, the graph's checks and the memory-mapped embedding table are shared), so binding a
-sequence to its slot at admission costs nothing after the first time. Which sequence holds which slot is the batch
-driver's business (``ortspec.batch_driver``, ``SlotProposer``); this module only knows slots.
+sequence's draft to its slot costs nothing after the first time. Which sequence holds which slot is the batch
+driver's business (``ortspec.batch_driver``); this module only knows slots.
 
 Each ``propose`` runs the head for one sequence (one query row per step, as alone). Running it over every drafting
 row at once would need one KV input per slot and head: not done.
@@ -16,6 +17,8 @@ row at once would need one KV input per slot and head: not done.
 from __future__ import annotations
 
 import os
+
+from ortspec.core.proposers import DraftContext
 
 from .batch import OrtBatchBackend
 from .drafter import DrafterFolder, SharedKvProposer
@@ -55,6 +58,11 @@ class SlotDrafters:
         """The slots' drafters sharing ``drafter``'s session and settings (an Engine's drafter, bound to its own
         one-sequence backend, on the same model folder as ``batch``, where its target was checked)."""
         return cls(batch, _bound(batch, batch.slots, drafter))
+
+    def propose(self, context: DraftContext) -> tuple[int, ...]:
+        """The draft of the proposer bound to ``context.slot`` (``for_slot``); nothing for a context without a slot
+        (the target holds no state for it)."""
+        return () if context.slot is None else self.for_slot(context.slot).propose(context)
 
     def for_slot(self, slot: int) -> SharedKvProposer:
         """The proposer bound to ``slot`` (``batch.slots``: the lone slot); the same object every time.

@@ -27,7 +27,7 @@ import attrs
 import numpy as np
 
 from ortspec.backends.onnx import BackendConfig, ModelFolder, OrtBackend
-from ortspec.core import Options, PromptLookup
+from ortspec.core import DraftContext, Options, PromptLookup
 from ortspec.driver import generate
 
 
@@ -41,7 +41,8 @@ class GreedyReplay:
         self.sequence = [*prompt, *greedy]
         self.vocab_size, self.wrong_every = vocab_size, wrong_every
 
-    def propose(self, context: Sequence[int], width: int) -> tuple[int, ...]:
+    def propose(self, draft_context: DraftContext) -> tuple[int, ...]:
+        context, width = draft_context.tokens, draft_context.width
         n = len(context)
         if list(context) != self.sequence[:n]:
             return ()

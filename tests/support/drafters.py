@@ -9,8 +9,8 @@ from pathlib import Path
 
 import numpy as np
 
+from ortspec.adapters.engine.target_tables import TargetTables
 from ortspec.adapters.tools.drafter_graph import DrafterSpec, HeadWeights, write_drafter_folder
-from ortspec.adapters.tools.target_tables import TargetTables
 from ortspec.backends.onnx import ModelFolder
 from ortspec.backends.onnx.drafter_folder import FeatureFusion
 from ortspec.backends.onnx.fingerprint import target_fingerprint
