@@ -8,7 +8,8 @@ Each other benchmark is one module with one entry point, ``python -m bench.<name
 docs/bench/ as the suite does, ``ceiling`` (the ceilings of ideal proposers on a run), ``batch_pass_cost`` (a
 batched pass against single-row passes), ``concurrent_streams`` (threads streaming on one Engine's shared passes),
 ``quantization`` (quantized folders: exactness, speed, quality), ``structured_outputs`` (what constrained decoding
-costs) and ``suffix`` (suffix drafting on a repetitive stream, and the proposer's cost).
+costs), ``suffix`` (suffix drafting on a repetitive stream, and the proposer's cost) and ``slots`` (ortspec's slots
+against ORT GenAI's batch sizes, on a split of the throughput dataset).
 
 Run from the repository root as a plain top-level package, e.g.
 ``python -m bench.workloads`` or ``python -m bench.machine``.

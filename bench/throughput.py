@@ -216,6 +216,25 @@ def load_dataset(path: Path = DATASET) -> list[Request]:
     return [Request(r["id"], r["messages"], r["max_tokens"], r["kind"]) for r in raw["records"]]
 
 
+SPLITS = ("tuning", "evaluation")
+
+
+def split(requests: Sequence[Request], part: str) -> list[Request]:
+    """The dataset's ``part`` (``SPLITS``), in dataset order: within each kind, the requests at even positions are
+    the tuning split and those at odd positions the evaluation split (half each; every request has its own source
+    text, so the two share none). Constants chosen by measurement are chosen on the tuning split and reported on
+    the evaluation split."""
+    if part not in SPLITS:
+        raise ValueError(f"split must be one of {SPLITS}, got {part!r}")
+    position: dict[str, int] = {}
+    chosen = []
+    for q in requests:
+        at = position[q.kind] = position.get(q.kind, -1) + 1
+        if (at % 2 == 0) == (part == "tuning"):
+            chosen.append(q)
+    return chosen
+
+
 def quick_requests(requests: Sequence[Request], tokenizer: Tokenizer) -> list[Request]:
     """The two shortest prompts of each kind (by prompt tokens), in dataset order."""
     length = {r.id: len(encode_chat(r.messages, tokenizer)) for r in requests}

@@ -1,7 +1,6 @@
-"""Hypothesis profiles: ``ci`` (the default, 10,000 examples of the equivalence property, 5,000 per pick mode, within
-the README test command's time), ``full`` (2x: for the equivalence property, the counts before the suite was
-trimmed to fit CI's 15 minutes), ``thorough`` (20x more), ``quick`` (5%) and ``mutation`` (ci counts, no shrinking;
-for scripts/mutation_check.py). Choose with HYPOTHESIS_PROFILE=full (or thorough).
+"""Hypothesis profiles: ``ci`` (the default, 6,000 examples of the equivalence property, 3,000 per pick mode, within
+the README test command's 15 minutes), ``full`` (2x), ``thorough`` (20x), ``quick`` (5%) and ``mutation`` (ci
+counts, no shrinking; for scripts/mutation_check.py). Choose with HYPOTHESIS_PROFILE=full (or thorough).
 
 After the run, the edge-coverage rates of the equivalence property (``property_tests/edges.py``) are printed,
 and the session fails if one is below its target."""

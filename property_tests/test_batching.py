@@ -322,7 +322,7 @@ def check_against_plain(req: Request, got: Outcome, plain: Outcome) -> list[str]
     return [f"priced: ended by {got.result.finish_reason}"]
 
 
-@settings(max_examples=examples(500))
+@settings(max_examples=examples(300))
 @given(batches())
 def test_each_sequence_of_a_batch_is_its_request_decoded_alone(batch):
     model, capacity, slots, prefill, requests, decode_costs = batch

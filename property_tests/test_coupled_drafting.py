@@ -84,7 +84,7 @@ def plain(sc: Scenario, options: Options | None = None, capacity: int | None = N
     return generate(backend, sc.prompt, options or sc.options, detokenize=sc.detokenize)
 
 
-@settings(max_examples=examples(200))
+@settings(max_examples=examples(120))
 @given(scenarios(), st.sampled_from(KINDS), st.integers(1, 8), st.booleans(), st.data())
 def test_a_coupled_draft_model_keeps_the_output_exact(sc, kind, width, auto, data):
     """Whatever the draft model's distribution, the output is plain decoding's (greedy scenarios too, where the
@@ -109,7 +109,7 @@ def no_early_end(sc: Scenario) -> Options:
     return attrs.evolve(sc.options, eos_token_ids=(), stop=(), max_context=None, tie_margin=0.0)
 
 
-@settings(max_examples=examples(200))
+@settings(max_examples=examples(120))
 @given(scenarios(mode="sampling"), st.integers(1, 8))
 def test_drafting_with_the_targets_distribution_is_always_accepted(sc, width):
     """Coupled to the request's sampling, a draft model whose rows are the target's drafts exactly the target's
@@ -149,7 +149,7 @@ def batches(draw):
     return model, requests, draw(st.integers(1, len(requests)))
 
 
-@settings(max_examples=examples(80))
+@settings(max_examples=examples(50))
 @given(batches())
 def test_coupled_draft_models_in_a_batch_keep_each_output_exact(batch):
     """In a batch, each sequence's draft model is coupled to its own request (its seed, its prompt, its index):

@@ -68,7 +68,7 @@ def traced(backend, sc: Scenario, proposer, width, *, cached_prefix=0):
         return generation, stream, exc
 
 
-@settings(max_examples=examples(300))
+@settings(max_examples=examples(200))
 @given(scenarios(), st.sampled_from(["before", "after", "rewind"]), st.data())
 def test_a_backend_failing_at_any_pass_loses_and_repeats_nothing(sc: Scenario, mode, data):
     proposer = data.draw(proposers_for(sc.model), label="proposer")

@@ -58,7 +58,7 @@ OPTIONS = st.fixed_dictionaries(
 )
 
 
-@settings(max_examples=examples(2000))
+@settings(max_examples=examples(1200))
 @given(rows(), OPTIONS, st.integers(0, 2**64 - 1), st.booleans(), st.integers(0, 5))
 def test_every_pick_returns_a_token_or_refuses_the_row(row, options, seed, margin, top_n):
     try:

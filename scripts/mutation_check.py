@@ -492,6 +492,11 @@ MUTANTS: dict[str, Mutant] = {
         "context = DraftContext(state.context_tokens, width, plain_cost, slot, self.picker)",
         "context = DraftContext(state.context_tokens, width, plain_cost, None, self.picker)",
     ),
+    "batch-slots-floor-each-workers-share": Mutant(
+        "adapters/batch/worker.py",
+        "share = -(-tasks // max(workers, 1))",
+        "share = tasks // max(workers, 1)",
+    ),
     "batch-driver-drafts-in-slot-0": Mutant(
         "ortspec/sequence.py",
         "self._context, self._draft = self._speculation.draft(state, vocab_size, plain_cost, self._slot)",

@@ -13,6 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import attrs
 import pytest
 from test_batch import BAD_LINES, DEFAULTS, LOOKUP_TEXT, RECORDS, read_output, write_jsonl
 
@@ -155,7 +156,7 @@ def test_max_batch_1_is_an_engine_of_one_slot_and_a_refused_record_answers_at_on
     assert done is refused and "context" in record["error"] and not metrics["ok"] and not alone.held
     assert alone.advance(timeout=0) == []  # nothing held: no wait
     parser = build_parser()
-    assert job_of(parser.parse_args(["batch", "in.jsonl", "out.jsonl"])).max_batch == 16
+    assert job_of(parser.parse_args(["batch", "in.jsonl", "out.jsonl"])).max_batch is None  # sized from the work
     assert job_of(parser.parse_args(["batch", "in.jsonl", "out.jsonl", "--max-batch", "1"])).max_batch == 1
     job = job_of(parser.parse_args(["batch", "in.jsonl", "out.jsonl"]))
     assert job.prefill_budget == 512 and WorkerSettings.of(job, 1, {}, []).prefill_budget == 512
@@ -224,3 +225,17 @@ def test_a_batched_run_killed_mid_job_resumes(tiny_model_dir, alone, tmp_path):
     for number, record in enumerate(records, start=1):
         expected, _ = alone.run(parse_record(json.dumps(record), number, DEFAULTS, option_fields()))
         assert resumed[json.dumps(record["id"])] == expected, record["id"]
+
+
+def test_without_max_batch_each_worker_gets_slots_for_its_share_of_the_records(tiny_model_dir, tmp_path):
+    from ortspec.adapters.batch.worker import AUTO_MAX_BATCH, planned_slots
+
+    job = BatchJob(tmp_path / "in.jsonl", tmp_path / "out.jsonl", model=tiny_model_dir, threads=1)
+    some = tasks(tiny_model_dir)[:5]
+    assert WorkerSettings.of(job, 1, {}, some).max_batch == 5  # five records: five slots
+    assert WorkerSettings.of(attrs.evolve(job, workers=2), 1, {}, some).max_batch == 3  # each worker's share, up
+    assert WorkerSettings.of(attrs.evolve(job, max_batch=2), 1, {}, some).max_batch == 2  # the job's own
+    assert WorkerSettings.of(job, 1, {}, []).max_batch == 1
+    assert planned_slots(None, 10 * AUTO_MAX_BATCH, 1) == AUTO_MAX_BATCH  # many records: the measured cap
+    assert planned_slots(None, 10 * AUTO_MAX_BATCH, 4) == AUTO_MAX_BATCH
+    assert planned_slots(7, 1, 1) == 7

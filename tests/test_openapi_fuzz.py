@@ -17,7 +17,7 @@ over 300 tokens) reaches the constraint compiler too.
 A positive case the document itself refuses (the generator's rounding at a bound: ``seed`` 2**64 against
 ``exclusiveMaximum`` 2**64) is held to a 4xx instead: the document, read by ``jsonschema``, decides.
 
-Bounded for the suite: ``EXAMPLES`` (250) examples per route, about half positive, derandomized (the same requests
+Bounded for the suite: ``EXAMPLES`` (120) examples per route, about half positive, derandomized (the same requests
 on every run): about 40 s for the file on 2 cores, the model's build (10 s) included. A larger run:
 ``ORTSPEC_FUZZ_EXAMPLES=4000 python -m pytest tests/test_openapi_fuzz.py`` (examples per route: about 3.5 min for
 completions and 5 min for chat, plus Hypothesis's shrinking of whatever it finds).
@@ -53,7 +53,7 @@ from ortspec.adapters.serve.settings import ServerSettings  # noqa: E402
 from ortspec.backends.onnx import BackendConfig  # noqa: E402
 
 MODEL = "tiny"
-EXAMPLES = int(os.environ.get("ORTSPEC_FUZZ_EXAMPLES", "250"))
+EXAMPLES = int(os.environ.get("ORTSPEC_FUZZ_EXAMPLES", "120"))
 CHECKS = [
     not_a_server_error,
     status_code_conformance,

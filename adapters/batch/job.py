@@ -38,7 +38,8 @@ class BatchJob:
     (``threads`` None: the cores shared out); on this machine the product may not exceed the cores this process
     may use; one worker runs in this process, more run as worker processes, each pinned to its own cores
     (``pin``). ``max_batch``: the records each worker decodes at once, the slots of its Engine's one scheduler
-    (continuous batching: the next record joins as soon as a slot frees); a folder that cannot be batched (a
+    (continuous batching: the next record joins as soon as a slot frees); None (the default): sized from the work,
+    each worker's share of the records to do, up to ``worker.AUTO_MAX_BATCH``; a folder that cannot be batched (a
     hybrid model, CUDA, static shapes) runs one record at a time (a note says why). ``prefill_budget``: the most
     prompt tokens one of a worker's passes folds in (``BatchDriver``'s; None: unbounded). ``ray``: run on Ray
     Data instead: ``"local"`` starts a local Ray instance, any other value is the address for ``ray.init``
@@ -62,7 +63,7 @@ class BatchJob:
     options: Mapping[str, Any] = attrs.field(factory=dict, converter=dict)
     workers: int = 1
     threads: int | None = None
-    max_batch: int = 16
+    max_batch: int | None = None
     prefill_budget: int | None = DEFAULT_PREFILL_BUDGET
     ray: str | None = None
     backend: BackendConfig = attrs.field(factory=BackendConfig)

@@ -63,8 +63,10 @@ def _check_job(job: BatchJob) -> None:
         raise BatchError(f"backend must be a BackendConfig, got {type(job.backend).__name__}")
     if job.backend.threads is not None:
         raise BatchError("backend.threads: set the job's threads (each worker's), not the backend's")
-    if isinstance(job.max_batch, bool) or not isinstance(job.max_batch, int) or job.max_batch < 1:
-        raise BatchError(f"max_batch must be an int >= 1, got {job.max_batch!r}")
+    if job.max_batch is not None and (
+        isinstance(job.max_batch, bool) or not isinstance(job.max_batch, int) or job.max_batch < 1
+    ):
+        raise BatchError(f"max_batch must be None or an int >= 1, got {job.max_batch!r}")
     try:
         check_prefill_budget(job.prefill_budget)
     except ValueError as exc:

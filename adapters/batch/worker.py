@@ -33,10 +33,25 @@ Finished = tuple[Task, dict[str, Any], dict[str, Any]]
 # alone, "auto" the suffix lookup or the drafter, per draft); every other value drafts without it.
 
 
+# The most records a worker decodes at once when the job does not say (``max_batch`` None): chosen by measurement on
+# the throughput dataset's tuning split (python -m bench.slots: docs/bench/slots-tuning.md), the size with the best
+# median tokens/s (more slots hold more KV memory and did not go faster there).
+AUTO_MAX_BATCH = 16
+
+
 def _max_batch(value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"max_batch must be an int >= 1, got {value!r}")
     return value
+
+
+def planned_slots(max_batch: int | None, tasks: int, workers: int) -> int:
+    """The records each worker decodes at once: ``max_batch`` when the job gives it; else sized from the work, each
+    worker's share of the ``tasks`` (rounded up) up to ``AUTO_MAX_BATCH``, and at least 1."""
+    if max_batch is not None:
+        return max_batch
+    share = -(-tasks // max(workers, 1))
+    return max(1, min(share, AUTO_MAX_BATCH))
 
 
 def speculative_of(task: Task, defaults: Mapping[str, Any]) -> Any:
@@ -80,14 +95,14 @@ class WorkerSettings:
         ``tasks`` the run has to do. The drafter is opened only when one of them drafts with it (``needs_drafter``:
         its own ``speculative`` or the job's default is ``"shared-kv"`` or ``"auto"``), as ``job.drafter`` says;
         otherwise not at all (``False``), whatever ``job.drafter`` says. The workers warm up only when one of them
-        speculates."""
+        speculates. Each worker's slots are ``planned_slots`` (the job's ``max_batch``, or sized from the work)."""
         tasks = list(tasks)
         drafter = job.drafter if needs_drafter(defaults, tasks) else False
         return cls(
             threads,
             defaults,
             job.backend,
-            job.max_batch,
+            planned_slots(job.max_batch, len(tasks), job.workers),
             job.prefill_budget,
             drafter,
             speculates(defaults, tasks),

@@ -25,8 +25,8 @@ if TYPE_CHECKING:
 
 EXAMPLES = """\
 examples:
-  ortspec batch prompts.jsonl results.jsonl                    # one Engine in this process, 16 records at once
-  ortspec batch prompts.jsonl results.jsonl --max-batch 32     # 32 records decode together per worker
+  ortspec batch prompts.jsonl results.jsonl                    # one Engine in this process, slots sized from the work
+  ortspec batch prompts.jsonl results.jsonl --max-batch 8      # 8 records decode together per worker
   ortspec batch prompts.jsonl results.jsonl --workers 2 --threads 1   # two worker processes
   ortspec batch prompts.jsonl results.jsonl --defaults '{"temperature": 0.7, "top_p": 0.9}'
   ortspec batch prompts.jsonl results.jsonl --ray              # a local Ray instance; --ray auto joins a cluster
@@ -75,9 +75,10 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     r.add_argument(
         "--max-batch",
         type=positive_int,
-        default=16,
+        default=None,
         metavar="N",
-        help="records each worker decodes at once, joining as slots free (default %(default)s)",
+        help="records each worker decodes at once, joining as slots free (default: sized from the work, each "
+        "worker's share of the records, up to a cap chosen by measurement: docs/batch.md)",
     )
     prefill_budget_option(r)
     r.add_argument(
