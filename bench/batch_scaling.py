@@ -40,7 +40,7 @@ from bench.machine import background_load, machine_info
 from bench.workloads import build_workloads, describe_workloads, encode_chat
 from ortspec.adapters.batch import BatchJob, run_batch
 from ortspec.adapters.batch.output import OutputWriter
-from ortspec.adapters.batch.worker import BatchWorker, WorkerSettings
+from ortspec.adapters.batch.worker import BatchWorker, WorkerSettings, planned_slots
 from ortspec.adapters.engine.tokenizer import Tokenizer
 from ortspec.core import PromptLookup
 from ortspec.core.width import acceptance_rate
@@ -433,7 +433,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         for threads in sorted({parse_config(c)[2] for c in configs}):
             # What speculation needs for each thread count is measured once and cached (BatchWorker's warm-up:
             # Engine.warm); doing it here keeps that one-off measurement out of the first timed run.
-            BatchWorker(model_dir, WorkerSettings(threads, OPTIONS, max_batch=MAX_BATCH)).close()
+            slots = planned_slots(MAX_BATCH, len(src.read_text(encoding="utf-8").splitlines()), 1)
+            BatchWorker(model_dir, WorkerSettings(threads, OPTIONS, max_batch=slots)).close()
         order = [c for r in range(args.repeat) for c in (configs if r % 2 == 0 else configs[::-1])]
         repeats: dict[str, int] = {}
         runs, outs = [], {}

@@ -18,11 +18,7 @@ The values it returns and raises live in ``ortspec.results``; ``Speculation`` in
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import AbstractContextManager
-
-import attrs
+from collections.abc import Iterator, Sequence
 
 from ortspec.backends.base import Backend, OneSlot
 from ortspec.batch_driver import BatchDriver
@@ -48,7 +44,6 @@ __all__ = [
     "Generation",
     "GenerationAborted",
     "GenerationError",
-    "PassGuard",
     "ProposerError",
     "Speculation",
     "StreamCallback",
@@ -82,19 +77,6 @@ def generate(
     return run.run(callback)
 
 
-@attrs.frozen
-class PassGuard:
-    """How every pass of a ``Generation`` (the prompt pass and each step) is guarded: ``lease``, a context manager
-    entered around the pass (e.g. the lock of a backend shared by several generations), and ``before_pass``, called
-    inside it before the pass (e.g. to check that the backend is still this generation's). What either raises ends
-    the generation with a ``GenerationError``. Pass a lock itself as the lease (not a Python class whose
-    ``__enter__`` acquires it): a KeyboardInterrupt can land just after a Python-level ``acquire()`` returns, before
-    ``__exit__`` is armed, and leave the lock held; a lock's own ``with`` cannot be split that way."""
-
-    lease: AbstractContextManager[object] | None = None
-    before_pass: Callable[[], None] | None = None
-
-
 class Generation:
     """One generation as an iterator of ``Commit``s, run one target pass at a time as it is consumed: a batch of
     one on ``OneSlot(backend)`` (the module docstring). The prompt pass runs at construction.
@@ -104,8 +86,8 @@ class Generation:
     ``cached_prefix``: how many leading prompt tokens the backend already holds the KV of (the caller vouches, e.g.
     from ``resident_tokens()`` of the previous generation on the same backend); the prompt pass then rewinds to
     what the core reuses of them (``core.prefix.reusing``) and prefills only the rest. 0 resets the backend.
-    ``guard``: how every pass is guarded (``PassGuard``). ``on_finish``: called once with the finished state at the
-    end of the pass that finished it (not when the generation fails; ``FinishCallback``).
+    ``on_finish``: called once with the finished state at the end of the pass that finished it (not when the
+    generation fails; ``FinishCallback``).
     """
 
     def __init__(
@@ -118,12 +100,8 @@ class Generation:
         draft_width: int | WidthPolicy = 8,
         detokenize: Detokenize | None = None,
         cached_prefix: int = 0,
-        guard: PassGuard | None = None,
         on_finish: FinishCallback | None = None,
     ) -> None:
-        guard = guard if guard is not None else PassGuard()
-        self._lease = guard.lease if guard.lease is not None else contextlib.nullcontext()
-        self._before_pass = guard.before_pass
         slot = OneSlot(backend)
         self._backend = slot
         # the whole prompt in one row, as a lone prompt pass: the chunk is the context, the budget unbounded
@@ -140,12 +118,10 @@ class Generation:
             raise self._sequence.error
 
     def _pass(self) -> None:
-        """One pass of the driver inside the guard; what the guard raises fails the sequence."""
+        """One pass of the driver; what the driver raises itself (a sequence's own failures it records) fails the
+        sequence."""
         try:
-            with self._lease:
-                if self._before_pass is not None:
-                    self._before_pass()
-                self._driver.step()
+            self._driver.step()
         except Exception as exc:
             self._sequence._fail(exc)
 

@@ -30,6 +30,7 @@ import attrs
 import numpy as np
 
 from ortspec.adapters.engine.tokenizer import Tokenizer
+from ortspec.adapters.tools.drafter_recipe import TrainConfig
 from ortspec.backends.onnx import ModelFolder, make_session_options
 from ortspec.backends.onnx.graph_features import append_features, residual_output_name
 
@@ -353,19 +354,18 @@ class TargetRunner:
 def collect(
     folder: ModelFolder,
     layer: int,
+    recipe: TrainConfig,
     *,
-    count: int,
-    batch: int = 16,
-    max_new: int = 160,
-    seed: int = 0,
     threads: int | None = None,
     deadline: float | None = None,
     progress: Callable[[str], None] | None = None,
-    features: Sequence[int] = (),
 ) -> list[TargetSequence]:
-    """The first ``count`` sequences of :func:`prompt_batches` (``seed``) run through :class:`TargetRunner` (its
-    ``features`` too), in order: the same ``count`` and ``seed`` give the same prompts. Stops early, after the batch
-    under way, only once ``deadline`` (a ``time.perf_counter()`` value; None: never) has passed."""
+    """The first ``recipe.sequences`` sequences of :func:`prompt_batches` (``recipe.batch`` prompts at a time,
+    ``recipe.seed``) run through :class:`TargetRunner` (``recipe.feature_layers`` too) for up to ``recipe.max_new``
+    new tokens each, in order: the same count and seed give the same prompts. Stops early, after the batch under
+    way, only once ``deadline`` (a ``time.perf_counter()`` value; None: never) has passed."""
+    count, batch, max_new, seed = recipe.sequences, recipe.batch, recipe.max_new, recipe.seed
+    features = recipe.feature_layers
     say = progress or (lambda _m: None)
     tokenizer = Tokenizer.from_folder(folder.path)
     runner = TargetRunner(folder, layer, threads=threads, features=features)

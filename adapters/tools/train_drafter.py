@@ -233,18 +233,8 @@ def train_drafter(
         f"{cfg.updates} updates of {cfg.train_batch}, seed {cfg.seed}, {threads} threads"
         + (f", safety bound {cfg.minutes:g} min" if bound is not None else "")
     )
-    sequences = collect(
-        target,
-        layer,
-        count=cfg.sequences,
-        batch=cfg.batch,
-        max_new=cfg.max_new,
-        seed=cfg.seed,
-        threads=threads,
-        deadline=None if bound is None else t_start + bound * cfg.data_share,
-        progress=say,
-        features=cfg.feature_layers,
-    )
+    deadline = None if bound is None else t_start + bound * cfg.data_share
+    sequences = collect(target, layer, cfg, threads=threads, deadline=deadline, progress=say)
     t_data = time.perf_counter() - t_start
     order = np.random.default_rng(cfg.seed).permutation(len(sequences))
     held = min(cfg.heldout, len(sequences) - 1)
