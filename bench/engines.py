@@ -58,6 +58,7 @@ ALL_ENGINES = (*ORTSPEC_ENGINES, *SAMPLED_ORTSPEC_ENGINES, *PEER_ENGINES, *SAMPL
 REFERENCE = "ortspec-greedy"  # identity is checked against its tokens (greedy engines)
 BASELINE = "ortgenai"
 NGRAM_PEER = "ortgenai-ngram"
+DEFAULT_NGRAM = (3, 8)  # the n-gram peers' (ngram_size, max_draft_tokens) unless a run chooses another
 KMAX = 16  # the widest draft of the adaptive settings, and the verify cost curve's last K
 
 # The sampled column: temperature 0.7, top_p 0.9 (no top_k, min_p or penalties), one seed per prompt.
@@ -314,13 +315,18 @@ class PeerEngine:
 
 
 def load_peer(
-    name: str, model_dir: Path, threads: int, cache_root: Path | None = None
+    name: str,
+    model_dir: Path,
+    threads: int,
+    cache_root: Path | None = None,
+    ngram: tuple[int, int] = DEFAULT_NGRAM,
 ) -> tuple[PeerEngine, None] | tuple[None, str]:
     """The peer ``name`` (one of ``PEER_ENGINES`` or ``SAMPLED_PEER_ENGINES``) on ``model_dir``, or ``(None, why
-    it is missing)``. The n-gram peers draft 3-grams, up to 8 tokens; the sampled peers sample at ``SAMPLING``;
+    it is missing)``. The n-gram peers draft with ``ngram`` (ngram_size, max_draft_tokens); the sampled peers
+    sample at ``SAMPLING``;
     onnx_genai gets a fresh engine per run (no prefix-cache hits), its time to first token from a probe, and its
     patched folder under ``cache_root`` when given."""
-    options: dict[str, Any] = {"ngram_size": 3, "max_draft_tokens": 8}
+    options: dict[str, Any] = {"ngram_size": ngram[0], "max_draft_tokens": ngram[1]}
     if name in SAMPLED_PEER_ENGINES:
         options["sampling"] = dict(SAMPLING)
     if name == "onnx_genai":

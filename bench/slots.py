@@ -1,15 +1,16 @@
 """How many requests at once: ortspec's batched throughput by its number of slots, against ONNX Runtime GenAI's
 static batches of the same sizes, side by side, on one split of the throughput dataset.
 
-    python -m bench.slots [--split tuning|evaluation] [--sizes 8,16,32] [--repeats 3] [--threads 2]
-                          [--batch-command] [--out docs/bench/slots-<split>.md]
+    python -m bench.slots [--split tuning|evaluation] [--sizes 8,16,32] [--genai-sizes 1,2,4,8,16,32]
+                          [--repeats 3] [--threads 2] [--batch-command] [--out docs/bench/slots-<split>.md]
 
 The requests are ``bench.throughput``'s (chat prompts, each with its own number of new tokens, EOS ignored, greedy),
 the ``--split`` half of them (``bench.throughput.split``: constants are chosen on ``tuning`` and reported on
 ``evaluation``). For each size N: one Engine with ``batch_slots=N`` (plain decoding, no drafter) runs every request
-through its one scheduler (``Engine.generate_requests``), and ORT GenAI runs consecutive groups of N requests as
-static batches (``bench.throughput.run_genai``). With ``--batch-command``, the ``ortspec batch`` command (its
-defaults, the whole job as a subprocess: start and model load included) runs the same requests too. Every
+through its one scheduler (``Engine.generate_requests``); for each of ``--genai-sizes`` (default: the same
+sizes) ORT GenAI runs consecutive groups of that many requests as static batches (``bench.throughput.run_genai``).
+With ``--batch-command``, the ``ortspec batch`` command (its defaults, the whole job as a subprocess: start and
+model load included) runs the same requests too. Every
 configuration runs ``--repeats`` times, interleaved (the order of the sizes rotates each round), after a warm-up of
 each shape; the report gives each one's median tokens/s, its spread (min-max), and its ratio to ORT GenAI's best
 median. Every ortspec output must be the same in every configuration (a request's output does not depend on what
@@ -32,10 +33,11 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import attrs
+
 from bench.machine import machine_info
 from bench.peers import OrtGenAIRunner, make_peer
 from bench.throughput import (
-    SPLITS,
     ColumnRun,
     Request,
     batch_args,
@@ -46,7 +48,7 @@ from bench.throughput import (
     run_genai,
     split,
 )
-from bench.workloads import encode_chat
+from bench.workloads import SPLITS, encode_chat
 from ortspec import BackendConfig, Engine
 from ortspec.adapters.engine.options import GenerationOptions
 from ortspec.adapters.engine.tokenizer import Tokenizer
@@ -68,7 +70,7 @@ def _rounds(sizes: Sequence[int], repeats: int) -> list[list[int]]:
 
 
 def measure(args: argparse.Namespace, requests: Sequence[Request], tmp: Path) -> dict[str, Any]:
-    model_dir = model_folder("fp32")
+    model_dir = args.model_dir or model_folder("fp32")
     tokenizer = Tokenizer.from_folder(model_dir)
     config = BackendConfig(threads=args.threads)
     engines = {n: Engine.from_dir(model_dir, config, batch_slots=n, drafter=False) for n in args.sizes}
@@ -80,19 +82,19 @@ def measure(args: argparse.Namespace, requests: Sequence[Request], tmp: Path) ->
     for n, engine in engines.items():  # every shape once, untimed
         head = [(list(q.messages), GenerationOptions(max_tokens=4, speculative=None)) for q in requests[:n]]
         generate_batched(engine, head)
-        if runner is not None:
-            runner.run_batch(ids[:n], 2)
+    for n in args.genai_sizes if runner is not None else ():
+        runner.run_batch(ids[:n], 2)
     runs: list[ColumnRun] = []
 
     def done(run: ColumnRun) -> None:
         print(f"  {run.column:28} {run.seconds:7.1f} s {run.tokens_per_s:7.1f} tok/s", file=sys.stderr, flush=True)
         runs.append(run)
 
-    for order in _rounds(args.sizes, args.repeats):
-        for n in order:
+    for ours, theirs in zip(_rounds(args.sizes, args.repeats), _rounds(args.genai_sizes, args.repeats), strict=True):
+        for n in ours:
             done(run_ortspec(engines[n], requests, n))
-            if runner is not None:
-                done(run_genai(runner, requests, n, "greedy", tokenizer))
+        for n in theirs if runner is not None else ():
+            done(run_genai(runner, requests, n, "greedy", tokenizer))
         if args.batch_command:
             done(run_batch_command(model_dir, requests, "greedy", args.threads, tmp))
     for engine in engines.values():
@@ -232,6 +234,9 @@ def _commit() -> str:
     return done.stdout.strip() or "unknown"
 
 
+QUICK = "check that it works (not speed): a tiny random model, the 4 shortest requests x 8 tokens, 2 and 4 slots, once"
+
+
 def _sizes(text: str) -> list[int]:
     sizes = [int(x) for x in text.split(",") if x.strip()]
     if not sizes or min(sizes) < 1:
@@ -244,19 +249,47 @@ def main(argv: Sequence[str] | None = None, *, measure_fn: Callable[..., dict[st
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--split", choices=SPLITS, default="tuning", help="the dataset's half (default tuning)")
     ap.add_argument("--sizes", type=_sizes, default=[8, 16, 32], help="slots / batch sizes (default 8,16,32)")
+    ap.add_argument(
+        "--genai-sizes",
+        type=_sizes,
+        help="ORT GenAI's batch sizes (default: --sizes); a size of at least the "
+        "number of requests is one batch of them all",
+    )
     ap.add_argument("--repeats", type=int, default=3, help="runs of each configuration, interleaved (default 3)")
     ap.add_argument("--threads", type=int, default=2, help="intra-op threads of every engine (default 2)")
     ap.add_argument("--batch-command", action="store_true", help="also run `ortspec batch` with its defaults")
     ap.add_argument("--out", type=Path, help="the report (default docs/bench/slots-<split>.md)")
     ap.add_argument("--from-log", type=Path, help="the report of a run cut short, from the lines it printed")
+    ap.add_argument("--quick", action="store_true", help=QUICK)
     args = ap.parse_args(argv)
+    args.genai_sizes = args.genai_sizes or args.sizes
     started = time.perf_counter()
     requests = split(load_dataset(), args.split)
-    if args.from_log is not None:
-        measured = _from_log(args, requests)
-    else:
-        with tempfile.TemporaryDirectory(prefix="ortspec-slots-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="ortspec-slots-") as tmp:
+        args.model_dir = None
+        if args.quick:
+            from tests.support.models import make_tiny_model
+
+            args.model_dir = Path(make_tiny_model(Path(tmp) / "tiny-model", context=4096))
+            args.sizes, args.genai_sizes, args.repeats = [2, 4], [2, 4], 1
+            args.out = args.out or Path(tmp) / f"slots-{args.split}.md"
+            shortest = sorted(requests, key=lambda q: sum(len(m["content"]) for m in q.messages))[:4]
+            requests = [attrs.evolve(q, max_tokens=min(q.max_tokens, 8)) for q in shortest]
+        if args.from_log is not None:
+            measured = _from_log(args, requests)
+        else:
             measured = measure_fn(args, requests, Path(tmp))
+        return _write(args, argv, requests, measured, started)
+
+
+def _write(
+    args: argparse.Namespace,
+    argv: Sequence[str],
+    requests: Sequence[Request],
+    measured: dict[str, Any],
+    started: float,
+) -> int:
+    """Writes the report (markdown and json) of ``measured``; the exit status."""
     report = {
         "command": "python -m bench.slots" + (" " + " ".join(argv) if argv else ""),
         "date_utc": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),

@@ -25,13 +25,17 @@ Engines (``--engines``, comma separated):
 ``ortspec-lookup-adaptive-sampled``  ``ortspec-lookup-adaptive`` sampling the same way, at the same seed
 ``ortspec-auto-sampled``      ``ortspec-auto`` sampling the same way, at the same seed
 ``ortgenai``                  ONNX Runtime GenAI greedy
-``ortgenai-ngram``            ONNX Runtime GenAI n-gram speculation (ngram_size=3, max_draft_tokens=8)
+``ortgenai-ngram``            ONNX Runtime GenAI n-gram speculation (``--ngram SIZE,DRAFT``, default 3,8)
 ``onnx_genai``                onnx_genai greedy, a fresh engine per run (no prefix-cache hits)
 ``ortgenai-sampled``          ONNX Runtime GenAI sampling (do_sample, temperature 0.7, top_p 0.9, top_k = the
                               vocabulary, i.e. no cut; random_seed = the prompt's seed)
-``ortgenai-ngram-sampled``    the same with its n-gram speculation (ngram_size=3, max_draft_tokens=8)
+``ortgenai-ngram-sampled``    the same with its n-gram speculation (the same ``--ngram``)
 
 A peer that cannot be imported or loaded is listed under ``missing`` with the reason; nothing is faked.
+
+Prompts (``--split``): each category's evaluation half by default (``bench.workloads.half``), so constants
+chosen on the tuning half are reported on prompts they were not chosen on; ``--n-per-category`` counts the
+prompts in the half.
 
 Categories (``--categories``): the four of independent prompts (``bench.workloads.CATEGORIES``), and
 ``repetitive``, the repetitive stream (``bench.repetitive``): requests of three task shapes whose answers share
@@ -92,6 +96,7 @@ from tqdm import tqdm
 from bench.engines import (
     ALL_ENGINES,
     ALL_FILTERS,
+    DEFAULT_NGRAM,
     DRAFTER_ENGINES,
     KMAX,
     ORTSPEC_ENGINES,
@@ -127,7 +132,7 @@ from bench.report import (
     summarize,
     write_results,
 )
-from bench.workloads import SUITE_CATEGORIES, Workload, build_workloads, describe_workloads, encode_chat
+from bench.workloads import SPLITS, SUITE_CATEGORIES, Workload, build_workloads, describe_workloads, encode_chat
 from ortspec.adapters.engine import Engine
 from ortspec.adapters.engine.measurements import measure_pass_costs, probe_ids
 from ortspec.adapters.engine.tokenizer import Tokenizer
@@ -171,6 +176,8 @@ class SuiteConfig:
     command: str
     engines: tuple[str, ...]  # the reference first when it was not asked for
     categories: tuple[str, ...]
+    split: str | None  # the prompts' half (bench.workloads.SPLITS), or None for every prompt
+    ngram: tuple[int, int]  # the n-gram peers' (ngram_size, max_draft_tokens)
     threads: int
     n_per_category: int
     max_new_tokens: int
@@ -209,6 +216,8 @@ class SuiteConfig:
             command="python -m bench.suite" + ("" if not argv else " " + " ".join(argv)),
             engines=tuple(wanted),
             categories=tuple(c for c in args.categories.split(",") if c),
+            split=None if args.split == "all" else args.split,
+            ngram=args.ngram,
             threads=args.threads,
             n_per_category=args.n_per_category,
             max_new_tokens=args.max_new_tokens,
@@ -236,6 +245,8 @@ class SuiteConfig:
             "precision": self.precision,
             "threads": self.threads,
             "categories": list(self.categories),
+            "split": self.split or "all",
+            "ngram": {"ngram_size": self.ngram[0], "max_draft_tokens": self.ngram[1]},
             "n_per_category": self.n_per_category,
             "max_new_tokens": self.max_new_tokens,
             "max_prompt_tokens": self.max_prompt_tokens,
@@ -375,7 +386,7 @@ def load_engines(
     for name in [e for e in cfg.engines if e in (*PEER_ENGINES, *SAMPLED_PEER_ENGINES)]:
         log(f"loading peer {name}")
         cache = cfg.workdir / "onnx_genai-cache" if cfg.quick else None
-        peer, why = load_peer(name, cfg.model_dir, cfg.threads, cache_root=cache)
+        peer, why = load_peer(name, cfg.model_dir, cfg.threads, cache_root=cache, ngram=cfg.ngram)
         if peer is None:
             missing[name] = why
             log(f"peer {name} missing: {why}")
@@ -608,6 +619,7 @@ def load_prompts(cfg: SuiteConfig, tokenizer: Tokenizer, log: Log) -> tuple[list
         tokenizer,
         max_new_tokens=cfg.max_new_tokens,
         categories=cfg.categories,
+        split=cfg.split,
     )
     prompts = [Prompt(w, tuple(encode_chat(w.messages, tokenizer))) for w in workloads]
     lens = [len(p.ids) for p in prompts]
@@ -743,6 +755,17 @@ def _git_commit() -> str | None:
 # --------------------------------------------------------------------------------------------------------------
 
 
+def _ngram_setting(text: str) -> tuple[int, int]:
+    """``SIZE,DRAFT`` as two positive ints; ``argparse.ArgumentTypeError`` naming the problem otherwise."""
+    try:
+        size, draft = (int(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected SIZE,DRAFT (two integers), got {text!r}") from None
+    if size < 1 or draft < 1:
+        raise argparse.ArgumentTypeError(f"ngram size and draft length must be >= 1, got {text!r}")
+    return size, draft
+
+
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m bench.suite", description=__doc__.splitlines()[0])
     ap.add_argument("--model-dir", help="model folder (default: the cached SmolLM2 folder of --precision)")
@@ -755,7 +778,20 @@ def _parser() -> argparse.ArgumentParser:
     )
     ap.add_argument("--threads", type=int, default=2, help="intra-op threads for every engine (default 2)")
     ap.add_argument("--categories", default=",".join(SUITE_CATEGORIES))
-    ap.add_argument("--n-per-category", type=int, default=8)
+    ap.add_argument(
+        "--split",
+        choices=(*SPLITS, "all"),
+        default="evaluation",
+        help="the prompts' half: tuning (to choose constants on), evaluation (to report; the default), or all",
+    )
+    ap.add_argument("--n-per-category", type=int, default=8, help="prompts per category (in the chosen half)")
+    ap.add_argument(
+        "--ngram",
+        type=_ngram_setting,
+        default=DEFAULT_NGRAM,
+        help="the ORT GenAI n-gram peers' setting SIZE,DRAFT (ngram_size, max_draft_tokens; default "
+        f"{DEFAULT_NGRAM[0]},{DEFAULT_NGRAM[1]}; python -m bench.ngram_grid chooses one on the tuning split)",
+    )
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--max-prompt-tokens", type=int, default=1500)
     ap.add_argument("--engines", default=",".join(ALL_ENGINES), help="comma-separated engine names")

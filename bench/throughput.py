@@ -59,7 +59,7 @@ from bench.batch_scaling import outputs as batch_outputs
 from bench.engines import SAMPLING, prompt_seed
 from bench.machine import machine_info
 from bench.peers import OrtGenAIRunner, make_peer
-from bench.workloads import CATEGORIES, Workload, build_workloads, encode_chat, python_version_tag
+from bench.workloads import CATEGORIES, Workload, build_workloads, encode_chat, half, python_version_tag
 from ortspec import BackendConfig, Engine
 from ortspec.adapters.engine.engine import DEFAULT_SLOTS
 from ortspec.adapters.engine.options import GenerationOptions
@@ -216,23 +216,10 @@ def load_dataset(path: Path = DATASET) -> list[Request]:
     return [Request(r["id"], r["messages"], r["max_tokens"], r["kind"]) for r in raw["records"]]
 
 
-SPLITS = ("tuning", "evaluation")
-
-
 def split(requests: Sequence[Request], part: str) -> list[Request]:
-    """The dataset's ``part`` (``SPLITS``), in dataset order: within each kind, the requests at even positions are
-    the tuning split and those at odd positions the evaluation split (half each; every request has its own source
-    text, so the two share none). Constants chosen by measurement are chosen on the tuning split and reported on
-    the evaluation split."""
-    if part not in SPLITS:
-        raise ValueError(f"split must be one of {SPLITS}, got {part!r}")
-    position: dict[str, int] = {}
-    chosen = []
-    for q in requests:
-        at = position[q.kind] = position.get(q.kind, -1) + 1
-        if (at % 2 == 0) == (part == "tuning"):
-            chosen.append(q)
-    return chosen
+    """The dataset's ``part`` (``bench.workloads.SPLITS``; ``bench.workloads.half`` by kind): every request has its
+    own source text, so the two halves share none."""
+    return half(requests, part, lambda q: q.kind)
 
 
 def quick_requests(requests: Sequence[Request], tokenizer: Tokenizer) -> list[Request]:

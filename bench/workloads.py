@@ -45,7 +45,7 @@ import textwrap
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from bench.repetitive import repetitive_prompt
 from ortspec.adapters.engine.tokenizer import Tokenizer
@@ -58,6 +58,11 @@ STREAM_CATEGORIES = ("repetitive",)
 SUITE_CATEGORIES = (*CATEGORIES, *STREAM_CATEGORIES)
 
 DEFAULT_MAX_TOKENS = 256
+
+# Every workload's two disjoint halves: constants chosen by measurement are chosen on ``tuning`` and reported on
+# ``evaluation`` (``half``).
+SPLITS = ("tuning", "evaluation")
+T = TypeVar("T")
 
 # --------------------------------------------------------------------------
 # Data types
@@ -635,8 +640,11 @@ def build_workloads(
     *,
     max_new_tokens: int | dict[str, int] = DEFAULT_MAX_TOKENS,
     categories: Iterable[str] = CATEGORIES,
+    split: str | None = None,
 ) -> list[Workload]:
-    """Build ``n_per_category`` prompts for each category, in category order.
+    """Build ``n_per_category`` prompts for each category, in category order: with ``split`` (one of ``SPLITS``),
+    that half of ``2 * n_per_category`` prompts per category (``half``), so the tuning and evaluation prompts of a
+    category share no source text.
 
     ``tokenizer`` is an ortspec ``Tokenizer`` (or a model folder, read with
     ``Tokenizer.from_folder``): every prompt, rendered with its chat template, is
@@ -654,8 +662,23 @@ def build_workloads(
         if cat not in _BUILDERS:
             raise ValueError(f"unknown category {cat!r}; expected one of {SUITE_CATEGORIES}")
         mnt = max_new_tokens.get(cat, DEFAULT_MAX_TOKENS) if isinstance(max_new_tokens, dict) else max_new_tokens
-        result.extend(_BUILDERS[cat](n_per_category, budget, int(mnt), pyver))
+        built = _BUILDERS[cat](n_per_category * (2 if split else 1), budget, int(mnt), pyver)
+        result.extend(half(built, split, lambda w: w.category) if split else built)
     return result
+
+
+def half(items: Iterable[T], part: str, kind: Callable[[T], str]) -> list[T]:
+    """``items``' half ``part`` (one of ``SPLITS``), in order: within each ``kind``, the items at even positions are
+    the tuning half and those at odd positions the evaluation half. Raises ``ValueError`` for another ``part``."""
+    if part not in SPLITS:
+        raise ValueError(f"split must be one of {SPLITS}, got {part!r}")
+    position: dict[str, int] = {}
+    chosen = []
+    for item in items:
+        at = position[kind(item)] = position.get(kind(item), -1) + 1
+        if (at % 2 == 0) == (part == "tuning"):
+            chosen.append(item)
+    return chosen
 
 
 def workloads_digest(workloads: Sequence[Workload]) -> str:

@@ -1,17 +1,18 @@
-"""Write the README's headline numbers from a benchmark suite results file.
+"""Write the README's headline numbers from the results files ``python -m bench`` writes.
 
-    python scripts/readme_numbers.py                                   # docs/bench/results-fp32-issue20-s8b.json
-    python scripts/readme_numbers.py docs/bench/results-fp32-NEW.json  # a newer run replaces it
-    python scripts/readme_numbers.py --check                           # exit status 1 if README.md differs
+    python scripts/readme_numbers.py                    # docs/bench/results-evaluation.json, slots-evaluation.json
+    python scripts/readme_numbers.py RESULTS --slots SLOTS   # other runs
+    python scripts/readme_numbers.py --check            # exit status 1 if README.md differs
 
 The table is one row per workload (the run's categories) and headline setting (``speculative="auto"``, greedy and
 sampled): tokens/s end to end, the medians of per-prompt speedups over plain ortspec decoding (greedy, or plain
 sampling at the same seed), over ONNX Runtime GenAI greedy and over its n-gram speculation (sampled: its sampled
 n-gram speculation), tokens per target pass, and how many outputs were identical to plain decoding's. Every number
 is read from the results file as ``bench.report`` wrote it (the same ratios and cells as its markdown report), and
-the paragraph above the table gives the run's date, commit, machine and model, linking the results files. Both go
-between the two marker lines in README.md; tests/test_readme_numbers.py fails when the README's copy differs from
-what this writes.
+the paragraph above the table gives the run's date, commit, machine and model, linking the results files. A second
+table, from ``bench.slots``' results file, gives many requests at once: each configuration's median tokens/s, its
+spread and its ratio to ORT GenAI's best static batch. All of it goes between the two marker lines in README.md;
+tests/test_readme_numbers.py fails when the README's copy differs from what this writes.
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ sys.path.append(str(ROOT))  # the repository root, for bench
 from bench import report  # noqa: E402
 from bench.engines import SAMPLED_AUTO  # noqa: E402
 
-DEFAULT_RESULTS = ROOT / "docs" / "bench" / "results-fp32-issue20-s8b.json"
+DEFAULT_RESULTS = ROOT / "docs" / "bench" / "results-evaluation.json"
+DEFAULT_SLOTS = ROOT / "docs" / "bench" / "slots-evaluation.json"
 README = ROOT / "README.md"
 BEGIN = "<!-- scripts/readme_numbers.py writes this table -->"
 END = "<!-- end of the numbers -->"
@@ -59,6 +61,7 @@ def caption(result: dict[str, Any], path: Path) -> str:
     cfg, machine = result["config"], result["machine"]
     date = datetime.fromisoformat(result["date_utc"]).astimezone(UTC).strftime("%Y-%m-%d %H:%M UTC")
     versions = machine.get("versions") or {}
+    ngram = cfg.get("ngram") or {}
     sampling = ", ".join(f"{k} {v}" for k, v in ((result.get("sampling") or {}).get("options") or {}).items())
     files = [f"[{path.suffix[1:]}]({_relative(path)})"]
     if path.with_suffix(".md").exists():
@@ -67,8 +70,11 @@ def caption(result: dict[str, Any], path: Path) -> str:
         f"Measured {date} at commit `{result['git_commit'][:10]}` on {machine.get('cpu')}, "
         f"{(machine.get('cores') or {}).get('usable')} cores, {cfg['threads']} threads per engine (onnxruntime "
         f"{versions.get('onnxruntime')}, ONNX Runtime GenAI {versions.get('onnxruntime-genai')}); "
-        f"{Path(cfg['model_dir']).name}, {cfg['n_per_category']} prompts per workload x {cfg['max_new_tokens']} new "
-        f"tokens; {result.get('disturbed_runs', 0)} of {len(result.get('runs', []))} runs disturbed "
+        f"{Path(cfg['model_dir']).name}, {cfg['n_per_category']} prompts per workload (its {cfg.get('split', 'all')} "
+        f"split) x {cfg['max_new_tokens']} new tokens, {cfg['repeat']} interleaved repetitions; ORT GenAI's n-gram at "
+        f"ngram_size {ngram.get('ngram_size', 3)}, max_draft_tokens {ngram.get('max_draft_tokens', 8)} (its best on "
+        f"the tuning split, [grid](docs/bench/ngram-grid.md)); {result.get('disturbed_runs', 0)} of "
+        f"{len(result.get('runs', []))} runs disturbed "
         f"({', '.join(files)}). Medians of per-prompt speedups in tokens/s end to end, prefill included. Sampled rows: "
         f"{sampling}, a seed per prompt; *plain* is then plain sampling at the same seed, and the n-gram peer samples "
         "too."
@@ -102,10 +108,45 @@ def table(result: dict[str, Any]) -> list[str]:
     return lines
 
 
-def block(path: Path = DEFAULT_RESULTS) -> str:
+def slots_caption(slots: dict[str, Any], path: Path) -> str:
+    """The lines above the batched table: the run and its load."""
+    machine = slots["machine"]
+    same = (
+        "every ortspec output the same in every configuration"
+        if slots["identity"]["ortspec_identical"]
+        else ("**ortspec outputs differed between configurations**")
+    )
+    return (
+        f"Many requests at once, measured {slots['date_utc'][:16].replace('T', ' ')} UTC at commit "
+        f"`{slots['commit']}` on {machine.get('cpu')}, {slots['threads']} threads: {slots['requests']} chat requests "
+        f"(the {slots['split']} split of the throughput dataset; {slots['prompt_tokens']} prompt tokens, "
+        f"{slots['new_tokens']} new tokens, greedy), each configuration run {_runs(slots)} times interleaved; "
+        f"{same} ([report]({_relative(path.with_suffix('.md'))}), [json]({_relative(path)})). Median tokens/s, "
+        "the spread, and the ratio to ORT GenAI's best static batch size; `ortspec batch` is the whole command, "
+        "model load included."
+    )
+
+
+def _runs(slots: dict[str, Any]) -> str:
+    counts = sorted({row["runs"] for row in slots["summary"]})
+    return "/".join(str(c) for c in counts)
+
+
+def slots_table(slots: dict[str, Any]) -> list[str]:
+    lines = ["| configuration | tok/s | min–max | ÷ ORT GenAI's best batch |", "| --- | ---: | ---: | ---: |"]
+    for row in slots["summary"]:
+        ratio = f"{row['vs_best_genai']:.2f}x" if row["vs_best_genai"] else "—"
+        lines.append(f"| {row['column']} | {row['median']:.1f} | {row['min']:.1f}–{row['max']:.1f} | {ratio} |")
+    return lines
+
+
+def block(path: Path = DEFAULT_RESULTS, slots_path: Path = DEFAULT_SLOTS) -> str:
     """What goes between the README's markers (the markers excluded)."""
     result = json.loads(path.read_text(encoding="utf-8"))
-    return "\n".join([caption(result, path), "", *table(result)])
+    slots = json.loads(slots_path.read_text(encoding="utf-8"))
+    return "\n".join(
+        [caption(result, path), "", *table(result), "", slots_caption(slots, slots_path), "", *slots_table(slots)]
+    )
 
 
 def readme_block(text: str) -> str:
@@ -126,10 +167,11 @@ def with_block(text: str, new: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("results", nargs="?", type=Path, default=DEFAULT_RESULTS, help="a bench.suite results file")
+    parser.add_argument("--slots", type=Path, default=DEFAULT_SLOTS, help="a bench.slots results file (.json)")
     parser.add_argument("--readme", type=Path, default=README, help="the file holding the markers")
     parser.add_argument("--check", action="store_true", help="write nothing; exit status 1 if the file differs")
     args = parser.parse_args(argv)
-    new = block(args.results)
+    new = block(args.results, args.slots)
     text = args.readme.read_text(encoding="utf-8")
     if args.check:
         if readme_block(text) != new:

@@ -1,6 +1,6 @@
-"""The README's numbers table is what ``scripts/readme_numbers.py`` writes from the suite's results file
-(``python scripts/readme_numbers.py [RESULTS]`` rewrites it; this test only compares), and the tool reads its
-numbers as ``bench.report`` reported them."""
+"""The README's numbers tables are what ``scripts/readme_numbers.py`` writes from the results files of
+``python -m bench`` (the suite's and bench.slots'; ``python scripts/readme_numbers.py`` rewrites them, this test only
+compares), and the tool reads its numbers as the benchmarks reported them."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ def tool():
 def test_the_readme_holds_the_table_the_tool_writes(tool):
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
     assert readme.count(tool.BEGIN) == 1 and readme.count(tool.END) == 1
-    assert tool.readme_block(readme) == tool.block(tool.DEFAULT_RESULTS), (
+    assert tool.readme_block(readme) == tool.block(tool.DEFAULT_RESULTS, tool.DEFAULT_SLOTS), (
         "README.md's numbers differ from the results file: run python scripts/readme_numbers.py"
     )
 
@@ -36,7 +36,9 @@ def test_the_table_names_its_run_and_reads_the_reported_ratios(tool):
     text = tool.block(tool.DEFAULT_RESULTS)
     assert result["git_commit"][:10] in text and result["machine"]["cpu"] in text
     assert result["date_utc"][:10] in text
-    rows = [line.split(" | ") for line in text.splitlines() if line.startswith("| ") and "---" not in line][1:]
+    assert result["config"]["split"] == "evaluation" and "evaluation split" in text
+    suite_text = text.split("Many requests at once", 1)[0]
+    rows = [line.split(" | ") for line in suite_text.splitlines() if line.startswith("| ") and "---" not in line][1:]
     assert {row[0].strip("| ") for row in rows} == set(result["config"]["categories"])
     for row in rows:
         cat = row[0].strip("| ")
@@ -45,6 +47,17 @@ def test_the_table_names_its_run_and_reads_the_reported_ratios(tool):
         assert row[3] == f"{result['summary']['ratios'][key][engine][cat]['median']:.2f}x"
         summary = result["summary"]["table"][cat][engine]
         assert row[-1].strip(" |") == f"{summary['identical']}/{summary['compared']}"
+
+
+def test_the_batched_table_reads_the_slots_results(tool):
+    slots = json.loads(tool.DEFAULT_SLOTS.read_text(encoding="utf-8"))
+    text = tool.block(tool.DEFAULT_RESULTS, tool.DEFAULT_SLOTS).split("Many requests at once", 1)[1]
+    assert slots["split"] == "evaluation" and slots["commit"] in text and slots["date_utc"][:10] in text
+    rows = {line.split(" | ")[0].lstrip("| "): line.split(" | ") for line in text.splitlines() if line.startswith("| ")}
+    for row in slots["summary"]:
+        cells = rows[row["column"]]
+        assert cells[1] == f"{row['median']:.1f}" and cells[2] == f"{row['min']:.1f}–{row['max']:.1f}"
+        assert cells[3].strip(" |") == f"{row['vs_best_genai']:.2f}x"
 
 
 def test_the_tool_rewrites_the_block_and_checks_it(tool, tmp_path):
