@@ -151,8 +151,10 @@ def ceilings(result: Mapping[str, Any], categories: Sequence[str] = CATEGORIES) 
 
     cfg = result["config"]
     tokenizer = Tokenizer.from_folder(cfg["model_dir"])
+    split = cfg.get("split", "all")  # a run from before the splits took every prompt
     workloads = build_workloads(cfg["n_per_category"], cfg["max_prompt_tokens"], tokenizer,
-                                max_new_tokens=cfg["max_new_tokens"], categories=cfg["categories"])  # fmt: skip
+                                max_new_tokens=cfg["max_new_tokens"], categories=cfg["categories"],
+                                split=None if split == "all" else split)  # fmt: skip
     if workloads_digest(workloads) != result["workloads"]["digest"]:
         raise ValueError("the prompts rebuilt here differ from the run's (workloads digest); use the run's checkout")
     runs: dict[str, dict[str, dict]] = {}
