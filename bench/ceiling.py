@@ -1,6 +1,6 @@
 """How fast could speculation be on a suite run's own outputs? The ceilings of copying drafters, from a results file.
 
-    python -m bench.ceiling docs/bench/results-fp32-issue20-s8b.json [--out docs/bench/ceiling-issue20-s8b.md]
+    python -m bench.ceiling docs/bench/results-evaluation.json [--out docs/bench/ceiling-evaluation.md]
 
 A **perfect copier** drafts, at every pass, the longest continuation of the output so far that occurs verbatim in
 the text a copying proposer can see (``copy_passes``): the prompt, the output so far and, in the ``repetitive``

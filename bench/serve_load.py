@@ -18,9 +18,12 @@ loopback port with a queue bound of at least the largest concurrency, and runs w
    question), then its second turn (the answer and a new question). Time to first token (TTFT) of the second turn
    ÷ TTFT of the cold first turn; the second turn's ``cached_tokens`` come from the usage.
 2. **Load**, once per concurrency C (``--concurrency``, ascending). C concurrent clients, each sending R requests
-   (``--requests``) one after another, round-robin over prompts of mixed lengths (``bench.workloads``: code edits,
-   summaries, retrieval QA, open-ended; 37 to ~1,000 tokens) and ``max_tokens`` of 32 to 128. Requests/s,
-   generated tokens/s, TTFT and inter-chunk gap p50/p99, errors, whether every stream's text equals its reference,
+   (``--requests``) one after another, over prompts of mixed lengths (the evaluation split of ``bench.workloads``:
+   code edits, summaries, retrieval QA, open-ended; 37 to ~1,000 tokens) and ``max_tokens`` of 32 to 128; by
+   default every request of the run has a prompt of its own (``phase_offsets``), so no prompt is served from the
+   prefix cache (the report counts the cached prompt tokens). Requests/s, generated tokens/s and its ratio to one
+   plain stream (the references' rate), TTFT and inter-chunk gap p50/p99, errors, whether every stream's text
+   equals its reference,
    the server's peak RSS (VmHWM, reset before the phase where the kernel allows) and RSS after the phase, its CPU
    seconds, and the mean of every batch-size histogram its ``/metrics`` exposes (rows per batched pass).
 3. **Overload** (first configuration only). More clients at once than slots + queue (one short request each): the
@@ -73,7 +76,7 @@ from bench.serve_load_report import (
     summarize_load,
     summarize_overload,
 )
-from bench.workloads import build_workloads
+from bench.workloads import CATEGORIES, build_workloads
 from ortspec.adapters.engine import Engine
 from ortspec.adapters.engine.tokenizer import Tokenizer
 from ortspec.backends.onnx import BackendConfig
@@ -145,9 +148,11 @@ def default_configs() -> list[str]:
 
 
 def load_prompts(model_dir: Path, n_per_category: int, max_prompt_tokens: int) -> list[Prompt]:
+    """``n_per_category`` chats of each category of the evaluation split (``bench.workloads``), each with its own
+    source text, dropping any over ``max_prompt_tokens``."""
     tokenizer = Tokenizer.from_folder(model_dir)
     prompts = []
-    for i, w in enumerate(build_workloads(n_per_category, max_prompt_tokens, tokenizer)):
+    for i, w in enumerate(build_workloads(n_per_category, max_prompt_tokens, tokenizer, split="evaluation")):
         ids = tokenizer.encode(tokenizer.apply_chat_template(w.messages))
         if len(ids) > max_prompt_tokens:  # the workloads' budget is approximate on very small vocabularies
             continue
@@ -359,13 +364,27 @@ async def prefix_reuse_phase(url: str, turns: list[list[dict[str, str]]], max_to
     return rows
 
 
-async def load_phase(url: str, prompts: list[Prompt], concurrency: int, requests: int) -> tuple[list[Outcome], float]:
+def phase_offsets(concurrency: Sequence[int], requests: int) -> dict[int, int]:
+    """Each load phase's first prompt: the phases (ascending concurrency) take consecutive runs of the prompts, so
+    with ``sum(concurrency) * requests`` prompts or more no request repeats another's prompt (nothing cached)."""
+    offsets, at = {}, 0
+    for clients in concurrency:
+        offsets[clients] = at
+        at += clients * requests
+    return offsets
+
+
+async def load_phase(
+    url: str, prompts: list[Prompt], concurrency: int, requests: int, offset: int = 0
+) -> tuple[list[Outcome], float]:
+    """``concurrency`` clients streaming ``requests`` requests each: client c's request r is prompt ``(offset + c x
+    requests + r) mod len(prompts)``."""
     client = _client(url, concurrency)
 
     async def one_client(c: int) -> list[Outcome]:
         outcomes = []
         for r in range(requests):
-            p = prompts[(c * requests + r) % len(prompts)]
+            p = prompts[(offset + c * requests + r) % len(prompts)]
             outcomes.append(await stream_once(client, p.name, p.messages, p.max_tokens))
         return outcomes
 
@@ -417,6 +436,7 @@ class LoadRun:
     prompts: list[Prompt]
     requests: int
     outcomes: dict[tuple[str, int], list[Outcome]]
+    offsets: dict[int, int]  # concurrency -> the phase's first prompt (phase_offsets)
 
 
 def measure_load(server: ServerProcess, config: str, concurrency: int, run: LoadRun) -> tuple[dict[str, Any], bool]:
@@ -425,7 +445,8 @@ def measure_load(server: ServerProcess, config: str, concurrency: int, run: Load
     reset = server.reset_peak()
     before = server.metrics()
     (outcomes, wall), cpu = contended(
-        server, lambda: asyncio.run(load_phase(server.url, run.prompts, concurrency, run.requests))
+        server,
+        lambda: asyncio.run(load_phase(server.url, run.prompts, concurrency, run.requests, run.offsets[concurrency])),
     )
     after, memory = server.metrics(), server.memory_mib()
     run.outcomes[(config, concurrency)] = outcomes
@@ -468,7 +489,12 @@ def _parser() -> argparse.ArgumentParser:
     add("--requests", type=int, default=1, help="requests per client in a load phase (default 1)")
     add("--max-queue", type=int, default=None, help="server queue bound (default and least: the largest concurrency)")
     add("--overload-extra", type=int, default=16, help="overload clients beyond slots + queue (default 16)")
-    add("--prompts-per-category", type=int, default=2, help="prompts per workload category (2)")
+    add(
+        "--prompts-per-category",
+        type=int,
+        default=None,
+        help="prompts per workload category (default: enough for every load request to have its own)",
+    )
     add("--max-prompt-tokens", type=int, default=1000, help="longest load prompt (1000)")
     add(
         "--conversations",
@@ -595,13 +621,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     cores = machine["cores"]["usable"] or os.cpu_count() or 1
 
     _log(f"prompts and references on {model_dir} ...")
-    prompts = load_prompts(model_dir, args.prompts_per_category, args.max_prompt_tokens)
+    total = sum(args.concurrency) * args.requests
+    per_category = args.prompts_per_category or -(-total // len(CATEGORIES))  # every request its own prompt
+    prompts = load_prompts(model_dir, per_category, args.max_prompt_tokens)
     baseline = compute_references(model_dir, prompts, threads=cores)
     tokenizer = Tokenizer.from_folder(model_dir)
     sources = CONVERSATION_SOURCES[: args.conversations]
     turns = [conversation(tokenizer, src, args.conversation_tokens) for src in sources]
     setup = Setup(args, model_dir, cores, turns, tokenizer)
-    run = LoadRun(prompts, args.requests, {})
+    run = LoadRun(prompts, args.requests, {}, phase_offsets(args.concurrency, args.requests))
     collected = Collected(servers=[], load=[])
     for i, name in enumerate(args.configs):
         run_config(name, i == 0, setup, run, collected)
@@ -619,6 +647,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "max_queue": args.max_queue,
             "concurrency": args.concurrency,
             "requests": args.requests,
+            "distinct_prompts": len(prompts) >= total,
             "overload_extra": args.overload_extra,
             "ttft_target": args.ttft_target,
         },

@@ -206,17 +206,22 @@ def _pair(a: Any, b: Any, unit: str = "") -> str:
     return f"{a} / {b}{unit}"
 
 
-def _load_table(rows: list[dict[str, Any]]) -> list[str]:
+def _load_table(rows: list[dict[str, Any]], stream_tok_s: float | None) -> list[str]:
+    """One row per load phase; ``stream_tok_s``: one plain stream's tokens/s (the references'), the ratio's base."""
     lines = [
-        "| server | clients | requests | errors | text == reference | wall | requests/s | tokens/s | TTFT p50 / p99 | "
-        "inter-chunk p50 / p99 | peak RSS / RSS after | server CPU (cores) | others' cores | rows per pass |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| server | clients | requests | errors | text == reference | cached prompt tokens | wall | requests/s | "
+        "tokens/s | ÷ one plain stream | TTFT p50 / p99 | inter-chunk p50 / p99 | peak RSS / RSS after | "
+        "server CPU (cores) | others' cores | rows per pass |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: "
+        "| ---: |",
     ]
     for r in rows:
         per_pass = ", ".join(f"{k.removeprefix('ortspec_')} {v}" for k, v in r["batch_histogram_means"].items()) or "-"
+        ratio = f"{r['tokens_per_s'] / stream_tok_s:.2f}x" if stream_tok_s and r["tokens_per_s"] else "-"
         lines.append(
             f"| {r['config']} | {r['concurrency']} | {r['requests']} | {r['errors']} | {r['text_equals_reference']} | "
-            f"{r['wall_s']} s | {r['requests_per_s']} | {r['tokens_per_s']} | "
+            f"{r.get('cached_prompt_tokens', '-')} | {r['wall_s']} s | {r['requests_per_s']} | {r['tokens_per_s']} | "
+            f"{ratio} | "
             f"{_pair(r['ttft_ms_p50'], r['ttft_ms_p99'], ' ms')} | "
             f"{_pair(r['inter_chunk_ms_p50'], r['inter_chunk_ms_p99'], ' ms')} | "
             f"{_pair(r['peak_rss_mib'], r['rss_after_mib'], ' MiB')} | {r['server_cpu_s']} s "
@@ -298,13 +303,15 @@ def markdown(result: dict[str, Any]) -> str:
         "",
         f"Prompts: {len(prompts)} chats of {min(p['prompt_tokens'] for p in prompts)}-"
         f"{max(p['prompt_tokens'] for p in prompts)} tokens (bench.workloads), max_tokens "
-        f"{sorted({p['max_tokens'] for p in prompts})}, client c's request r is prompt (c x requests + r) mod "
-        f"{len(prompts)}. The references, computed in process before any server started with plain greedy "
+        f"{sorted({p['max_tokens'] for p in prompts})}; each phase takes the next prompts in turn (client c's "
+        "request r is the phase's first plus c x requests + r, modulo the count): "
+        f"{'every request its own prompt' if s.get('distinct_prompts') else 'prompts repeat across requests'}. "
+        "The references, computed in process before any server started with plain greedy "
         f"decoding, one prompt at a time on {base['threads']} threads, double as a baseline on the machine as it "
         f"was: {base['completion_tokens']} tokens in {base['seconds']} s = {base['tokens_per_s']} tokens/s end to "
         f"end (other processes used {base['other_processes_cores']} cores meanwhile).",
         "",
-        *_load_table(result["load"]),
+        *_load_table(result["load"], base["tokens_per_s"]),
         "",
         "Inter-chunk: the gap between consecutive streamed content chunks (one chunk per committed token that "
         "releases text; an accepted draft block arrives as several chunks at once). Peak RSS: the server "

@@ -497,6 +497,11 @@ MUTANTS: dict[str, Mutant] = {
         "share = -(-tasks // max(workers, 1))",
         "share = tasks // max(workers, 1)",
     ),
+    "batch-kv-forgets-max-tokens": Mutant(
+        "adapters/batch/worker.py",
+        "needs.append(len(ids) + options.max_tokens)",
+        "needs.append(len(ids))",
+    ),
     "batch-driver-drafts-in-slot-0": Mutant(
         "ortspec/sequence.py",
         "self._context, self._draft = self._speculation.draft(state, vocab_size, plain_cost, self._slot)",

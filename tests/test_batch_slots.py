@@ -239,3 +239,37 @@ def test_without_max_batch_each_worker_gets_slots_for_its_share_of_the_records(t
     assert planned_slots(None, 10 * AUTO_MAX_BATCH, 1) == AUTO_MAX_BATCH  # many records: the measured cap
     assert planned_slots(None, 10 * AUTO_MAX_BATCH, 4) == AUTO_MAX_BATCH
     assert planned_slots(7, 1, 1) == 7
+
+
+def test_without_max_length_each_slot_holds_what_the_records_need_and_every_line_is_the_same(tmp_path):
+    from ortspec.adapters.batch.worker import KV_FLOOR, KV_ROUND, planned_length
+    from ortspec.adapters.engine.tokenizer import PromptReader, Tokenizer
+    from ortspec.backends.onnx import ModelFolder
+    from tests.support.models import make_tiny_model
+
+    model = make_tiny_model(tmp_path / "tiny-2k", context=2048)  # the batched default: 2048 positions per slot
+    fields = option_fields()
+    records = [
+        {"id": "short", "prompt": "Repeat: the cat sat on the mat.", "max_tokens": 700},
+        {"id": "chat", "messages": [{"role": "user", "content": LOOKUP_TEXT}], "max_tokens": 40},
+        {"id": "bad", "prompt": [10**9], "max_tokens": 4},  # refused by its worker, not by the plan
+    ]
+    some = [parse_record(json.dumps(r), n, {}, fields) for n, r in enumerate(records, start=1)]
+    reader = PromptReader(Tokenizer.from_folder(model), ModelFolder.load(model).vocab_size)
+    needs = [len(reader.prompt_ids(some[0].prompt)) + 700, len(reader.prompt_ids(some[1].prompt, chat=True)) + 40]
+    expected = -(-max(needs) // KV_ROUND) * KV_ROUND
+    assert KV_FLOOR <= expected < 2048
+    job = BatchJob(tmp_path / "in.jsonl", tmp_path / "out.jsonl", model=model, threads=1)
+    sized = WorkerSettings.of(job, 1, {}, some, model)
+    assert sized.backend.max_length == planned_length(model, {}, some) == expected
+    assert WorkerSettings.of(job, 1, {}, some).backend.max_length is None  # no folder here (Ray): the default
+    given = attrs.evolve(job, backend=BackendConfig(max_length=1024))
+    assert WorkerSettings.of(given, 1, {}, some, model).backend.max_length == 1024  # the job's own
+    long = parse_record(json.dumps({"id": "long", "prompt": "x", "max_tokens": 5000}), 4, {}, fields)
+    assert planned_length(model, {}, [long]) == 2048  # never past the default: refused or cut alike
+    assert planned_length(model, {}, [some[2]]) is None
+    full = attrs.evolve(sized, backend=BackendConfig())
+    with BatchWorker(model, sized) as small, BatchWorker(model, full) as large:
+        assert small.engine.batch.max_length == expected and large.engine.batch.max_length == 2048
+        for task in some:
+            assert small.run(task)[0] == large.run(task)[0], task.id

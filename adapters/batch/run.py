@@ -143,7 +143,7 @@ def run_batch(job: BatchJob, *, progress: bool = True, log: Callable[[str], obje
             output.write(record)
         if pending.tasks and job.ray is None:
             assert threads is not None
-            settings = WorkerSettings.of(job, threads, defaults, pending.tasks)
+            settings = WorkerSettings.of(job, threads, defaults, pending.tasks, model_dir)
             run_embedded(output, pending.tasks, model_dir, settings, workers=job.workers, pin=job.pin, say=say)
         elif pending.tasks:
             from .ray import run_ray

@@ -9,6 +9,7 @@ import os
 import queue
 import time
 from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -37,6 +38,10 @@ Finished = tuple[Task, dict[str, Any], dict[str, Any]]
 # the throughput dataset's tuning split (python -m bench.slots: docs/bench/slots-tuning.md), the size with the best
 # median tokens/s (more slots hold more KV memory and did not go faster there).
 AUTO_MAX_BATCH = 16
+# A run's KV positions per slot, when the job does not say (``planned_length``): a multiple of KV_ROUND, at least
+# KV_FLOOR (so the Engine's cached measurements, whose probes fit 512 positions, stay valid).
+KV_ROUND = 256
+KV_FLOOR = 512
 
 
 def _max_batch(value: object) -> int:
@@ -52,6 +57,31 @@ def planned_slots(max_batch: int | None, tasks: int, workers: int) -> int:
         return max_batch
     share = -(-tasks // max(workers, 1))
     return max(1, min(share, AUTO_MAX_BATCH))
+
+
+def planned_length(model_dir: Path, defaults: Mapping[str, Any], tasks: Iterable[Task]) -> int | None:
+    """The KV positions each slot of a run over ``tasks`` holds, when the job does not say: the most any record
+    needs (its prompt's tokens, as its Engine will read them, plus its ``max_tokens``), rounded up to ``KV_ROUND``,
+    at least ``KV_FLOOR``, and never more than the batched backend's default capacity (``BackendConfig.capacity``),
+    so a record refused there is refused here alike. None (that default) when no record can be read (a bad record
+    gets its error line from its worker). Every record fits, so no output changes: only memory does."""
+    from ortspec.adapters.engine.tokenizer import PromptReader, Tokenizer
+    from ortspec.backends.onnx import ModelFolder
+
+    folder = ModelFolder.load(model_dir)
+    reader = PromptReader(Tokenizer.from_folder(model_dir), folder.vocab_size)
+    needs = []
+    for task in tasks:
+        try:
+            options = GenerationOptions(**{**defaults, **task.options})
+            ids = reader.prompt_ids(task.prompt, chat=options.chat, system=options.system, tools=options.tool_use())
+        except Exception:  # noqa: BLE001 - the record's own error line says why
+            continue
+        needs.append(len(ids) + options.max_tokens)
+    if not needs:
+        return None
+    default = BackendConfig().capacity(folder.context_length, batched=True)
+    return min(max(-(-max(needs) // KV_ROUND) * KV_ROUND, KV_FLOOR), default)
 
 
 def speculative_of(task: Task, defaults: Mapping[str, Any]) -> Any:
@@ -90,18 +120,30 @@ class WorkerSettings:
     warm: bool = True
 
     @classmethod
-    def of(cls, job: BatchJob, threads: int, defaults: Mapping[str, Any], tasks: Iterable[Task]) -> WorkerSettings:
+    def of(
+        cls,
+        job: BatchJob,
+        threads: int,
+        defaults: Mapping[str, Any],
+        tasks: Iterable[Task],
+        model_dir: Path | None = None,
+    ) -> WorkerSettings:
         """A run's settings for ``job``: each worker's ``threads`` and the job's generation ``defaults``, for the
         ``tasks`` the run has to do. The drafter is opened only when one of them drafts with it (``needs_drafter``:
         its own ``speculative`` or the job's default is ``"shared-kv"`` or ``"auto"``), as ``job.drafter`` says;
         otherwise not at all (``False``), whatever ``job.drafter`` says. The workers warm up only when one of them
-        speculates. Each worker's slots are ``planned_slots`` (the job's ``max_batch``, or sized from the work)."""
+        speculates. Each worker's slots are ``planned_slots`` (the job's ``max_batch``, or sized from the work), and
+        hold ``planned_length`` positions each unless ``job.backend.max_length`` says, when ``model_dir`` (the
+        folder, here) is given."""
         tasks = list(tasks)
         drafter = job.drafter if needs_drafter(defaults, tasks) else False
+        backend = job.backend
+        if model_dir is not None and backend.max_length is None and tasks:
+            backend = attrs.evolve(backend, max_length=planned_length(model_dir, defaults, tasks))
         return cls(
             threads,
             defaults,
-            job.backend,
+            backend,
             planned_slots(job.max_batch, len(tasks), job.workers),
             job.prefill_budget,
             drafter,
