@@ -188,6 +188,7 @@ def markdown(report: dict[str, Any]) -> str:
         lines.append(
             f"| {row['column']} | {row['runs']} | {row['median']:.1f} | {row['min']:.1f}–{row['max']:.1f} | {ratio} |"
         )
+    lines += _job_lines(report["runs"])
     ident = report["identity"]
     same = "yes" if ident["ortspec_identical"] else "NO"
     if not ident.get("checked", True):
@@ -203,6 +204,22 @@ def markdown(report: dict[str, Any]) -> str:
     for peer, why in report["missing"].items():
         lines.append(f"\n{peer} did not run: {why}")
     return "\n".join(lines) + "\n"
+
+
+def _job_lines(runs: Sequence[ColumnRun]) -> list[str]:
+    """Where ``ortspec batch``'s seconds went (medians over its runs): process start (the command's seconds less the
+    job's own), model load and warm-up, and the rest (the records); nothing when no run reported its times."""
+    timed = [r for r in runs if r.column == "ortspec batch" and "job_s" in r.extra and "load_s" in r.extra]
+    if not timed:
+        return []
+    start = statistics.median(r.seconds - r.extra["job_s"] for r in timed)
+    load = statistics.median(r.extra["load_s"] for r in timed)
+    rest = statistics.median(r.extra["job_s"] - r.extra["load_s"] for r in timed)
+    return [
+        "",
+        f"`ortspec batch`, medians of its {len(timed)} runs: process start {start:.1f} s, model load and warm-up "
+        f"{load:.1f} s, the records {rest:.1f} s.",
+    ]
 
 
 def _from_log(args: argparse.Namespace, requests: Sequence[Request]) -> dict[str, Any]:
@@ -309,7 +326,7 @@ def _write(
     out.write_text(markdown(report), encoding="utf-8")
     data = {k: v for k, v in report.items() if k != "runs"}
     data["runs"] = [
-        {"column": r.column, "seconds": r.seconds, "tokens": r.tokens, "tokens_per_s": r.tokens_per_s}
+        {"column": r.column, "seconds": r.seconds, "tokens": r.tokens, "tokens_per_s": r.tokens_per_s, **r.extra}
         for r in measured["runs"]
     ]
     out.with_suffix(".json").write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")

@@ -45,6 +45,7 @@ import argparse
 import datetime as _dt
 import json
 import random
+import re
 import subprocess
 import sys
 import tempfile
@@ -328,7 +329,21 @@ def run_batch_command(model_dir: Path, requests: Sequence[Request], mode: str, t
         raise RuntimeError(f"ortspec batch failed records: {errors}")
     outputs = {k: v for k, v in found.items() if not isinstance(v, str)}
     tokens = sum(len(v) for v in outputs.values())
-    return ColumnRun("ortspec batch", mode, seconds, tokens, outputs, {"arguments": list(args)})
+    facts = {"arguments": list(args), **job_times(done.stderr)}
+    return ColumnRun("ortspec batch", mode, seconds, tokens, outputs, facts)
+
+
+def job_times(stderr: str) -> dict[str, float]:
+    """From ``ortspec batch``'s summary line: ``job_s``, the job's own wall time (reading the input to the last
+    line; the command's seconds less this are the process start), and ``load_s``, its Engine's load and warm-up."""
+    found = {}
+    job = re.search(r"tokens in ([0-9.]+) s:", stderr)
+    load = re.search(r"model load and warm-up ([0-9.]+) s", stderr)
+    if job:
+        found["job_s"] = float(job.group(1))
+    if load:
+        found["load_s"] = float(load.group(1))
+    return found
 
 
 # --------------------------------------------------------------------------

@@ -53,3 +53,20 @@ def test_the_report_gives_medians_spreads_ratios_and_whether_every_output_agreed
     runs.append(_run("ortspec 16 slots", 1.0, {"a": [1, 2], "b": [9]}))
     assert slots.main(["--sizes", "8", "--out", str(out)], measure_fn=measure) == 1  # an output differs
     assert "**NO**" in out.read_text()
+
+
+def test_the_batch_commands_seconds_are_split_from_its_summary_line() -> None:
+    from bench.throughput import job_times
+
+    line = (
+        "ortspec batch: 32 records written (0 errors), 0 already done; 3107 tokens in 50.0 s: 0.64 records/s, "
+        "62.1 tok/s (embedded, 1 x 2 threads, 16 slots each, model load and warm-up 4.0 s)"
+    )
+    assert job_times("noise\n" + line + "\n") == {"job_s": 50.0, "load_s": 4.0}
+    runs = [
+        ColumnRun("ortspec batch", "greedy", seconds, 10, {}, {"job_s": seconds - 3.0, "load_s": 4.0})
+        for seconds in (60.0, 58.0, 62.0)
+    ]
+    text = "\n".join(slots._job_lines(runs))
+    assert "process start 3.0 s, model load and warm-up 4.0 s, the records 53.0 s" in text
+    assert slots._job_lines([_run("ortspec batch", 1.0, {})]) == []

@@ -145,9 +145,10 @@ class BatchSummary:
     def line(self) -> str:
         acc = f", acceptance {self.accepted}/{self.proposed} = {self.acceptance_rate:.0%}" if self.proposed else ""
         lost = f", {self.lost} lost (rerun to retry them)" if self.lost else ""
+        load = f", model load and warm-up {max(self.load_s):.1f} s" if self.load_s else ""
         return (
             f"{self.written} records written ({self.errors} errors), {self.skipped} already done{lost}; "
             f"{self.tokens} tokens in {self.wall_s:.1f} s: {self.records_per_second:.2f} records/s, "
             f"{self.tokens_per_second:.1f} tok/s{acc} ({self.mode}, {self.workers} x {self.threads} threads, "
-            f"{self.slots} slots each)"
+            f"{self.slots} slots each{load})"
         )
