@@ -39,55 +39,49 @@ SUITE_CATEGORIES = "repetitive,open_ended,code_edit"
 GENAI_SIZES = "1,4,8,16"  # ORT GenAI's static batch sizes; on the tuning split 32 made less than 16, 16 less than 8
 
 
-def commands(out: Path, quick: bool, grid_file: Path) -> dict[str, list[list[str]]]:
-    """Each step's commands (the grid's choice is read after the grid ran, so the suite's is a placeholder)."""
+def commands(out: Path, quick: bool, grid_file: Path) -> dict[str, list[str]]:
+    """Each step's command (the suite's lacks its ``--ngram``, read from the grid's file once the grid has run)."""
     py = [sys.executable, "-m"]
     quick_flag = ["--quick"] if quick else []
     suite_size = [] if quick else ["--n-per-category", "10", "--repeat", "3", "--overhead-prompts", "0"]
     slots_size = [] if quick else ["--sizes", "8,16", "--genai-sizes", GENAI_SIZES, "--repeats", "3"]
     return {
-        "grid": [[*py, "bench.ngram_grid", *quick_flag, "--out", str(grid_file)]],
+        "grid": [*py, "bench.ngram_grid", *quick_flag, "--out", str(grid_file)],
         "suite": [
-            [
-                *py,
-                "bench.suite",
-                *quick_flag,
-                "--split",
-                "evaluation",
-                "--categories",
-                SUITE_CATEGORIES,
-                "--engines",
-                SUITE_ENGINES,
-                *suite_size,
-                "--label",
-                "evaluation",
-                "--out",
-                str(out),
-                "--no-progress",
-            ]
+            *py,
+            "bench.suite",
+            *quick_flag,
+            "--split",
+            "evaluation",
+            "--categories",
+            SUITE_CATEGORIES,
+            "--engines",
+            SUITE_ENGINES,
+            *suite_size,
+            "--label",
+            "evaluation",
+            "--out",
+            str(out),
+            "--no-progress",
         ],
         "slots": [
-            [
-                *py,
-                "bench.slots",
-                *quick_flag,
-                "--split",
-                "evaluation",
-                *slots_size,
-                "--batch-command",
-                "--out",
-                str(out / "slots-evaluation.md"),
-            ]
+            *py,
+            "bench.slots",
+            *quick_flag,
+            "--split",
+            "evaluation",
+            *slots_size,
+            "--batch-command",
+            "--out",
+            str(out / "slots-evaluation.md"),
         ],
         "readme": [
-            [
-                sys.executable,
-                str(ROOT / "scripts" / "readme_numbers.py"),
-                str(out / "results-evaluation.json"),
-                "--slots",
-                str(out / "slots-evaluation.json"),
-                *(["--readme", str(out / "README.md")] if quick else []),
-            ]
+            sys.executable,
+            str(ROOT / "scripts" / "readme_numbers.py"),
+            str(out / "results-evaluation.json"),
+            "--slots",
+            str(out / "slots-evaluation.json"),
+            *(["--readme", str(out / "README.md")] if quick else []),
         ],
     }
 
@@ -111,14 +105,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         for step in steps:
             if step == "grid" and args.reuse_grid and grid_file.exists():
                 continue
-            for command in plan[step]:
-                if step == "suite":
-                    command = [*command, "--ngram", _chosen_ngram(grid_file)]
-                print("python -m bench:", " ".join(command[1:]), file=sys.stderr, flush=True)
-                done = subprocess.run(command, cwd=ROOT)
-                if done.returncode != 0:
-                    print(f"python -m bench: step {step} failed with exit status {done.returncode}", file=sys.stderr)
-                    return done.returncode
+            command = plan[step] + (["--ngram", _chosen_ngram(grid_file)] if step == "suite" else [])
+            print("python -m bench:", " ".join(command[1:]), file=sys.stderr, flush=True)
+            done = subprocess.run(command, cwd=ROOT)
+            if done.returncode != 0:
+                print(f"python -m bench: step {step} failed with exit status {done.returncode}", file=sys.stderr)
+                return done.returncode
     return 0
 
 

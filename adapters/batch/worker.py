@@ -59,6 +59,12 @@ def planned_slots(max_batch: int | None, tasks: int, workers: int) -> int:
     return max(1, min(share, AUTO_MAX_BATCH))
 
 
+def task_options(defaults: Mapping[str, Any], task: Task) -> GenerationOptions:
+    """``task``'s generation options: the job's ``defaults``, its own fields winning (``ValueError`` naming a bad
+    one)."""
+    return GenerationOptions(**{**defaults, **task.options})
+
+
 def planned_length(model_dir: Path, defaults: Mapping[str, Any], tasks: Iterable[Task]) -> int | None:
     """The KV positions each slot of a run over ``tasks`` holds, when the job does not say: the most any record
     needs (its prompt's tokens, as its Engine will read them, plus its ``max_tokens``), rounded up to ``KV_ROUND``,
@@ -73,7 +79,7 @@ def planned_length(model_dir: Path, defaults: Mapping[str, Any], tasks: Iterable
     needs = []
     for task in tasks:
         try:
-            options = GenerationOptions(**{**defaults, **task.options})
+            options = task_options(defaults, task)
             ids = reader.prompt_ids(task.prompt, chat=options.chat, system=options.system, tools=options.tool_use())
         except Exception:  # noqa: BLE001 - the record's own error line says why
             continue
@@ -211,9 +217,8 @@ class BatchWorker:
         return self._held
 
     def options(self, task: Task) -> GenerationOptions:
-        """``task``'s generation options: the job's defaults, its own fields winning (``ValueError`` naming a bad
-        one)."""
-        return GenerationOptions(**{**self.defaults, **task.options})
+        """``task``'s generation options (``task_options``)."""
+        return task_options(self.defaults, task)
 
     def submit(self, task: Task, on_done: Callable[[Finished], object] | None = None) -> None:
         """Take ``task``: its ``(task, output line, metrics)`` goes to ``on_done`` (on the scheduler's pass thread,
