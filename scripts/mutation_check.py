@@ -617,8 +617,8 @@ MUTANTS: dict[str, Mutant] = {
     # -- the batch runner's workers on the batch driver (adapters/batch/) -----------------------------------------
     "batch-slots-defaults-override-the-record": Mutant(
         "adapters/batch/worker.py",
-        "return GenerationOptions(**{**self.defaults, **task.options})",
-        "return GenerationOptions(**{**task.options, **self.defaults})",
+        "return GenerationOptions(**{**defaults, **task.options})",
+        "return GenerationOptions(**{**task.options, **defaults})",
         ("tests/test_batch_slots.py::test_a_records_own_fields_beat_the_jobs_defaults",),
     ),
     "batch-opens-the-drafter-for-no-record": Mutant(
