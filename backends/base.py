@@ -30,13 +30,25 @@ whenever it asks for a draft, the backend holds the KV of every context token bu
 len(context) - 1``) and its last pass computed position ``current_len() - 1``, whose hidden state predicted the
 last context token. The core never sees any of it: it sees only draft tokens.
 
+A third optional capability, ``TreeRows``, verifies a token tree (``core.tree.DraftTree``) in one pass: a backend
+with ``tree_rows`` True offers ``verify_tree(tokens, parents, base)``, a pass over ``tokens = (pending, *nodes)``
+whose node ``j`` (``parents[j]``: -1 for the pending token, else an earlier node) is written at KV position
+``base + 1 + j``, computed at position ``base + 1 + depth(j)`` and attending to the first ``base`` positions and to
+the rows ``core.tree.tree_mask(parents)`` names (itself and its ancestors) only, so its logits row is plain
+decoding's after that node's path; and ``keep_path(start, nodes)``, which moves the accepted path's KV where plain
+decoding has it (position ``start + 1 + nodes[d]`` to ``start + 1 + d``), after which the driver rewinds as after a
+chain. The driver sends a tree only to a backend with ``tree_rows`` True (elsewhere it verifies the tree's first
+branch, a chain).
+
 The batched protocol, ``BatchBackend``, is a separate one for continuous batching: a fixed number of *slots*, each
 one sequence's KV cache with its own length, and one pass, ``run_pass(rows)``, that carries a ragged batch of
 ``BatchRow(slot, tokens, position)`` (at most one row per slot, ``position == current_len(slot)``). Each row's
 answer is what ``decode_verify(tokens, position)`` would return for that slot's sequence alone; ``rewind`` and
 ``reset`` act on one slot. ``check_batch`` is the one check of a pass, done before any slot changes. A row may ask
 for the hidden states of its positions too (``BatchRow.hidden_states``): the per-slot form of ``HiddenStates``,
-for a drafter bound to one slot (``backends/onnx/slot_drafters.py``).
+for a drafter bound to one slot (``backends/onnx/slot_drafters.py``). A row may be a token tree
+(``BatchRow.parents``), for a backend whose ``tree_rows`` is True (the per-slot form of ``TreeRows``, with
+``keep_path(slot, start, nodes)``).
 
 ``BatchBackend`` is what the batch driver drives, whatever the batch size: a one-sequence ``Backend`` runs behind
 it as ``OneSlot(backend)`` (one slot; a row that asks for ``picks`` is answered by its ``DevicePicks``), so a lone
@@ -50,6 +62,8 @@ from typing import NamedTuple, Protocol, TypeGuard, runtime_checkable
 
 import attrs
 import numpy as np
+
+from ortspec.core.tree import check_parents
 
 
 class BackendError(RuntimeError):
@@ -166,8 +180,62 @@ class HiddenStates(Protocol):
         ...
 
 
+@runtime_checkable
+class TreeRows(Protocol):
+    """Optional capability (see the module docstring): one pass over a token tree, and the accepted path kept."""
+
+    @property
+    def tree_rows(self) -> bool:
+        """True when ``verify_tree`` and ``keep_path`` may be called."""
+        ...
+
+    def verify_tree(self, tokens: Sequence[int], parents: Sequence[int], base: int) -> np.ndarray:
+        """One pass at ``base == current_len()`` over ``tokens = (pending, *nodes)``, ``parents[j]`` node ``j``'s
+        parent (-1: the pending token; else an earlier node); the KV length becomes ``base + len(tokens)``, node
+        ``j``'s entry at ``base + 1 + j``. Returns ``[len(tokens), vocab]`` float32 logits: row 0 after the pending
+        token, row ``j + 1`` after node ``j``'s path (what ``decode_verify`` gives for that path alone)."""
+        ...
+
+    def keep_path(self, start: int, nodes: Sequence[int]) -> None:
+        """Move the KV of position ``start + 1 + nodes[d]`` to ``start + 1 + d`` for each ``d`` (``nodes``: an
+        accepted path of the tree pass at ``start``, in depth order, so strictly increasing with ``nodes[d] >= d``).
+        After it, positions ``[0, start + 1 + len(nodes))`` hold what plain decoding of the pending token and the
+        path would; what lies past them is undefined until a ``rewind`` drops it. ``BackendError``, nothing moved,
+        for a path that is not one (``check_kept_path``)."""
+        ...
+
+
+def check_kept_path(start: int, nodes: Sequence[int], current_len: int) -> None:
+    """Raise ``BackendError`` unless ``nodes`` is a path ``keep_path`` can keep after a tree pass at ``start``:
+    ints, strictly increasing, ``nodes[d] >= d``, every source position ``start + 1 + nodes[d]`` resident."""
+    if isinstance(start, bool) or not isinstance(start, (int, np.integer)) or start < 0:
+        raise BackendError(f"keep_path: start {start!r} is not a position")
+    previous = -1
+    for d, node in enumerate(nodes):
+        if isinstance(node, bool) or not isinstance(node, (int, np.integer)) or not previous < node:
+            raise BackendError(f"keep_path: nodes {tuple(nodes)!r} are not strictly increasing node indices")
+        if node < d or start + 1 + node >= current_len:
+            raise BackendError(f"keep_path: node {node} at depth {d} cannot be kept (KV holds {current_len} positions)")
+        previous = node
+
+
+def check_tree_row(tokens: Sequence[int], parents: Sequence[int], what: str) -> None:
+    """Raise ``BackendError`` unless ``parents`` are the parents of a tree row over ``tokens`` (pending, *nodes):
+    one per node, each -1 or an earlier node (``core.tree.check_parents``)."""
+    if len(parents) != len(tokens) - 1:
+        raise BackendError(f"{what}: {len(tokens) - 1} nodes after the pending token but {len(parents)} parents")
+    try:
+        check_parents(parents)
+    except ValueError as exc:
+        raise BackendError(f"{what}: {exc}") from exc
+
+
 def _ids(tokens: Iterable[int]) -> tuple[int, ...]:
     return tuple(tokens)
+
+
+def _parents(parents: Iterable[int] | None) -> tuple[int, ...] | None:
+    return None if parents is None else tuple(parents)
 
 
 def _check_last_logits(row: BatchRow, attribute: object, value: int | None) -> None:
@@ -185,7 +253,12 @@ class BatchRow:
     the slot does), so a backend that has them keeps them for the slot until its next row (``OrtBatchBackend``:
     ``hidden_row``); a row without it costs nothing for them. ``picks``: the caller reads only each row's argmax and
     margin (``DevicePicks``), so a backend whose logits live on a device (``picks_on_device``) answers the row with
-    ``RowPicks`` instead of its logits rows; only such a backend may be sent one (``check_batch``)."""
+    ``RowPicks`` instead of its logits rows; only such a backend may be sent one (``check_batch``). ``parents``:
+    None for a chain (every token after the one before); for a token tree, ``tokens = (pending, *nodes)`` and
+    ``parents[j]`` is node ``j``'s parent (-1: the pending token; ``core.tree.DraftTree.parents``): node ``j``'s KV
+    is written at ``position + 1 + j``, its position is ``position + 1 + depth(j)``, and it attends to the slot's
+    first ``position`` positions and to the rows ``core.tree.tree_mask(parents)`` names; only a backend whose
+    ``tree_rows`` is True may be sent one, and every row's logits are read (``last_logits`` None)."""
 
     slot: int
     tokens: tuple[int, ...] = attrs.field(converter=_ids)
@@ -193,6 +266,7 @@ class BatchRow:
     last_logits: int | None = attrs.field(default=None, validator=_check_last_logits)
     hidden_states: bool = False
     picks: bool = False
+    parents: tuple[int, ...] | None = attrs.field(default=None, converter=_parents)
 
     @property
     def logits_rows(self) -> int:
@@ -247,6 +321,25 @@ class BatchBackend(Protocol):
         ...
 
 
+@runtime_checkable
+class BatchTreeRows(Protocol):
+    """The per-slot form of ``TreeRows``: a ``BatchBackend`` whose ``tree_rows`` is True runs ``BatchRow``s with
+    ``parents`` and keeps an accepted path in a slot."""
+
+    @property
+    def tree_rows(self) -> bool: ...
+
+    def keep_path(self, slot: int, start: int, nodes: Sequence[int]) -> None:
+        """``TreeRows.keep_path`` in ``slot``: after it, ``slot``'s positions ``[0, start + 1 + len(nodes))`` hold
+        what plain decoding's would."""
+        ...
+
+
+def runs_trees(backend: object) -> TypeGuard[BatchTreeRows]:
+    """True when ``backend`` runs tree rows (its ``tree_rows`` is True), so the driver may send it ``DraftTree``s."""
+    return bool(getattr(backend, "tree_rows", False))
+
+
 def check_slot(slot: int, slots: int) -> None:
     """Raise ``BackendError`` unless ``slot`` is an int in ``[0, slots)``."""
     if isinstance(slot, bool) or not isinstance(slot, (int, np.integer)) or not 0 <= slot < slots:
@@ -255,7 +348,8 @@ def check_slot(slot: int, slots: int) -> None:
 
 def check_batch(rows: Sequence[BatchRow], backend: BatchBackend) -> None:
     """Raise ``BackendError`` unless ``rows`` is a non-empty batch whose every row names its own slot, holds ids
-    in the vocabulary, starts at its slot's length and fits its slot's capacity."""
+    in the vocabulary, starts at its slot's length and fits its slot's capacity, and is a chain or, for a backend
+    that runs tree rows, a valid tree whose every row is read."""
     if not rows:
         raise BackendError("a batched pass needs at least one row")
     seen: set[int] = set()
@@ -267,6 +361,12 @@ def check_batch(rows: Sequence[BatchRow], backend: BatchBackend) -> None:
         if row.picks and not getattr(backend, "picks_on_device", False):
             raise BackendError(f"the row of slot {row.slot} asks for device picks, which this backend does not make")
         check_tokens(row.tokens, backend.vocab_size, f"the tokens of slot {row.slot}")
+        if row.parents is not None:
+            if not runs_trees(backend):
+                raise BackendError(f"the row of slot {row.slot} is a token tree, which this backend does not run")
+            check_tree_row(row.tokens, row.parents, f"the tree row of slot {row.slot}")
+            if row.last_logits is not None:
+                raise BackendError(f"the tree row of slot {row.slot} must read every row's logits (last_logits None)")
         length = backend.current_len(row.slot)
         check_position(row.position, length, len(row.tokens), backend.max_length, f"the position of slot {row.slot}")
 
@@ -275,12 +375,14 @@ class OneSlot:
     """The batched protocol with one slot (slot 0) over a one-sequence ``backend``: what runs a ``Backend`` (the
     CUDA fast path, static shapes, a hybrid model, a fake) on the batch driver. A row whose caller reads one logits
     row (a plain step, a prompt chunk) runs as ``backend.decode``; a longer one as ``backend.decode_verify``; a
-    ``picks`` row as ``backend.verify_picks``. ``picks_on_device`` is ``uses_device_picks(backend)``. It owns
-    nothing: the backend's KV cache is the slot's."""
+    ``picks`` row as ``backend.verify_picks``; a tree row as ``backend.verify_tree`` (``TreeRows``; asking for picks,
+    reduced on the host by ``argmax_margin``). ``picks_on_device`` is ``uses_device_picks(backend)``, ``tree_rows``
+    the backend's. It owns nothing: the backend's KV cache is the slot's."""
 
     def __init__(self, backend: Backend) -> None:
         self.backend = backend
         self.picks_on_device = uses_device_picks(backend)
+        self.tree_rows = runs_trees(backend)
 
     @property
     def vocab_size(self) -> int:
@@ -306,10 +408,21 @@ class OneSlot:
         check_slot(slot, 1)
         self.backend.rewind(length)
 
+    def keep_path(self, slot: int, start: int, nodes: Sequence[int]) -> None:
+        check_slot(slot, 1)
+        backend = self.backend
+        if not isinstance(backend, TreeRows) or not self.tree_rows:
+            raise BackendError(f"{backend!r} does not run tree rows: it has no path to keep")
+        backend.keep_path(start, nodes)
+
     def run_pass(self, rows: Sequence[BatchRow]) -> list[np.ndarray | RowPicks]:
         check_batch(rows, self)
         (row,) = rows
         backend = self.backend
+        if row.parents is not None:
+            assert isinstance(backend, TreeRows)
+            tree = backend.verify_tree(row.tokens, row.parents, row.position)
+            return [RowPicks(*argmax_margin(tree)) if row.picks else tree]
         if row.picks:
             assert uses_device_picks(backend)
             return [RowPicks(*backend.verify_picks(row.tokens, row.position))]

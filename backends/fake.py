@@ -9,6 +9,12 @@ an EOS token that wins now and then.
 ``FakeBackend`` is the imperative side: it keeps the resident tokens (its "KV cache"), enforces the protocol of
 ``backends.base`` and counts passes. ``FakeBatchBackend`` is the batched protocol (``BatchBackend``) over the same
 model: one ``FakeBackend`` per slot, so each row's logits are exactly that sequence's alone.
+
+Token trees (``TreeRows``). A KV entry is modelled as the token and the rolling hash of the context it was computed
+in. In a tree pass each row's context is read off the attention rule (``core.tree.tree_mask``) and the positions
+(``position + 1 + depth``): the tokens it sees, in position order. A row that sees two tokens at one position, or
+misses one, is computed in a context no plain decoding has (its hash takes a marker no token has), so a wrong mask,
+a wrong position or a KV entry kept at the wrong place changes the logits of that row and of every row after it.
 """
 
 from __future__ import annotations
@@ -19,7 +25,19 @@ from collections.abc import Sequence
 import attrs
 import numpy as np
 
-from .base import BackendError, BatchRow, argmax_margin, check_batch, check_position, check_slot, check_tokens
+from ortspec.core.tree import tree_mask
+
+from .base import (
+    BackendError,
+    BatchRow,
+    argmax_margin,
+    check_batch,
+    check_kept_path,
+    check_position,
+    check_slot,
+    check_tokens,
+    check_tree_row,
+)
 
 _HASH_MUL = 0x100000001B3
 _HASH_MASK = (1 << 64) - 1
@@ -153,18 +171,26 @@ class FakeBackend:
     """A ``Backend`` over a ``FakeModel``: resident tokens stand in for the KV cache."""
 
     def __init__(
-        self, model: FakeModel, max_length: int = 4096, *, picks_on_device: bool = False, verify_drift: float = 0.0
+        self,
+        model: FakeModel,
+        max_length: int = 4096,
+        *,
+        picks_on_device: bool = False,
+        verify_drift: float = 0.0,
+        tree_rows: bool = True,
     ) -> None:
         """``picks_on_device``: act like a device backend, so the driver asks ``verify_picks`` for picks.
-        ``verify_drift``: every row of a ``decode_verify`` / ``verify_picks`` pass over more than one token is off
-        by up to this much per logit (deterministic noise), as batch-dependent kernels are; the prompt pass and
-        1-token passes stay exact."""
+        ``verify_drift``: every row of a ``decode_verify`` / ``verify_picks`` / ``verify_tree`` pass over more than
+        one token is off by up to this much per logit (deterministic noise), as batch-dependent kernels are; the
+        prompt pass and 1-token passes stay exact. ``tree_rows``: offer ``TreeRows`` (False: act like a backend
+        that runs chains only)."""
         if max_length < 1:
             raise ValueError(f"max_length must be >= 1, got {max_length}")
         if not verify_drift >= 0:
             raise ValueError(f"verify_drift must be >= 0, got {verify_drift}")
         self.model = model
         self.picks_on_device = picks_on_device
+        self.tree_rows = tree_rows
         self.verify_drift = float(verify_drift)
         self.hidden_size = min(16, model.vocab_size)  # the HiddenStates capability
         self._last_pass = (0, 0)  # positions [start, end) computed by the last pass
@@ -193,6 +219,12 @@ class FakeBackend:
 
     def resident_tokens(self) -> tuple[int, ...]:
         return tuple(self._tokens)
+
+    def resident_hashes(self) -> tuple[int, ...]:
+        """Per resident position, the hash of the context its KV entry was computed in (``FakeModel.context_hash``
+        of every token up to it): ``model.after(resident_tokens()[: p + 1]).context_hash`` at position ``p`` when
+        the cache is what plain decoding writes."""
+        return tuple(self._hashes[1:])
 
     def _run(self, tokens: Sequence[int], position: int, what: str) -> np.ndarray:
         check_tokens(tokens, self.vocab_size, "tokens")
@@ -229,11 +261,55 @@ class FakeBackend:
 
     def _verify_rows(self, tokens: Sequence[int], base: int) -> np.ndarray:
         rows = self._run(tokens, base, "base")
+        self._drift(rows, base)
+        return rows
+
+    def _drift(self, rows: np.ndarray, base: int) -> None:
+        """``verify_drift``'s noise on the rows of a multi-token pass at ``base``, in place."""
         if self.verify_drift and len(rows) > 1:
             for i, row in enumerate(rows):
                 noise = np.random.default_rng(self._hashes[base + i + 1]).uniform(-1.0, 1.0, row.shape[0])
                 row += (noise * self.verify_drift).astype(np.float32)
+
+    def verify_tree(self, tokens: Sequence[int], parents: Sequence[int], base: int) -> np.ndarray:
+        """``TreeRows``: a pass over ``(pending, *nodes)``; each row is computed in the context the attention rule
+        and the positions give it (module docstring), and its KV entry is appended as computed."""
+        if not self.tree_rows:
+            raise BackendError("this FakeBackend runs no tree rows (tree_rows=False)")
+        check_tokens(tokens, self.vocab_size, "tokens")
+        check_position(base, len(self._tokens), len(tokens), self._max_length, "base")
+        check_tree_row(tokens, parents, "verify_tree")
+        model, ids = self.model, [int(t) for t in tokens]
+        mask = tree_mask(parents)
+        depth = [0]  # per row: 0 for the pending token, node j's depth + 1 for row j + 1
+        for p in parents:
+            depth.append(depth[p + 1] + 1)
+        rows = np.empty((len(ids), self.vocab_size), dtype=np.float32)
+        context_hash = self._hashes[-1]  # the first `base` positions, which every row sees
+        for a in range(len(ids)):
+            seen = sorted((base + depth[b], b) for b in np.flatnonzero(mask[a]))  # (position, row), in position order
+            h, expected = context_hash, base
+            for position, b in seen:
+                if position != expected:  # a position seen twice or skipped: no plain context is like it
+                    h = model.context_hash(h, self.vocab_size + abs(position - expected))
+                h, expected = model.context_hash(h, ids[b]), position + 1
+            rows[a] = model.logits_after(ids[seen[-1][1]], h)
+            self._tokens.append(ids[a])
+            self._hashes.append(h)
+        self.passes += 1
+        self.tokens_processed += len(ids)
+        self.peak_len = max(self.peak_len, len(self._tokens))
+        self._last_pass = (base, base + len(ids))
+        self._drift(rows, base)
         return rows
+
+    def keep_path(self, start: int, nodes: Sequence[int]) -> None:
+        """``TreeRows``: node ``nodes[d]``'s KV entry (token and context hash) moves from ``start + 1 + nodes[d]``
+        to ``start + 1 + d``."""
+        check_kept_path(start, nodes, len(self._tokens))
+        for d, node in enumerate(nodes):
+            self._tokens[start + 1 + d] = self._tokens[start + 1 + node]
+            self._hashes[start + 2 + d] = self._hashes[start + 2 + node]
 
     def rewind(self, length: int) -> None:
         if (
@@ -252,11 +328,12 @@ class FakeBatchBackend:
     function of the context). ``passes`` counts batched passes and ``rows_per_pass[i]`` the rows of pass ``i + 1``;
     ``tokens_per_pass[i]`` its tokens."""
 
-    def __init__(self, model: FakeModel, slots: int, max_length: int = 4096) -> None:
+    def __init__(self, model: FakeModel, slots: int, max_length: int = 4096, *, tree_rows: bool = True) -> None:
         if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
             raise ValueError(f"slots must be an int >= 1, got {slots!r}")
         self.model = model
-        self._slots = [FakeBackend(model, max_length) for _ in range(slots)]
+        self.tree_rows = tree_rows  # BatchRow.parents rows run (False: a backend that runs chains only)
+        self._slots = [FakeBackend(model, max_length, tree_rows=tree_rows) for _ in range(slots)]
         self._max_length = max_length
         self.rows_per_pass: list[int] = []
         self.tokens_per_pass: list[int] = []
@@ -290,10 +367,20 @@ class FakeBatchBackend:
 
     def run_pass(self, rows: Sequence[BatchRow]) -> list[np.ndarray]:
         check_batch(rows, self)
-        out = [self._slots[row.slot].decode_verify(row.tokens, row.position)[-row.logits_rows :] for row in rows]
+        out = [self._row(row)[-row.logits_rows :] for row in rows]
         self.rows_per_pass.append(len(rows))
         self.tokens_per_pass.append(sum(len(row.tokens) for row in rows))
         return out
 
+    def _row(self, row: BatchRow) -> np.ndarray:
+        backend = self._slots[row.slot]
+        if row.parents is not None:
+            return backend.verify_tree(row.tokens, row.parents, row.position)
+        return backend.decode_verify(row.tokens, row.position)
+
     def rewind(self, slot: int, length: int) -> None:
         self.slot_backend(slot).rewind(length)
+
+    def keep_path(self, slot: int, start: int, nodes: Sequence[int]) -> None:
+        """``BatchTreeRows``: ``FakeBackend.keep_path`` in ``slot``."""
+        self.slot_backend(slot).keep_path(start, nodes)

@@ -24,6 +24,7 @@ from .state import (
     take_draft,
 )
 from .suffix import DraftRule, SuffixProposer, SuffixSnapshot
+from .tree import DraftTree, tree_mask
 from .width import AdditiveWidth, CostAwareWidth, FixedWidth, PricedWidth, WidthPolicy, marginal_row_cost
 
 __all__ = [
@@ -36,6 +37,7 @@ __all__ = [
     "DraftContext",
     "DraftPicker",
     "DraftRule",
+    "DraftTree",
     "FinishReason",
     "FixedWidth",
     "ForcedTokens",
@@ -69,4 +71,5 @@ __all__ = [
     "step",
     "step_from_picks",
     "take_draft",
+    "tree_mask",
 ]

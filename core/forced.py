@@ -16,6 +16,7 @@ import attrs
 from .constraint import Constraint, Grammar
 from .options import Options
 from .proposers import DraftContext, Learner, Proposer
+from .tree import DraftTree
 
 
 def forcing(proposer: Proposer | None, options: Options, prompt_len: int) -> Proposer | None:
@@ -52,17 +53,23 @@ class ForcedTokens:
         assert self._constraint is not None
         return self._constraint.forced(context_tokens, self.prompt_len)
 
-    def propose(self, context: DraftContext) -> tuple[int, ...]:
+    def propose(self, context: DraftContext) -> tuple[int, ...] | DraftTree:
+        """The forced tokens, then the inner proposer's draft after them (its tree hung from the last forced
+        token: ``DraftTree.after``)."""
         forced = self.forced(context.tokens)[: context.width]
         if len(forced) >= context.width or self.inner is None:
             return forced
-        return forced + tuple(self.inner.propose(context.after(forced) if forced else context))
+        inner = self.inner.propose(context.after(forced) if forced else context)
+        if isinstance(inner, DraftTree):
+            return inner.after(forced)
+        return forced + tuple(inner)
 
-    def observe(self, context: DraftContext, draft: Sequence[int], accepted: int) -> ForcedTokens:
+    def observe(self, context: DraftContext, draft: Sequence[int] | DraftTree, accepted: int) -> ForcedTokens:
         if not isinstance(self.inner, Learner):
             return self
         n = len(self.forced(context.tokens)[: context.width])
         if n >= context.width or accepted < n:
             return self  # nothing of the inner one's, or a stop rule ended the step before its draft was verified
-        inner = self.inner.observe(context.after(draft[:n]) if n else context, draft[n:], max(0, accepted - n))
+        head, rest = (draft.tokens[:n], draft.below(n)) if isinstance(draft, DraftTree) else (draft[:n], draft[n:])
+        inner = self.inner.observe(context.after(head) if n else context, rest, max(0, accepted - n))
         return attrs.evolve(self, inner=inner)

@@ -16,6 +16,7 @@ import attrs
 from .checks import int_at_least
 from .proposers import DraftContext, PromptLookup, Proposer
 from .suffix import SuffixProposer
+from .tree import DraftTree
 from .width import CostAwareWidth
 
 _POLICY = {"strong": "lookup_policy", "weak": "weak_lookup_policy", "drafter": "drafter_policy"}
@@ -79,7 +80,7 @@ class LookupOrDraft:
             return match, draft, match
         return "drafter", draft, match
 
-    def propose(self, context: DraftContext) -> tuple[int, ...]:
+    def propose(self, context: DraftContext) -> tuple[int, ...] | DraftTree:
         """The chosen source's draft (the source chosen by the sources' rates, which a cheaper plain step does not
         reorder), as wide as its policy's ``width_at(context.plain_cost)`` allows, so speculation fades as a batch
         fills."""
@@ -87,9 +88,12 @@ class LookupOrDraft:
         if source != "drafter":
             return draft[: _width(getattr(self, _POLICY[source]), context.width, context.plain_cost)]
         k = _width(self.drafter_policy, context.width, context.plain_cost)
-        return tuple(self.drafter.propose(attrs.evolve(context, width=k)))[:k] if k > 0 else ()
+        if k <= 0:
+            return ()
+        drafted = self.drafter.propose(attrs.evolve(context, width=k))
+        return drafted.cut(k) if isinstance(drafted, DraftTree) else tuple(drafted)[:k]
 
-    def observe(self, context: DraftContext, draft: Sequence[int], accepted: int) -> LookupOrDraft:
+    def observe(self, context: DraftContext, draft: Sequence[int] | DraftTree, accepted: int) -> LookupOrDraft:
         """This value after ``accepted`` of ``draft`` (what ``propose(context)`` returned) were committed: the
         source that drafted it (the same choice ``propose`` made) learns it; an empty draft counts as an idle step
         of that source's policy. A strong match the drafter beat is kept to be scored at the next call (the class

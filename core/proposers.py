@@ -1,11 +1,14 @@
 """Draft proposers: pure functions of a draft's context that guess the next tokens.
 
-A proposer is any object with ``propose(context: DraftContext) -> tuple[int, ...]``, the one protocol the driver
-calls. The context is one frozen value: the tokens (the prompt, then every committed token), the width (the most
-tokens the step can use: the driver has capped it by the remaining token budget and context), the price of a plain
-step in the pass the draft joins, the slot whose target state a draft head reads, and the target's own seeded pick
-rule when the generation samples. A proposer may return fewer tokens, or none; the driver truncates anything
-longer and rejects ids outside the vocabulary, so a wrong guess costs speed, never correctness.
+A proposer is any object with ``propose(context: DraftContext) -> tuple[int, ...] | DraftTree``, the one protocol
+the driver calls: a chain of draft tokens, or a tree of candidate continuations that share prefixes
+(``core/tree.py``), verified in one pass where the backend runs tree rows (elsewhere, its first branch is). The
+context is one frozen value: the tokens (the prompt, then every committed token), the width (the most tokens, or a
+tree's nodes, the step can use: the driver has capped it by the remaining token budget and context), the price of a
+plain step in the pass the draft joins, the slot whose target state a draft head reads, and the target's own seeded
+pick rule when the generation samples. A proposer may return fewer tokens, or none; the driver truncates anything
+longer (a tree to its first ``width`` nodes) and rejects ids outside the vocabulary, so a wrong guess costs speed,
+never correctness.
 
 A proposer that learns from what the target accepted is a frozen value too (``Learner``): after each verified draft
 the driver replaces it with ``observe(context, draft, accepted)``.
@@ -23,6 +26,7 @@ import attrs
 from .checks import int_at_least
 from .sampling import DraftPicker
 from .tokens import Shared
+from .tree import DraftTree
 
 # The most draft tokens any built-in proposer drafts in one pass (prompt lookup's default, the width policies' cap).
 MAX_DRAFT = 16
@@ -58,8 +62,9 @@ class DraftContext:
 
 @runtime_checkable
 class Proposer(Protocol):
-    def propose(self, context: DraftContext) -> tuple[int, ...]:
-        """Up to ``context.width`` token ids that probably follow ``context.tokens``."""
+    def propose(self, context: DraftContext) -> tuple[int, ...] | DraftTree:
+        """Up to ``context.width`` token ids that probably follow ``context.tokens``, or a ``DraftTree`` of up to
+        ``context.width`` nodes whose paths probably do."""
         ...
 
 
@@ -68,11 +73,11 @@ class Learner(Protocol):
     """A proposer whose choices learn from what the target accepted, as a frozen value (like a width policy):
     ``propose`` stays a pure function of the value and the context; after each step it was asked to draft for, the
     driver replaces the value with ``observe(context, draft, accepted)`` (the context it was asked with, the draft
-    as verified, possibly empty, and how many of its tokens were committed)."""
+    as verified, possibly empty, a chain or a tree, and how many of its tokens were committed)."""
 
-    def propose(self, context: DraftContext) -> tuple[int, ...]: ...
+    def propose(self, context: DraftContext) -> tuple[int, ...] | DraftTree: ...
 
-    def observe(self, context: DraftContext, draft: Sequence[int], accepted: int) -> Learner: ...
+    def observe(self, context: DraftContext, draft: Sequence[int] | DraftTree, accepted: int) -> Learner: ...
 
 
 @attrs.frozen

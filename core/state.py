@@ -4,9 +4,10 @@ Rule 1: everything that decides what is committed lives in this file: which draf
 candidates are committed and in what order the stop rules see them, when a generation ends and why, how many
 draft tokens a step may verify, how much KV the backend keeps, what text is released to the stream, and what a
 partly delivered generation reports. The driver, the backends and the Engine only carry these decisions out.
-Three pieces of arithmetic are kept apart, each called from here: a single pick (processors, filters, the seeded
-draw; ``core/sampling.py``, a pure function of one row), a step's text (incremental detokenization, the stop-string
-search and hold-back; ``core/text.py``), and a grammar's position and mask (``core/constraint.py``).
+Four pieces of arithmetic are kept apart, each called from here: a single pick (processors, filters, the seeded
+draw; ``core/sampling.py``, a pure function of one row), the walk down a draft, chain or tree, that yields the
+candidates (``core/tree.py``), a step's text (incremental detokenization, the stop-string search and hold-back;
+``core/text.py``), and a grammar's position and mask (``core/constraint.py``).
 
 Theory of operation
 -------------------
@@ -41,6 +42,17 @@ rules see the same tokens in the same order whatever the draft was, speculative 
 
 A draft may hold at most ``draft_budget(state)`` tokens: every one of them, and the bonus token, could still be
 committed within ``max_tokens`` and the context limit. So no pass writes a KV position past either bound.
+
+Trees (``core/tree.py``). A draft may also be a ``DraftTree``: candidate continuations sharing prefixes, verified in
+one pass over ``(pending, *tree.tokens)`` where each row sees only the context, itself and its ancestors
+(``tree_mask``) at the position of its depth, so ``rows[j]`` predicts the position after node ``j``'s path. The
+accept rule walks down from the base row: while the current node has a child whose token equals the last pick (the
+lowest-index such child), move to it and pick from its row, with that node's path as the draft prefix (the seeded
+draw's index is its depth, the grammar's mask is after its path), exactly as a chain picks row ``i`` after
+``draft[:i]``. The picks along that path are the candidates, and every rule after acceptance is the chain's. Its
+node count is bounded by ``draft_budget`` (every position it writes stays in bounds). The accepted path's KV was
+written at ``kv_len + 1 + node``; ``StepOutcome.kept_nodes`` names the nodes to move to ``kv_len + 1 + depth``
+before the rewind (for a chain, nothing moves).
 
 The step returns ``rewind_to``, the KV length the backend must keep: ``kv_len`` of the new state. The pass left
 ``kv_len + 1 + K`` positions; the committed ones stay, and the last committed token becomes the next pending
@@ -84,6 +96,7 @@ from .prefix import reused_length
 from .sampling import NonFiniteRow, Pick, StepContext
 from .text import TextTracker
 from .tokens import Shared
+from .tree import Draft, DraftTree, walk, walk_chain
 from .width import acceptance_rate
 
 Detokenize = Callable[[Sequence[int]], str]
@@ -124,12 +137,17 @@ class Stats:
 
 class StepOutcome(NamedTuple):
     """What one step decided: the new ``state``; the ``commits`` it released, in order; ``rewind_to``, the KV length
-    the backend must keep; ``accepted``, how many draft tokens were committed (the bonus token not counted)."""
+    the backend must keep; ``accepted``, how many draft tokens were committed (the bonus token not counted);
+    ``kept_nodes``, the draft nodes whose KV stays, in depth order: the accepted path's nodes below ``rewind_to``
+    (for a chain ``0, 1, ...``, already in place). Before rewinding to ``rewind_to``, the backend moves KV position
+    ``kv_len + 1 + kept_nodes[d]`` to ``kv_len + 1 + d`` (``kv_len`` of the state stepped from) for each ``d``
+    where the two differ."""
 
     state: DecodeState
     commits: tuple[Commit, ...]
     rewind_to: int
     accepted: int
+    kept_nodes: tuple[int, ...] = ()
 
 
 @attrs.frozen
@@ -307,8 +325,8 @@ def check_prompt_fits(
 
 
 def draft_budget(state: DecodeState) -> int:
-    """The most draft tokens the next step may verify: every one of them could still be committed, bonus
-    included, within ``max_tokens`` and the context limit. 0 means a plain step."""
+    """The most draft tokens (a tree's nodes) the next step may verify: every one of them could still be committed,
+    bonus included, within ``max_tokens`` and the context limit. 0 means a plain step."""
     if state.finished or state._plain_step_next:
         return 0
     budget = state.options.max_tokens - len(state.generated_tokens) - 1
@@ -323,19 +341,32 @@ def draft_width(state: DecodeState, policy_width: int) -> int:
     return min(draft_budget(state), policy_width)
 
 
-def take_draft(state: DecodeState, proposal: Iterable[int], width: int, vocab_size: int) -> tuple[int, ...]:
-    """A proposer's answer as the next step's draft: cut to ``width`` (longer proposals are truncated), then checked
-    by ``check_draft``."""
+def take_draft(
+    state: DecodeState, proposal: Iterable[int] | DraftTree, width: int, vocab_size: int, *, trees: bool = False
+) -> Draft:
+    """A proposer's answer as the next step's draft: cut to ``width`` (longer proposals are truncated; a tree to its
+    first ``width`` nodes), then checked by ``check_draft``. A ``DraftTree`` is reduced to its ``first_branch`` unless
+    ``trees`` (the backend runs tree rows), and one with a single branch becomes the chain it is."""
+    if isinstance(proposal, DraftTree):
+        tree = (proposal if trees else proposal.first_branch()).cut(width)
+        return check_draft(state, tree.tokens if tree.is_chain else tree, vocab_size)
     return check_draft(state, tuple(proposal)[:width], vocab_size)
 
 
-def check_draft(state: DecodeState, draft: Sequence[int], vocab_size: int) -> tuple[int, ...]:
-    """Validate a proposed draft for the next step; return it as a tuple of ints.
+def check_draft(state: DecodeState, draft: Sequence[int] | DraftTree, vocab_size: int) -> Draft:
+    """Validate a proposed draft for the next step; return it as a tuple of ints (a tree as it is).
 
-    Raises ``ValueError`` for a finished state, an id outside ``[0, vocab_size)``, or a draft longer than
-    ``draft_budget(state)``."""
+    Raises ``ValueError`` for a finished state, an id outside ``[0, vocab_size)``, or a draft of more tokens (a
+    tree of more nodes) than ``draft_budget(state)``."""
     if state.finished:
         raise ValueError(f"the generation already finished ({state.finish_reason})")
+    if isinstance(draft, DraftTree):
+        ids_in_vocab("draft", draft.tokens, vocab_size)
+        if len(draft) > draft_budget(state):
+            raise ArgumentError(
+                "draft", f"a draft tree of {len(draft)} nodes exceeds this step's budget of {draft_budget(state)}"
+            )
+        return draft
     ids = ids_in_vocab("draft", draft, vocab_size)
     if len(ids) > draft_budget(state):
         raise ArgumentError(
@@ -348,13 +379,13 @@ def step(
     state: DecodeState,
     base_logits: np.ndarray,
     rows: np.ndarray | None,
-    draft: Sequence[int],
+    draft: Sequence[int] | DraftTree,
 ) -> StepOutcome:
-    """Advance by one target pass over ``(pending, *draft)``.
+    """Advance by one target pass over ``(pending, *draft)`` (a tree: ``(pending, *draft.tokens)``).
 
     ``base_logits``: ``[vocab]`` logits for the first uncommitted position; ``rows``: ``[K, vocab]``, row ``i``
-    after ``draft[i]`` (``None`` or empty when K = 0). Returns a ``StepOutcome``: ``(state, commits, rewind_to,
-    accepted)``. The arrays
+    after ``draft[i]`` (a tree of K nodes: after node ``i``'s path), ``None`` or empty when K = 0. Returns a
+    ``StepOutcome``: ``(state, commits, rewind_to, accepted)`` and ``kept_nodes``. The arrays
     are read, never kept or modified. Raises ``ValueError`` on shapes that do not match the draft, ids outside
     the vocabulary, or a non-finite logit where a pick is made.
     """
@@ -385,8 +416,10 @@ def step(
     def row_pick(i: int) -> Pick:
         if i not in picks:
             top_n = state.options.top_logprobs
-            allowed = None if constraint is None else constraint.allowed(generated, draft[:i], eos_ids)
-            picks[i] = context.pick(all_rows[i], i, draft[:i], margin=want_margin, top_n=top_n, allowed=allowed)
+            drafted = draft.before(i) if isinstance(draft, DraftTree) else draft[:i]  # the tokens before row i
+            allowed = None if constraint is None else constraint.allowed(generated, drafted, eos_ids)
+            index = len(drafted)  # the pick's index among the generated tokens, after the step's first
+            picks[i] = context.pick(all_rows[i], index, drafted, margin=want_margin, top_n=top_n, allowed=allowed)
         return picks[i]
 
     def logprob(i: int, token: int) -> TokenLogprob:
@@ -405,15 +438,15 @@ def step(
 def step_from_picks(
     state: DecodeState,
     picks: Sequence[int] | np.ndarray,
-    draft: Sequence[int],
+    draft: Sequence[int] | DraftTree,
     *,
     vocab_size: int,
     margins: Sequence[float] | np.ndarray | None = None,
 ) -> StepOutcome:
     """``step`` with the K + 1 target picks already made where the logits live (a device-side argmax):
-    ``picks[0]`` from the base row, ``picks[i + 1]`` after ``draft[i]``, each the row's argmax (lowest id on
-    ties). ``margins`` (top-1 minus top-2 logit per row) feed the tie guard; a NaN margin marks a row that is not
-    finite where its pick is made, which is refused as ``step`` refuses it. Logprobs need the logits, so
+    ``picks[0]`` from the base row, ``picks[i + 1]`` after ``draft[i]`` (a tree's node ``i``), each the row's argmax
+    (lowest id on ties). ``margins`` (top-1 minus top-2 logit per row) feed the tie guard; a NaN margin marks a row
+    that is not finite where its pick is made, which is refused as ``step`` refuses it. Logprobs need the logits, so
     ``top_logprobs`` > 0 is refused here."""
     if state.options.top_logprobs:
         raise ValueError("step_from_picks cannot report logprobs (it has no logits); use step()")
@@ -459,32 +492,25 @@ def delivered(state: DecodeState, undelivered: Sequence[Commit]) -> DecodeState:
 
 def _advance(
     state: DecodeState,
-    draft: tuple[int, ...],
+    draft: Draft,
     pick: Callable[[int], int],
     margin: Callable[[int], float],
     logprob: Callable[[int, int], TokenLogprob] | None,
 ) -> StepOutcome:
     """The accept rule, the tie guard, then the commit rules for each candidate; the only place that decides
-    any of them."""
+    any of them. ``pick``, ``margin`` and ``logprob`` take a verify row's index."""
     opts = state.options
     k = len(draft)
-    # Accept: picks[0], then picks[i] while the draft agreed with every pick before it. A non-finite row after the
-    # first ends the block before it; the next step is plain and refuses it there, as plain decoding would.
-    candidates: list[int] = [pick(0)]
-    nonfinite_cut = False
-    while len(candidates) <= k and candidates[-1] == draft[len(candidates) - 1]:
-        try:
-            candidates.append(pick(len(candidates)))
-        except NonFiniteRow:
-            nonfinite_cut = True
-            break
-    accepted = len(candidates) if nonfinite_cut else len(candidates) - 1  # draft tokens among the candidates
+    # Accept (core/tree.py: a chain's walk or a tree's): the candidates, each with its verify row, the accepted path.
+    walked = walk(draft, pick) if isinstance(draft, DraftTree) else walk_chain(draft, pick)
+    candidates, rows, nonfinite_cut = walked.candidates, walked.rows, walked.nonfinite_cut
+    accepted = len(walked.path)  # draft tokens among the candidates
 
     # Tie guard: a multi-token pass's pick whose margin is below tie_margin is not committed, nor anything after
     # it. If that leaves nothing, the next step is a plain 1-token pass, which decides the pick as plain decoding would.
     guarded = len(candidates)
     if k and opts.tie_margin > 0:
-        guarded = next((i for i in range(len(candidates)) if margin(i) < opts.tie_margin), len(candidates))
+        guarded = next((i for i in range(len(candidates)) if margin(rows[i]) < opts.tie_margin), len(candidates))
     guard_stopped = guarded < len(candidates)
     del candidates[guarded:]
     plain_step_next = not candidates or nonfinite_cut
@@ -519,7 +545,7 @@ def _advance(
             finish = FinishReason.GRAMMAR_COMPLETE
         else:
             finish = bound
-        lp = logprob(i, token) if logprob is not None else None
+        lp = logprob(rows[i], token) if logprob is not None else None
         if lp is not None:
             logprobs = logprobs.extended((lp,))
         commits.append(Commit(token, text.release(final=finish is not None), lp))
@@ -550,7 +576,8 @@ def _advance(
         detok_end=text.detok_end,
         plain_step_next=plain_step_next,
     )
-    return StepOutcome(new_state, tuple(commits), new_state.kv_len, committed_draft)
+    kept = walked.path[: max(len(commits) - 1, 0)]  # the committed tokens' KV but the last (the next pending)
+    return StepOutcome(new_state, tuple(commits), new_state.kv_len, committed_draft, kept)
 
 
 def _matched_stop_sequence(generated: Sequence[int], sequences: tuple[tuple[int, ...], ...]) -> tuple[int, ...] | None:

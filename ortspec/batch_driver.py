@@ -14,14 +14,16 @@
             decoding:   every pass, budget or not:
                         (pending, *draft) at state.kv_len; context, draft = speculation.draft(state, vocab,
                         plain_cost, slot): the proposer's propose(DraftContext), cut by core.draft_width /
-                        take_draft; plain_cost: what one
+                        take_draft (a DraftTree is a tree row, BatchRow.parents, on a backend whose tree_rows is
+                        True; elsewhere its first branch is verified); plain_cost: what one
                         more one-token row costs in a pass with this many decoding sequences, priced by
                         core.width.marginal_row_cost on the backend's decode_costs, so speculation fades as
                         the batch fills)
         outputs = backend.run_pass(rows)                             ONE pass for every row
         for every row, with its own [len(tokens), vocab] logits:
             a prompt chunk that is not the last: nothing to decide
-            else: outcome = core.step(state, rows[0], rows[1:], draft); backend.rewind(slot, outcome.rewind_to)
+            else: outcome = core.step(state, rows[0], rows[1:], draft); a tree row's accepted path is moved into
+                  place (backend.keep_path(slot, position, outcome.kept_nodes)); backend.rewind(slot, outcome.rewind_to)
                   speculation = speculation.observe(context, draft, outcome.accepted)
         then deliver each sequence's commits (its callback, or its iterator's buffer); free the slots of the
         sequences that finished, failed or were cancelled, each slot remembering its resident tokens
@@ -60,7 +62,7 @@ from __future__ import annotations
 import collections
 from collections.abc import Sequence
 
-from ortspec.backends.base import BackendError, BatchBackend, BatchRow
+from ortspec.backends.base import BackendError, BatchBackend, BatchRow, runs_trees
 from ortspec.core.checks import check_int
 from ortspec.core.prefix import reuse_score
 from ortspec.core.proposers import Proposer
@@ -148,6 +150,7 @@ class BatchDriver:
         self._in_pass = False
         self.passes = 0
         self.device_picks = bool(getattr(backend, "picks_on_device", False))  # rows may ask for picks
+        self.tree_rows = runs_trees(backend)  # a proposer's DraftTree is verified whole (else its first branch)
         self.admitting = True  # False: waiting requests stay waiting (the running ones go on)
 
     @property
@@ -210,7 +213,7 @@ class BatchDriver:
         state = DecodeState.start(
             prompt_tokens, options, detokenize, capacity=backend.max_length, vocab_size=backend.vocab_size
         )
-        speculation = Speculation.of(proposer, draft_width, state)
+        speculation = Speculation.of(proposer, draft_width, state, trees=self.tree_rows)
         sequence = BatchSequence(self, state, speculation, callback, reads_target_state, on_finish)
         if sequence.phase is Phase.WAITING:
             self._waiting.append(sequence)

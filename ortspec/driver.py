@@ -7,9 +7,11 @@ a lone generation runs on it with the backend behind the batched protocol as ``O
     sequence = driver.submit(prompt, options, proposer, draft_width=...)
     the prompt pass (one row: the whole prompt after the cached prefix), then until the state finishes:
         context, draft = speculation.draft(state)         propose(DraftContext), core.draft_width / take_draft
-        out   = backend pass over (pending, *draft)       decode, decode_verify, or verify_picks on a device
+        out   = backend pass over (pending, *draft)       decode, decode_verify, or verify_picks on a device;
+                                                          a DraftTree: verify_tree where the backend runs tree
+                                                          rows (TreeRows), else its first branch as a chain
         state, commits, rewind_to = core.step(...)        every decision is the core's
-        backend.rewind(rewind_to); deliver the commits; speculation learns
+        backend.keep_path(...) for a tree's accepted path; backend.rewind(rewind_to); deliver; speculation learns
 
 So a lone generation is decided, rewound and delivered exactly as each sequence of a batch is; this module only
 keeps the one-sequence call shapes (``cached_prefix``, the prompt pass at construction, ``resident_tokens``).

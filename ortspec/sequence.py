@@ -15,10 +15,11 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ortspec.backends.base import BatchBackend, BatchRow, RowPicks
+from ortspec.backends.base import BatchBackend, BatchRow, RowPicks, runs_trees
 from ortspec.core.prefix import common_prefix_length, resident_tokens, reusing
 from ortspec.core.proposers import DraftContext, Proposer
-from ortspec.core.state import Commit, DecodeState, step, step_from_picks
+from ortspec.core.state import Commit, DecodeState, StepOutcome, step, step_from_picks
+from ortspec.core.tree import Draft, DraftTree
 from ortspec.results import FinishCallback, GenerateResult, GenerationAborted, GenerationError, StreamCallback, Timings
 from ortspec.speculation import Speculation
 
@@ -72,7 +73,7 @@ class BatchSequence:
         self._slot: int | None = None  # while it holds one
         self._prefilled = 0  # prompt tokens whose KV the slot holds (from the reused ones on), while prefilling
         self._context: DraftContext | None = None  # the draft context and draft of the row in flight
-        self._draft: tuple[int, ...] = ()
+        self._draft: Draft = ()
 
     @property
     def phase(self) -> Phase:
@@ -203,7 +204,7 @@ class BatchSequence:
         its next ``chunk`` prompt tokens (1 <= chunk <= ``_prompt_left``, the driver's choice); decoding, its
         pending token and draft, ``plain_cost`` being the price of a plain step in this pass
         (``Speculation.draft``), asking for picks instead of logits when the backend makes them (``device_picks``)
-        and the options need nothing else."""
+        and the options need nothing else; a ``DraftTree`` draft is a tree row (``BatchRow.parents``)."""
         assert self._slot is not None
         state = self.state
         reads_slot = self._reads_target_state  # its proposer reads the hidden state of the last row
@@ -216,12 +217,16 @@ class BatchSequence:
             return BatchRow(self._slot, tokens, self._prefilled, last_logits=1, hidden_states=last)
         self._context, self._draft = self._speculation.draft(state, vocab_size, plain_cost, self._slot)
         picks = device_picks and state.options.device_picks_suffice
-        tokens = (state.pending_token, *self._draft)
+        draft = self._draft
+        if isinstance(draft, DraftTree):
+            tokens, parents = (state.pending_token, *draft.tokens), draft.parents
+            return BatchRow(self._slot, tokens, state.kv_len, hidden_states=reads_slot, picks=picks, parents=parents)
+        tokens = (state.pending_token, *draft)
         return BatchRow(self._slot, tokens, state.kv_len, hidden_states=reads_slot, picks=picks)
 
     def _take(self, backend: BatchBackend, row: BatchRow, logits: np.ndarray | RowPicks) -> tuple[Commit, ...]:
-        """Decide (core) with this row's logits ``[row.logits_rows, vocab]`` (or its ``RowPicks``) and rewind the
-        slot; return the commits the step released."""
+        """Decide (core) with this row's logits ``[row.logits_rows, vocab]`` (or its ``RowPicks``), keep the
+        accepted path of a tree row (``_keep_path``) and rewind the slot; return the commits the step released."""
         assert self._slot is not None
         state = self.state
         if self._phase is Phase.PREFILL:
@@ -238,6 +243,7 @@ class BatchSequence:
         else:
             outcome = step(state, logits[0], logits[1:], self._draft)
             self._speculation = self._speculation.observe(self._context, self._draft, outcome.accepted)
+        self._keep_path(backend, row, outcome)
         backend.rewind(self._slot, outcome.rewind_to)
         self.state = outcome.state
         if outcome.commits and self._t_first is None:
@@ -247,6 +253,15 @@ class BatchSequence:
             if self._on_finish is not None:
                 self._on_finish(self.state)
         return outcome.commits
+
+    def _keep_path(self, backend: BatchBackend, row: BatchRow, outcome: StepOutcome) -> None:
+        """Move the KV of the accepted path's nodes (``outcome.kept_nodes``) from where the tree row wrote them
+        (``row.position + 1 + node``) to where plain decoding has them (``row.position + 1 + depth``), unless they
+        are there already (always, for a chain)."""
+        kept = outcome.kept_nodes
+        if any(node != depth for depth, node in enumerate(kept)):
+            assert self._slot is not None and runs_trees(backend)
+            backend.keep_path(self._slot, row.position, kept)
 
     def _described(self, undelivered: tuple[Commit, ...]) -> GenerateResult:
         timings = Timings.since(self._t_start, self._t_prefill, self._t_first, time.perf_counter())

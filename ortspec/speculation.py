@@ -9,6 +9,7 @@ import attrs
 from ortspec.core.proposers import DraftContext, Learner, Proposer
 from ortspec.core.sampling import DraftPicker
 from ortspec.core.state import DecodeState, draft_width, take_draft
+from ortspec.core.tree import Draft
 from ortspec.core.width import WidthPolicy, asked_width, width_policy
 from ortspec.results import ProposerError
 
@@ -18,29 +19,33 @@ class Speculation:
     """One sequence's proposer and width policy as they stand (a learning proposer and a width policy are values
     that learn), and ``picker``, the target's seeded pick rule when the generation samples (what a draft model
     drafts with: ``DraftContext.picker``): the draft for its next step, and what they learn from that step's
-    outcome. Without a proposer every step is plain."""
+    outcome. Without a proposer every step is plain. ``trees``: the backend runs tree rows, so a proposer's
+    ``DraftTree`` is verified whole (else its first branch is: ``core.take_draft``)."""
 
     proposer: Proposer | None
     policy: WidthPolicy
     picker: DraftPicker | None = None
+    trees: bool = False
 
     @classmethod
-    def of(cls, proposer: Proposer | None, draft_width: int | WidthPolicy, state: DecodeState) -> Speculation:
+    def of(
+        cls, proposer: Proposer | None, draft_width: int | WidthPolicy, state: DecodeState, *, trees: bool = False
+    ) -> Speculation:
         """``proposer`` for the generation of ``state``; ``draft_width``: the most draft tokens per pass, or a
-        ``WidthPolicy`` choosing it per step."""
+        ``WidthPolicy`` choosing it per step; ``trees``: the backend runs tree rows."""
         sampling = state.options.sampling
         picker = DraftPicker(sampling, len(state.prompt_tokens)) if sampling.temperature > 0.0 else None
-        return cls(proposer, width_policy(draft_width), picker)
+        return cls(proposer, width_policy(draft_width), picker, trees)
 
     def draft(
         self, state: DecodeState, vocab_size: int, plain_cost: float = 1.0, slot: int | None = None
-    ) -> tuple[DraftContext | None, tuple[int, ...]]:
+    ) -> tuple[DraftContext | None, Draft]:
         """``(context, draft)`` for the next step from ``state``: the context the proposer was asked with (None
         when it was not asked: no proposer, or a width of 0, ``core.draft_width``) and its answer cut to the width
-        (``core.take_draft``). ``plain_cost``: what a plain step costs in the pass the step joins (1.0 alone;
-        ``core.width.marginal_row_cost`` in a batch); ``slot``: the slot holding the sequence's target state (for
-        ``DraftContext.slot``). Raises ``ProposerError`` when the proposer raises or proposes something that is not
-        a draft."""
+        (``core.take_draft``: a tree by node count, reduced to its first branch unless ``trees``). ``plain_cost``:
+        what a plain step costs in the pass the step joins (1.0 alone; ``core.width.marginal_row_cost`` in a
+        batch); ``slot``: the slot holding the sequence's target state (for ``DraftContext.slot``). Raises
+        ``ProposerError`` when the proposer raises or proposes something that is not a draft."""
         if self.proposer is None:
             return None, ()
         width = draft_width(state, asked_width(self.policy, plain_cost))
@@ -48,14 +53,14 @@ class Speculation:
             return None, ()
         context = DraftContext(state.context_tokens, width, plain_cost, slot, self.picker)
         try:
-            return context, take_draft(state, self.proposer.propose(context), width, vocab_size)
+            return context, take_draft(state, self.proposer.propose(context), width, vocab_size, trees=self.trees)
         except Exception as exc:
             raise ProposerError(f"the proposer {self.proposer!r} failed: {type(exc).__name__}: {exc}") from exc
 
-    def observe(self, context: DraftContext | None, draft: tuple[int, ...], accepted: int) -> Speculation:
+    def observe(self, context: DraftContext | None, draft: Draft, accepted: int) -> Speculation:
         """What both learn from the step over ``draft`` (asked with ``context``, None when the proposer was not
-        asked) that accepted ``accepted`` draft tokens: the policy always, a ``core.proposers.Learner`` when it was
-        asked for a draft."""
+        asked) that accepted ``accepted`` draft tokens: the policy always (a tree counts its nodes as proposed), a
+        ``core.proposers.Learner`` when it was asked for a draft."""
         proposer = self.proposer
         if isinstance(proposer, Learner) and context is not None:
             proposer = proposer.observe(context, draft, accepted)

@@ -194,7 +194,7 @@ def cold_cache_step_us(kv_bytes: int, steps: int = 2000) -> tuple[float, float]:
             if pollute:
                 streamed.sum()
             t0 = time.thread_time()
-            state, _, _, _ = step(state, row, None, ())
+            state, _, _, _, _ = step(state, row, None, ())
             own += time.thread_time() - t0
         out.append(own / steps * 1e6)
     return out[0], out[1]

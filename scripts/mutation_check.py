@@ -39,6 +39,12 @@ PROPERTY_TESTS = ("property_tests/test_prompt_lookup.py", "property_tests/test_e
 # Modules of the core and the driver are also checked by the property suite (PROPERTY_CHECKED).
 UNIT_TESTS: dict[str, tuple[str, ...]] = {
     "core/state.py": ("tests/test_commit_rules.py", "tests/test_core_rules.py", "tests/test_driver.py"),
+    "core/tree.py": (
+        "tests/test_tree.py",
+        "tests/test_core_rules.py",
+        "tests/test_driver.py",
+        "property_tests/test_trees.py",
+    ),
     "core/text.py": ("tests/test_commit_rules.py", "tests/test_core_rules.py", "tests/test_driver.py"),
     "core/sampling.py": ("tests/test_sampling_rules.py", "tests/test_sampling.py", "tests/test_core_rules.py"),
     "core/proposers.py": ("tests/test_draft_context.py", "tests/test_proposers.py"),
@@ -95,14 +101,14 @@ class Mutant(NamedTuple):
 MUTANTS: dict[str, Mutant] = {
     # -- accepting draft tokens, the KV length, the draft budget --------------------------------------------------
     "accept-without-check": Mutant(
-        "core/state.py",
+        "core/tree.py",
         "candidates[-1] == draft[len(candidates) - 1]",
         "candidates[-1] >= 0",
     ),
     "rewind-off-by-one": Mutant(
         "core/state.py",
-        "return StepOutcome(new_state, tuple(commits), new_state.kv_len, committed_draft)",
-        "return StepOutcome(new_state, tuple(commits), new_state.kv_len + 1, committed_draft)",
+        "return StepOutcome(new_state, tuple(commits), new_state.kv_len, committed_draft, kept)",
+        "return StepOutcome(new_state, tuple(commits), new_state.kv_len + 1, committed_draft, kept)",
     ),
     "budget-overshoot": Mutant(
         "core/state.py",
@@ -113,6 +119,31 @@ MUTANTS: dict[str, Mutant] = {
         "core/sampling.py",
         "best = int(np.argmax(z))",
         "best = int(len(z) - 1 - np.argmax(z[::-1]))",
+    ),
+    # -- token-tree drafts (core/tree.py; property_tests/test_trees.py) ------------------------------------------
+    "tree-mask-sees-every-earlier-node": Mutant(
+        "core/tree.py",
+        "mask = np.eye(n + 1, dtype=bool)",
+        "mask = np.tri(n + 1, dtype=bool)",
+        ("tests/test_tree.py", "property_tests/test_trees.py"),
+    ),
+    "tree-walk-takes-the-highest-index-twin": Mutant(
+        "core/tree.py",
+        "return next((c for c in self._children[node + 1] if tokens[c] == token), None)",
+        "return next((c for c in reversed(self._children[node + 1]) if tokens[c] == token), None)",
+        ("tests/test_tree.py", "property_tests/test_trees.py"),
+    ),
+    "tree-pick-index-is-the-row-not-the-depth": Mutant(
+        "core/state.py",
+        "index = len(drafted)  # the pick's index among the generated tokens, after the step's first",
+        "index = i",
+        ("tests/test_tree.py", "property_tests/test_trees.py"),
+    ),
+    "tree-driver-skips-compaction": Mutant(
+        "ortspec/sequence.py",
+        "            backend.keep_path(self._slot, row.position, kept)\n",
+        "            pass\n",
+        ("tests/test_tree.py", "property_tests/test_trees.py"),
     ),
     # -- coupled drafting: a draft model's picks under sampling (property_tests/test_coupled_drafting.py) ---------
     "coupled-draft-index-off-by-one": Mutant(
@@ -272,7 +303,7 @@ MUTANTS: dict[str, Mutant] = {
     # -- structured outputs (core/constraint.py) ------------------------------------------------------------------
     "grammar-mask-ignores-the-draft-prefix": Mutant(
         "core/state.py",
-        "constraint.allowed(generated, draft[:i], eos_ids)",
+        "constraint.allowed(generated, drafted, eos_ids)",
         "constraint.allowed(generated, (), eos_ids)",
         ("tests/test_structured.py", "property_tests/test_grammar.py"),
     ),

@@ -26,7 +26,7 @@ def decode(options: Options, picks, detokenize=None, prompt=PROMPT):
     state = DecodeState.start(prompt, options, detokenize)
     deltas = []
     for pick in picks:
-        state, commits, _, _ = step(state, row(pick), None, ())
+        state, commits, _, _, _ = step(state, row(pick), None, ())
         deltas += [c.text for c in commits]
         if state.finished:
             break

@@ -154,7 +154,7 @@ def test_longest_matching_prefix_then_the_target_pick():
     # picks: 4 (== draft[0]) then 9 (!= draft[1] = 5): commit 4 and the correction 9. Rows 2 and 3 are never read.
     base = onehot(4)
     rows = np.stack([onehot(9), np.full(V, np.nan, np.float32), np.full(V, np.nan, np.float32)])
-    s2, commits, rewind_to, _ = step(s, base, rows, (4, 5, 6))
+    s2, commits, rewind_to, _, _ = step(s, base, rows, (4, 5, 6))
     assert s2.generated_tokens == (4, 9)
     assert tokens(commits) == (4, 9)
     assert rewind_to == s2.kv_len == len(PROMPT) + 2 - 1
@@ -178,7 +178,7 @@ def test_argmax_ties_break_to_lowest_id_in_base_row():
     s = start()
     base = np.zeros(V, np.float32)
     base[[3, 7, 11]] = 2.0
-    s2, commits, _, _ = step(s, base, None, ())
+    s2, commits, _, _, _ = step(s, base, None, ())
     assert s2.generated_tokens == (3,)
 
 
@@ -188,7 +188,7 @@ def test_argmax_ties_break_to_lowest_id_in_verify_row():
     base[[1, 2]] = 2.0  # tie 1/2 -> 1, which matches the draft
     row = np.zeros(V, np.float32)
     row[[6, 3]] = 4.0  # tie 3/6 -> 3
-    s2, _, _, _ = step(s, base, row[None, :], (1,))
+    s2, _, _, _, _ = step(s, base, row[None, :], (1,))
     assert s2.generated_tokens == (1, 3)
 
 
@@ -196,7 +196,7 @@ def test_tie_broken_against_the_draft_rejects_it():
     s = start()
     base = np.zeros(V, np.float32)
     base[[1, 2]] = 2.0  # the draft proposes the higher id of an exact tie: greedy picks 1
-    s2, _, _, _ = step(s, base, onehot(5)[None, :], (2,))
+    s2, _, _, _, _ = step(s, base, onehot(5)[None, :], (2,))
     assert s2.generated_tokens == (1,)
     assert s2.stats.accepted_tokens == 0
 
@@ -204,7 +204,7 @@ def test_tie_broken_against_the_draft_rejects_it():
 def test_nan_in_a_row_that_is_never_reached_is_ignored():
     s = start()
     rows = np.stack([onehot(6), np.full(V, np.nan, np.float32)])
-    s2, _, _, _ = step(s, onehot(5), rows, (7, 8))  # draft[0] rejected: rows are not read
+    s2, _, _, _, _ = step(s, onehot(5), rows, (7, 8))  # draft[0] rejected: rows are not read
     assert s2.generated_tokens == (5,)
 
 
@@ -224,9 +224,9 @@ def test_logits_as_lists_and_float64_are_accepted():
     base[4] = 1.0
     rows = [[0.0] * V]
     rows[0][9] = 1.0
-    s2, _, _, _ = step(s, base, rows, [4])
+    s2, _, _, _, _ = step(s, base, rows, [4])
     assert s2.generated_tokens == (4, 9)
-    s3, _, _, _ = step(s, onehot(4).astype(np.float64), None, ())
+    s3, _, _, _, _ = step(s, onehot(4).astype(np.float64), None, ())
     assert s3.generated_tokens == (4,)
 
 
@@ -441,10 +441,10 @@ def test_max_context_budget_and_finish():
 def test_max_context_reached_mid_block_via_step_from_picks_after_earlier_steps():
     opts = Options(max_tokens=100, max_context=len(PROMPT) + 5)
     s = start(opts)
-    s, _, _, _ = step_from_picks(s, [1], (), vocab_size=V)
-    s, _, _, _ = step_from_picks(s, [2], (), vocab_size=V)
+    s, _, _, _, _ = step_from_picks(s, [1], (), vocab_size=V)
+    s, _, _, _, _ = step_from_picks(s, [2], (), vocab_size=V)
     assert draft_budget(s) == 2
-    s, commits, rewind_to, _ = step_from_picks(s, [3, 4, 5], (3, 4), vocab_size=V)
+    s, commits, rewind_to, _, _ = step_from_picks(s, [3, 4, 5], (3, 4), vocab_size=V)
     assert s.generated_tokens == (1, 2, 3, 4, 5)
     assert s.finish_reason is FinishReason.CONTEXT_FULL
     assert rewind_to == opts.max_context - 1
@@ -692,7 +692,7 @@ def _check_record(rec: TokenLogprob, row, token, n):
 def test_logprobs_plain_step_matches_float64_reference_with_ties_to_lowest_id():
     row = np.array([1.0, 3.0, 2.0, 3.0, 0.5] + [-1.0] * (V - 5), dtype=np.float32)
     s = start(Options(top_logprobs=3))
-    s2, commits, _, _ = step(s, row, None, ())
+    s2, commits, _, _, _ = step(s, row, None, ())
     assert s2.generated_tokens == (1,)
     assert len(s2.logprobs) == 1
     rec = s2.logprobs[0]
@@ -705,7 +705,7 @@ def test_logprobs_plain_step_matches_float64_reference_with_ties_to_lowest_id():
 def test_logprobs_top_n_cut_inside_a_tie_takes_lowest_ids():
     row = np.zeros(V, np.float32)
     row[[9, 4, 12, 2]] = 7.0
-    s2, _, _, _ = step(start(Options(top_logprobs=2)), row, None, ())
+    s2, _, _, _, _ = step(start(Options(top_logprobs=2)), row, None, ())
     assert s2.generated_tokens == (2,)
     assert [t for t, _ in s2.logprobs[0].top] == [2, 4]
     _check_record(s2.logprobs[0], row, 2, 2)
@@ -713,7 +713,7 @@ def test_logprobs_top_n_cut_inside_a_tie_takes_lowest_ids():
 
 def test_logprobs_top_n_larger_than_vocab_lists_every_id():
     row = np.arange(V, dtype=np.float32)[::-1].copy()
-    s2, _, _, _ = step(start(Options(top_logprobs=100)), row, None, ())
+    s2, _, _, _, _ = step(start(Options(top_logprobs=100)), row, None, ())
     assert len(s2.logprobs[0].top) == V
     assert [t for t, _ in s2.logprobs[0].top] == list(range(V))
     _check_record(s2.logprobs[0], row, 0, V)
@@ -724,7 +724,7 @@ def test_logprobs_with_large_logits_are_stable():
     row = np.zeros(V, np.float32)
     row[5] = 1000.0
     row[6] = 999.0
-    s2, _, _, _ = step(start(Options(top_logprobs=2)), row, None, ())
+    s2, _, _, _, _ = step(start(Options(top_logprobs=2)), row, None, ())
     _check_record(s2.logprobs[0], row, 5, 2)
     assert math.isfinite(s2.logprobs[0].logprob)
 
@@ -739,7 +739,7 @@ def test_logprobs_come_from_the_row_that_produced_each_token():
     r1[11] = 8.0  # bonus (draft[1] = 6 is rejected)
     r2 = rng.standard_normal(V).astype(np.float32)
     s = start(Options(top_logprobs=4))
-    s2, commits, _, _ = step(s, base, np.stack([r0, r1, r2]), (4, 5, 6))
+    s2, commits, _, _, _ = step(s, base, np.stack([r0, r1, r2]), (4, 5, 6))
     assert s2.generated_tokens == (4, 5, 11)
     assert len(s2.logprobs) == 3
     for rec, row, tok, commit in zip(s2.logprobs, [base, r0, r1], [4, 5, 11], commits, strict=True):
@@ -786,7 +786,7 @@ def test_tie_guard_ends_acceptance_before_a_narrow_margin():
     s = start(Options(tie_margin=0.5))
     base = _row_margin(4, 2.0)
     rows = np.stack([_row_margin(5, 2.0), _row_margin(6, 0.25), _row_margin(7, 2.0)])
-    s2, commits, rewind_to, _ = step(s, base, rows, (4, 5, 6))
+    s2, commits, rewind_to, _, _ = step(s, base, rows, (4, 5, 6))
     assert s2.generated_tokens == (4, 5)  # 6 (picked with margin 0.25) is not committed
     assert rewind_to == s2.kv_len == s.kv_len + 2
     assert s2.stats.tie_guard_stops == 1
@@ -799,7 +799,7 @@ def test_tie_guard_on_the_bonus_token():
     s = start(Options(tie_margin=0.5))
     base = _row_margin(4, 2.0)
     rows = np.stack([_row_margin(5, 0.0, second=9)])  # exact tie 5/9 in the bonus row
-    s2, _, _, _ = step(s, base, rows, (4,))
+    s2, _, _, _, _ = step(s, base, rows, (4,))
     assert s2.generated_tokens == (4,)
     assert s2.stats.tie_guard_stops == 1
 
@@ -808,7 +808,7 @@ def test_tie_guard_on_a_rejection_correction():
     s = start(Options(tie_margin=0.5))
     base = _row_margin(4, 2.0)
     rows = np.stack([_row_margin(8, 0.1), _row_margin(7, 2.0)])  # draft[1] = 5 rejected; correction 8 is close
-    s2, _, _, _ = step(s, base, rows, (4, 5))
+    s2, _, _, _, _ = step(s, base, rows, (4, 5))
     assert s2.generated_tokens == (4,)
     assert s2.stats.tie_guard_stops == 1
 
@@ -818,7 +818,7 @@ def test_tie_guard_on_the_first_pick_commits_nothing_and_asks_for_a_plain_step()
     s = run(s, [1])[0]
     base = _row_margin(4, 0.1)
     rows = np.stack([_row_margin(5, 2.0)])
-    s2, commits, rewind_to, _ = step(s, base, rows, (4,))
+    s2, commits, rewind_to, _, _ = step(s, base, rows, (4,))
     assert commits == ()
     assert s2.generated_tokens == s.generated_tokens == (1,)
     assert rewind_to == s.kv_len == s2.kv_len
@@ -833,7 +833,7 @@ def test_tie_guard_on_the_first_pick_commits_nothing_and_asks_for_a_plain_step()
         step(s2, base, rows, (4,))
     # The plain step decides the exact tie by the lowest id, unguarded.
     tie = _row_margin(4, 0.0, second=9)
-    s3, commits, _, _ = step(s2, tie, None, ())
+    s3, commits, _, _, _ = step(s2, tie, None, ())
     assert tokens(commits) == (4,)
     assert not s3.plain_step_next
     assert draft_budget(s3) > 0
@@ -842,21 +842,21 @@ def test_tie_guard_on_the_first_pick_commits_nothing_and_asks_for_a_plain_step()
 
 def test_plain_step_is_never_guarded():
     s = start(Options(tie_margin=10.0))
-    s2, commits, _, _ = step(s, _row_margin(3, 0.0, second=8), None, ())
+    s2, commits, _, _, _ = step(s, _row_margin(3, 0.0, second=8), None, ())
     assert tokens(commits) == (3,)
     assert s2.stats.tie_guard_stops == 0
 
 
 def test_margin_equal_to_the_threshold_is_committed():
     s = start(Options(tie_margin=0.5))
-    s2, commits, _, _ = step(s, _row_margin(4, 0.5), _row_margin(5, 0.5)[None, :], (4,))
+    s2, commits, _, _, _ = step(s, _row_margin(4, 0.5), _row_margin(5, 0.5)[None, :], (4,))
     assert s2.generated_tokens == (4, 5)
     assert s2.stats.tie_guard_stops == 0
 
 
 def test_tie_guard_off_by_default_even_for_exact_ties():
     s = start()
-    s2, _, _, _ = step(s, _row_margin(4, 0.0, second=9), _row_margin(5, 0.0, second=9)[None, :], (4,))
+    s2, _, _, _, _ = step(s, _row_margin(4, 0.0, second=9), _row_margin(5, 0.0, second=9)[None, :], (4,))
     assert s2.generated_tokens == (4, 5)
     assert s2.stats.tie_guard_stops == 0
 
@@ -864,10 +864,10 @@ def test_tie_guard_off_by_default_even_for_exact_ties():
 def test_tie_guard_counts_every_stop():
     s = start(Options(tie_margin=0.5, max_tokens=50))
     narrow = _row_margin(4, 0.1)
-    s, c, _, _ = step(s, narrow, _row_margin(5, 2.0)[None, :], (4,))  # stop 1: nothing committed
+    s, c, _, _, _ = step(s, narrow, _row_margin(5, 2.0)[None, :], (4,))  # stop 1: nothing committed
     assert c == ()
-    s, c, _, _ = step(s, narrow, None, ())  # plain: commits 4
-    s, c, _, _ = step(s, _row_margin(5, 2.0), np.stack([_row_margin(6, 0.1)]), (5,))  # stop 2
+    s, c, _, _, _ = step(s, narrow, None, ())  # plain: commits 4
+    s, c, _, _, _ = step(s, _row_margin(5, 2.0), np.stack([_row_margin(6, 0.1)]), (5,))  # stop 2
     assert tokens(c) == (5,)
     assert s.stats.tie_guard_stops == 2
     assert s.generated_tokens == (4, 5)
@@ -875,16 +875,16 @@ def test_tie_guard_counts_every_stop():
 
 def test_step_from_picks_tie_guard_with_margins():
     s = start(Options(tie_margin=0.5))
-    s2, commits, rewind_to, _ = step_from_picks(s, [4, 5, 6], (4, 5), margins=[2.0, 2.0, 0.1], vocab_size=V)
+    s2, commits, rewind_to, _, _ = step_from_picks(s, [4, 5, 6], (4, 5), margins=[2.0, 2.0, 0.1], vocab_size=V)
     assert tokens(commits) == (4, 5)
     assert s2.stats.tie_guard_stops == 1
-    s3, commits, rewind_to, _ = step_from_picks(
+    s3, commits, rewind_to, _, _ = step_from_picks(
         s, [4, 5, 6], (4, 5), margins=np.array([0.1, 2.0, 2.0], np.float32), vocab_size=V
     )
     assert commits == () and rewind_to == s.kv_len and draft_budget(s3) == 0
-    s4, commits, _, _ = step_from_picks(s, [4, 5, 6], (4, 5), vocab_size=V)  # no margins: no guard
+    s4, commits, _, _, _ = step_from_picks(s, [4, 5, 6], (4, 5), vocab_size=V)  # no margins: no guard
     assert tokens(commits) == (4, 5, 6)
-    s5, commits, _, _ = step_from_picks(s, [4], (), margins=[0.0], vocab_size=V)  # plain: never guarded
+    s5, commits, _, _, _ = step_from_picks(s, [4], (), margins=[0.0], vocab_size=V)  # plain: never guarded
     assert tokens(commits) == (4,)
 
 
@@ -998,7 +998,7 @@ def test_non_finite_logit_at_a_verify_pick(bad):
     step is plain, whose 1-token pass refuses the row exactly where plain decoding refuses it."""
     rows = stack([5, 6])
     rows[1, 2] = bad
-    s, commits, rewind_to, _ = step(start(), onehot(4), rows, (4, 5))
+    s, commits, rewind_to, _, _ = step(start(), onehot(4), rows, (4, 5))
     assert tokens(commits) == (4, 5)  # both accepted draft tokens, no bonus
     assert s.stats.accepted_tokens == 2
     assert s.plain_step_next and draft_budget(s) == 0
@@ -1010,7 +1010,7 @@ def test_non_finite_logit_at_a_verify_pick(bad):
 
 
 def test_non_finite_margin_from_device_picks_ends_the_block_like_a_row():
-    s, commits, _, _ = step_from_picks(start(), [4, 5, 6], (4, 5), vocab_size=V, margins=[1.0, 1.0, float("nan")])
+    s, commits, _, _, _ = step_from_picks(start(), [4, 5, 6], (4, 5), vocab_size=V, margins=[1.0, 1.0, float("nan")])
     assert tokens(commits) == (4, 5) and s.plain_step_next
     with pytest.raises(ValueError, match="not finite"):
         step_from_picks(s, [6], (), vocab_size=V, margins=[float("nan")])

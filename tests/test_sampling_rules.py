@@ -16,7 +16,7 @@ from ortspec.core.state import DecodeState, step
 
 def first_pick(row: np.ndarray, **options) -> int:
     state = DecodeState.start((0,), Options(sampling=Sampling(**options)))
-    state, _, _, _ = step(state, row, None, ())
+    state, _, _, _, _ = step(state, row, None, ())
     return state.generated_tokens[0]
 
 
@@ -63,7 +63,7 @@ def test_penalties_count_the_draft_tokens_before_a_verify_row():
     for penalty in ({"repetition_penalty": 2.0}, {"presence_penalty": 0.5}, {"frequency_penalty": 0.5}):
         options = Options(max_tokens=8, sampling=Sampling(**penalty))
         plain = DecodeState.start((0,), options)
-        plain, _, _, _ = step(plain, base, None, ())
-        plain, _, _, _ = step(plain, after, None, ())
-        spec, _, _, _ = step(DecodeState.start((0,), options), base, after[None, :], (1,))
+        plain, _, _, _, _ = step(plain, base, None, ())
+        plain, _, _, _, _ = step(plain, after, None, ())
+        spec, _, _, _, _ = step(DecodeState.start((0,), options), base, after[None, :], (1,))
         assert spec.generated_tokens == plain.generated_tokens == (1, 2), penalty
