@@ -14,7 +14,7 @@ import pytest
 from ortspec import BatchBackend, BatchDriver, BatchRow, Options, PromptLookup, Sampling, generate
 from ortspec.backends.base import BackendError
 from ortspec.backends.onnx import BackendConfig, OrtBackend, OrtBatchBackend
-from ortspec.backends.onnx.batch import pass_groups
+from ortspec.backends.onnx.pass_inputs import pass_groups
 
 ROW_TOLERANCE = 1e-5  # float32 max abs difference, batch row vs the sequence alone
 MAX_LENGTH = 64

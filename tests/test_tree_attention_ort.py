@@ -319,7 +319,7 @@ def test_tree_feeds():
     visible = (bias[0, 0] == 0).astype(int)
     assert visible[:, :3].all() and not visible[:, 7:].any()
     assert visible[:, 3:7].tolist() == [[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]]
-    with pytest.raises(ValueError, match="must come before it"):
+    with pytest.raises(ValueError, match="earlier node"):
         tree_depths([-1, 2, 0])
     with pytest.raises(ValueError, match="past >= 1"):
         tree_feeds([-1, 0], past=0)

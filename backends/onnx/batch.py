@@ -38,6 +38,12 @@ Why a range and not a gather: copying each row's resident KV into a ``[B, ...]``
 length per pass (``2 * layers * kv_heads * head_size`` values per position); the range costs nothing but the idle
 rows' compute.
 
+**Tree rows.** With ``BackendConfig.tree_rows`` the session runs the graph with the tree inputs
+(``tree_rewrite.py``; ``pass_inputs.PassInputs`` feeds them, consecutive positions and a zero bias for ordinary
+rows). A row with ``parents`` (a token tree, ``BatchRow``) runs alone, after a past, each node at the row's position
+plus its depth and seeing only what ``core.tree.tree_mask`` allows; ``keep_path`` then moves the accepted path's
+KV into place before the driver rewinds.
+
 **The lone slot.** Beside its ``slots``, the backend keeps one more KV cache that no pass of ``run_pass`` can name:
 :meth:`OrtBatchBackend.lone` is the one-sequence ``Backend`` protocol on it (``LoneSlot``), with its own logits
 buffer, so an Engine can measure, check and generate one sequence on the same session (one copy of the weights)
@@ -56,15 +62,23 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-import attrs
 import numpy as np
 
-from ..base import BackendError, BatchRow, check_batch, check_position, check_slot, check_tokens
+from ..base import (
+    BackendError,
+    BatchRow,
+    check_batch,
+    check_kept_path,
+    check_position,
+    check_slot,
+    check_tokens,
+)
 from .arrays import ArrayModule, HostArrays
 from .config import BackendConfig
 from .folder import ModelFolder
 from .kv import KV_KINDS
 from .model_graph import DecoderGraph, LoadedGraph, inspect_graph, load_rewrites, read_graph_facts
+from .pass_inputs import Outputs, PassInputs, pass_groups
 from .session import execution_providers, open_session
 
 CPU = "cpu"
@@ -89,78 +103,6 @@ def _check_cpu_only(config: BackendConfig) -> None:
         raise ValueError(f"OrtBatchBackend runs on the CPU only, got provider={config.provider!r}")
     if config.static:
         raise ValueError("OrtBatchBackend has no static-shape or CUDA-graph path (static_shapes, cuda_graphs)")
-
-
-class _PassInputs:
-    """The host inputs of one session run over the bound slot range: ``ids`` ``[B, S]``, ``mask`` ``[B, total]``,
-    ``positions`` ``[B, S]``, ``starts`` (each bound row's first written position) and ``keep`` (``[1]``: the last
-    ``kept`` positions get logits; all ``S`` when the graph has no ``keep_name``)."""
-
-    def __init__(self, graph: DecoderGraph, starts: np.ndarray, width: int, kept: int) -> None:
-        count = len(starts)
-        total = int(starts.max()) + width
-        self.starts = starts
-        self.width = width
-        self.kept = kept if graph.keep_name is not None else width  # logits positions computed: the last ``kept``
-        self.keep = np.array([self.kept], np.int64)
-        self.ids = np.zeros((count, width), graph.ids_dtype)
-        self.mask = (np.arange(total)[None, :] < (starts[:, None] + width)).astype(graph.mask_dtype or np.int64)
-        self.positions = (starts[:, None] + np.arange(width)[None, :]).astype(graph.position_dtype or np.int64)
-
-
-@attrs.frozen
-class PassGroup:
-    """Rows that one session run can carry: ``idle_at_zero`` is True for a prefill group (every row at position
-    0), whose idle slots must start at 0 too."""
-
-    rows: tuple[BatchRow, ...]
-    idle_at_zero: bool
-
-
-def pass_groups(rows: Sequence[BatchRow]) -> list[PassGroup]:
-    """Split a batch into the session runs ONNX Runtime's ``GroupQueryAttention`` accepts: it takes a batch of
-    more than one row only when every row is one token (decode) or every row starts at position 0 (prefill); a
-    row of several tokens at a later position (a prompt chunk, a verify of a draft) runs alone. Prefill rows run
-    together only with rows of the same length, so no prompt is padded to a longer one (padding is computed like
-    real tokens, the LM head included). Order: the decode group, the prefill groups (by
-    length, in order of first appearance), then each lone row."""
-    decode = tuple(row for row in rows if len(row.tokens) == 1)
-    prefill: dict[int, list[BatchRow]] = {}
-    for row in rows:
-        if len(row.tokens) > 1 and row.position == 0:
-            prefill.setdefault(len(row.tokens), []).append(row)
-    alone = [row for row in rows if len(row.tokens) > 1 and row.position > 0]
-    groups = [PassGroup(decode, False)] if decode else []
-    groups.extend(PassGroup(tuple(same), True) for same in prefill.values())
-    groups.extend(PassGroup((row,), False) for row in alone)
-    return groups
-
-
-class _Grown:
-    """An output buffer, grown and never shrunk; ``view(count, width, size)`` is ``[count, width, size]``."""
-
-    def __init__(self, dtype: np.dtype) -> None:
-        self._array = np.empty(0, dtype)
-
-    def view(self, count: int, width: int, size: int) -> np.ndarray:
-        total = count * width * size
-        if self._array.size < total:
-            self._array = np.empty(total, self._array.dtype)
-        return self._array[:total].reshape(count, width, size)
-
-
-@attrs.frozen
-class _Outputs:
-    """The buffers one session run writes: ``logits`` ``[B, kept, vocab]`` and, when the graph has them, the
-    hidden states of the same positions ``[B, kept, hidden]`` (``hidden`` None without them)."""
-
-    logits: _Grown
-    hidden: _Grown | None
-
-    @classmethod
-    def of(cls, graph: DecoderGraph) -> _Outputs:
-        hidden = _Grown(graph.hidden_dtype) if graph.hidden_name and graph.hidden_dtype is not None else None
-        return cls(_Grown(graph.logits_dtype), hidden)
 
 
 class OrtBatchBackend:
@@ -201,8 +143,8 @@ class OrtBatchBackend:
         self.values = [np.zeros(shape, self.graph.kv_dtype) for _ in self.graph.kv_names]
         self._slots = slots
         self._lengths = [0] * (slots + 1)  # the last is the lone slot's
-        self._pass_outputs = _Outputs.of(self.graph)
-        self._lone_outputs = _Outputs.of(self.graph)
+        self._pass_outputs = Outputs.of(self.graph)
+        self._lone_outputs = Outputs.of(self.graph)
         # per slot (the lone one too): the first position and the rows of the hidden states its last row kept
         self._hidden: dict[int, tuple[int, np.ndarray]] = {}
         self._bindings: dict[tuple[int, int], Any] = {}  # (first slot, count) -> IO binding with the KV bound
@@ -266,10 +208,34 @@ class OrtBatchBackend:
             raise BackendError(f"rewind({slot}, {length!r}) but slot {slot} holds {held} positions")
         self._lengths[slot] = int(length)
 
+    @property
+    def tree_rows(self) -> bool:
+        """Whether a row may be a token tree (``BatchRow.parents``): the graph was opened with the tree inputs
+        (``BackendConfig.tree_rows``)."""
+        return self.graph.tree_bias_name is not None
+
+    def keep_path(self, slot: int, start: int, nodes: Sequence[int]) -> None:
+        """After a tree row at ``start``, move the KV (and any kept hidden state) of position ``start + 1 +
+        nodes[d]`` to ``start + 1 + d`` for each ``d`` (``backends/base.py``: ``BatchTreeRows``)."""
+        check_slot(slot, self.slots)
+        check_kept_path(start, nodes, self._lengths[slot])
+        moves = [(start + 1 + node, start + 1 + d) for d, node in enumerate(nodes) if node != d]
+        for source, target in moves:  # ascending: no source is overwritten before it is read
+            for buffer in (*self.keys, *self.values):
+                buffer[slot, :, target] = buffer[slot, :, source]
+        first, states = self._hidden.get(slot, (0, None))
+        if states is not None:
+            for source, target in moves:
+                if first <= source < first + len(states) and target >= first:
+                    states[target - first] = states[source - first]
+
     def run_pass(self, rows: Sequence[BatchRow]) -> list[np.ndarray]:
         """The rows' session runs (one per group: see the module docstring); returns each row's
         ``[len(tokens), vocab]`` float32 logits, views valid until the next call."""
         check_batch(rows, self)
+        for row in rows:
+            if row.parents is not None and row.position < 1:
+                raise BackendError(f"the tree row of slot {row.slot} starts at position 0; a tree needs a past")
         if self.graph.hidden_name is None and any(row.hidden_states for row in rows):
             raise BackendError(f"{self.folder.model_path} has no hidden-states output, which a row asked for")
         groups = pass_groups(rows)
@@ -302,7 +268,7 @@ class OrtBatchBackend:
         return self._run_group([row], False, self._lone_outputs)[0]
 
     def _run_group(
-        self, rows: Sequence[BatchRow], idle_at_zero: bool, outputs: _Outputs | None = None
+        self, rows: Sequence[BatchRow], idle_at_zero: bool, outputs: Outputs | None = None
     ) -> list[np.ndarray]:
         """One session run over the checked ``rows`` of one group; idle slots of the bound range start at 0 when
         ``idle_at_zero`` (a prefill group: every row must start there), else at their own length. ``outputs``: the
@@ -322,7 +288,8 @@ class OrtBatchBackend:
             ],
             dtype=np.int64,
         )
-        inputs = _PassInputs(self.graph, starts, width, kept)
+        tree = rows[0].parents if len(rows) == 1 else None  # a tree row runs alone (``pass_groups``)
+        inputs = PassInputs(self.graph, starts, width, kept, tree)
         for row in rows:
             inputs.ids[row.slot - lo, : len(row.tokens)] = row.tokens
         saved = self._save_overwritten(lo, starts, width)
@@ -385,7 +352,7 @@ class OrtBatchBackend:
         self._bindings[lo, count] = binding
         return binding
 
-    def _run(self, lo: int, inputs: _PassInputs, buffers: _Outputs) -> tuple[np.ndarray, np.ndarray | None]:
+    def _run(self, lo: int, inputs: PassInputs, buffers: Outputs) -> tuple[np.ndarray, np.ndarray | None]:
         """Bind the slot range starting at ``lo`` and ``inputs``, run the session, return the logits
         ``[B, kept, vocab]`` (of the last ``inputs.kept`` positions) as float32 and the hidden states of the same
         positions ``[B, kept, hidden]`` (None when the graph has none)."""
@@ -400,6 +367,12 @@ class OrtBatchBackend:
             binding.bind_input(graph.position_name, CPU, 0, graph.position_dtype, shape, inputs.positions.ctypes.data)
         if graph.keep_name is not None:
             binding.bind_input(graph.keep_name, CPU, 0, np.int64, [1], inputs.keep.ctypes.data)
+        if inputs.tree_positions is not None and inputs.tree_bias is not None:
+            assert graph.tree_positions_name is not None and graph.tree_bias_name is not None
+            positions, bias = inputs.tree_positions, inputs.tree_bias
+            shape = list(positions.shape)
+            binding.bind_input(graph.tree_positions_name, CPU, 0, np.int64, shape, positions.ctypes.data)
+            binding.bind_input(graph.tree_bias_name, CPU, 0, bias.dtype, list(bias.shape), bias.ctypes.data)
         logits = buffers.logits.view(count, inputs.kept, self._vocab)
         shape = list(logits.shape)
         binding.bind_output(graph.logits_name, CPU, 0, graph.logits_dtype, shape, logits.ctypes.data)

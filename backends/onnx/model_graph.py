@@ -43,6 +43,7 @@ from ..base import BackendError
 from .config import BackendConfig
 from .folder import CONFIG_NAME, ModelFileError, ModelFolder, external_data_problem
 from .graph_features import append_features
+from .tree_rewrite import TREE_BIAS_INPUT, TREE_POSITIONS_INPUT, add_tree_inputs
 
 logger = logging.getLogger(__name__)
 
@@ -128,7 +129,9 @@ class DecoderGraph:
     ``logits_name`` is ``[1, tokens, vocab]`` of ``logits_dtype``. ``group_query_attention``: the graph uses
     the ``GroupQueryAttention`` op, which can append to a KV buffer bound as both past and present. Optional output
     ``hidden_name`` (None when the graph has none): the final norm's output, ``[1, tokens, hidden_size]`` of
-    ``hidden_dtype`` (``hidden_size`` is 0 without it)."""
+    ``hidden_dtype`` (``hidden_size`` is 0 without it). ``tree_positions_name`` and ``tree_bias_name`` (None unless
+    the tree rewrite added them, ``tree_rewrite.py``): every attention node's position ids (int64 ``[batch,
+    tokens]``) and additive bias (``tree_bias_dtype``, ``[1, 1, tokens, total positions]``)."""
 
     ids_name: str
     ids_dtype: np.dtype
@@ -146,6 +149,9 @@ class DecoderGraph:
     hidden_dtype: np.dtype | None = None
     hidden_size: int = 0
     keep_name: str | None = None
+    tree_positions_name: str | None = None
+    tree_bias_name: str | None = None
+    tree_bias_dtype: np.dtype | None = None
 
 
 class _Interface:
@@ -330,6 +336,11 @@ def inspect_graph(session, folder: ModelFolder, facts: GraphFacts | None = None)
     keep_name = KEEP_LOGITS_INPUT if KEEP_LOGITS_INPUT in interface.inputs else None
     if keep_name is not None:
         interface.fed.add(keep_name)
+    tree = TREE_POSITIONS_INPUT in interface.inputs and TREE_BIAS_INPUT in interface.inputs
+    tree_bias_dtype = None
+    if tree:
+        interface.fed.update((TREE_POSITIONS_INPUT, TREE_BIAS_INPUT))
+        tree_bias_dtype = interface.dtype_of(interface.inputs[TREE_BIAS_INPUT], FLOAT_DTYPES, "input")
     interface.check_all_fed()
     if kv_dtype is None:
         raise interface.fail("the graph has no KV inputs (genai_config.json names no layers)")
@@ -352,6 +363,9 @@ def inspect_graph(session, folder: ModelFolder, facts: GraphFacts | None = None)
         hidden_dtype=hidden_dtype,
         hidden_size=hidden_size,
         keep_name=keep_name,
+        tree_positions_name=TREE_POSITIONS_INPUT if tree else None,
+        tree_bias_name=TREE_BIAS_INPUT if tree else None,
+        tree_bias_dtype=tree_bias_dtype,
     )
 
 
@@ -408,12 +422,14 @@ def rewritten_model(
     keep_logits: str | None = None,
     features: Sequence[int] = (),
     hidden_name: str | None = None,
+    tree: bool = False,
 ) -> tuple[bytes, GraphFacts]:
     """The ONNX model at ``model_path`` serialized with ``local_window_size`` set to ``windows[past_key]`` on the
     ``GroupQueryAttention`` node reading ``past_key``, (when ``accuracy_level`` is given) every ``MatMulNBits``
     node's ``accuracy_level`` set to it, and (when ``keep_logits`` names the logits output) the logits of the last
     positions only (module docstring), and (with ``features``) the residual streams entering those layers appended
-    to the ``hidden_name`` output (``graph_features.py``); and the facts of the result. External weights stay where
+    to the ``hidden_name`` output (``graph_features.py``), and (with ``tree``) the tree inputs
+    (``tree_rewrite.add_tree_inputs``); and the facts of the result. External weights stay where
     they are (open the bytes with the model's folder as the external-data folder)."""
     import onnx
 
@@ -427,6 +443,8 @@ def rewritten_model(
     kept = _keep_last_logits(onnx, model, keep_logits) if keep_logits is not None else None
     if features:
         append_features(onnx, model, str(hidden_name), features, kept)
+    if tree:
+        add_tree_inputs(model)
     return model.SerializeToString(), _facts_of(model)
 
 
@@ -539,7 +557,9 @@ class LoadedGraph:
 def load_rewrites(folder: ModelFolder, config: BackendConfig, *, keep_logits: bool = False) -> LoadedGraph:
     """Read the folder's graph and apply the rewrites ``config`` asks for (``sliding_window``,
     ``matmul_accuracy_level``, ``hidden_features``) that change it, and with ``keep_logits`` the logits of the last
-    positions only (where the LM head allows it); ``BackendError`` as :func:`window_rewrites`."""
+    positions only (where the LM head allows it), and with ``config.tree_rows`` the tree inputs (which, fed
+    consecutive positions and a zero bias, change nothing); ``BackendError`` as :func:`window_rewrites` and
+    ``tree_rewrite.add_tree_inputs`` (a graph it cannot rewrite)."""
     facts = read_graph_facts(folder.model_path)
     if keep_logits:
         keep_logits = lm_head(_load_proto(folder.model_path), folder.logits_name) is not None
@@ -553,7 +573,7 @@ def load_rewrites(folder: ModelFolder, config: BackendConfig, *, keep_logits: bo
     features = config.hidden_features
     if features:
         rewrites.append(f"{folder.hidden_states_name} + the residual streams entering layers {list(features)}")
-    if not (windows or set_level or keep_logits or features):
+    if not (windows or set_level or keep_logits or features or config.tree_rows):
         return LoadedGraph(facts)
     model_bytes, facts = rewritten_model(
         folder.model_path,
@@ -562,5 +582,6 @@ def load_rewrites(folder: ModelFolder, config: BackendConfig, *, keep_logits: bo
         keep_logits=folder.logits_name if keep_logits else None,
         features=features,
         hidden_name=folder.hidden_states_name,
+        tree=config.tree_rows,
     )
     return LoadedGraph(facts, tuple(rewrites), model_bytes)

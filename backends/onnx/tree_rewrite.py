@@ -1,4 +1,4 @@
-"""A proposal, wired into no backend: the decoder graph rewritten to verify a tree of draft tokens in one pass.
+"""The decoder graph rewritten to verify a tree of draft tokens in one pass.
 
 **Why a rewrite.** The builder's graph takes ``input_ids``, ``attention_mask`` and the KV buffers; its
 ``GroupQueryAttention`` nodes compute ``seqlens_k = ReduceSum(attention_mask) - 1`` and ``total_sequence_length =
@@ -37,6 +37,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
+
+from ortspec.core.tree import DraftTree, tree_mask
 
 from ..base import BackendError
 
@@ -109,29 +111,23 @@ def add_tree_inputs(model) -> np.dtype:
 
 def tree_depths(parents: Sequence[int]) -> np.ndarray:
     """Each node's depth (a root's is 0) for ``parents[i]`` in ``[-1, i)`` (-1: a root); ``ValueError`` otherwise."""
-    depths = np.zeros(len(parents), np.int64)
-    for i, parent in enumerate(parents):
-        if not -1 <= parent < i:
-            raise ValueError(f"parents[{i}] = {parent}: a node's parent must come before it (or be -1, a root)")
-        depths[i] = 0 if parent < 0 else depths[parent] + 1
-    return depths
+    return np.asarray(DraftTree((0,) * len(parents), parents).depths, np.int64)
 
 
 def tree_feeds(
     parents: Sequence[int], past: int, total: int | None = None, dtype: np.dtype | type = np.float32
 ) -> tuple[np.ndarray, np.ndarray]:
-    """``(positions, bias)`` for a tree pass of ``len(parents)`` nodes after ``past`` positions: int64 ``[1, n]``
-    (``past + depth``) and ``dtype`` ``[1, 1, n, total]`` (``total``: the attention mask's width, ``past + n`` by
-    default): 0 on the context and on each node's ancestors and itself, ``-inf`` elsewhere."""
+    """``(positions, bias)`` for a tree pass of ``len(parents)`` nodes after ``past`` positions (``parents[i]``: -1
+    for a root, else an earlier node): int64 ``[1, n]`` (``past + depth``) and ``dtype`` ``[1, 1, n, total]``
+    (``total``: the attention mask's width, ``past + n`` by default): 0 on the context and on each node's ancestors
+    and itself (``core.tree.tree_mask``, without its pending row), ``-inf`` elsewhere. A batch backend's tree row
+    ``(pending, *nodes)`` is the tree whose one root is the pending token: ``(-1, *(p + 1 for p in nodes'))``."""
     n = len(parents)
     total = past + n if total is None else total
     if past < 1 or total < past + n:
         raise ValueError(f"a tree pass needs past >= 1 and total >= past + n, got past={past}, total={total}, n={n}")
     depths = tree_depths(parents)
-    visible = np.eye(n, dtype=bool)
-    for i, parent in enumerate(parents):
-        if parent >= 0:
-            visible[i] |= visible[parent]
+    visible = tree_mask(parents)[1:, 1:]
     bias = np.full((1, 1, n, total), -np.inf, dtype)
     bias[..., :past] = 0
     bias[0, 0, :, past : past + n] = np.where(visible, 0, -np.inf)

@@ -1,0 +1,106 @@
+"""What one session run of ``OrtBatchBackend`` binds (``batch.py``'s module docstring gives the shapes): the host
+inputs of a run over a range of slots (``PassInputs``, tree rows included), how a pass's rows split into runs
+(``pass_groups``) and the grown-never-shrunk output buffers (``Outputs``)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import attrs
+import numpy as np
+
+from ortspec.core.tree import DraftTree, tree_mask
+
+from ..base import BatchRow
+from .model_graph import DecoderGraph
+
+
+class PassInputs:
+    """The host inputs of one session run over the bound slot range: ``ids`` ``[B, S]``, ``mask`` ``[B, total]``,
+    ``positions`` ``[B, S]``, ``starts`` (each bound row's first written position) and ``keep`` (``[1]``: the last
+    ``kept`` positions get logits; all ``S`` when the graph has no ``keep_name``). With the tree inputs
+    (``DecoderGraph.tree_bias_name``): ``tree_positions`` ``[B, S]`` (``positions``, or for a tree row, ``parents``
+    given and ``B == 1``, its start plus each row's depth) and ``tree_bias`` ``[1, 1, S, total]`` (zeros; for a tree
+    row ``-inf`` where ``core.tree.tree_mask`` hides a row from another)."""
+
+    def __init__(
+        self, graph: DecoderGraph, starts: np.ndarray, width: int, kept: int, parents: tuple[int, ...] | None = None
+    ) -> None:
+        count = len(starts)
+        total = int(starts.max()) + width
+        self.starts = starts
+        self.width = width
+        self.kept = kept if graph.keep_name is not None else width  # logits positions computed: the last ``kept``
+        self.keep = np.array([self.kept], np.int64)
+        self.ids = np.zeros((count, width), graph.ids_dtype)
+        self.mask = (np.arange(total)[None, :] < (starts[:, None] + width)).astype(graph.mask_dtype or np.int64)
+        self.positions = (starts[:, None] + np.arange(width)[None, :]).astype(graph.position_dtype or np.int64)
+        self.tree_positions = self.tree_bias = None
+        if graph.tree_bias_name is not None:
+            self.tree_positions = self.positions.astype(np.int64)
+            self.tree_bias = np.zeros((1, 1, width, total), graph.tree_bias_dtype)
+            if parents is not None:
+                self._tree(int(starts[0]), parents)
+
+    def _tree(self, start: int, parents: tuple[int, ...]) -> None:
+        """Positions and bias of one tree row ``(pending, *nodes)`` at ``start`` (``BatchRow.parents``)."""
+        assert self.tree_positions is not None and self.tree_bias is not None and len(self.starts) == 1
+        n = len(parents)
+        self.tree_positions[0, 1 : n + 1] = start + 1 + np.asarray(DraftTree((0,) * n, parents).depths, np.int64)
+        hidden = ~tree_mask(parents)
+        self.tree_bias[0, 0, : n + 1, start : start + n + 1][hidden] = -np.inf
+
+
+@attrs.frozen
+class PassGroup:
+    """Rows that one session run can carry: ``idle_at_zero`` is True for a prefill group (every row at position
+    0), whose idle slots must start at 0 too."""
+
+    rows: tuple[BatchRow, ...]
+    idle_at_zero: bool
+
+
+def pass_groups(rows: Sequence[BatchRow]) -> list[PassGroup]:
+    """Split a batch into the session runs ONNX Runtime's ``GroupQueryAttention`` accepts: it takes a batch of
+    more than one row only when every row is one token (decode) or every row starts at position 0 (prefill); a
+    row of several tokens at a later position (a prompt chunk, a verify of a draft) runs alone. Prefill rows run
+    together only with rows of the same length, so no prompt is padded to a longer one (padding is computed like
+    real tokens, the LM head included). Order: the decode group, the prefill groups (by
+    length, in order of first appearance), then each lone row."""
+    decode = tuple(row for row in rows if len(row.tokens) == 1)
+    prefill: dict[int, list[BatchRow]] = {}
+    for row in rows:
+        if len(row.tokens) > 1 and row.position == 0:
+            prefill.setdefault(len(row.tokens), []).append(row)
+    alone = [row for row in rows if len(row.tokens) > 1 and row.position > 0]
+    groups = [PassGroup(decode, False)] if decode else []
+    groups.extend(PassGroup(tuple(same), True) for same in prefill.values())
+    groups.extend(PassGroup((row,), False) for row in alone)
+    return groups
+
+
+class Grown:
+    """An output buffer, grown and never shrunk; ``view(count, width, size)`` is ``[count, width, size]``."""
+
+    def __init__(self, dtype: np.dtype) -> None:
+        self._array = np.empty(0, dtype)
+
+    def view(self, count: int, width: int, size: int) -> np.ndarray:
+        total = count * width * size
+        if self._array.size < total:
+            self._array = np.empty(total, self._array.dtype)
+        return self._array[:total].reshape(count, width, size)
+
+
+@attrs.frozen
+class Outputs:
+    """The buffers one session run writes: ``logits`` ``[B, kept, vocab]`` and, when the graph has them, the
+    hidden states of the same positions ``[B, kept, hidden]`` (``hidden`` None without them)."""
+
+    logits: Grown
+    hidden: Grown | None
+
+    @classmethod
+    def of(cls, graph: DecoderGraph) -> Outputs:
+        hidden = Grown(graph.hidden_dtype) if graph.hidden_name and graph.hidden_dtype is not None else None
+        return cls(Grown(graph.logits_dtype), hidden)

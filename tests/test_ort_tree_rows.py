@@ -1,0 +1,153 @@
+"""Token-tree rows on ``OrtBatchBackend`` (``BackendConfig(tree_rows=True)``: the graph rewritten by
+``backends/onnx/tree_rewrite.py``): a tree row gives each node the logits of its path run alone as a chain, the
+accepted path's KV moved into place continues as plain decoding would, chain passes on the rewritten graph equal the
+file's, and ``BatchDriver`` with a proposer that drafts trees gives every request what ``generate`` gives it alone,
+greedy and seeded, moving paths that are not the first branch."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ortspec import BatchDriver, BatchRow, DraftTree, Options, Sampling, generate
+from ortspec.backends.base import BackendError
+from ortspec.backends.onnx import BackendConfig, OrtBackend, OrtBatchBackend
+
+ROW_TOLERANCE = 1e-5  # float32 max abs difference: a tree row against the same path run alone (tests/test_ort_batch.py)
+MAX_LENGTH = 64
+PROMPTS = [[5, 6, 7, 5, 6, 7, 5, 6], [9, 10, 11, 12, 9, 10], [20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 20, 21], [3]]
+# node j's parent (-1: the pending token): two roots, a node with two children, a chain of three under the second
+PARENTS = (-1, 0, -1, 2, 2, 4, 5)
+
+
+@pytest.fixture(scope="module")
+def config():
+    return BackendConfig(threads=1, max_length=MAX_LENGTH)
+
+
+@pytest.fixture(scope="module")
+def single(tiny_model_dir, config):
+    return OrtBackend.from_folder(tiny_model_dir, config)
+
+
+@pytest.fixture()
+def trees(tiny_model_dir, config):
+    return OrtBatchBackend.from_folder(tiny_model_dir, BackendConfig(threads=1, max_length=MAX_LENGTH, tree_rows=True))
+
+
+def alone(single: OrtBackend, context: list[int]) -> np.ndarray:
+    """The logits row after ``context`` decoded alone."""
+    single.reset()
+    return single.decode_verify(context, 0)[-1].copy()
+
+
+def path_of(parents: tuple[int, ...], node: int) -> list[int]:
+    path = []
+    while node >= 0:
+        path.append(node)
+        node = parents[node]
+    return path[::-1]
+
+
+def test_a_tree_row_gives_each_node_its_paths_logits(trees, single):
+    assert trees.tree_rows
+    rng = np.random.default_rng(1)
+    prompt = rng.integers(0, trees.vocab_size, 10).tolist()
+    nodes = rng.integers(0, trees.vocab_size, len(PARENTS)).tolist()
+    trees.run_pass([BatchRow(1, prompt, 0)])
+    pending = int(rng.integers(0, trees.vocab_size))
+    out = trees.run_pass([BatchRow(1, (pending, *nodes), len(prompt), parents=PARENTS)])[0]
+    assert out.shape == (len(PARENTS) + 1, trees.vocab_size)
+    assert np.abs(out[0] - alone(single, [*prompt, pending])).max() <= ROW_TOLERANCE
+    for j in range(len(PARENTS)):
+        context = [*prompt, pending, *(nodes[i] for i in path_of(PARENTS, j))]
+        assert np.abs(out[j + 1] - alone(single, context)).max() <= ROW_TOLERANCE, f"node {j}"
+    assert trees.current_len(1) == len(prompt) + 1 + len(PARENTS)
+
+
+def test_the_kept_path_continues_as_plain_decoding(trees, single):
+    rng = np.random.default_rng(2)
+    prompt = rng.integers(0, trees.vocab_size, 7).tolist()
+    nodes = rng.integers(0, trees.vocab_size, len(PARENTS)).tolist()
+    trees.run_pass([BatchRow(0, prompt, 0)])
+    trees.run_pass([BatchRow(0, (4, *nodes), len(prompt), parents=PARENTS)])
+    kept = (2, 4, 5)  # the second root's branch: every node out of place
+    trees.keep_path(0, len(prompt), kept)
+    trees.rewind(0, len(prompt) + 1 + len(kept))
+    nxt = int(rng.integers(0, trees.vocab_size))
+    out = trees.run_pass([BatchRow(0, (nxt,), trees.current_len(0))])[0]
+    context = [*prompt, 4, *(nodes[i] for i in kept), nxt]
+    assert np.abs(out[0] - alone(single, context)).max() <= ROW_TOLERANCE
+
+
+def test_chain_passes_on_the_rewritten_graph_equal_the_files(trees, tiny_model_dir, config):
+    plain = OrtBatchBackend.from_folder(tiny_model_dir, config, slots=trees.slots)
+    assert not plain.tree_rows
+    rng = np.random.default_rng(3)
+    for _ in range(12):
+        rows = []
+        for slot in range(trees.slots):
+            new = int(rng.choice([1, 1, 3, 6]))
+            if trees.current_len(slot) + new > MAX_LENGTH:
+                trees.reset(slot)
+                plain.reset(slot)
+            rows.append(BatchRow(slot, rng.integers(0, trees.vocab_size, new).tolist(), trees.current_len(slot)))
+        for ours, theirs in zip(trees.run_pass(rows), plain.run_pass(rows), strict=True):
+            assert np.abs(ours - theirs).max() <= ROW_TOLERANCE
+
+
+class OracleTree:
+    """Drafts a tree around the continuation it was told (the request's plain output): a wrong branch first, then
+    the true tokens below a sibling that is wrong, so the accepted path is never the first branch."""
+
+    def __init__(self, prompt: list[int], output: list[int], vocab: int) -> None:
+        self.prompt, self.output, self.vocab = prompt, output, vocab
+
+    def propose(self, context):
+        done = len(context.tokens) - len(self.prompt)
+        true = self.output[done : done + 3]
+        true += [(t + 7) % self.vocab for t in range(3 - len(true))]
+        wrong = [(t + 1) % self.vocab for t in true]
+        tokens = (wrong[0], wrong[1], true[0], wrong[1], true[1], true[2], true[2])
+        return DraftTree(tokens, PARENTS)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [Options(max_tokens=12), Options(max_tokens=12, sampling=Sampling(temperature=0.8, seed=7))],
+    ids=["greedy", "seeded"],
+)
+def test_the_batch_driver_with_tree_drafts_equals_generate_alone(trees, single, options):
+    moved = []
+    keep_path = trees.keep_path
+
+    def recording(slot, start, nodes):
+        moved.append(tuple(nodes))
+        keep_path(slot, start, nodes)
+
+    trees.keep_path = recording
+    driver = BatchDriver(trees, prefill_chunk=5)
+    expected = [list(generate(single, prompt, options).token_ids) for prompt in PROMPTS]
+    sequences = [
+        driver.submit(prompt, options, OracleTree(prompt, out, trees.vocab_size), draft_width=len(PARENTS))
+        for prompt, out in zip(PROMPTS, expected, strict=True)
+    ]
+    driver.run()
+    for sequence, out in zip(sequences, expected, strict=True):
+        assert list(sequence.result().token_ids) == out
+    assert any(len(path) >= 2 for path in moved)  # paths off the first branch were accepted and moved
+    assert driver.passes < sum(len(out) for out in expected)  # several tokens per pass
+
+
+def test_tree_rows_are_refused_where_they_cannot_run(trees, tiny_model_dir, config):
+    with pytest.raises(BackendError, match="position 0"):
+        trees.run_pass([BatchRow(0, (1, 2, 3), 0, parents=(-1, -1))])
+    plain = OrtBatchBackend.from_folder(tiny_model_dir, config, slots=2)
+    plain.run_pass([BatchRow(0, (1, 2), 0)])
+    with pytest.raises(BackendError, match="token tree"):
+        plain.run_pass([BatchRow(0, (1, 2, 3), 2, parents=(-1, -1))])
+    with pytest.raises(ValueError, match="batch backend"):
+        OrtBackend.from_folder(tiny_model_dir, BackendConfig(threads=1, tree_rows=True))
+    trees.run_pass([BatchRow(0, (1, 2, 3), 0)])
+    with pytest.raises(BackendError):
+        trees.keep_path(0, 1, (1, 0))  # not a path: decreasing
