@@ -89,7 +89,10 @@ class PromptLookup:
     occurrences of a suffix the most recent wins. At most ``max_draft`` tokens (and at most ``width``) are
     proposed; the empty tuple means no match. The copy runs on past the end of the context the way an LZ77
     back-reference does (a match 2 tokens back proposes the 2-token period repeated), so runs and short cycles
-    fill the whole width.
+    fill the whole width. With ``branches`` > 1 the continuations of that many most recent occurrences of the
+    matched suffix are drafted as one ``DraftTree`` (``DraftTree.merged``: the most recent first, at most as many
+    nodes as a chain would have tokens), or as a chain when they agree; a backend that cannot verify trees verifies
+    its first branch, a prefix of the one-branch draft.
 
     Cost. A ``Shared`` context (what the driver passes; core/tokens.py) carries an index of its n-grams
     (``NgramIndex``, attached to the token history's storage and extended by each step's new tokens), so a call
@@ -101,13 +104,45 @@ class PromptLookup:
     ngram: int = attrs.field(default=3, validator=int_at_least(1))
     max_draft: int = attrs.field(default=8, validator=int_at_least(1))
     min_ngram: int = attrs.field(default=1, validator=int_at_least(1))
+    branches: int = attrs.field(default=1, validator=int_at_least(1))
 
     def __attrs_post_init__(self) -> None:
         if self.min_ngram > self.ngram:
             raise ValueError(f"min_ngram ({self.min_ngram}) must not exceed ngram ({self.ngram})")
 
-    def propose(self, context: DraftContext) -> tuple[int, ...]:
-        return self.match(context.tokens, context.width)[0]
+    def propose(self, context: DraftContext) -> tuple[int, ...] | DraftTree:
+        if self.branches == 1:
+            return self.match(context.tokens, context.width)[0]
+        limit = min(context.width, self.max_draft)
+        if limit < 1 or len(context.tokens) < 2:
+            return ()
+        starts = self.occurrences(context.tokens, self.branches)
+        tree = DraftTree.merged([_copy_forward(context.tokens, start, limit) for start in starts], limit)
+        return tree.tokens if tree.is_chain else tree
+
+    def occurrences(self, context_tokens: Sequence[int], count: int) -> list[int]:
+        """The positions right after the ``count`` most recent earlier occurrences (most recent first) of the
+        longest context suffix, of ``ngram`` down to ``min_ngram`` tokens, that occurs earlier at all; [] when none
+        does."""
+        n_ctx = len(context_tokens)
+        if isinstance(context_tokens, Shared):
+            index = ngram_index(context_tokens, self.min_ngram, self.ngram)
+            if index.covers(n_ctx):
+                for n in range(min(self.ngram, n_ctx - 1), self.min_ngram - 1, -1):
+                    found = index.recent_before(n, context_tokens[n_ctx - n :], n_ctx, count)
+                    if found:
+                        return found
+                return []
+        data = array("I", context_tokens).tobytes()
+        for n in range(min(self.ngram, n_ctx - 1), self.min_ngram - 1, -1):
+            needle, end, found = data[-4 * n :], (n_ctx - 1) * 4, []
+            while len(found) < count and (at := data.rfind(needle, 0, end)) >= 0:
+                if at % 4 == 0:
+                    found.append(at // 4 + n)
+                end = at + 4 * n - 1
+            if found:
+                return found
+        return []
 
     def match(self, context_tokens: Sequence[int], width: int) -> tuple[tuple[int, ...], int]:
         """``propose``'s draft after ``context_tokens`` (at most ``width`` tokens) and the length of the context

@@ -119,6 +119,36 @@ class DraftTree:
         n = max(n, 0)
         return DraftTree(self.tokens[:n], self.parents[:n])
 
+    @classmethod
+    def merged(cls, branches: Sequence[Sequence[int]], limit: int) -> DraftTree:
+        """The trie of ``branches`` (candidate continuations, the likeliest first), built level by level (every
+        branch's first token, then every branch's second, ...) until it holds ``limit`` nodes: shared prefixes are
+        one node, each level's nodes keep the branches' order, so the first branch is ``first_branch()`` as far as
+        the tree reaches and the node budget is spread over the branches' depths evenly."""
+        tokens: list[int] = []
+        parents: list[int] = []
+        at: list[int | None] = [-1] * len(branches)  # each branch's node at the level before; None: it ended
+        depth = 0
+        while len(tokens) < limit:
+            progressed = False
+            for i, branch in enumerate(branches):
+                parent = at[i]
+                if parent is None or depth >= len(branch):
+                    at[i] = None
+                    continue
+                token = int(branch[depth])
+                node = next((j for j, p in enumerate(parents) if p == parent and tokens[j] == token), None)
+                if node is None and len(tokens) < limit:
+                    tokens.append(token)
+                    parents.append(parent)
+                    node = len(tokens) - 1
+                at[i] = node
+                progressed = progressed or node is not None
+            if not progressed:
+                break
+            depth += 1
+        return cls(tuple(tokens), tuple(parents))
+
     def first_branch(self) -> DraftTree:
         """The chain of first children from the root: the branch a backend that cannot run trees verifies."""
         path: list[int] = []

@@ -14,6 +14,7 @@ from ortspec.backends.base import BackendError, BatchRow, OneSlot, check_batch, 
 from ortspec.backends.fake import FakeBackend, FakeBatchBackend, FakeModel
 from ortspec.core import DraftContext, ForcedTokens, LookupOrDraft, Options, PromptLookup, Sampling
 from ortspec.core.state import DecodeState, check_draft, draft_budget, step, step_from_picks, take_draft
+from ortspec.core.tokens import Shared
 from ortspec.core.tree import DraftTree, tree_mask, walk
 from tests.support.grammars import FakeGrammar
 
@@ -409,3 +410,44 @@ def test_auto_cuts_a_drafters_tree_to_its_width():
 
     auto = LookupOrDraft(PromptLookup(), Drafter())
     assert auto.propose(DraftContext((7, 8, 9), 3, slot=0)) == DraftTree((1, 2, 3), (-1, -1, 0))
+
+
+def test_merged_spreads_the_node_budget_over_the_branches_level_by_level():
+    tree = DraftTree.merged([(1, 2, 3, 4), (1, 2, 5, 6), (7, 8, 9)], 6)
+    assert tree == DraftTree((1, 7, 2, 8, 3, 5), (-1, -1, 0, 1, 2, 2))  # (1, 2) shared; each level in branch order
+    assert tree.first_branch().tokens == (1, 2, 3)  # a prefix of the first branch
+    assert DraftTree.merged([(1, 2, 3, 4)], 3) == DraftTree.chain((1, 2, 3))
+    assert DraftTree.merged([(1, 2), (3, 4), (5, 6)], 2) == DraftTree((1, 3), (-1, -1))
+    assert len(DraftTree.merged([(1, 2), (1, 2)], 8)) == 2 and len(DraftTree.merged([], 4)) == 0
+
+
+# the suffix (1, 2, 3) occurs three times before the end, followed by 9 9, 7 7 and 5 5
+BRANCHY = (1, 2, 3, 9, 9, 1, 2, 3, 7, 7, 1, 2, 3, 5, 5, 1, 2, 3)
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_prompt_lookup_with_branches_drafts_the_recent_occurrences_as_a_tree(shared):
+    context = Shared.of(BRANCHY) if shared else BRANCHY
+    tree = PromptLookup(branches=3).propose(DraftContext(context, 6))
+    assert tree == DraftTree((5, 7, 9, 5, 7, 9), (-1, -1, -1, 0, 1, 2))
+    chain = PromptLookup().propose(DraftContext(context, 6))
+    assert chain[: len(tree.first_branch())] == tree.first_branch().tokens
+    agreeing = (4, 5, 6, 4, 5, 6, 4, 5)  # every occurrence of (4, 5) continues alike: a chain
+    assert PromptLookup(branches=3).propose(DraftContext(agreeing, 3)) == PromptLookup().propose(
+        DraftContext(agreeing, 3)
+    )
+    assert PromptLookup(branches=3).propose(DraftContext((1, 2, 3), 4)) == ()
+
+
+@pytest.mark.parametrize("tree_rows", [True, False])
+@pytest.mark.parametrize("sampling", [Sampling(), Sampling(temperature=0.9, seed=3)], ids=["greedy", "seeded"])
+def test_prompt_lookup_with_branches_equals_plain_decoding(model, tree_rows, sampling):
+    options = Options(max_tokens=24, sampling=sampling)
+    backend = RecordingBatchBackend(model, 2, tree_rows=tree_rows)
+    driver = BatchDriver(backend)
+    prompts = [BRANCHY, (2, 7, 1, 8, 2, 7, 1, 8, 2, 7)]
+    sequences = [driver.submit(p, options, PromptLookup(branches=3), draft_width=6) for p in prompts]
+    driver.run()
+    for prompt, sequence in zip(prompts, sequences, strict=True):
+        assert sequence.result().token_ids == generate(FakeBackend(model), prompt, options).token_ids
+    assert any(r.parents is not None for r in backend.rows) == tree_rows
