@@ -135,13 +135,9 @@ class PromptLookup:
                 return []
         data = array("I", context_tokens).tobytes()
         for n in range(min(self.ngram, n_ctx - 1), self.min_ngram - 1, -1):
-            needle, end, found = data[-4 * n :], (n_ctx - 1) * 4, []
-            while len(found) < count and (at := data.rfind(needle, 0, end)) >= 0:
-                if at % 4 == 0:
-                    found.append(at // 4 + n)
-                end = at + 4 * n - 1
-            if found:
-                return found
+            hits = _recent_hits(data, n, count)
+            if hits:
+                return hits
         return []
 
     def match(self, context_tokens: Sequence[int], width: int) -> tuple[tuple[int, ...], int]:
@@ -162,14 +158,10 @@ class PromptLookup:
         # Search the context as bytes (4 per token): bytes.rfind runs in C. A hit must be token-aligned and must
         # end before the last token, so that at least one token follows it.
         data = array("I", context_tokens).tobytes()
-        body_end = (n_ctx - 1) * 4
         for n in range(min(self.ngram, n_ctx - 1), self.min_ngram - 1, -1):
-            needle = data[-4 * n :]
-            end = body_end
-            while (at := data.rfind(needle, 0, end)) >= 0:
-                if at % 4 == 0:
-                    return _copy_forward(context_tokens, at // 4 + n, limit), n
-                end = at + 4 * n - 1
+            hits = _recent_hits(data, n, 1)
+            if hits:
+                return _copy_forward(context_tokens, hits[0], limit), n
         return (), 0
 
 
@@ -257,6 +249,19 @@ def _ngram_key(ids: Sequence[int]) -> int:
     for t in ids:
         key = (key << 32) | int(t)
     return key
+
+
+def _recent_hits(data: bytes, n: int, count: int) -> list[int]:
+    """Search a context as bytes (4 per token; ``bytes.rfind`` runs in C) for its last ``n`` tokens earlier in it:
+    the positions right after the ``count`` most recent token-aligned hits that end before the last token (so at
+    least one token follows each), most recent first."""
+    needle, end = data[-4 * n :], len(data) - 4
+    found: list[int] = []
+    while len(found) < count and (at := data.rfind(needle, 0, end)) >= 0:
+        if at % 4 == 0:
+            found.append(at // 4 + n)
+        end = at + 4 * n - 1
+    return found
 
 
 def _copy_forward(context: Sequence[int], first: int, count: int) -> tuple[int, ...]:

@@ -424,8 +424,8 @@ MUTANTS: dict[str, Mutant] = {
     ),
     "lookup-oldest-match": Mutant(
         "core/proposers.py",
-        "while (at := data.rfind(needle, 0, end)) >= 0:",
-        "while (at := data.find(needle, 0, end)) >= 0:",
+        "while len(found) < count and (at := data.rfind(needle, 0, end)) >= 0:",
+        "while len(found) < count and (at := data.find(needle, 0, end)) >= 0:",
     ),
     "lookup-unaligned-match": Mutant(
         "core/proposers.py",
