@@ -97,6 +97,14 @@ class FakeModel:
         """The rolling hash of a context extended by ``token`` (the empty context hashes to ``seed``)."""
         return ((previous_hash ^ (token + 1)) * _HASH_MUL) & _HASH_MASK
 
+    def context_hashes(self, tokens: Sequence[int]) -> tuple[int, ...]:
+        """Per position of ``tokens``, the hash of the context a plain decoder computes that KV entry in."""
+        out, h = [], self.seed
+        for t in tokens:
+            h = self.context_hash(h, int(t))
+            out.append(h)
+        return tuple(out)
+
     def logits_after(self, last_token: int, context_hash: int) -> np.ndarray:
         """Next-token logits ``[vocab]`` float32 for a context ending in ``last_token`` with ``context_hash``."""
         row = self._table[context_hash % self._table.shape[0]] * np.float32(self.noise)

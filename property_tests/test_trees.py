@@ -28,7 +28,7 @@ from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 from ortspec import BatchDriver, Generation, GenerationError
-from ortspec.backends.fake import FakeBackend, FakeBatchBackend, FakeModel
+from ortspec.backends.fake import FakeBackend, FakeBatchBackend
 from ortspec.batch_driver import Phase
 from ortspec.core.forced import forcing
 from ortspec.core.tree import DraftTree
@@ -119,20 +119,11 @@ def tree_proposers(draw, sc: Scenario) -> TreeProposer:
     )
 
 
-def plain_hashes(model: FakeModel, tokens) -> tuple[int, ...]:
-    """Per position, the hash of the context a plain decoder computes its KV entry in (``FakeModel.context_hash``)."""
-    out, h = [], model.seed
-    for t in tokens:
-        h = model.context_hash(h, int(t))
-        out.append(h)
-    return tuple(out)
-
-
 def check_kv(backend: FakeBackend, want: tuple[int, ...]) -> None:
     """The backend's KV is plain decoding's for a prefix of ``want`` (the prompt and plain decoding's output)."""
     resident = backend.resident_tokens()
     assert resident == want[: len(resident)], (resident, want)
-    assert backend.resident_hashes() == plain_hashes(backend.model, resident)
+    assert backend.resident_hashes() == backend.model.context_hashes(resident)
 
 
 class KvCheckingBackend(FakeBackend):
