@@ -8,13 +8,18 @@ load; with ``--quick`` a temporary folder, on tiny random models, nothing in the
 1. ``grid``: ``python -m bench.ngram_grid`` chooses ORT GenAI's n-gram setting on the tuning split
    (``ngram-grid.json``; ``--reuse-grid`` keeps the file there).
 2. ``suite``: ``python -m bench.suite`` on the evaluation split, the README's settings (ortspec plain, ``auto``,
-   greedy and sampled) beside ORT GenAI greedy and its n-gram at the chosen setting, 3 interleaved repetitions
-   (``results-evaluation.json``).
+   greedy and sampled, and ``auto`` drafting chains only, its lookup's trees off) beside ORT GenAI greedy and its
+   n-gram at the chosen setting, 3 interleaved repetitions (``results-evaluation.json``).
 3. ``slots``: ``python -m bench.slots`` on the evaluation split of the throughput dataset: 8 and 16 slots against
    ORT GenAI's static batches of 1, 4, 8 and 16 requests, and the ``ortspec batch`` job end to end, 3 interleaved
    repetitions (``slots-evaluation.json``).
 4. ``readme``: ``python scripts/readme_numbers.py`` writes the README's tables from those files
    (tests/test_readme_numbers.py checks that the README holds them).
+
+Optional, run only when ``--steps`` names it (so the default run does not grow):
+
+* ``cost``: ``python -m bench.cost_growth`` measures how a pass's cost grows with the batch size, the context and
+  the prompt, against the CPU's compute and memory ceilings (``cost-growth.json`` and ``.md``).
 
 A failing step stops the run with its exit status.
 """
@@ -31,8 +36,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "docs" / "bench"
 STEPS = ("grid", "suite", "slots", "readme")
+OPTIONAL_STEPS = ("cost",)  # known to --steps, not in its default
 SUITE_ENGINES = (
-    "ortspec-greedy,ortspec-auto,ortspec-sampled,ortspec-auto-sampled,"
+    "ortspec-greedy,ortspec-auto,ortspec-auto-chain,ortspec-sampled,ortspec-auto-sampled,ortspec-auto-chain-sampled,"
     "ortgenai,ortgenai-ngram,ortgenai-sampled,ortgenai-ngram-sampled"
 )
 SUITE_CATEGORIES = "repetitive,open_ended,code_edit"
@@ -83,6 +89,7 @@ def commands(out: Path, quick: bool, grid_file: Path) -> dict[str, list[str]]:
             str(out / "slots-evaluation.json"),
             *(["--readme", str(out / "README.md")] if quick else []),
         ],
+        "cost": [*py, "bench.cost_growth", *quick_flag, "--out", str(out / "cost-growth.json")],
     }
 
 
@@ -90,12 +97,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="tiny random models, a temporary folder: checks, not speed")
     ap.add_argument("--reuse-grid", action="store_true", help="keep docs/bench/ngram-grid.json (skip the grid)")
-    ap.add_argument("--steps", default=",".join(STEPS), help=f"which steps, in order (default {','.join(STEPS)})")
+    ap.add_argument(
+        "--steps",
+        default=",".join(STEPS),
+        help=f"which steps, in order (default {','.join(STEPS)}; optional: {','.join(OPTIONAL_STEPS)})",
+    )
     args = ap.parse_args(argv)
     steps = [s for s in args.steps.split(",") if s]
-    unknown = [s for s in steps if s not in STEPS]
+    unknown = [s for s in steps if s not in STEPS + OPTIONAL_STEPS]
     if unknown:
-        ap.error(f"unknown step(s) {unknown}; known: {', '.join(STEPS)}")
+        ap.error(f"unknown step(s) {unknown}; known: {', '.join(STEPS + OPTIONAL_STEPS)}")
     with tempfile.TemporaryDirectory(prefix="ortspec-bench-") as tmp:
         out = Path(tmp) if args.quick else RESULTS
         if args.quick:

@@ -28,16 +28,18 @@ import attrs
 from bench.peers import PeerRun, PeerRunner, make_peer
 from ortspec.adapters.engine import Engine
 from ortspec.adapters.engine.suffix_cache import SuffixCache
-from ortspec.core import AdditiveWidth, CostAwareWidth, PromptLookup, Proposer, SuffixSnapshot, WidthPolicy
+from ortspec.core import AdditiveWidth, CostAwareWidth, DraftRule, PromptLookup, Proposer, SuffixSnapshot, WidthPolicy
 from ortspec.driver import Generation
 
 SAMPLED_REFERENCE = "ortspec-sampled"  # plain sampling: the sampled settings' identity is checked against it
 SAMPLED_SPEC = "ortspec-lookup-adaptive-sampled"  # ortspec-lookup-adaptive, sampling
 SAMPLED_AUTO = "ortspec-auto-sampled"  # ortspec-auto, sampling
-SAMPLED_SPECS = (SAMPLED_SPEC, SAMPLED_AUTO)  # the sampled speculative settings
+AUTO_CHAIN = "ortspec-auto-chain"  # ortspec-auto with the suffix lookup drafting chains only (DraftRule.branches=1)
+SAMPLED_AUTO_CHAIN = "ortspec-auto-chain-sampled"  # ortspec-auto-chain, sampling
+SAMPLED_SPECS = (SAMPLED_SPEC, SAMPLED_AUTO, SAMPLED_AUTO_CHAIN)  # the sampled speculative settings
 # The settings that need the Engine's shared-KV drafter (the shipped one, or ``ortspec train-drafter``'s); without
 # one they are missing.
-DRAFTER_ENGINES = ("ortspec-shared-kv", "ortspec-auto", SAMPLED_AUTO)
+DRAFTER_ENGINES = ("ortspec-shared-kv", "ortspec-auto", SAMPLED_AUTO, AUTO_CHAIN, SAMPLED_AUTO_CHAIN)
 SPEC_ENGINES = (
     "ortspec-lookup-w8",
     "ortspec-lookup-w4",
@@ -46,9 +48,10 @@ SPEC_ENGINES = (
     "ortspec-suffix",
     "ortspec-shared-kv",
     "ortspec-auto",
+    AUTO_CHAIN,
 )
 ORTSPEC_ENGINES = ("ortspec-greedy", *SPEC_ENGINES)
-SAMPLED_ORTSPEC_ENGINES = (SAMPLED_REFERENCE, SAMPLED_SPEC, SAMPLED_AUTO)
+SAMPLED_ORTSPEC_ENGINES = (SAMPLED_REFERENCE, SAMPLED_SPEC, SAMPLED_AUTO, SAMPLED_AUTO_CHAIN)
 PEER_ENGINES = ("ortgenai", "ortgenai-ngram", "onnx_genai")
 SAMPLED_PEER = "ortgenai-sampled"  # ORT GenAI plain sampling
 SAMPLED_NGRAM_PEER = "ortgenai-ngram-sampled"  # ORT GenAI n-gram speculation, sampling
@@ -123,7 +126,8 @@ class EngineRun:
 class OrtspecEngine:
     """One ortspec setting on a shared ``Engine``: a proposer factory (``None``: plain decoding; a fresh proposer
     per generation, or the name of one the Engine makes: ``"shared-kv"``, ``"auto"``), a draft width (an int, a
-    width policy, or ``"auto"``: the Engine's own) and the sampling options (``Engine`` keywords; empty: greedy)."""
+    width policy, or ``"auto"``: the Engine's own), the sampling options (``Engine`` keywords; empty: greedy) and
+    the suffix lookup's rule (None: the Engine's default ``DraftRule()``), set on the Engine for its runs."""
 
     def __init__(
         self,
@@ -133,11 +137,13 @@ class OrtspecEngine:
         draft_width: int | WidthPolicy | str,
         description: dict[str, Any],
         sampling: Mapping[str, float] | None = None,
+        suffix_rule: DraftRule | None = None,
     ) -> None:
         self.name = name
         self.engine = engine
         self.make_proposer = make_proposer
         self.draft_width = draft_width
+        self.suffix_rule = suffix_rule if suffix_rule is not None else DraftRule()
         self.sampling = dict(sampling or {})
         self.description = description | ({"sampling": dict(self.sampling)} if self.sampling else {})
         # This setting's own suffix cache, on the shared Engine during its runs: it learns from this setting's
@@ -158,6 +164,7 @@ class OrtspecEngine:
         ``seed``: the sampler's seed (sampled settings; 0 when not given); ``cache``: the suffix cache it drafts
         from and records into (default: this setting's)."""
         self.engine.suffix_cache = cache if cache is not None else self.suffix_cache
+        self.engine.suffix_rule = self.suffix_rule
         proposer = self.make_proposer() if self.make_proposer else None
         sampling: dict[str, Any] = {**self.sampling, "seed": 0 if seed is None else seed} if self.sampled else {}
         return self.engine.start(
@@ -208,7 +215,8 @@ class OrtspecEngine:
 def sampled_variant(setting: OrtspecEngine, name: str, sampling: Mapping[str, float]) -> OrtspecEngine:
     """``setting`` (a greedy one) sampling with ``sampling``, called ``name``."""
     description = {k: v for k, v in setting.describe().items() if k != "sampling"}
-    return OrtspecEngine(name, setting.engine, setting.make_proposer, setting.draft_width, description, sampling)
+    engine, rule = setting.engine, setting.suffix_rule
+    return OrtspecEngine(name, engine, setting.make_proposer, setting.draft_width, description, sampling, rule)
 
 
 def ortspec_engine(name: str, engine: Engine, pass_costs: Sequence[float] = ()) -> OrtspecEngine:
@@ -216,7 +224,12 @@ def ortspec_engine(name: str, engine: Engine, pass_costs: Sequence[float] = ()) 
     ``engine``; ``pass_costs`` is the verify cost curve that the cost-aware width policy uses. A sampled setting is
     its greedy twin (``ortspec-sampled``: ``ortspec-greedy``; ``ortspec-lookup-adaptive-sampled``:
     ``ortspec-lookup-adaptive``) sampling at ``SAMPLING``."""
-    twins = {SAMPLED_REFERENCE: "ortspec-greedy", SAMPLED_SPEC: "ortspec-lookup-adaptive", SAMPLED_AUTO: "ortspec-auto"}
+    twins = {
+        SAMPLED_REFERENCE: "ortspec-greedy",
+        SAMPLED_SPEC: "ortspec-lookup-adaptive",
+        SAMPLED_AUTO: "ortspec-auto",
+        SAMPLED_AUTO_CHAIN: AUTO_CHAIN,
+    }
     if name in twins:
         return sampled_variant(ortspec_engine(twins[name], engine, pass_costs), name, SAMPLING)
     if name == "ortspec-greedy":
@@ -254,12 +267,14 @@ def ortspec_engine(name: str, engine: Engine, pass_costs: Sequence[float] = ()) 
             raise ValueError(f"{name} needs a shared-KV drafter for the model: run `ortspec train-drafter`")
         how = "shared-kv" if name == "ortspec-shared-kv" else "auto"
         folder = getattr(getattr(engine.drafter, "folder", None), "path", None)
+        chain = DraftRule(branches=1) if name == AUTO_CHAIN else None
         description = {
             "speculative": how,
             "draft_width": "auto (the Engine's cost-aware policies, priced with the drafter's measured step)",
             "drafter": str(folder) if folder else repr(engine.drafter),
+            **({"suffix_rule": "DraftRule(branches=1): chains only"} if chain else {}),
         }
-        return OrtspecEngine(name, engine, lambda: how, "auto", description)
+        return OrtspecEngine(name, engine, lambda: how, "auto", description, suffix_rule=chain)
     known = ", ".join((*ORTSPEC_ENGINES, *SAMPLED_ORTSPEC_ENGINES))
     raise ValueError(f"unknown ortspec engine {name!r}; known: {known}")
 

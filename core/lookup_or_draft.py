@@ -17,7 +17,7 @@ from .checks import int_at_least
 from .proposers import DraftContext, PromptLookup, Proposer
 from .suffix import SuffixProposer
 from .tree import DraftTree
-from .width import CostAwareWidth
+from .width import CostAwareWidth, TreeBudget
 
 _POLICY = {"strong": "lookup_policy", "weak": "weak_lookup_policy", "drafter": "drafter_policy"}
 
@@ -62,13 +62,27 @@ class LookupOrDraft:
     lookup_drafts: int = 0
     drafter_drafts: int = 0
     shadow: tuple[int, tuple[int, ...]] | None = None  # (context length, a strong match's draft the drafter beat)
+    tree: TreeBudget | None = None
 
-    def priced(self, lookup_policy: CostAwareWidth, drafter_policy: CostAwareWidth) -> LookupOrDraft:
+    def priced(
+        self, lookup_policy: CostAwareWidth, drafter_policy: CostAwareWidth, tree: TreeBudget | None = None
+    ) -> LookupOrDraft:
         """This value with the sources' width policies (made from the backend's measured costs): ``lookup_policy``
-        for both kinds of lookup match, ``drafter_policy`` for the drafter."""
+        for both kinds of lookup match, ``drafter_policy`` for the drafter; ``tree``, what sizes the lookup's tree
+        drafts."""
         return attrs.evolve(
-            self, lookup_policy=lookup_policy, weak_lookup_policy=lookup_policy, drafter_policy=drafter_policy
+            self,
+            lookup_policy=lookup_policy,
+            weak_lookup_policy=lookup_policy,
+            drafter_policy=drafter_policy,
+            tree=tree,
         )
+
+    def observe_tree(self, chain: int, chain_accepted: int, extra_nodes: int, extra_accepted: int) -> LookupOrDraft:
+        """This value after a step's tree outcome (``core.width.TreeLearner``): ``tree`` learns it."""
+        if self.tree is None:
+            return self
+        return attrs.evolve(self, tree=self.tree.observe(chain, chain_accepted, extra_nodes, extra_accepted))
 
     def _choose(self, context: DraftContext) -> tuple[str, tuple[int, ...], str]:
         """``(source, draft, match)`` for a draft in ``context``: the chosen source; the lookup's draft (uncut;
@@ -86,7 +100,12 @@ class LookupOrDraft:
         fills."""
         source, draft, _ = self._choose(context)
         if source != "drafter":
-            return draft[: _width(getattr(self, _POLICY[source]), context.width, context.plain_cost)]
+            k = _width(getattr(self, _POLICY[source]), context.width, context.plain_cost)
+            nodes = k if context.nodes is None or self.tree is None else min(context.nodes, self.tree.nodes_at(k))
+            if isinstance(self.lookup, SuffixProposer) and nodes > k > 0:
+                narrow = attrs.evolve(context, width=k, nodes=nodes)  # the lookup's tree, its first branch k deep
+                return self.lookup.branched(narrow, self.lookup.scored(context.tokens, k))
+            return draft[:k]
         k = _width(self.drafter_policy, context.width, context.plain_cost)
         if k <= 0:
             return ()

@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import attrs
+import numpy as np
 
 from .checks import check_int
 
@@ -30,12 +31,15 @@ if TYPE_CHECKING:
 
 
 def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
-    """How many leading tokens ``a`` and ``b`` share."""
+    """How many leading tokens ``a`` and ``b`` share (compared in C: the first ``min`` of both as tuples, then, where
+    they differ, as arrays)."""
     n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
+    if n == 0:
+        return 0
+    head_a, head_b = tuple(a[:n]), tuple(b[:n])
+    if head_a == head_b:
+        return n
+    return int(np.flatnonzero(np.asarray(head_a, dtype=np.int64) != np.asarray(head_b, dtype=np.int64))[0])
 
 
 def reuse_score(resident: Sequence[int], prompt: Sequence[int]) -> int:

@@ -3,12 +3,12 @@
 A proposer is any object with ``propose(context: DraftContext) -> tuple[int, ...] | DraftTree``, the one protocol
 the driver calls: a chain of draft tokens, or a tree of candidate continuations that share prefixes
 (``core/tree.py``), verified in one pass where the backend runs tree rows (elsewhere, its first branch is). The
-context is one frozen value: the tokens (the prompt, then every committed token), the width (the most tokens, or a
-tree's nodes, the step can use: the driver has capped it by the remaining token budget and context), the price of a
-plain step in the pass the draft joins, the slot whose target state a draft head reads, and the target's own seeded
-pick rule when the generation samples. A proposer may return fewer tokens, or none; the driver truncates anything
-longer (a tree to its first ``width`` nodes) and rejects ids outside the vocabulary, so a wrong guess costs speed,
-never correctness.
+context is one frozen value: the tokens (the prompt, then every committed token), the width (the most tokens a
+chain, or a tree's depth, the step can use: the driver has capped it by the remaining token budget and context), a
+tree's node budget, the price of a plain step in the pass the draft joins, the slot whose target state a draft head
+reads, and the target's own seeded pick rule when the generation samples. A proposer may return fewer tokens, or
+none; the driver cuts anything longer (a tree to its first ``tree_budget`` nodes, none deeper than ``width``) and
+rejects ids outside the vocabulary, so a wrong guess costs speed, never correctness.
 
 A proposer that learns from what the target accepted is a frozen value too (``Learner``): after each verified draft
 the driver replaces it with ``observe(context, draft, accepted)``.
@@ -45,26 +45,42 @@ class DraftContext:
     past what it processed), and a proposer that reads the target then drafts nothing. ``picker``: the target's own
     seeded pick rule (``core.sampling.DraftPicker``) when the generation samples, None when it is greedy; a proposer
     that drafts from a distribution of its own (a draft model) picks each draft token with it, so that its drafts
-    are the tokens the target will pick where the two distributions are close."""
+    are the tokens the target will pick where the two distributions are close. ``nodes``: the most nodes a tree draft
+    may have, where the backend verifies trees (None where it does not: a tree is cut to its first branch, so a
+    proposer need not grow one); a width policy grants more than ``width`` where the pass prices them
+    (``core.width.TreeWidth``), and a tree proposer drafts its first branch ``width`` deep and the other branches in
+    the rest (``tree_budget``). ``sequence``: which sequence the draft is for, stable for its
+    whole generation (the batch slot it holds; None when the caller names none), kept by ``after``: what a proposer
+    that keeps state of its own per sequence (a separate draft model's KV: ``backends/draft_model.py``) keys it
+    on, where ``slot`` (the target's state) may be None."""
 
     tokens: Sequence[int]
     width: int
     plain_cost: float = 1.0
     slot: int | None = None
     picker: DraftPicker | None = None
+    nodes: int | None = None
+    sequence: int | None = None
+
+    @property
+    def tree_budget(self) -> int:
+        """The most nodes a tree draft may have: ``nodes``, or ``width`` when None (never less than ``width``)."""
+        return self.width if self.nodes is None else max(self.nodes, self.width)
 
     def after(self, drafted: Sequence[int]) -> DraftContext:
         """The context of a proposer that drafts after ``drafted`` (tokens drafted in front of it, fewer than
-        ``width``): the tokens with them appended, the width left, and no target state (the target has not
-        processed them)."""
-        return attrs.evolve(self, tokens=(*self.tokens, *drafted), width=self.width - len(drafted), slot=None)
+        ``width``): the tokens with them appended, the width (and node budget) left, and no target state (the
+        target has not processed them); ``sequence`` is kept."""
+        n = len(drafted)
+        nodes = None if self.nodes is None else self.nodes - n
+        return attrs.evolve(self, tokens=(*self.tokens, *drafted), width=self.width - n, slot=None, nodes=nodes)
 
 
 @runtime_checkable
 class Proposer(Protocol):
     def propose(self, context: DraftContext) -> tuple[int, ...] | DraftTree:
         """Up to ``context.width`` token ids that probably follow ``context.tokens``, or a ``DraftTree`` of up to
-        ``context.width`` nodes whose paths probably do."""
+        ``context.tree_budget`` nodes, at most ``context.width`` deep, whose paths probably do."""
         ...
 
 
@@ -90,9 +106,9 @@ class PromptLookup:
     proposed; the empty tuple means no match. The copy runs on past the end of the context the way an LZ77
     back-reference does (a match 2 tokens back proposes the 2-token period repeated), so runs and short cycles
     fill the whole width. With ``branches`` > 1 the continuations of that many most recent occurrences of the
-    matched suffix are drafted as one ``DraftTree`` (``DraftTree.merged``: the most recent first, at most as many
-    nodes as a chain would have tokens), or as a chain when they agree; a backend that cannot verify trees verifies
-    its first branch, a prefix of the one-branch draft.
+    matched suffix, each up to ``width`` tokens, are drafted as one ``DraftTree`` (``DraftTree.merged``: the most
+    recent first, at most ``context.tree_budget`` nodes), or as a chain when they agree; a backend that cannot
+    verify trees verifies its first branch, the one-branch draft.
 
     Cost. A ``Shared`` context (what the driver passes; core/tokens.py) carries an index of its n-grams
     (``NgramIndex``, attached to the token history's storage and extended by each step's new tokens), so a call
@@ -117,7 +133,8 @@ class PromptLookup:
         if limit < 1 or len(context.tokens) < 2:
             return ()
         starts = self.occurrences(context.tokens, self.branches)
-        tree = DraftTree.merged([_copy_forward(context.tokens, start, limit) for start in starts], limit)
+        branches = [_copy_forward(context.tokens, start, limit) for start in starts]
+        tree = DraftTree.merged(branches, context.tree_budget)
         return tree.tokens if tree.is_chain else tree
 
     def occurrences(self, context_tokens: Sequence[int], count: int) -> list[int]:

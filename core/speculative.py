@@ -19,7 +19,7 @@ from .checks import ArgumentError
 from .lookup_or_draft import LookupOrDraft
 from .proposers import MAX_DRAFT, PromptLookup, Proposer
 from .suffix import DraftRule, SuffixProposer, SuffixSnapshot
-from .width import CostAwareWidth, FixedWidth, WidthPolicy
+from .width import CostAwareWidth, FixedWidth, TreeBudget, WidthPolicy
 
 # Every name ``speculative`` takes and what it drafts with.
 SPECULATIVE_NAMES = {
@@ -27,6 +27,7 @@ SPECULATIVE_NAMES = {
     "suffix": "the most frequent continuation of the context's longest suffix match, in the context and in the "
     "Engine's recent outputs (its suffix cache)",
     "shared-kv": "the Engine's drafter",
+    "draft-model": "the Engine's draft model (a smaller model of the same vocabulary, with its own KV)",
     "auto": "per draft, the suffix lookup or the drafter, whichever has earned more (without a drafter: the suffix "
     "lookup alone)",
 }
@@ -34,6 +35,8 @@ SPECULATIVE_CHOICES = tuple(SPECULATIVE_NAMES)
 # The names that draft with the drafter, and those that draft from the suffix cache.
 DRAFTER_NAMES = ("shared-kv", "auto")
 SUFFIX_NAMES = ("suffix", "auto")
+# The names that draft with the draft model.
+DRAFT_MODEL_NAMES = ("draft-model",)
 # What every surface drafts with unless told otherwise (chosen by measurement, alone and many at once:
 # docs/bench/default-speculation.md). Exact output makes speculating by default safe: it changes only how fast
 # the same tokens arrive.
@@ -66,12 +69,16 @@ def check_speculative(value: Any) -> None:
 class Sources:
     """What a name drafts from: ``snapshot``, the suffix cache as the request starts (``"suffix"``, ``"auto"``'s
     lookup), by ``rule``; ``drafter``, a draft model reading the target (``"shared-kv"``, ``"auto"``; None when there
-    is none), drafting at most ``drafter_max_draft`` tokens per pass."""
+    is none), drafting at most ``drafter_max_draft`` tokens per pass; ``draft_model``, a separate draft model with
+    its own KV (``"draft-model"``; ``backends/draft_model.py``; None when there is none), drafting at most
+    ``draft_model_max_draft`` tokens per pass."""
 
     snapshot: SuffixSnapshot | None = None
     rule: DraftRule = attrs.field(factory=DraftRule)
     drafter: Proposer | None = None
     drafter_max_draft: int = MAX_DRAFT
+    draft_model: Proposer | None = None
+    draft_model_max_draft: int = MAX_DRAFT
 
 
 def _costs(values: Any) -> tuple[float, ...]:
@@ -81,22 +88,30 @@ def _costs(values: Any) -> tuple[float, ...]:
 @attrs.frozen
 class Prices:
     """A backend's measured prices: ``pass_costs[k]``, a pass over the pending token and ``k`` draft tokens ÷ a
-    plain step (k = 0 .. the widest draft); ``draft_cost``, the drafter's time per draft token ÷ a plain step."""
+    plain step (k = 0 .. the widest draft); ``draft_cost``, the drafter's time per draft token ÷ a plain step;
+    ``draft_model_cost``, the draft model's time per draft token ÷ a plain step."""
 
     pass_costs: tuple[float, ...] = attrs.field(converter=_costs)
     draft_cost: float = 0.0
+    draft_model_cost: float = 0.0
 
 
 def check_sources(speculative: Any, sources: Sources) -> None:
     """``ArgumentError`` naming ``speculative`` when it is not a name or proposer (``check_speculative``), or names
-    a source that is not there (``"shared-kv"`` without a drafter): what ``speculation`` refuses, checked before
-    anything is measured."""
+    a source that is not there (``"shared-kv"`` without a drafter, ``"draft-model"`` without a draft model): what
+    ``speculation`` refuses, checked before anything is measured."""
     check_speculative(speculative)
     if speculative == "shared-kv" and sources.drafter is None:
         raise ArgumentError(
             "speculative",
             "speculative='shared-kv' needs a drafter: train one with 'ortspec train-drafter' (Engine.from_dir finds "
             "it) or pass Engine.from_dir(..., drafter=DIR)",
+        )
+    if speculative == "draft-model" and sources.draft_model is None:
+        raise ArgumentError(
+            "speculative",
+            "speculative='draft-model' needs a draft model: pass Engine.from_dir(..., draft_model=DIR) (--draft-model "
+            "DIR), a model folder of the same vocabulary",
         )
 
 
@@ -122,7 +137,8 @@ def speculation(
     ``SPECULATIVE_NAMES``, or a proposer (used as it is). ``draft_width``: ``"auto"`` (cost-aware on ``prices``), an
     int (the most draft tokens per pass; for ``"auto"``, a cap under each source's own priced policy) or a width
     policy. ``"auto"`` without a drafter is ``AUTO_LOOKUP``; ``"shared-kv"`` without one is refused
-    (``ArgumentError``). ``prices`` must be given when ``needs_prices`` says so."""
+    (``ArgumentError``), as is ``"draft-model"`` without a draft model. ``"auto"`` does not draft with the draft
+    model. ``prices`` must be given when ``needs_prices`` says so."""
     check_sources(speculative, sources)
     if speculative is None:
         return None, 1 if draft_width == "auto" else draft_width  # type: ignore[return-value]
@@ -131,7 +147,7 @@ def speculation(
         return _auto(LookupOrDraft(lookup(AUTO_LOOKUP, sources), drafter), draft_width, _priced(prices), sources)
     if speculative == "auto":
         speculative = AUTO_LOOKUP
-    proposer = drafter if speculative == "shared-kv" else speculative
+    proposer = _named_source(speculative, sources)
     if isinstance(proposer, str):
         proposer = lookup(proposer, sources)
     assert proposer is not None
@@ -140,7 +156,20 @@ def speculation(
     priced = _priced(prices)
     if proposer is drafter:
         return proposer, _drafter_policy(priced, sources)
-    return proposer, CostAwareWidth(priced.pass_costs)
+    if proposer is sources.draft_model:
+        curve = priced.pass_costs[: sources.draft_model_max_draft + 1]
+        return proposer, CostAwareWidth(curve, draft_cost=priced.draft_model_cost)
+    return proposer, CostAwareWidth(priced.pass_costs, tree=TreeBudget(priced.pass_costs))
+
+
+def _named_source(speculative: Any, sources: Sources) -> Any:
+    """The source a model-drafting name drafts with (``"shared-kv"``: the drafter; ``"draft-model"``: the draft
+    model); any other value as it is."""
+    if speculative == "shared-kv":
+        return sources.drafter
+    if speculative == "draft-model":
+        return sources.draft_model
+    return speculative
 
 
 def _priced(prices: Prices | None) -> Prices:
@@ -159,7 +188,8 @@ def _auto(
 ) -> tuple[Proposer, int | WidthPolicy]:
     """``"auto"`` with a drafter: each source priced by its own policy; the request's width only caps them (the
     widest curve, or the int given)."""
-    priced = auto.priced(CostAwareWidth(prices.pass_costs), _drafter_policy(prices, sources))
+    tree = TreeBudget(prices.pass_costs)
+    priced = auto.priced(CostAwareWidth(prices.pass_costs), _drafter_policy(prices, sources), tree)
     if isinstance(draft_width, int):
         return priced, FixedWidth(draft_width)
     if draft_width == "auto":

@@ -342,13 +342,20 @@ def draft_width(state: DecodeState, policy_width: int) -> int:
 
 
 def take_draft(
-    state: DecodeState, proposal: Iterable[int] | DraftTree, width: int, vocab_size: int, *, trees: bool = False
+    state: DecodeState,
+    proposal: Iterable[int] | DraftTree,
+    width: int,
+    vocab_size: int,
+    *,
+    trees: bool = False,
+    nodes: int | None = None,
 ) -> Draft:
     """A proposer's answer as the next step's draft: cut to ``width`` (longer proposals are truncated; a tree to its
-    first ``width`` nodes), then checked by ``check_draft``. A ``DraftTree`` is reduced to its ``first_branch`` unless
-    ``trees`` (the backend runs tree rows), and one with a single branch becomes the chain it is."""
+    first ``nodes`` nodes (None: ``width``) less than ``width`` deep), then checked by ``check_draft``. A
+    ``DraftTree`` is reduced to its ``first_branch`` unless ``trees`` (the backend runs tree rows), and one with a
+    single branch becomes the chain it is."""
     if isinstance(proposal, DraftTree):
-        tree = (proposal if trees else proposal.first_branch()).cut(width)
+        tree = (proposal if trees else proposal.first_branch()).within(max(nodes or width, width), width)
         return check_draft(state, tree.tokens if tree.is_chain else tree, vocab_size)
     return check_draft(state, tuple(proposal)[:width], vocab_size)
 

@@ -52,6 +52,7 @@ import attrs
 from .checks import int_at_least, number_in
 from .proposers import MAX_DRAFT, DraftContext, NgramIndex, ngram_index
 from .tokens import Shared
+from .tree import DraftTree
 
 # Ends each document of a snapshot's corpus: no context holds it (ids are below the vocabulary size, < 2**32 - 1),
 # so no match crosses it, and no draft contains it.
@@ -65,7 +66,8 @@ class DraftRule:
     the longest match measured (tokens); ``levels``, the match lengths tried per source; ``spec_factor``, a draft
     holds at most floor(spec_factor x match length) tokens; ``min_prob``, the path stops when its probability drops
     below it; ``max_draft``, the most tokens of any draft; ``resync_back`` (0: never), ``resync_match`` and
-    ``resync_reach``: the resync after an edit (the module docstring)."""
+    ``resync_reach``: the resync after an edit (the module docstring); ``branches``, the most continuations a tree
+    draft holds where the context grants one (``SuffixProposer.propose``; 1: always a chain)."""
 
     anchor: int = attrs.field(default=3, validator=int_at_least(1))
     occurrences: int = attrs.field(default=32, validator=int_at_least(1))
@@ -77,15 +79,21 @@ class DraftRule:
     resync_back: int = attrs.field(default=8, validator=int_at_least(0))
     resync_match: int = attrs.field(default=6, validator=int_at_least(1))
     resync_reach: int = attrs.field(default=32, validator=int_at_least(0))
+    branches: int = attrs.field(default=3, validator=int_at_least(1))
 
 
 @attrs.frozen
 class Scored:
-    """A candidate draft: its tokens, its score (the sum of its path probabilities) and its match length."""
+    """A candidate draft: its tokens, its score (the sum of its path probabilities) and its match length; and where
+    it came from: ``occurrences``, the positions (most recent first) right after the matches of the context's tail
+    that its source holds (every anchored one: the matches it follows and the shorter ones), in the context
+    (``in_context``) or in the snapshot's corpus."""
 
     draft: tuple[int, ...]
     score: float
     matched: int
+    occurrences: tuple[int, ...] = ()
+    in_context: bool = True
 
     def beats(self, other: Scored) -> bool:
         return (self.score, self.matched) > (other.score, other.matched)
@@ -160,8 +168,39 @@ class SuffixProposer:
     rule: DraftRule = DraftRule()
     cache: SuffixSnapshot | None = None
 
-    def propose(self, context: DraftContext) -> tuple[int, ...]:
-        return self.match(context.tokens, context.width)[0]
+    def propose(self, context: DraftContext) -> tuple[int, ...] | DraftTree:
+        """The best path (``scored``); where the context grants more nodes than it holds (``DraftContext.nodes``,
+        set where the backend verifies trees) and the rule allows ``branches`` > 1, a ``DraftTree`` of it and the
+        other continuations of the matches it follows (each up to ``width`` tokens, the most frequent first, then
+        the most recent; ``DraftTree.merged``), or the chain when they agree."""
+        return self.branched(context, self.scored(context.tokens, context.width))
+
+    def branched(self, context: DraftContext, best: Scored) -> tuple[int, ...] | DraftTree:
+        """``propose``'s answer from ``best``, this proposer's ``scored(context.tokens, context.width)``."""
+        budget = context.tree_budget
+        if context.nodes is None or self.rule.branches == 1 or budget <= len(best.draft) or len(best.occurrences) < 2:
+            return best.draft
+        tokens, end, context_end = self._source(context.tokens, best.in_context)
+        continuations: dict[tuple[int, ...], int] = {}
+        for p in best.occurrences:
+            branch: list[int] = []
+            while (
+                len(branch) < context.width
+                and (t := _token_at(tokens, p + len(branch), end, branch, context_end)) is not None
+            ):
+                branch.append(t)
+            if branch:
+                continuations[tuple(branch)] = continuations.get(tuple(branch), 0) + 1
+        ranked = sorted(continuations, key=lambda c: -continuations[c])[: self.rule.branches - 1]  # stable: recency
+        tree = DraftTree.merged([best.draft, *ranked], budget)
+        return tree.tokens if tree.is_chain else tree
+
+    def _source(self, context_tokens: Sequence[int], in_context: bool) -> tuple[Sequence[int], int, int | None]:
+        """``(tokens, end, context_end)`` of a source for ``_token_at``: the context's, or the snapshot corpus's."""
+        if in_context or self.cache is None:
+            n_ctx = len(context_tokens)
+            return _Context.of(context_tokens, self.rule.anchor).tokens, n_ctx, n_ctx
+        return _corpus_tokens(self.cache.corpus), len(self.cache), None
 
     def match(self, context_tokens: Sequence[int], width: int) -> tuple[tuple[int, ...], int]:
         """``propose``'s draft after ``context_tokens`` (at most ``width`` tokens) and the length of the match it
@@ -254,7 +293,7 @@ def _best(
         found = _path(tokens, live, end, cap, rule.min_prob, level, context_end)
         if found.beats(best):
             best = found
-    return best
+    return attrs.evolve(best, occurrences=tuple(candidates)) if best.draft else best
 
 
 def _resynced(tokens: Sequence[int], index: NgramIndex, end: int, limit: int, rule: DraftRule) -> Scored:
@@ -310,6 +349,7 @@ def _path(
     token by token, while its probability stays at least ``min_prob`` (the module docstring's path)."""
     draft: list[int] = []
     prob, score = 1.0, 0.0
+    live_at_start = live
     while len(draft) < cap and live:
         step = len(draft)
         counts: dict[int, int] = {}
@@ -326,7 +366,7 @@ def _path(
         draft.append(token)
         score += prob
         live = [p for p in live if _token_at(tokens, p + step, end, draft[:-1], context_end) == token]
-    return Scored(tuple(draft), score, matched if draft else 0)
+    return Scored(tuple(draft), score, matched if draft else 0, tuple(live_at_start), context_end is not None)
 
 
 def _token_at(tokens: Sequence[int], i: int, end: int, draft: Sequence[int], context_end: int | None) -> int | None:

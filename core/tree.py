@@ -121,42 +121,61 @@ class DraftTree:
 
     @classmethod
     def merged(cls, branches: Sequence[Sequence[int]], limit: int) -> DraftTree:
-        """The trie of ``branches`` (candidate continuations, the likeliest first), built level by level (every
-        branch's first token, then every branch's second, ...) until it holds ``limit`` nodes: shared prefixes are
-        one node, each level's nodes keep the branches' order, so the first branch is ``first_branch()`` as far as
-        the tree reaches and the node budget is spread over the branches' depths evenly."""
+        """The trie of ``branches`` (candidate continuations, the likeliest first) with at most ``limit`` nodes: the
+        first branch whole (as far as ``limit`` reaches), then the others level by level (every other branch's
+        first token, then every one's second, ...), shared prefixes one node. So the first branch is
+        ``first_branch()`` and a prefix of what a chain of ``limit`` tokens would draft, and the nodes beyond it are
+        spread over the other branches' depths evenly."""
         tokens: list[int] = []
         parents: list[int] = []
-        at: list[int | None] = [-1] * len(branches)  # each branch's node at the level before; None: it ended
+
+        def node_for(parent: int, token: int) -> int | None:
+            found = next((j for j, p in enumerate(parents) if p == parent and tokens[j] == token), None)
+            if found is None and len(tokens) < limit:
+                tokens.append(token)
+                parents.append(parent)
+                found = len(tokens) - 1
+            return found
+
+        if not branches:
+            return cls((), ())
+        parent: int | None = -1
+        for token in branches[0][: max(limit, 0)]:
+            parent = node_for(parent, int(token)) if parent is not None else None
+        at: list[int | None] = [-1] * len(branches)  # each other branch's node at the level before; None: ended
         depth = 0
         while len(tokens) < limit:
             progressed = False
-            for i, branch in enumerate(branches):
-                parent = at[i]
-                if parent is None or depth >= len(branch):
-                    at[i] = None
-                    continue
-                token = int(branch[depth])
-                node = next((j for j, p in enumerate(parents) if p == parent and tokens[j] == token), None)
-                if node is None and len(tokens) < limit:
-                    tokens.append(token)
-                    parents.append(parent)
-                    node = len(tokens) - 1
-                at[i] = node
-                progressed = progressed or node is not None
+            for i in range(1, len(branches)):
+                branch, parent = branches[i], at[i]
+                at[i] = None if parent is None or depth >= len(branch) else node_for(parent, int(branch[depth]))
+                progressed = progressed or at[i] is not None
             if not progressed:
                 break
             depth += 1
         return cls(tuple(tokens), tuple(parents))
 
-    def first_branch(self) -> DraftTree:
-        """The chain of first children from the root: the branch a backend that cannot run trees verifies."""
+    def within(self, nodes: int, depth: int) -> DraftTree:
+        """The tree cut to its first ``nodes`` nodes of depth below ``depth`` (so its paths are at most ``depth``
+        tokens long): a valid tree, since a node's ancestors come before it and are shallower."""
+        keep = [j for j in range(len(self.tokens)) if self._depths[j] < depth][: max(nodes, 0)]
+        if len(keep) == len(self.tokens):
+            return self
+        index = {j: i for i, j in enumerate(keep)}
+        return DraftTree(tuple(self.tokens[j] for j in keep), tuple(index.get(self.parents[j], -1) for j in keep))
+
+    def first_branch_nodes(self) -> tuple[int, ...]:
+        """The nodes of ``first_branch()``, in depth order: from the root, each node's first (lowest-index) child."""
         path: list[int] = []
         node = -1
         while kids := self._children[node + 1]:
             node = kids[0]
             path.append(node)
-        return DraftTree.chain(self.tokens[j] for j in path)
+        return tuple(path)
+
+    def first_branch(self) -> DraftTree:
+        """The chain of first children from the root: the branch a backend that cannot run trees verifies."""
+        return DraftTree.chain(self.tokens[j] for j in self.first_branch_nodes())
 
     def after(self, prefix: Sequence[int]) -> DraftTree:
         """This tree drafted after ``prefix`` (tokens drafted in front of it, such as a grammar's forced ones): the

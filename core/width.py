@@ -16,7 +16,7 @@ fades to plain batched decoding as the batch fills and returns when the batch em
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import attrs
 
@@ -41,6 +41,98 @@ class PricedWidth(Protocol):
     """A width policy that prices a plain step by the pass it joins (see the module docstring)."""
 
     def width_at(self, plain_cost: float) -> int: ...
+
+
+@runtime_checkable
+class TreeLearner(Protocol):
+    """A value that learns what a step's tree brought: ``observe_tree(chain, chain_accepted, extra_nodes,
+    extra_accepted)`` is the value after a step whose draft's first branch had ``chain`` tokens, ``chain_accepted``
+    of them committed, and whose other nodes (``extra_nodes``) committed ``extra_accepted`` more (a chain: 0, 0)."""
+
+    def observe_tree(self, chain: int, chain_accepted: int, extra_nodes: int, extra_accepted: int) -> Any: ...
+
+
+@runtime_checkable
+class TreeWidth(Protocol):
+    """A width policy that also sizes tree drafts: ``nodes_at(width)``, the most nodes a tree ``width`` deep may
+    have (``width`` or more), and ``observe_tree`` (``TreeLearner``)."""
+
+    def nodes_at(self, width: int) -> int: ...
+
+    def observe_tree(self, chain: int, chain_accepted: int, extra_nodes: int, extra_accepted: int) -> Any: ...
+
+
+def tree_nodes(policy: WidthPolicy, width: int) -> int:
+    """The most nodes a tree draft ``width`` deep may have under ``policy``: its ``nodes_at`` for a ``TreeWidth``,
+    ``width`` otherwise (the branches share a chain's budget)."""
+    return max(policy.nodes_at(width), width) if isinstance(policy, TreeWidth) and width > 0 else width
+
+
+def _check_costs(instance: object, attribute: object, value: tuple[float, ...]) -> None:
+    if len(value) < 2 or any(not (c > 0) for c in value):
+        raise ValueError(f"pass_costs must hold >= 2 positive costs (index = draft width), got {value!r}")
+
+
+def _to_costs(value: Iterable[float]) -> tuple[float, ...]:
+    return tuple(value)
+
+
+@attrs.frozen
+class TreeBudget:
+    """How many nodes a tree draft gets beyond its first branch, priced by the pass they join.
+
+    A tree's first branch is the chain the width policy sized (``width`` deep); its other nodes make the pass
+    longer (``pass_costs[n]`` for ``n`` nodes, the curve of ``CostAwareWidth``) and add the tokens accepted past
+    where the first branch stopped. Two exponentially weighted estimates (``decay``) learn both: ``chain_tokens /
+    chain_passes``, the tokens a pass commits along its first branch (its accepted draft tokens + the bonus), and
+    ``branch_tokens / branch_nodes``, the tokens the other branches added per node they took. ``nodes_at(width)`` is
+    the node count ``n`` in ``[width, min(width * max_branches, len(pass_costs) - 1)]`` with the most expected tokens
+    per cost, ``(chain + gain * (n - width)) / pass_costs[n]``: ``width`` (a chain) where branches do not pay. While
+    at a chain it probes with twice the width every ``probe_every`` drafted steps, so that it notices when branches
+    start to pay. It changes how many tokens are verified, never which are committed.
+    """
+
+    pass_costs: tuple[float, ...] = attrs.field(converter=_to_costs, validator=_check_costs)
+    max_branches: int = attrs.field(default=4, validator=int_at_least(1))
+    decay: float = attrs.field(default=0.85, validator=number_in(0, 1))
+    chain_tokens: float = 2.0
+    chain_passes: float = 1.0
+    branch_tokens: float = 1.0
+    branch_nodes: float = 8.0
+    probe_every: int = attrs.field(default=16, validator=int_at_least(1))
+    idle_steps: int = 0
+
+    def gain(self) -> float:
+        """The tokens the other branches add per node they take (estimated)."""
+        return self.branch_tokens / self.branch_nodes if self.branch_nodes > 0 else 0.0
+
+    def nodes_at(self, width: int) -> int:
+        top = min(len(self.pass_costs) - 1, width * self.max_branches)
+        if width < 1 or top <= width:
+            return width
+        chain = self.chain_tokens / self.chain_passes if self.chain_passes > 0 else 1.0
+        gain = self.gain()
+        best = max(range(width, top + 1), key=lambda n: ((chain + gain * (n - width)) / self.pass_costs[n], -n))
+        if best == width and self.idle_steps + 1 >= self.probe_every:
+            return min(top, 2 * width)
+        return best
+
+    def observe(self, chain: int, chain_accepted: int, extra_nodes: int, extra_accepted: int) -> TreeBudget:
+        """The budget after a step whose draft's first branch had ``chain`` tokens, ``chain_accepted`` of them
+        committed, and whose other branches had ``extra_nodes`` nodes that committed ``extra_accepted`` tokens past
+        it (a chain: 0 and 0). A plain step (``chain`` 0) changes nothing."""
+        if chain == 0:
+            return self
+        d = self.decay
+        branched = extra_nodes > 0
+        return attrs.evolve(
+            self,
+            chain_tokens=self.chain_tokens * d + chain_accepted + 1,
+            chain_passes=self.chain_passes * d + 1,
+            branch_tokens=self.branch_tokens * d + extra_accepted if branched else self.branch_tokens,
+            branch_nodes=self.branch_nodes * d + extra_nodes if branched else self.branch_nodes,
+            idle_steps=0 if branched else self.idle_steps + 1,
+        )
 
 
 def width_policy(draft_width: int | WidthPolicy) -> WidthPolicy:
@@ -68,9 +160,10 @@ def marginal_row_cost(decode_costs: Sequence[float], rows: int) -> float:
 
 @attrs.frozen
 class FixedWidth:
-    """Always the same width."""
+    """Always the same width; trees sized by ``tree`` (None: a tree's branches share the width's budget)."""
 
     draft_width: int = attrs.field(validator=int_at_least(1))
+    tree: TreeBudget | None = None
 
     def width(self) -> int:
         return self.draft_width
@@ -78,14 +171,13 @@ class FixedWidth:
     def observe(self, proposed: int, accepted: int) -> FixedWidth:
         return self
 
+    def nodes_at(self, width: int) -> int:
+        return width if self.tree is None else self.tree.nodes_at(width)
 
-def _check_costs(instance: object, attribute: object, value: tuple[float, ...]) -> None:
-    if len(value) < 2 or any(not (c > 0) for c in value):
-        raise ValueError(f"pass_costs must hold >= 2 positive costs (index = draft width), got {value!r}")
-
-
-def _to_costs(value: Iterable[float]) -> tuple[float, ...]:
-    return tuple(value)
+    def observe_tree(self, chain: int, chain_accepted: int, extra_nodes: int, extra_accepted: int) -> FixedWidth:
+        if self.tree is None:
+            return self
+        return attrs.evolve(self, tree=self.tree.observe(chain, chain_accepted, extra_nodes, extra_accepted))
 
 
 def _check_draft_cost(instance: object, attribute: object, value: object) -> None:
@@ -111,7 +203,8 @@ class CostAwareWidth:
 
     In a batched pass (``width_at(plain_cost)``, a ``PricedWidth``) a plain step costs ``plain_cost`` instead of
     1 and a pass with a draft still ``pass_costs[k] + k * draft_cost`` (it runs alone); probes are spaced so that
-    they cost the same share of the sequence's time as alone (``probe_interval``).
+    they cost the same share of the sequence's time as alone (``probe_interval``). ``tree`` sizes tree drafts
+    (``TreeWidth``; None: a tree's branches share the width's budget).
     """
 
     pass_costs: tuple[float, ...] = attrs.field(converter=_to_costs, validator=_check_costs)
@@ -122,6 +215,7 @@ class CostAwareWidth:
     probe_width: int = attrs.field(default=2, validator=int_at_least(1))
     idle_steps: int = 0
     draft_cost: float = attrs.field(default=0.0, validator=_check_draft_cost)
+    tree: TreeBudget | None = None
 
     def acceptance(self) -> float:
         return self.successes / self.trials if self.trials > 0 else 0.0
@@ -156,6 +250,17 @@ class CostAwareWidth:
         if k == 0 and self.idle_steps + 1 >= self.probe_interval(plain_cost):
             return min(self.probe_width, len(self.pass_costs) - 1)
         return k
+
+    def nodes_at(self, width: int) -> int:
+        """The most nodes of a tree ``width`` deep: ``tree``'s choice (None: ``width``)."""
+        return width if self.tree is None else self.tree.nodes_at(width)
+
+    def observe_tree(self, chain: int, chain_accepted: int, extra_nodes: int, extra_accepted: int) -> CostAwareWidth:
+        """The policy after a tree step: ``tree`` learns it (``TreeBudget.observe``); the acceptance estimate
+        learns from the first branch alone (``observe(chain, chain_accepted)``, the driver's call)."""
+        if self.tree is None:
+            return self
+        return attrs.evolve(self, tree=self.tree.observe(chain, chain_accepted, extra_nodes, extra_accepted))
 
     def observe(self, proposed: int, accepted: int) -> CostAwareWidth:
         if proposed == 0:

@@ -239,10 +239,14 @@ class BatchSequence:
         elif isinstance(logits, RowPicks):
             vocab = backend.vocab_size
             outcome = step_from_picks(state, logits.ids, self._draft, vocab_size=vocab, margins=logits.margins)
-            self._speculation = self._speculation.observe(self._context, self._draft, outcome.accepted)
+            self._speculation = self._speculation.observe(
+                self._context, self._draft, outcome.accepted, outcome.kept_nodes
+            )
         else:
             outcome = step(state, logits[0], logits[1:], self._draft)
-            self._speculation = self._speculation.observe(self._context, self._draft, outcome.accepted)
+            self._speculation = self._speculation.observe(
+                self._context, self._draft, outcome.accepted, outcome.kept_nodes
+            )
         self._keep_path(backend, row, outcome)
         backend.rewind(self._slot, outcome.rewind_to)
         self.state = outcome.state

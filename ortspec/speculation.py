@@ -8,9 +8,9 @@ import attrs
 
 from ortspec.core.proposers import DraftContext, Learner, Proposer
 from ortspec.core.sampling import DraftPicker
-from ortspec.core.state import DecodeState, draft_width, take_draft
-from ortspec.core.tree import Draft
-from ortspec.core.width import WidthPolicy, asked_width, width_policy
+from ortspec.core.state import DecodeState, draft_budget, draft_width, take_draft
+from ortspec.core.tree import Draft, DraftTree
+from ortspec.core.width import TreeLearner, WidthPolicy, asked_width, tree_nodes, width_policy
 from ortspec.results import ProposerError
 
 
@@ -44,24 +44,42 @@ class Speculation:
         when it was not asked: no proposer, or a width of 0, ``core.draft_width``) and its answer cut to the width
         (``core.take_draft``: a tree by node count, reduced to its first branch unless ``trees``). ``plain_cost``:
         what a plain step costs in the pass the step joins (1.0 alone; ``core.width.marginal_row_cost`` in a
-        batch); ``slot``: the slot holding the sequence's target state (for ``DraftContext.slot``). Raises
+        batch); ``slot``: the slot holding the sequence's target state (``DraftContext.slot``, and the sequence's
+        key, ``DraftContext.sequence``, which ``after`` keeps). Raises
         ``ProposerError`` when the proposer raises or proposes something that is not a draft."""
         if self.proposer is None:
             return None, ()
         width = draft_width(state, asked_width(self.policy, plain_cost))
         if width == 0:
             return None, ()
-        context = DraftContext(state.context_tokens, width, plain_cost, slot, self.picker)
+        nodes = min(draft_budget(state), tree_nodes(self.policy, width)) if self.trees else None
+        context = DraftContext(state.context_tokens, width, plain_cost, slot, self.picker, nodes, sequence=slot)
         try:
-            return context, take_draft(state, self.proposer.propose(context), width, vocab_size, trees=self.trees)
+            proposal = self.proposer.propose(context)
+            return context, take_draft(state, proposal, width, vocab_size, trees=self.trees, nodes=nodes)
         except Exception as exc:
             raise ProposerError(f"the proposer {self.proposer!r} failed: {type(exc).__name__}: {exc}") from exc
 
-    def observe(self, context: DraftContext | None, draft: Draft, accepted: int) -> Speculation:
+    def observe(
+        self, context: DraftContext | None, draft: Draft, accepted: int, kept_nodes: tuple[int, ...] = ()
+    ) -> Speculation:
         """What both learn from the step over ``draft`` (asked with ``context``, None when the proposer was not
-        asked) that accepted ``accepted`` draft tokens: the policy always (a tree counts its nodes as proposed), a
-        ``core.proposers.Learner`` when it was asked for a draft."""
+        asked) that accepted ``accepted`` draft tokens (a tree's along ``kept_nodes``, ``StepOutcome.kept_nodes``):
+        a ``core.proposers.Learner`` (when it was asked) and the policy learn what the draft's first branch alone
+        would have (a chain: the draft itself); a ``core.width.TreeLearner`` (either) also learns what the other
+        branches added."""
+        learned, chain_accepted = draft, accepted
+        if isinstance(draft, DraftTree):
+            first = draft.first_branch_nodes()
+            agreed = next((d for d, (a, b) in enumerate(zip(kept_nodes, first, strict=False)) if a != b), len(first))
+            learned, chain_accepted = tuple(draft.tokens[j] for j in first), min(accepted, agreed)
+        tree = (len(learned), chain_accepted, len(draft) - len(learned), accepted - chain_accepted)
         proposer = self.proposer
         if isinstance(proposer, Learner) and context is not None:
-            proposer = proposer.observe(context, draft, accepted)
-        return attrs.evolve(self, proposer=proposer, policy=self.policy.observe(len(draft), accepted))
+            proposer = proposer.observe(context, learned, chain_accepted)
+            if isinstance(proposer, TreeLearner):
+                proposer = proposer.observe_tree(*tree)
+        policy = self.policy.observe(len(learned), chain_accepted)
+        if isinstance(policy, TreeLearner):
+            policy = policy.observe_tree(*tree)
+        return attrs.evolve(self, proposer=proposer, policy=policy)

@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 
 from ortspec.backends.fake import FakeModel
 from ortspec.core import AdditiveWidth, CostAwareWidth, Options, PromptLookup, Sampling
+from ortspec.core.width import FixedWidth, TreeBudget
 from property_tests.reference import PickRules, PlainDecoder, ReferenceError, plain_continuation
 from tests.support.grammars import FakeGrammar
 
@@ -405,15 +406,29 @@ class FaultyProposer:
 
 @functools.cache
 def width_policies():
-    """A fixed width up to 32, the cost-aware policy with an arbitrary cost curve, or the +2/-1 schedule."""
+    """A fixed width up to 32, the cost-aware policy with an arbitrary cost curve, or the +2/-1 schedule; the first
+    two sometimes with a tree budget (``TreeBudget``) that grants trees nodes beyond their width."""
     costs = st.lists(st.floats(0.5, 4.0), min_size=1, max_size=32).map(lambda c: (1.0, *c))
+    trees = st.one_of(
+        st.none(),
+        st.builds(
+            TreeBudget,
+            pass_costs=costs,
+            max_branches=_integers(1, 5),
+            decay=st.floats(0.0, 1.0),
+            branch_tokens=st.floats(0.0, 8.0),
+            probe_every=_integers(1, 10),
+        ),
+    )
     cost_aware = st.builds(
         CostAwareWidth,
         pass_costs=costs,
         decay=st.floats(0.0, 1.0),
         probe_every=_integers(1, 10),
         probe_width=_integers(1, 4),
+        tree=trees,
     )
+    fixed = st.builds(FixedWidth, _integers(1, 32), tree=trees)
     additive = st.builds(
         AdditiveWidth,
         current=_integers(1, 6),
@@ -421,8 +436,8 @@ def width_policies():
         grow=_integers(0, 3),
         shrink=_integers(0, 3),
     )
-    kind = _sampled("medium", "wide", "narrow", "medium", "cost-aware", "additive")
+    kind = _sampled("medium", "wide", "narrow", "medium", "cost-aware", "additive", "fixed")
     return kind.flatmap(
         lambda k: {"medium": _integers(4, 12), "wide": _integers(1, 32), "narrow": _integers(1, 3),
-                   "cost-aware": cost_aware, "additive": additive}[k]
+                   "cost-aware": cost_aware, "additive": additive, "fixed": fixed}[k]
     )  # fmt: skip

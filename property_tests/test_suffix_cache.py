@@ -62,6 +62,7 @@ def rules():
         resync_back=st.integers(0, 8),
         resync_match=st.integers(1, 8),
         resync_reach=st.integers(0, 40),
+        branches=st.integers(1, 4),
     )
 
 

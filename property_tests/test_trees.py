@@ -61,11 +61,11 @@ class TreeProposer:
     eos: tuple[int, ...] = ()
 
     def propose(self, context):
-        tokens, width = context.tokens, context.width
+        tokens = context.tokens
         if self.shape == "empty":
             return DraftTree((), ())
         rng = np.random.default_rng([self.seed, len(tokens), int(tokens[-1])])
-        most = width + self.overshoot
+        most = context.tree_budget + self.overshoot
         size = most if self.shape == "full" else int(rng.integers(min(2, most), most + 1))
         truth = list(self.oracle.continuation(tokens, int(rng.integers(0, size))))  # leaves room for a branch
         vocab = self.oracle.model.vocab_size

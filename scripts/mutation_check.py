@@ -49,6 +49,7 @@ UNIT_TESTS: dict[str, tuple[str, ...]] = {
     "core/sampling.py": ("tests/test_sampling_rules.py", "tests/test_sampling.py", "tests/test_core_rules.py"),
     "core/proposers.py": ("tests/test_draft_context.py", "tests/test_proposers.py"),
     "core/speculative.py": ("tests/test_speculative.py",),
+    "backends/draft_model.py": ("property_tests/test_draft_model.py",),
     "adapters/engine/scheduler.py": ("tests/test_scheduler.py",),
     "ortspec/speculation.py": ("tests/test_draft_context.py", "tests/test_driver.py", "tests/test_batch_driver.py"),
     "ortspec/sequence.py": (
@@ -145,6 +146,18 @@ MUTANTS: dict[str, Mutant] = {
         "            pass\n",
         ("tests/test_tree.py", "property_tests/test_trees.py"),
     ),
+    "tree-budget-learns-the-whole-tree-as-its-first-branch": Mutant(
+        "ortspec/speculation.py",
+        "learned, chain_accepted = tuple(draft.tokens[j] for j in first), min(accepted, agreed)",
+        "learned, chain_accepted = tuple(draft.tokens[j] for j in first), min(accepted, len(first))",
+        ("tests/test_tree_budget.py",),
+    ),
+    "suffix-tree-puts-the-best-path-last": Mutant(
+        "core/suffix.py",
+        "tree = DraftTree.merged([best.draft, *ranked], budget)",
+        "tree = DraftTree.merged([*ranked, best.draft], budget)",
+        ("tests/test_suffix.py",),
+    ),
     # -- coupled drafting: a draft model's picks under sampling (property_tests/test_coupled_drafting.py) ---------
     "coupled-draft-index-off-by-one": Mutant(
         "core/sampling.py",
@@ -169,6 +182,19 @@ MUTANTS: dict[str, Mutant] = {
         "picker = DraftPicker(sampling, len(state.prompt_tokens)) if sampling.temperature > 0.0 else None",
         "picker = None",
         ("property_tests/test_coupled_drafting.py",),
+    ),
+    # -- a separate draft model's own KV (backends/draft_model.py; property_tests/test_draft_model.py) -------------
+    "draft-model-rewinds-past-the-common-prefix": Mutant(
+        "backends/draft_model.py",
+        "keep = min(common_prefix_length(held, tokens), len(tokens) - 1)",
+        "keep = max(0, min(common_prefix_length(held, tokens), len(tokens) - 1) - 1)",
+        ("property_tests/test_draft_model.py",),
+    ),
+    "draft-model-keys-on-the-target-slot": Mutant(
+        "backends/draft_model.py",
+        "key = context.sequence if context.sequence is not None else context.slot",
+        "key = context.slot",
+        ("property_tests/test_draft_model.py",),
     ),
     "tie-guard-off": Mutant(
         "core/state.py",
@@ -450,8 +476,8 @@ MUTANTS: dict[str, Mutant] = {
     # -- the driver -----------------------------------------------------------------------------------------------
     "driver-wrong-width-feedback": Mutant(
         "ortspec/speculation.py",
-        "return attrs.evolve(self, proposer=proposer, policy=self.policy.observe(len(draft), accepted))",
-        "return attrs.evolve(self, proposer=proposer, policy=self.policy.observe(len(draft), len(draft)))",
+        "policy = self.policy.observe(len(learned), chain_accepted)",
+        "policy = self.policy.observe(len(learned), len(learned))",
     ),
     # -- what speculative means (core/speculative.py) and the scheduler's hand-over of its slots -----------------
     "speculative-auto-without-a-drafter-is-prompt-lookup": Mutant(
@@ -509,8 +535,8 @@ MUTANTS: dict[str, Mutant] = {
     ),
     "draft-context-after-keeps-the-slot": Mutant(
         "core/proposers.py",
-        "return attrs.evolve(self, tokens=(*self.tokens, *drafted), width=self.width - len(drafted), slot=None)",
-        "return attrs.evolve(self, tokens=(*self.tokens, *drafted), width=self.width - len(drafted))",
+        "return attrs.evolve(self, tokens=(*self.tokens, *drafted), width=self.width - n, slot=None, nodes=nodes)",
+        "return attrs.evolve(self, tokens=(*self.tokens, *drafted), width=self.width - n, nodes=nodes)",
     ),
     "auto-lets-the-drafter-draft-without-target-state": Mutant(
         "core/lookup_or_draft.py",
@@ -520,8 +546,8 @@ MUTANTS: dict[str, Mutant] = {
     ),
     "speculation-drafts-without-the-slot": Mutant(
         "ortspec/speculation.py",
-        "context = DraftContext(state.context_tokens, width, plain_cost, slot, self.picker)",
-        "context = DraftContext(state.context_tokens, width, plain_cost, None, self.picker)",
+        "context = DraftContext(state.context_tokens, width, plain_cost, slot, self.picker, nodes, sequence=slot)",
+        "context = DraftContext(state.context_tokens, width, plain_cost, None, self.picker, nodes, sequence=slot)",
     ),
     "batch-slots-floor-each-workers-share": Mutant(
         "adapters/batch/worker.py",

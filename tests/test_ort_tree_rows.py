@@ -22,7 +22,7 @@ PARENTS = (-1, 0, -1, 2, 2, 4, 5)
 
 @pytest.fixture(scope="module")
 def config():
-    return BackendConfig(threads=1, max_length=MAX_LENGTH)
+    return BackendConfig(threads=1, max_length=MAX_LENGTH, tree_rows=False)
 
 
 @pytest.fixture(scope="module")
@@ -151,3 +151,8 @@ def test_tree_rows_are_refused_where_they_cannot_run(trees, tiny_model_dir, conf
     trees.run_pass([BatchRow(0, (1, 2, 3), 0)])
     with pytest.raises(BackendError):
         trees.keep_path(0, 1, (1, 0))  # not a path: decreasing
+
+
+def test_the_batch_backend_takes_tree_rows_where_the_graph_allows_unless_told_not_to(tiny_model_dir):
+    assert OrtBatchBackend.from_folder(tiny_model_dir, BackendConfig(threads=1, max_length=MAX_LENGTH)).tree_rows
+    assert OrtBackend.from_folder(tiny_model_dir, BackendConfig(threads=1)).current_len() == 0  # None: not refused

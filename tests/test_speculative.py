@@ -23,8 +23,10 @@ from ortspec.core.speculative import (
     speculation,
     speculative_value,
 )
+from ortspec.core.width import TreeBudget
 
-PRICES = Prices((1.0, 1.1, 1.2, 1.3, 1.5), draft_cost=0.2)
+PRICES = Prices((1.0, 1.1, 1.2, 1.3, 1.5), draft_cost=0.2, draft_model_cost=0.3)
+TREE = TreeBudget(PRICES.pass_costs)  # what sizes a lookup's tree drafts
 
 
 class Drafter:
@@ -40,22 +42,29 @@ def test_each_name_is_its_proposer_and_width_policy():
     assert speculation(None, "auto", without) == (None, 1)
     assert speculation(None, 4, without) == (None, 4)
     lookup, width = speculation("prompt-lookup", "auto", without, PRICES)
-    assert isinstance(lookup, PromptLookup) and width == CostAwareWidth(PRICES.pass_costs)
+    assert isinstance(lookup, PromptLookup) and width == CostAwareWidth(PRICES.pass_costs, tree=TREE)
     suffix, width = speculation("suffix", 5, without)
     assert isinstance(suffix, SuffixProposer) and width == 5
     alone, width = speculation("auto", "auto", without, PRICES)  # no drafter: the suffix lookup alone
-    assert isinstance(alone, SuffixProposer) and width == CostAwareWidth(PRICES.pass_costs)
+    assert isinstance(alone, SuffixProposer) and width == CostAwareWidth(PRICES.pass_costs, tree=TREE)
     auto, width = speculation("auto", "auto", with_drafter, PRICES)
     assert isinstance(auto, LookupOrDraft) and auto.drafter is drafter and isinstance(auto.lookup, SuffixProposer)
     assert width == FixedWidth(len(PRICES.pass_costs) - 1)  # the request's width only caps each source's policy
     assert auto.drafter_policy == CostAwareWidth(PRICES.pass_costs[:4], draft_cost=0.2)  # up to its widest draft
-    assert auto.lookup_policy == CostAwareWidth(PRICES.pass_costs)
+    assert auto.lookup_policy == CostAwareWidth(PRICES.pass_costs) and auto.tree == TREE
     capped, width = speculation("auto", 2, with_drafter, PRICES)
     assert isinstance(capped, LookupOrDraft) and capped.drafter_policy is not None and width == FixedWidth(2)
     head, width = speculation("shared-kv", "auto", with_drafter, PRICES)
     assert head is drafter and width == CostAwareWidth(PRICES.pass_costs[:4], draft_cost=0.2)
     own = PromptLookup(ngram=2)
     assert speculation(own, 3, without) == (own, 3)
+    draft_model = Drafter()
+    with_model = Sources(draft_model=draft_model, draft_model_max_draft=2)
+    model, width = speculation("draft-model", "auto", with_model, PRICES)  # priced at its own step, to its widest
+    assert model is draft_model and width == CostAwareWidth(PRICES.pass_costs[:3], draft_cost=0.3)
+    assert speculation("draft-model", 4, with_model) == (draft_model, 4)
+    auto, _ = speculation("auto", "auto", with_model, PRICES)  # auto does not draft with the draft model
+    assert isinstance(auto, SuffixProposer)
 
 
 def test_bad_names_and_missing_sources_are_refused_naming_speculative():
@@ -65,6 +74,9 @@ def test_bad_names_and_missing_sources_are_refused_naming_speculative():
         assert info.value.argument == "speculative"
     with pytest.raises(ArgumentError, match="needs a drafter"):
         speculation("shared-kv", "auto", Sources(), PRICES)
+    with pytest.raises(ArgumentError, match="needs a draft model") as info:
+        speculation("draft-model", "auto", Sources(drafter=Drafter()), PRICES)
+    assert info.value.argument == "speculative"
     with pytest.raises(ValueError, match="Prices"):
         speculation("prompt-lookup", "auto", Sources())
 
@@ -86,7 +98,9 @@ def engine(tiny_model_dir, tmp_path_factory):
     from tests.support.drafters import make_random_drafter
 
     drafter_dir = make_random_drafter(tiny_model_dir, tmp_path_factory.mktemp("drafter") / "d", seed=1, draft_vocab=300)
-    return Engine.from_dir(tiny_model_dir, BackendConfig(threads=1), drafter=drafter_dir, batch_slots=2)
+    # the target's own folder as its draft model: the same vocabulary
+    config = BackendConfig(threads=1)
+    return Engine.from_dir(tiny_model_dir, config, drafter=drafter_dir, draft_model=tiny_model_dir, batch_slots=2)
 
 
 def _kind(engine, request) -> tuple[str, bool]:
@@ -130,6 +144,7 @@ EXPECTED = {
     "suffix": ("SuffixProposer", False),
     "shared-kv": ("SlotDrafters", True),  # the batched Engine's drafter: it drafts in the slot its context names
     "auto": ("LookupOrDraft", True),
+    "draft-model": ("DraftModelProposer", False),  # its own KV: it reads nothing of the target's slot
 }
 
 

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from ortspec.core.proposers import DraftContext
 from ortspec.core.suffix import SEPARATOR, DraftRule, SuffixProposer, SuffixSnapshot
 from ortspec.core.tokens import Shared
+from ortspec.core.tree import DraftTree
 
 
 def test_the_longest_match_wins_over_a_more_recent_shorter_one():
@@ -241,3 +242,19 @@ def test_the_cache_takes_outputs_from_many_threads_while_others_take_snapshots()
     for s in snapshots:  # each one a consistent prefix of the final corpus
         assert list(s.corpus) == list(final.corpus[: len(s)])
         assert s.starts == final.starts[: s.documents]
+
+
+def test_with_branches_and_a_node_budget_the_suffix_lookup_drafts_its_matches_continuations_as_a_tree():
+    # (1, 2, 3) occurs three times before the end, followed by 9 9, 7 7 and 9 9; the longest match is the one
+    # followed by 7 7 (preceded by 9 9 like the context's end)
+    context = (1, 2, 3, 9, 9, 1, 2, 3, 7, 7, 1, 2, 3, 9, 9, 1, 2, 3)
+    rule = DraftRule(branches=3, min_prob=0.0)
+    chain = SuffixProposer(rule).propose(DraftContext(context, 2))
+    assert (
+        chain == (7, 7)
+        and SuffixProposer(DraftRule(min_prob=0.0, branches=1)).propose(DraftContext(context, 2, nodes=4)) == chain
+    )
+    tree = SuffixProposer(rule).propose(DraftContext(context, 2, nodes=4))
+    assert tree == DraftTree((7, 7, 9, 9), (-1, 0, -1, 2))  # the best path first, then the other continuation
+    agreeing = (4, 5, 6, 4, 5, 6, 4, 5)  # every match continues alike: a chain
+    assert SuffixProposer(rule).propose(DraftContext(agreeing, 3, nodes=9)) == (6, 4, 5)

@@ -16,6 +16,7 @@ from ortspec.core import DraftContext, ForcedTokens, LookupOrDraft, Options, Pro
 from ortspec.core.state import DecodeState, check_draft, draft_budget, step, step_from_picks, take_draft
 from ortspec.core.tokens import Shared
 from ortspec.core.tree import DraftTree, tree_mask, walk
+from ortspec.core.width import FixedWidth, TreeBudget
 from tests.support.grammars import FakeGrammar
 
 V = 16
@@ -404,12 +405,14 @@ def test_auto_cuts_a_drafters_tree_to_its_width():
     assert auto.propose(DraftContext((7, 8, 9), 3, slot=0)) == DraftTree((1, 2, 3), (-1, -1, 0))
 
 
-def test_merged_spreads_the_node_budget_over_the_branches_level_by_level():
+def test_merged_keeps_the_first_branch_whole_and_spreads_the_rest_level_by_level():
     tree = DraftTree.merged([(1, 2, 3, 4), (1, 2, 5, 6), (7, 8, 9)], 6)
-    assert tree == DraftTree((1, 7, 2, 8, 3, 5), (-1, -1, 0, 1, 2, 2))  # (1, 2) shared; each level in branch order
-    assert tree.first_branch().tokens == (1, 2, 3)  # a prefix of the first branch
+    assert tree == DraftTree((1, 2, 3, 4, 7, 8), (-1, 0, 1, 2, -1, 4))  # (1, 2) shared; then each level in order
+    assert tree.first_branch().tokens == (1, 2, 3, 4)
+    assert DraftTree.merged([(1, 2, 3, 4), (1, 2, 5, 6), (7, 8, 9)], 8).tokens == (1, 2, 3, 4, 7, 8, 5, 9)
     assert DraftTree.merged([(1, 2, 3, 4)], 3) == DraftTree.chain((1, 2, 3))
-    assert DraftTree.merged([(1, 2), (3, 4), (5, 6)], 2) == DraftTree((1, 3), (-1, -1))
+    assert DraftTree.merged([(1, 2), (3, 4), (5, 6)], 2) == DraftTree.chain((1, 2))
+    assert DraftTree.merged([(1, 2), (3, 4), (5, 6)], 4) == DraftTree((1, 2, 3, 5), (-1, 0, -1, -1))
     assert len(DraftTree.merged([(1, 2), (1, 2)], 8)) == 2 and len(DraftTree.merged([], 4)) == 0
 
 
@@ -420,10 +423,13 @@ BRANCHY = (1, 2, 3, 9, 9, 1, 2, 3, 7, 7, 1, 2, 3, 5, 5, 1, 2, 3)
 @pytest.mark.parametrize("shared", [False, True])
 def test_prompt_lookup_with_branches_drafts_the_recent_occurrences_as_a_tree(shared):
     context = Shared.of(BRANCHY) if shared else BRANCHY
-    tree = PromptLookup(branches=3).propose(DraftContext(context, 6))
-    assert tree == DraftTree((5, 7, 9, 5, 7, 9), (-1, -1, -1, 0, 1, 2))
-    chain = PromptLookup().propose(DraftContext(context, 6))
-    assert chain[: len(tree.first_branch())] == tree.first_branch().tokens
+    tree = PromptLookup(branches=3).propose(DraftContext(context, 2, nodes=6))
+    assert tree == DraftTree((5, 5, 7, 9, 7, 9), (-1, 0, -1, -1, 2, 3))  # the first branch whole, then level by level
+    assert tree.first_branch().tokens == PromptLookup().propose(DraftContext(context, 2))
+    # without a node budget beyond the width, the first branch fills it: the chain
+    assert PromptLookup(branches=3).propose(DraftContext(context, 6)) == PromptLookup().propose(
+        DraftContext(context, 6)
+    )
     agreeing = (4, 5, 6, 4, 5, 6, 4, 5)  # every occurrence of (4, 5) continues alike: a chain
     assert PromptLookup(branches=3).propose(DraftContext(agreeing, 3)) == PromptLookup().propose(
         DraftContext(agreeing, 3)
@@ -438,8 +444,16 @@ def test_prompt_lookup_with_branches_equals_plain_decoding(model, tree_rows, sam
     backend = RecordingBatchBackend(model, 2, tree_rows=tree_rows)
     driver = BatchDriver(backend)
     prompts = [BRANCHY, (2, 7, 1, 8, 2, 7, 1, 8, 2, 7)]
-    sequences = [driver.submit(p, options, PromptLookup(branches=3), draft_width=6) for p in prompts]
+    width = FixedWidth(6, tree=TreeBudget((1.0,) * 25))  # flat costs: every node pays
+    sequences = [driver.submit(p, options, PromptLookup(branches=3), draft_width=width) for p in prompts]
     driver.run()
     for prompt, sequence in zip(prompts, sequences, strict=True):
         assert sequence.result().token_ids == generate(FakeBackend(model), prompt, options).token_ids
     assert any(r.parents is not None for r in backend.rows) == tree_rows
+
+
+def test_within_keeps_the_first_nodes_above_a_depth_and_renumbers_their_parents():
+    tree = DraftTree((1, 2, 3, 4, 5, 6), (-1, 0, 1, -1, 3, 4))
+    assert tree.within(6, 2) == DraftTree((1, 2, 4, 5), (-1, 0, -1, 2))
+    assert tree.within(3, 9) == tree.cut(3) and tree.within(9, 9) is tree and len(tree.within(4, 0)) == 0
+    assert tree.first_branch_nodes() == (0, 1, 2)

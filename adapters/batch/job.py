@@ -53,7 +53,9 @@ class BatchJob:
     False, none), which ``speculative`` ``"auto"`` and ``"shared-kv"`` use (its session shared by the worker's
     slots). It is opened only when a record the run has to do drafts with it (its own ``speculative``, or the
     job's default, is ``"auto"`` or ``"shared-kv"``): a run whose records all decode plainly or with a lookup
-    loads no drafter, whatever ``drafter`` says.
+    loads no drafter, whatever ``drafter`` says. ``draft_model``: a draft model folder of the same vocabulary
+    (``Engine.from_dir``'s), which ``speculative="draft-model"`` uses; opened only when a record the run has to do
+    drafts with it.
 
     The value is not checked when it is made: ``run_batch`` checks it before anything runs (``BatchError``)."""
 
@@ -71,6 +73,7 @@ class BatchJob:
     pin: bool = True
     ship_model: bool = False
     drafter: str | os.PathLike[str] | bool | None = None
+    draft_model: str | os.PathLike[str] | None = None
 
     @property
     def mode(self) -> str:

@@ -19,7 +19,7 @@ from ortspec.adapters.engine.tools import ToolUse
 from ortspec.adapters.hosts import file_lock
 from ortspec.backends.onnx.config import BackendConfig
 from ortspec.batch_driver import DEFAULT_PREFILL_BUDGET, check_prefill_budget
-from ortspec.core.speculative import DRAFTER_NAMES
+from ortspec.core.speculative import DRAFT_MODEL_NAMES, DRAFTER_NAMES
 
 from .job import BatchJob
 from .output import failure_lines, result_lines
@@ -101,6 +101,12 @@ def needs_drafter(defaults: Mapping[str, Any], tasks: Iterable[Task]) -> bool:
     return any(isinstance(s, str) and s in DRAFTER_NAMES for s in (speculative_of(t, defaults) for t in tasks))
 
 
+def needs_draft_model(defaults: Mapping[str, Any], tasks: Iterable[Task]) -> bool:
+    """Whether any of ``tasks`` drafts with the Engine's draft model (``DRAFT_MODEL_NAMES``), its own
+    ``speculative`` or the job's default."""
+    return any(isinstance(s, str) and s in DRAFT_MODEL_NAMES for s in (speculative_of(t, defaults) for t in tasks))
+
+
 def speculates(defaults: Mapping[str, Any], tasks: Iterable[Task]) -> bool:
     """Whether any of ``tasks`` speculates (its ``speculative`` is not None)."""
     return any(speculative_of(t, defaults) is not None for t in tasks)
@@ -112,8 +118,9 @@ class WorkerSettings:
     ``backend`` (the rest of how the model is opened: ``BackendConfig``), the job's ``defaults``
     (``GenerationOptions`` keywords; a record's own win), ``max_batch``, the records a worker decodes at once (its
     Engine's ``batch_slots``), ``prefill_budget``, the most prompt tokens one of its passes folds in (the
-    Engine's), ``drafter`` (``Engine.from_dir``'s; ``False``: none is opened) and ``warm``: measure what
-    speculation needs before the first record (``Engine.warm``). Pickled to each worker."""
+    Engine's), ``drafter`` (``Engine.from_dir``'s; ``False``: none is opened), ``warm``: measure what
+    speculation needs before the first record (``Engine.warm``), and ``draft_model`` (``Engine.from_dir``'s; None:
+    none is opened). Pickled to each worker."""
 
     threads: int
     defaults: Mapping[str, Any] = attrs.field(factory=dict, converter=dict)
@@ -124,6 +131,7 @@ class WorkerSettings:
     )
     drafter: str | os.PathLike[str] | bool | None = None
     warm: bool = True
+    draft_model: str | os.PathLike[str] | None = None
 
     @classmethod
     def of(
@@ -137,7 +145,8 @@ class WorkerSettings:
         """A run's settings for ``job``: each worker's ``threads`` and the job's generation ``defaults``, for the
         ``tasks`` the run has to do. The drafter is opened only when one of them drafts with it (``needs_drafter``:
         its own ``speculative`` or the job's default is ``"shared-kv"`` or ``"auto"``), as ``job.drafter`` says;
-        otherwise not at all (``False``), whatever ``job.drafter`` says. The workers warm up only when one of them
+        otherwise not at all (``False``), whatever ``job.drafter`` says; likewise ``job.draft_model``, only when one
+        of them drafts with it (``needs_draft_model``). The workers warm up only when one of them
         speculates. Each worker's slots are ``planned_slots`` (the job's ``max_batch``, or sized from the work), and
         hold ``planned_length`` positions each unless ``job.backend.max_length`` says, when ``model_dir`` (the
         folder, here) is given."""
@@ -154,6 +163,7 @@ class WorkerSettings:
             job.prefill_budget,
             drafter,
             speculates(defaults, tasks),
+            draft_model=job.draft_model if needs_draft_model(defaults, tasks) else None,
         )
 
 
@@ -190,6 +200,7 @@ class BatchWorker:
             model_dir,
             attrs.evolve(settings.backend, threads=settings.threads),
             drafter=settings.drafter,
+            draft_model=settings.draft_model,
             batch_slots=settings.max_batch,
             prefill_budget=settings.prefill_budget,
         )

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .engine_args import backend_config, drafter, speculative
+from .engine_args import backend_config, draft_model, drafter, speculative
 from .options import (
     add_command,
     default_proposer_option,
@@ -158,6 +158,7 @@ def job_of(args: argparse.Namespace) -> BatchJob:
         pin=args.pin,
         ship_model=args.ship_model,
         drafter=drafter(args),
+        draft_model=draft_model(args),
     )
 
 

@@ -85,6 +85,7 @@ def _compare(eng, kwargs: dict, proposer, label: str) -> bool:
         if eng.drafter is not None
         else "auto: the suffix lookup, no drafter",
         "shared-kv": "the shared-KV drafter",
+        "draft-model": "the draft model",
         "suffix": "the suffix lookup",
     }
     how = names.get(proposer, "prompt lookup") if isinstance(proposer, str) else "prompt lookup"

@@ -51,12 +51,18 @@ def engine(args: argparse.Namespace):
     """The Engine the ``model`` option group describes."""
     from ortspec.adapters.engine import Engine
 
-    return Engine.from_dir(model_dir(args), backend_config(args, threads=args.threads), drafter=drafter(args))
+    config = backend_config(args, threads=args.threads)
+    return Engine.from_dir(model_dir(args), config, drafter=drafter(args), draft_model=draft_model(args))
 
 
 def drafter(args: argparse.Namespace) -> str | bool | None:
     """``--drafter``: a folder, ``False`` for ``none``, or None (the one found for the model, if any)."""
     return False if args.drafter == "none" else args.drafter
+
+
+def draft_model(args: argparse.Namespace) -> str | None:
+    """``--draft-model``: a draft model folder, or None (none)."""
+    return getattr(args, "draft_model", None)
 
 
 def speculative(args: argparse.Namespace):

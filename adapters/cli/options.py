@@ -139,7 +139,8 @@ def model_options(
 ) -> None:
     """The ``model`` group: ``--model``, ``--provider``, ``--threads``, ``--max-length``, the fast CUDA path's
     ``--static-shapes`` and ``--cuda-graphs``; with ``load_rewrites``
-    also ``--matmul-accuracy-level`` and ``--sliding-window``, and with ``drafter`` (only then) ``--drafter``."""
+    also ``--matmul-accuracy-level`` and ``--sliding-window``, and with ``drafter`` (only then) ``--drafter`` and
+    ``--draft-model``."""
     g = p.add_argument_group("model")
     g.add_argument(
         "--model",
@@ -181,6 +182,13 @@ def model_options(
             help="shared-KV drafter folder (default: the one found for the model: its own, the one `ortspec "
             "train-drafter` made, or the one shipped for it, if any); none = no drafter",
         )
+        g.add_argument(
+            "--draft-model",
+            metavar="DIR",
+            default=None,
+            help="a smaller model folder of the same vocabulary to draft with (--speculative draft-model; its "
+            "tokenizer must map every token to the same id)",
+        )
     if not load_rewrites:
         return
     g.add_argument(
@@ -209,7 +217,8 @@ def default_proposer_option(g: argparse.ArgumentParser | argparse._ArgumentGroup
         choices=(*SPECULATIVE_CHOICES, "none"),
         help="default proposer (default %(default)s); prompt-lookup = the request's own context only; suffix = "
         "the context and the Engine's earlier outputs; auto = per draft, the suffix lookup or the shared-KV "
-        "drafter; shared-kv = the drafter alone (needs one: --drafter); none = plain decoding",
+        "drafter; shared-kv = the drafter alone (needs one: --drafter); draft-model = the draft model (needs one: "
+        "--draft-model); none = plain decoding",
     )
 
 
@@ -276,7 +285,7 @@ def generation_options(p: argparse.ArgumentParser, default_tokens: int = 128, ma
         choices=(*SPECULATIVE_CHOICES, "none"),
         help="draft proposer: auto (default) = per draft, the suffix lookup or the shared-KV drafter, whichever "
         "has earned more (the suffix lookup alone without a drafter); prompt-lookup = 3-gram lookup in the context; "
-        "shared-kv = the drafter alone; suffix = the longest "
+        "shared-kv = the drafter alone; draft-model = the draft model (--draft-model); suffix = the longest "
         "suffix match in the context and the Engine's earlier outputs; none = plain decoding. The output is the "
         "same either way",
     )

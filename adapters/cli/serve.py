@@ -9,7 +9,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from .engine_args import backend_config, drafter, model_dir
+from .engine_args import backend_config, draft_model, drafter, model_dir
 from .options import add_command, default_proposer_option, model_options, port, positive_int, prefill_budget_option
 
 EXAMPLES = """\
@@ -118,6 +118,7 @@ def cmd_serve(args: argparse.Namespace, model: Path) -> int:
             prefill_budget=args.prefill_budget,
             prefix_reuse=args.prefix_reuse,
             drafter=drafter(args),
+            draft_model=draft_model(args),
         )
         return cmd_serve_ray(args, model, replica)
     engine = load_serving(
@@ -127,6 +128,7 @@ def cmd_serve(args: argparse.Namespace, model: Path) -> int:
         prefix_reuse=args.prefix_reuse,
         prefill_budget=args.prefill_budget,
         drafter=drafter(args),
+        draft_model=draft_model(args),
     )
     with engine:
         uvicorn.run(create_app(engine, settings), host=args.host, port=args.port, log_level=args.log_level)

@@ -26,6 +26,7 @@ from pathlib import Path
 
 from ortspec.adapters.engine import calls
 from ortspec.adapters.engine.calls import Call, EngineClosed
+from ortspec.adapters.engine.draft_models import draft_slots, open_draft_model
 from ortspec.adapters.engine.drafters import drafter_features, open_drafter, with_drafter_features
 from ortspec.adapters.engine.measured import Measurements
 from ortspec.adapters.engine.options import (
@@ -42,6 +43,7 @@ from ortspec.adapters.engine.suffix_cache import SuffixCache
 from ortspec.adapters.engine.tokenizer import PromptReader, Tokenizer, check_tokenizer_fits
 from ortspec.adapters.engine.tools import ToolUse
 from ortspec.backends.base import Backend, BackendError, BatchBackend, OneSlot
+from ortspec.backends.draft_model import DraftModelProposer
 from ortspec.backends.onnx import BackendConfig, ModelFolder, ModelFolderError, OrtBatchBackend
 from ortspec.backends.onnx.drafter import SharedKvProposer
 from ortspec.backends.onnx.slot_drafters import SlotDrafters
@@ -65,8 +67,9 @@ class Engine:
     backend: a folder that cannot run batched, a fake); ``backend``: its one-sequence view, what the measurements
     run on (the batch backend's lone slot, ``lone_slot``, or the backend behind ``OneSlot``, slot 0); ``drafter``:
     the shared-KV drafter, a proposer that drafts in the slot its draft's context names (``SlotDrafters``, or one
-    bound to the one-sequence backend; None without one). ``note``: why the folder runs one sequence at a time,
-    when it does.
+    bound to the one-sequence backend; None without one); ``draft_model``: a separate draft model of the same
+    vocabulary (``speculative="draft-model"``; ``backends.draft_model.DraftModelProposer``, one draft slot per slot;
+    None without one). ``note``: why the folder runs one sequence at a time, when it does.
 
     ``prefix_reuse``: a request takes the free slot holding its longest prefix (the next turn of a chat, another
     question about the same document) and prefills only the rest; the output is the same either way, only the time
@@ -84,10 +87,13 @@ class Engine:
         drafter: SharedKvProposer | SlotDrafters | None = None,
         backend_config: BackendConfig | None = None,
         scheduling: Scheduling | None = None,
+        draft_model: DraftModelProposer | None = None,
     ) -> None:
         """``backend``: a ``BatchBackend`` with a one-sequence view (``lone()``, as ``OrtBatchBackend``), or a
         one-sequence ``Backend`` (run as ``OneSlot``). ``drafter``: see the class docstring
-        (:meth:`from_dir` opens the one found beside the model). ``backend_config``: how ``folder`` was opened.
+        (:meth:`from_dir` opens the one found beside the model); ``draft_model``: see the class docstring (its draft
+        slot ``s`` serves the sequence in slot ``s``, ``lone_slot`` included). ``backend_config``: how ``folder`` was
+        opened.
         ``scheduling``: how the scheduler runs (``Scheduling``: prefix reuse, the prefill budget, and the clock a
         request's ``deadline`` is read on; tests pass a clock they move by hand). ``suffix_cache`` (an attribute):
         this Engine's recent outputs, what ``speculative="suffix"`` and ``"auto"`` draft from across requests."""
@@ -105,11 +111,14 @@ class Engine:
         self.folder = folder
         self.scheduling = scheduling if scheduling is not None else Scheduling()
         self.drafter = drafter
+        self.draft_model = draft_model
         self.backend_config = backend_config if backend_config is not None else BackendConfig()
         self.suffix_cache = SuffixCache()
         self.suffix_rule = DraftRule()  # how "suffix" (and "auto"'s lookup) drafts: core.suffix's rule
         self.note: str | None = None
-        self.measurements = Measurements(self.backend, self.batch, folder, (drafter, self.lone_slot), self._slots_held)
+        self.measurements = Measurements(
+            self.backend, self.batch, folder, (drafter, self.lone_slot), self._slots_held, draft_model=draft_model
+        )
         self._scheduler: BatchScheduler | None = None
         self._closed = False
         self._starting = threading.Lock()  # held while the scheduler starts, or while a measurement runs before it
@@ -124,6 +133,7 @@ class Engine:
         *,
         prefix_reuse: bool = False,
         drafter: str | os.PathLike[str] | bool | None = None,
+        draft_model: str | os.PathLike[str] | None = None,
         batch_slots: int | None = None,
         prefill_budget: int | None = DEFAULT_PREFILL_BUDGET,
         clock: Callable[[], float] = time.monotonic,
@@ -136,7 +146,10 @@ class Engine:
         positions; a folder that cannot run batched (a hybrid model, the CUDA provider, static shapes, CUDA graphs)
         runs one sequence at a time on ``OrtBackend`` (``note`` says why). ``drafter``: a shared-KV drafter folder,
         ``False`` for none, ``True`` for the one found for the model (``DrafterError`` when there is none), ``None``
-        (default) for that one if any (docs/drafter.md). ``prefix_reuse`` and ``prefill_budget``: the class
+        (default) for that one if any (docs/drafter.md). ``draft_model``: a model folder of the same vocabulary
+        to draft with (``speculative="draft-model"``; docs/draft-model.md), opened with ``backend_config`` and one
+        draft slot per slot (``draft_models.open_draft_model``; ``VocabularyMismatch``, a ``ValueError``, names what
+        differs when its vocabulary is not the target's). ``prefix_reuse`` and ``prefill_budget``: the class
         docstring; ``clock``: :meth:`__init__`'s.
 
         Raises ``ValueError`` for a bad argument, ``ModelFolderError`` (a ``ValueError``) naming the file and the
@@ -159,15 +172,25 @@ class Engine:
         except (BackendError, ValueError) as exc:  # one sequence at a time, on the one-sequence backend
             backend = OrtBackend.from_folder(folder, config)
             proposer = open_drafter(folder, drafter, lambda found: SharedKvProposer.open(backend, found))
-            engine = cls(backend, tokenizer, drafter=proposer, **loaded, **settings)  # type: ignore[arg-type]
+            drafts = None if draft_model is None else open_draft_model(folder, draft_model, config, 1)
+            engine = cls(
+                backend,
+                tokenizer,
+                drafter=proposer,
+                draft_model=drafts,
+                **loaded,  # type: ignore[arg-type]
+                **settings,  # type: ignore[arg-type]
+            )
             engine.note = f"this folder runs one sequence at a time: {exc}"
             log.info("%s", engine.note)
             return engine
         drafters = open_drafter(folder, drafter, lambda found: SlotDrafters.open(batch, found))
+        drafts = None if draft_model is None else open_draft_model(folder, draft_model, config, draft_slots(batch))
         return cls(
             batch,
             tokenizer,
             drafter=drafters,
+            draft_model=drafts,
             **loaded,  # type: ignore[arg-type]
             **settings,  # type: ignore[arg-type]
         )
@@ -249,9 +272,9 @@ class Engine:
 
     def warm(self) -> None:
         """Measure now what a speculative request would otherwise measure on first use (the verify drift, the verify
-        cost curve, the drafter's step, the batch backend's decode costs; each once per model on this machine, kept
-        on disk) and give the scheduler its decode costs: what a server or a batch job does before its first request.
-        ``BackendError`` if a measurement fails."""
+        cost curve, the drafter's and the draft model's steps, the batch backend's decode costs; each once per model
+        on this machine, kept on disk) and give the scheduler its decode costs: what a server or a batch job does
+        before its first request. ``BackendError`` if a measurement fails."""
         self.measurements.verify_drift()
         self.measurements.prices()
         if self.batch.slots > 1 and self.scheduler.decode_costs is None:

@@ -1,7 +1,7 @@
 """The Engine's measurements of its model on this machine: the verify drift, the verify cost curve, the batch
-backend's decode costs and a drafter's cost, each measured once per model file, provider, thread count and
-onnxruntime version and kept in the user cache (``measurements.cached_measurement``), and the warning when
-speculative output may differ from plain output. ``Measurements`` is one part of an ``Engine``
+backend's decode costs, a drafter's cost and a draft model's cost, each measured once per model file, provider,
+thread count and onnxruntime version and kept in the user cache (``measurements.cached_measurement``), and the
+warning when speculative output may differ from plain output. ``Measurements`` is one part of an ``Engine``
 (``engine.measurements``): it reads what the Engine loaded, and measures with the backend's slots held for it
 (``exclusive``: the Engine's scheduler pauses), one measurement at a time."""
 
@@ -29,9 +29,9 @@ R = TypeVar("R")
 class Measurements:
     """What an Engine measures (the module docstring): on ``backend``, the one-sequence view of the model
     (``OrtBatchBackend.lone()``, or the backend behind ``OneSlot``), with ``drafter``, a proposer (or None) and the
-    slot at which it reads ``backend`` (``Engine.lone_slot``); the decode costs on ``batch``. ``exclusive()`` holds
-    the backend's slots while a measurement runs (``BatchScheduler.exclusive``, or nothing before the scheduler
-    starts). Thread-safe."""
+    slot at which it reads ``backend`` (``Engine.lone_slot``), and ``draft_model``, a separate draft model (or None)
+    asked at that slot too; the decode costs on ``batch``. ``exclusive()`` holds the backend's slots while a
+    measurement runs (``BatchScheduler.exclusive``, or nothing before the scheduler starts). Thread-safe."""
 
     def __init__(
         self,
@@ -40,9 +40,12 @@ class Measurements:
         folder: ModelFolder | None,
         drafter: tuple[Proposer | None, int],
         exclusive: Callable[[], AbstractContextManager[object]] = contextlib.nullcontext,
+        *,
+        draft_model: Proposer | None = None,
     ) -> None:
         self.backend, self.batch, self.folder = backend, batch, folder
         self.drafter, self._drafter_slot = drafter
+        self.draft_model = draft_model
         self.exclusive = exclusive
         self._lock = threading.RLock()
         self._drift: float | None = None
@@ -50,11 +53,12 @@ class Measurements:
         self._pass_costs: tuple[float, ...] | None = None
         self._batch_decode_costs: tuple[float, ...] | None = None
         self._draft_cost: float | None = None
+        self._draft_model_cost: float | None = None
 
     def prices(self) -> Prices:
-        """The prices a cost-aware width policy reads (``core.speculative.Prices``): ``pass_costs`` and
-        ``draft_cost``."""
-        return Prices(self.pass_costs(), self.draft_cost())
+        """The prices a cost-aware width policy reads (``core.speculative.Prices``): ``pass_costs``, ``draft_cost``
+        and ``draft_model_cost``."""
+        return Prices(self.pass_costs(), self.draft_cost(), self.draft_model_cost())
 
     def verify_drift(self) -> float:
         """Largest logit difference between this backend's verify passes and one-token decodes (3 windows of up to
@@ -108,14 +112,8 @@ class Measurements:
         if self._draft_cost is None:
             from ortspec.adapters.engine.measurements import cached_draft_cost
 
-            drafter, path = self.drafter, getattr(getattr(self.drafter, "folder", None), "path", None)
-            if path is not None:
-                files = sorted(p for p in Path(path).iterdir() if p.is_file())
-                key = "|".join(
-                    [str(Path(path).resolve())] + [f"{p.name}:{p.stat().st_size}:{p.stat().st_mtime_ns}" for p in files]
-                )
-            else:
-                key = f"{type(drafter).__name__}@{id(drafter)}"
+            drafter = self.drafter
+            key = _folder_key(drafter, getattr(getattr(drafter, "folder", None), "path", None))
             self._draft_cost = self._measured(
                 "drafter's cost",
                 lambda before: cached_draft_cost(
@@ -123,6 +121,28 @@ class Measurements:
                 ),
             )
         return self._draft_cost
+
+    def draft_model_cost(self) -> float:
+        """The draft model's time per draft token ÷ a decode step of the target (``measurements.measure_draft_cost``
+        at the lone slot, recorded as ``"draft model cost"``), measured once per model, draft model, provider and
+        thread count and kept like ``verify_drift``; 0.0 without a draft model. ``BackendError`` if the measurement
+        fails."""
+        if self.draft_model is None:
+            return 0.0
+        if self._draft_model_cost is None:
+            from ortspec.adapters.engine.measurements import cached_draft_cost
+
+            draft = self.draft_model
+            folder = getattr(getattr(draft, "backend", None), "folder", None)
+            key = _folder_key(draft, getattr(folder, "path", None))
+            slot, name = self._drafter_slot, "draft model cost"
+            self._draft_model_cost = self._measured(
+                "draft model's cost",
+                lambda before: cached_draft_cost(
+                    self.backend, draft, self.measurement_file(), key, slot=slot, before=before, name=name
+                ),
+            )
+        return self._draft_model_cost
 
     def measurement_file(self) -> Path | None:
         """Where this engine's measurements are kept (``measurements.cached_measurement``): one file per model
@@ -195,3 +215,13 @@ class Measurements:
             RuntimeWarning,
             stacklevel=4,
         )
+
+
+def _folder_key(proposer: object, path: object) -> str:
+    """What keys a proposer's measured cost: its folder ``path`` and the size and modification time of every file in
+    it, or, without a folder, the object itself (measured once per Engine)."""
+    if path is None:
+        return f"{type(proposer).__name__}@{id(proposer)}"
+    folder = Path(str(path))
+    files = sorted(p for p in folder.iterdir() if p.is_file())
+    return "|".join([str(folder.resolve())] + [f"{p.name}:{p.stat().st_size}:{p.stat().st_mtime_ns}" for p in files])

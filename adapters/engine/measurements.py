@@ -243,8 +243,10 @@ def measure_draft_cost(
     repeats: int = 15,
     slot: int = 0,
 ) -> dict[str, Any]:
-    """What a proposer that reads the target (a shared-KV draft head) costs per draft token, relative to a plain
-    decode step of the same backend at the same context.
+    """What a proposer that reads the target (a shared-KV draft head), or a separate draft model, costs per draft
+    token, relative to a plain decode step of the same backend at the same context. (A draft model's first
+    ``propose``, a warm-up, prefills its own KV; each later one re-feeds the context's last token and drafts from
+    there, as after a verified step.)
 
     The backend is put in the state the driver promises such a proposer (the KV of every context token but the
     last, the last pass over the one before); then, interleaved ``repeats`` times: one ``propose`` (its context
@@ -297,12 +299,14 @@ def cached_draft_cost(
     *,
     slot: int = 0,
     before: Callable[[], None] | None = None,
+    name: str = "draft cost",
 ) -> float:
     """``measure_draft_cost(...)["cost"]`` after a context of ``probe_ids`` (up to 256 tokens, cut to fit the
-    capacity), at ``slot``, kept by ``cached_measurement`` under the name ``draft cost`` with ``drafter_key``
-    (which drafter: its folder and the version of its files) among the params, so another drafter is measured
-    again. ``before()`` runs just before the backend is used (not on a cache hit); the measurement resets the
-    backend."""
+    capacity), at ``slot``, kept by ``cached_measurement`` under the name ``name`` (``"draft cost"``: the
+    shared-KV drafter's; ``"draft model cost"``: a separate draft model's, whose steps the same measurement times)
+    with ``drafter_key`` (which drafter: its folder and the version of its files) among the params, so another
+    drafter is measured again. ``before()`` runs just before the backend is used (not on a cache hit); the
+    measurement resets the backend."""
     context = max(3, min(256, backend.max_length - width - 2))
 
     def measure() -> dict[str, Any]:
@@ -312,7 +316,7 @@ def cached_draft_cost(
         return {key: result[key] for key in ("cost", "step_s", "decode_step_s", "tokens")}
 
     params = {"drafter": drafter_key, "width": width, "context_tokens": context, "probe": "probe_ids"}
-    return float(cached_measurement(cache_file, "draft cost", params, measure)["cost"])
+    return float(cached_measurement(cache_file, name, params, measure)["cost"])
 
 
 def batch_sizes(slots: int) -> tuple[int, ...]:

@@ -16,7 +16,15 @@ from typing import TYPE_CHECKING, NamedTuple
 from ortspec.adapters.engine.options import GenerationOptions, Prompt
 from ortspec.core import MAX_DRAFT, LookupOrDraft, PricedWidth, Proposer, WidthPolicy
 from ortspec.core.forced import forcing
-from ortspec.core.speculative import DRAFTER_NAMES, SUFFIX_NAMES, Sources, check_sources, needs_prices, speculation
+from ortspec.core.speculative import (
+    DRAFT_MODEL_NAMES,
+    DRAFTER_NAMES,
+    SUFFIX_NAMES,
+    Sources,
+    check_sources,
+    needs_prices,
+    speculation,
+)
 from ortspec.core.state import Options
 from ortspec.results import FinishCallback
 
@@ -47,7 +55,11 @@ def make_request(engine: Engine, prompt: Prompt, options: GenerationOptions) -> 
     drafter = engine.drafter if name in DRAFTER_NAMES else None
     snapshot = engine.suffix_cache.snapshot() if name in SUFFIX_NAMES else None
     max_draft = drafter.max_draft if drafter is not None else MAX_DRAFT
-    sources = Sources(snapshot=snapshot, rule=engine.suffix_rule, drafter=drafter, drafter_max_draft=max_draft)
+    draft_model = engine.draft_model if name in DRAFT_MODEL_NAMES else None
+    sources = Sources(
+        snapshot=snapshot, rule=engine.suffix_rule, drafter=drafter, drafter_max_draft=max_draft,
+        draft_model=draft_model, draft_model_max_draft=draft_model.max_draft if draft_model is not None else MAX_DRAFT,
+    )  # fmt: skip
     check_sources(name, sources)
     ids, core_options = engine.prepare(prompt, options)
     if name is not None:

@@ -287,12 +287,17 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
 def make_pool(engine: Engine, settings: ServerSettings, metrics: Metrics) -> BatchPool:
     """The pool serving ``engine`` as ``create_app`` says, recording into ``metrics``: what ``ortspec serve`` runs
     in its process, and what each replica of ``ortspec serve --ray`` runs. ``ArgumentError`` for a default
-    ``speculative="shared-kv"`` when the Engine has no drafter."""
+    ``speculative="shared-kv"`` when the Engine has no drafter, or ``"draft-model"`` when it has no draft model."""
     if settings.speculative == "shared-kv" and engine.drafter is None:
         raise ArgumentError(
             "speculative",
             "speculative='shared-kv' needs a shared-KV drafter, and the Engine has none: train one with 'ortspec "
             "train-drafter' (found by default) or give --drafter DIR",
+        )
+    if settings.speculative == "draft-model" and getattr(engine, "draft_model", None) is None:
+        raise ArgumentError(
+            "speculative",
+            "speculative='draft-model' needs a draft model, and the Engine has none: give --draft-model DIR",
         )
     return BatchPool(engine, max_queue=settings.max_queue, timeout_s=settings.request_timeout_s, metrics=metrics)
 

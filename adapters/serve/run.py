@@ -44,12 +44,14 @@ def load_serving(
     prefix_reuse: bool = True,
     prefill_budget: int | None = DEFAULT_PREFILL_BUDGET,
     drafter: str | os.PathLike[str] | bool | None = None,
+    draft_model: str | os.PathLike[str] | None = None,
 ) -> Engine:
     """The Engine ``ortspec serve`` runs (and each ``--ray`` replica): ``Engine.from_dir`` with ``max_batch`` slots
     (None: ``DEFAULT_MAX_BATCH``), opened with ``backend`` (a ``BackendConfig``; its ``threads`` None: every usable
     core), prefix reuse on unless ``prefix_reuse`` is False (a request takes the free slot holding its longest
     prefix), at most ``prefill_budget`` prompt tokens per pass (``--prefill-budget``), and ``drafter``
-    (``Engine.from_dir``'s: by default the shared-KV drafter found for the model, if any). A folder that cannot run
+    (``Engine.from_dir``'s: by default the shared-KV drafter found for the model, if any) and ``draft_model``
+    (``Engine.from_dir``'s: a draft model folder of the same vocabulary, or None). A folder that cannot run
     batched is served one sequence at a time, logging why."""
     backend = backend if backend is not None else BackendConfig()
     if backend.threads is None:
@@ -59,6 +61,7 @@ def load_serving(
         backend,
         prefix_reuse=prefix_reuse,
         drafter=drafter,
+        draft_model=draft_model,
         batch_slots=max_batch,
         prefill_budget=prefill_budget,
     )

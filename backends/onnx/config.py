@@ -107,7 +107,8 @@ class BackendConfig:
     to every hidden-state row, so a row is ``[(1 + len(hidden_features)) * H]``: what a drafter with fused features
     reads; empty: the final hidden state alone) and ``tree_rows`` (the batch backend's graph takes each
     ``GroupQueryAttention``'s ``position_ids`` and ``attention_bias`` inputs, so a pass can verify a token tree:
-    ``tree_rewrite.py``; ``OrtBatchBackend`` only)."""
+    ``tree_rewrite.py``; ``OrtBatchBackend`` only; True: required, ``BackendError`` for a graph the rewrite
+    refuses; None (default): where the graph allows; False: never)."""
 
     provider: str = attrs.field(default="cpu", converter=_lower, validator=_provider)
     device_id: int = attrs.field(default=0, validator=int_at_least(0))
@@ -125,7 +126,7 @@ class BackendConfig:
     sliding_window: str = attrs.field(default="config", validator=_one_of(SLIDING_WINDOW_POLICIES))
     matmul_accuracy_level: int | None = attrs.field(default=None, validator=_accuracy_level)
     hidden_features: tuple[int, ...] = attrs.field(default=(), converter=feature_layers)
-    tree_rows: bool = False
+    tree_rows: bool | None = None
 
     @property
     def static(self) -> bool:

@@ -422,14 +422,14 @@ def rewritten_model(
     keep_logits: str | None = None,
     features: Sequence[int] = (),
     hidden_name: str | None = None,
-    tree: bool = False,
+    tree: bool | None = False,
 ) -> tuple[bytes, GraphFacts]:
     """The ONNX model at ``model_path`` serialized with ``local_window_size`` set to ``windows[past_key]`` on the
     ``GroupQueryAttention`` node reading ``past_key``, (when ``accuracy_level`` is given) every ``MatMulNBits``
     node's ``accuracy_level`` set to it, and (when ``keep_logits`` names the logits output) the logits of the last
     positions only (module docstring), and (with ``features``) the residual streams entering those layers appended
-    to the ``hidden_name`` output (``graph_features.py``), and (with ``tree``) the tree inputs
-    (``tree_rewrite.add_tree_inputs``); and the facts of the result. External weights stay where
+    to the ``hidden_name`` output (``graph_features.py``), and (``tree`` True, or None where the graph allows) the
+    tree inputs (``tree_rewrite.add_tree_inputs``); and the facts of the result. External weights stay where
     they are (open the bytes with the model's folder as the external-data folder)."""
     import onnx
 
@@ -443,8 +443,12 @@ def rewritten_model(
     kept = _keep_last_logits(onnx, model, keep_logits) if keep_logits is not None else None
     if features:
         append_features(onnx, model, str(hidden_name), features, kept)
-    if tree:
-        add_tree_inputs(model)
+    if tree is not False:
+        try:
+            add_tree_inputs(model)
+        except BackendError:
+            if tree:
+                raise  # asked for; None: the graph runs without tree rows
     return model.SerializeToString(), _facts_of(model)
 
 
@@ -554,12 +558,15 @@ class LoadedGraph:
     model_bytes: bytes | None = attrs.field(default=None, repr=False)
 
 
-def load_rewrites(folder: ModelFolder, config: BackendConfig, *, keep_logits: bool = False) -> LoadedGraph:
+def load_rewrites(
+    folder: ModelFolder, config: BackendConfig, *, keep_logits: bool = False, trees: bool = False
+) -> LoadedGraph:
     """Read the folder's graph and apply the rewrites ``config`` asks for (``sliding_window``,
     ``matmul_accuracy_level``, ``hidden_features``) that change it, and with ``keep_logits`` the logits of the last
-    positions only (where the LM head allows it), and with ``config.tree_rows`` the tree inputs (which, fed
-    consecutive positions and a zero bias, change nothing); ``BackendError`` as :func:`window_rewrites` and
-    ``tree_rewrite.add_tree_inputs`` (a graph it cannot rewrite)."""
+    positions only (where the LM head allows it), and with ``trees`` (a batch backend) the tree inputs as
+    ``config.tree_rows`` asks (which, fed consecutive positions and a zero bias, change nothing); ``BackendError``
+    as :func:`window_rewrites` and ``tree_rewrite.add_tree_inputs`` (a graph it cannot rewrite, when
+    ``tree_rows`` is True)."""
     facts = read_graph_facts(folder.model_path)
     if keep_logits:
         keep_logits = lm_head(_load_proto(folder.model_path), folder.logits_name) is not None
@@ -573,7 +580,8 @@ def load_rewrites(folder: ModelFolder, config: BackendConfig, *, keep_logits: bo
     features = config.hidden_features
     if features:
         rewrites.append(f"{folder.hidden_states_name} + the residual streams entering layers {list(features)}")
-    if not (windows or set_level or keep_logits or features or config.tree_rows):
+    tree = config.tree_rows if trees else False
+    if not (windows or set_level or keep_logits or features or tree is not False):
         return LoadedGraph(facts)
     model_bytes, facts = rewritten_model(
         folder.model_path,
@@ -582,6 +590,6 @@ def load_rewrites(folder: ModelFolder, config: BackendConfig, *, keep_logits: bo
         keep_logits=folder.logits_name if keep_logits else None,
         features=features,
         hidden_name=folder.hidden_states_name,
-        tree=config.tree_rows,
+        tree=tree,
     )
     return LoadedGraph(facts, tuple(rewrites), model_bytes)

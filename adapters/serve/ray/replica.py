@@ -41,7 +41,8 @@ from ortspec.core.state import Commit
 @attrs.frozen(kw_only=True)
 class ReplicaSettings:
     """``ortspec serve``'s options, as every replica opens its Engine and serves with them (one value, pickled to
-    each replica). ``backend``, ``prefill_budget``, ``prefix_reuse``, ``drafter``: as for ``run.load_serving``;
+    each replica). ``backend``, ``prefill_budget``, ``prefix_reuse``, ``drafter``, ``draft_model`` (a folder on
+    every node): as for ``run.load_serving``;
     ``max_batch``: the slots (None: ``ortspec serve``'s default). ``server``: the ``ServerSettings``
     (``max_queue`` is each replica's queue beyond its slots; the ingress bounds the whole). ``source``: the model
     folder's path on every node, or its shipped files (``ray_support.model_source``; ``run.ray_app`` fills it in).
@@ -55,6 +56,7 @@ class ReplicaSettings:
     prefill_budget: int | None = DEFAULT_PREFILL_BUDGET
     prefix_reuse: bool = True
     drafter: str | bool | None = None
+    draft_model: str | None = None
     wrap_batch: Callable[[BatchBackend], BatchBackend] | None = None
 
     @property
@@ -123,6 +125,7 @@ class EngineReplica:
             prefix_reuse=settings.prefix_reuse,
             prefill_budget=settings.prefill_budget,
             drafter=settings.drafter,
+            draft_model=settings.draft_model,
         )
         if settings.wrap_batch is not None:
             engine = wrapped(engine, settings.wrap_batch)
