@@ -8,8 +8,8 @@ load; with ``--quick`` a temporary folder, on tiny random models, nothing in the
 1. ``grid``: ``python -m bench.ngram_grid`` chooses ORT GenAI's n-gram setting on the tuning split
    (``ngram-grid.json``; ``--reuse-grid`` keeps the file there).
 2. ``suite``: ``python -m bench.suite`` on the evaluation split, the README's settings (ortspec plain, ``auto``,
-   greedy and sampled, and ``auto`` drafting chains only, its lookup's trees off) beside ORT GenAI greedy and its
-   n-gram at the chosen setting, 3 interleaved repetitions (``results-evaluation.json``).
+   greedy and sampled, and ``auto`` with its lookup drafting token trees) beside ORT GenAI greedy and its n-gram at
+   the chosen setting, 3 interleaved repetitions (``results-evaluation.json``).
 3. ``slots``: ``python -m bench.slots`` on the evaluation split of the throughput dataset: 8 and 16 slots against
    ORT GenAI's static batches of 1, 4, 8 and 16 requests, and the ``ortspec batch`` job end to end, 3 interleaved
    repetitions (``slots-evaluation.json``).
@@ -38,7 +38,7 @@ RESULTS = ROOT / "docs" / "bench"
 STEPS = ("grid", "suite", "slots", "readme")
 OPTIONAL_STEPS = ("cost",)  # known to --steps, not in its default
 SUITE_ENGINES = (
-    "ortspec-greedy,ortspec-auto,ortspec-auto-chain,ortspec-sampled,ortspec-auto-sampled,ortspec-auto-chain-sampled,"
+    "ortspec-greedy,ortspec-auto,ortspec-auto-tree,ortspec-sampled,ortspec-auto-sampled,ortspec-auto-tree-sampled,"
     "ortgenai,ortgenai-ngram,ortgenai-sampled,ortgenai-ngram-sampled"
 )
 SUITE_CATEGORIES = "repetitive,open_ended,code_edit"

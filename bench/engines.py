@@ -34,12 +34,21 @@ from ortspec.driver import Generation
 SAMPLED_REFERENCE = "ortspec-sampled"  # plain sampling: the sampled settings' identity is checked against it
 SAMPLED_SPEC = "ortspec-lookup-adaptive-sampled"  # ortspec-lookup-adaptive, sampling
 SAMPLED_AUTO = "ortspec-auto-sampled"  # ortspec-auto, sampling
-AUTO_CHAIN = "ortspec-auto-chain"  # ortspec-auto with the suffix lookup drafting chains only (DraftRule.branches=1)
-SAMPLED_AUTO_CHAIN = "ortspec-auto-chain-sampled"  # ortspec-auto-chain, sampling
-SAMPLED_SPECS = (SAMPLED_SPEC, SAMPLED_AUTO, SAMPLED_AUTO_CHAIN)  # the sampled speculative settings
+AUTO_TREE = "ortspec-auto-tree"  # ortspec-auto with the suffix lookup drafting trees (DraftRule(branches=3))
+SAMPLED_AUTO_TREE = "ortspec-auto-tree-sampled"  # ortspec-auto-tree, sampling
+TREE_RULE = DraftRule(branches=3)  # the tree settings' suffix rule
+DRAFT_MODEL = "ortspec-draft-model"  # speculative="draft-model": the suite's --draft-model folder drafts
+SAMPLED_DRAFT_MODEL = "ortspec-draft-model-sampled"  # ortspec-draft-model, sampling
+DRAFT_MODEL_ENGINES = (DRAFT_MODEL, SAMPLED_DRAFT_MODEL)  # missing without the suite's --draft-model
+SAMPLED_SPECS = (
+    SAMPLED_SPEC,
+    SAMPLED_AUTO,
+    SAMPLED_AUTO_TREE,
+    SAMPLED_DRAFT_MODEL,
+)  # the sampled speculative settings
 # The settings that need the Engine's shared-KV drafter (the shipped one, or ``ortspec train-drafter``'s); without
 # one they are missing.
-DRAFTER_ENGINES = ("ortspec-shared-kv", "ortspec-auto", SAMPLED_AUTO, AUTO_CHAIN, SAMPLED_AUTO_CHAIN)
+DRAFTER_ENGINES = ("ortspec-shared-kv", "ortspec-auto", SAMPLED_AUTO, AUTO_TREE, SAMPLED_AUTO_TREE)
 SPEC_ENGINES = (
     "ortspec-lookup-w8",
     "ortspec-lookup-w4",
@@ -48,10 +57,11 @@ SPEC_ENGINES = (
     "ortspec-suffix",
     "ortspec-shared-kv",
     "ortspec-auto",
-    AUTO_CHAIN,
+    AUTO_TREE,
+    DRAFT_MODEL,
 )
 ORTSPEC_ENGINES = ("ortspec-greedy", *SPEC_ENGINES)
-SAMPLED_ORTSPEC_ENGINES = (SAMPLED_REFERENCE, SAMPLED_SPEC, SAMPLED_AUTO, SAMPLED_AUTO_CHAIN)
+SAMPLED_ORTSPEC_ENGINES = (SAMPLED_REFERENCE, SAMPLED_SPEC, SAMPLED_AUTO, SAMPLED_AUTO_TREE, SAMPLED_DRAFT_MODEL)
 PEER_ENGINES = ("ortgenai", "ortgenai-ngram", "onnx_genai")
 SAMPLED_PEER = "ortgenai-sampled"  # ORT GenAI plain sampling
 SAMPLED_NGRAM_PEER = "ortgenai-ngram-sampled"  # ORT GenAI n-gram speculation, sampling
@@ -228,7 +238,8 @@ def ortspec_engine(name: str, engine: Engine, pass_costs: Sequence[float] = ()) 
         SAMPLED_REFERENCE: "ortspec-greedy",
         SAMPLED_SPEC: "ortspec-lookup-adaptive",
         SAMPLED_AUTO: "ortspec-auto",
-        SAMPLED_AUTO_CHAIN: AUTO_CHAIN,
+        SAMPLED_AUTO_TREE: AUTO_TREE,
+        SAMPLED_DRAFT_MODEL: DRAFT_MODEL,
     }
     if name in twins:
         return sampled_variant(ortspec_engine(twins[name], engine, pass_costs), name, SAMPLING)
@@ -262,19 +273,29 @@ def ortspec_engine(name: str, engine: Engine, pass_costs: Sequence[float] = ()) 
     if name == "ortspec-suffix":
         description = {"speculative": "suffix", "draft_width": "auto (the Engine's cost-aware policy)"}
         return OrtspecEngine(name, engine, lambda: "suffix", "auto", description)
+    if name == DRAFT_MODEL:
+        if engine.draft_model is None:
+            raise ValueError(f"{name} needs a draft model: run the suite with --draft-model DIR")
+        folder = getattr(getattr(engine.draft_model, "backend", None), "folder", None)
+        description = {
+            "speculative": "draft-model",
+            "draft_width": "auto (the Engine's cost-aware policy, priced with the draft model's measured step)",
+            "draft_model": str(getattr(folder, "path", engine.draft_model)),
+        }
+        return OrtspecEngine(name, engine, lambda: "draft-model", "auto", description)
     if name in DRAFTER_ENGINES:
         if engine.drafter is None:
             raise ValueError(f"{name} needs a shared-KV drafter for the model: run `ortspec train-drafter`")
         how = "shared-kv" if name == "ortspec-shared-kv" else "auto"
         folder = getattr(getattr(engine.drafter, "folder", None), "path", None)
-        chain = DraftRule(branches=1) if name == AUTO_CHAIN else None
+        tree = TREE_RULE if name == AUTO_TREE else None
         description = {
             "speculative": how,
             "draft_width": "auto (the Engine's cost-aware policies, priced with the drafter's measured step)",
             "drafter": str(folder) if folder else repr(engine.drafter),
-            **({"suffix_rule": "DraftRule(branches=1): chains only"} if chain else {}),
+            **({"suffix_rule": f"{TREE_RULE!r}: trees where the pass prices them"} if tree else {}),
         }
-        return OrtspecEngine(name, engine, lambda: how, "auto", description, suffix_rule=chain)
+        return OrtspecEngine(name, engine, lambda: how, "auto", description, suffix_rule=tree)
     known = ", ".join((*ORTSPEC_ENGINES, *SAMPLED_ORTSPEC_ENGINES))
     raise ValueError(f"unknown ortspec engine {name!r}; known: {known}")
 

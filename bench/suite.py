@@ -97,6 +97,7 @@ from bench.engines import (
     ALL_ENGINES,
     ALL_FILTERS,
     DEFAULT_NGRAM,
+    DRAFT_MODEL_ENGINES,
     DRAFTER_ENGINES,
     KMAX,
     ORTSPEC_ENGINES,
@@ -192,6 +193,7 @@ class SuiteConfig:
     max_length: int | None
     quick: bool
     progress: bool
+    draft_model: Path | None = None  # a draft model folder for the Engine (the ortspec-draft-model settings)
 
     @classmethod
     def from_args(
@@ -232,6 +234,7 @@ class SuiteConfig:
             max_length=args.max_length,
             quick=bool(args.quick),
             progress=not args.no_progress,
+            draft_model=Path(args.draft_model) if args.draft_model else None,
         )
 
     def disturbed(self, others_cores: float | None) -> bool:
@@ -380,6 +383,10 @@ def load_engines(
     for n in [e for e in cfg.engines if e in (*ORTSPEC_ENGINES, *SAMPLED_ORTSPEC_ENGINES)]:
         if n in DRAFTER_ENGINES and engine.drafter is None:
             missing[n] = "no shared-KV drafter for this model (run `ortspec train-drafter`)"
+            log(f"{n} missing: {missing[n]}")
+            continue
+        if n in DRAFT_MODEL_ENGINES and engine.draft_model is None:
+            missing[n] = "no draft model (run the suite with --draft-model DIR)"
             log(f"{n} missing: {missing[n]}")
             continue
         loaded[n] = ortspec_engine(n, engine, pass_costs)
@@ -636,7 +643,8 @@ def run(cfg: SuiteConfig) -> dict[str, Any]:
     machine = machine_info()
     bandwidth = [measure_bandwidth(cfg)]
     log(f"bandwidth {bandwidth[0]['best_gb_s']} GB/s")
-    engine = Engine.from_dir(cfg.model_dir, BackendConfig(threads=cfg.threads, max_length=cfg.max_length))
+    config = BackendConfig(threads=cfg.threads, max_length=cfg.max_length)
+    engine = Engine.from_dir(cfg.model_dir, config, draft_model=cfg.draft_model)
     probe = cost_curve_ids(cfg, engine.backend, prompts)
     log(f"verify cost curve at {len(probe[0])} tokens, K = 0..{KMAX}, {cfg.cost_repeat} samples each")
     cost = measure_cost_curve(cfg, engine.backend, probe, "start", log)
@@ -829,6 +837,12 @@ def _parser() -> argparse.ArgumentParser:
         "other processes to use fewer than --contention-threshold cores (default 30; 0 = never)",
     )
     ap.add_argument("--max-length", type=int, default=None, help="ortspec KV capacity (default: the model's)")
+    ap.add_argument(
+        "--draft-model",
+        default=None,
+        metavar="DIR",
+        help="a model folder of the same vocabulary for the Engine to draft with (the ortspec-draft-model settings)",
+    )
     ap.add_argument("--out", help="output folder (default docs/bench/; --quick: a temporary folder)")
     ap.add_argument("--label", help="names the output files (default: --precision, or 'quick')")
     ap.add_argument(
@@ -859,6 +873,8 @@ def _resolve_model(args: argparse.Namespace, workdir: Path) -> Path:
         model = Path(make_tiny_model(workdir / "tiny-model", context=1024))
         # a random shared-KV drafter beside it (Engine.from_dir finds <model>/drafter), so the drafter settings run
         make_random_drafter(model, model / "drafter", seed=0)
+        if not args.draft_model:  # and the model drafts for itself (the same vocabulary), so the draft model's run
+            args.draft_model = str(model)
         return model
     if args.model_dir:
         return Path(args.model_dir).expanduser().resolve()

@@ -101,7 +101,9 @@ class LookupOrDraft:
         source, draft, _ = self._choose(context)
         if source != "drafter":
             k = _width(getattr(self, _POLICY[source]), context.width, context.plain_cost)
-            nodes = k if context.nodes is None or self.tree is None else min(context.nodes, self.tree.nodes_at(k))
+            nodes = k
+            if isinstance(self.lookup, SuffixProposer) and context.nodes is not None and self.tree is not None:
+                nodes = min(context.nodes, self.tree.nodes_at(k))
             if isinstance(self.lookup, SuffixProposer) and nodes > k > 0:
                 narrow = attrs.evolve(context, width=k, nodes=nodes)  # the lookup's tree, its first branch k deep
                 return self.lookup.branched(narrow, self.lookup.scored(context.tokens, k))

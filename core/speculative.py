@@ -159,7 +159,14 @@ def speculation(
     if proposer is sources.draft_model:
         curve = priced.pass_costs[: sources.draft_model_max_draft + 1]
         return proposer, CostAwareWidth(curve, draft_cost=priced.draft_model_cost)
-    return proposer, CostAwareWidth(priced.pass_costs, tree=TreeBudget(priced.pass_costs))
+    return proposer, CostAwareWidth(priced.pass_costs, tree=_tree_budget(proposer, priced))
+
+
+def _tree_budget(lookup: Any, prices: Prices) -> TreeBudget | None:
+    """What sizes a lookup's tree drafts (``core.width.TreeBudget`` on the verify cost curve), for a lookup that
+    drafts trees (``PromptLookup.branches`` or ``DraftRule.branches`` above 1); None for one that drafts chains."""
+    branches = lookup.rule.branches if isinstance(lookup, SuffixProposer) else getattr(lookup, "branches", 1)
+    return TreeBudget(prices.pass_costs) if branches > 1 else None
 
 
 def _named_source(speculative: Any, sources: Sources) -> Any:
@@ -188,7 +195,7 @@ def _auto(
 ) -> tuple[Proposer, int | WidthPolicy]:
     """``"auto"`` with a drafter: each source priced by its own policy; the request's width only caps them (the
     widest curve, or the int given)."""
-    tree = TreeBudget(prices.pass_costs)
+    tree = _tree_budget(auto.lookup, prices)
     priced = auto.priced(CostAwareWidth(prices.pass_costs), _drafter_policy(prices, sources), tree)
     if isinstance(draft_width, int):
         return priced, FixedWidth(draft_width)

@@ -79,7 +79,7 @@ class DraftRule:
     resync_back: int = attrs.field(default=8, validator=int_at_least(0))
     resync_match: int = attrs.field(default=6, validator=int_at_least(1))
     resync_reach: int = attrs.field(default=32, validator=int_at_least(0))
-    branches: int = attrs.field(default=3, validator=int_at_least(1))
+    branches: int = attrs.field(default=1, validator=int_at_least(1))
 
 
 @attrs.frozen

@@ -8,6 +8,7 @@ import pytest
 
 from ortspec.core import (
     CostAwareWidth,
+    DraftRule,
     FixedWidth,
     LookupOrDraft,
     PromptLookup,
@@ -42,16 +43,16 @@ def test_each_name_is_its_proposer_and_width_policy():
     assert speculation(None, "auto", without) == (None, 1)
     assert speculation(None, 4, without) == (None, 4)
     lookup, width = speculation("prompt-lookup", "auto", without, PRICES)
-    assert isinstance(lookup, PromptLookup) and width == CostAwareWidth(PRICES.pass_costs, tree=TREE)
+    assert isinstance(lookup, PromptLookup) and width == CostAwareWidth(PRICES.pass_costs)
     suffix, width = speculation("suffix", 5, without)
     assert isinstance(suffix, SuffixProposer) and width == 5
     alone, width = speculation("auto", "auto", without, PRICES)  # no drafter: the suffix lookup alone
-    assert isinstance(alone, SuffixProposer) and width == CostAwareWidth(PRICES.pass_costs, tree=TREE)
+    assert isinstance(alone, SuffixProposer) and width == CostAwareWidth(PRICES.pass_costs)
     auto, width = speculation("auto", "auto", with_drafter, PRICES)
     assert isinstance(auto, LookupOrDraft) and auto.drafter is drafter and isinstance(auto.lookup, SuffixProposer)
     assert width == FixedWidth(len(PRICES.pass_costs) - 1)  # the request's width only caps each source's policy
     assert auto.drafter_policy == CostAwareWidth(PRICES.pass_costs[:4], draft_cost=0.2)  # up to its widest draft
-    assert auto.lookup_policy == CostAwareWidth(PRICES.pass_costs) and auto.tree == TREE
+    assert auto.lookup_policy == CostAwareWidth(PRICES.pass_costs) and auto.tree is None  # the lookup drafts chains
     capped, width = speculation("auto", 2, with_drafter, PRICES)
     assert isinstance(capped, LookupOrDraft) and capped.drafter_policy is not None and width == FixedWidth(2)
     head, width = speculation("shared-kv", "auto", with_drafter, PRICES)
@@ -164,3 +165,15 @@ def test_prompt_lookup_settings_on_the_command_line_need_prompt_lookup(engine):
     with pytest.raises(ValueError, match="--ngram: prompt lookup's settings need --speculative prompt-lookup"):
         speculative(args)
     assert speculative(build_parser().parse_args(["generate", "x", "--speculative", "suffix"])) == "suffix"
+
+
+def test_a_lookup_that_drafts_trees_gets_a_tree_budget_and_one_that_drafts_chains_none():
+    branching = Sources(rule=DraftRule(branches=3))
+    lookup, width = speculation("suffix", "auto", branching, PRICES)
+    assert isinstance(lookup, SuffixProposer) and width == CostAwareWidth(PRICES.pass_costs, tree=TREE)
+    drafter = Drafter()
+    with_drafter = Sources(rule=DraftRule(branches=3), drafter=drafter, drafter_max_draft=drafter.max_draft)
+    auto, _ = speculation("auto", "auto", with_drafter, PRICES)
+    assert isinstance(auto, LookupOrDraft) and auto.tree == TREE
+    _, chain_width = speculation("prompt-lookup", "auto", Sources(), PRICES)
+    assert isinstance(chain_width, CostAwareWidth) and chain_width.tree is None
