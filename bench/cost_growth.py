@@ -61,7 +61,7 @@ import attrs
 import numpy as np
 
 from bench.batch_pass_cost import timed_rounds
-from bench.machine import CpuContention, background_load, machine_info, measure_memory_bandwidth
+from bench.machine import CpuContention, background_load, git_commit, machine_info, measure_memory_bandwidth
 from ortspec.backends.base import BatchRow
 from ortspec.backends.onnx import BackendConfig, OrtBatchBackend
 from ortspec.backends.onnx.folder import ModelFolder
@@ -509,11 +509,6 @@ def markdown(report: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _commit() -> str:
-    done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
-    return done.stdout.strip() or "unknown"
-
-
 def _default_folder() -> Path:
     from bench.throughput import model_folder
 
@@ -551,7 +546,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     report = {
         "command": "python -m bench.cost_growth" + (" " + " ".join(argv) if argv else ""),
         "date_utc": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
-        "commit": _commit(),
+        "commit": git_commit(short=True) or "unknown",
         "elapsed_s": round(time.perf_counter() - started, 1),
         "quick": args.quick,
         "machine": machine,

@@ -22,10 +22,12 @@ import datetime as _dt
 import json
 import os
 import platform
+import subprocess
 import sys
 import threading
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 MIB = 1 << 20
@@ -236,6 +238,18 @@ def _dist_version(dist: str) -> str | None:
         return None
     except Exception:
         return None
+
+
+def git_commit(short: bool = False) -> str | None:
+    """The repository's ``HEAD`` commit (abbreviated with ``short``), what every results file records; None where
+    git cannot tell (not a checkout, no git)."""
+    command = ["git", "rev-parse", *(["--short"] if short else []), "HEAD"]
+    root = Path(__file__).resolve().parent.parent
+    try:
+        done = subprocess.run(command, cwd=root, capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return done.stdout.strip() or None
 
 
 def machine_info(include_bandwidth: bool = False) -> dict[str, Any]:

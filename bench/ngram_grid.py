@@ -21,7 +21,6 @@ import itertools
 import json
 import math
 import statistics
-import subprocess
 import sys
 import tempfile
 from collections.abc import Sequence
@@ -29,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.engines import load_peer
-from bench.machine import CpuContention, machine_info
+from bench.machine import CpuContention, git_commit, machine_info
 from bench.workloads import build_workloads, encode_chat
 from ortspec.adapters.engine.tokenizer import Tokenizer
 
@@ -122,13 +121,6 @@ def report(result: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _git_commit() -> str | None:
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return None
-
-
 def best_setting(path: Path = DEFAULT_OUT) -> tuple[int, int]:
     """The ``(ngram_size, max_draft_tokens)`` a grid results file chose."""
     best = json.loads(path.read_text(encoding="utf-8"))["best"]
@@ -184,7 +176,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         result = {
             "command": "python -m bench.ngram_grid" + "".join(" " + a for a in (argv or sys.argv[1:])),
             "date_utc": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
-            "git_commit": _git_commit(),
+            "git_commit": git_commit(),
             "machine": machine_info(),
             "config": cfg,
             "summary": summary,

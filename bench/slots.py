@@ -35,7 +35,7 @@ from typing import Any
 
 import attrs
 
-from bench.machine import machine_info
+from bench.machine import git_commit, machine_info
 from bench.peers import OrtGenAIRunner, make_peer
 from bench.throughput import (
     ColumnRun,
@@ -244,13 +244,6 @@ def _from_log(args: argparse.Namespace, requests: Sequence[Request]) -> dict[str
     }
 
 
-def _commit() -> str:
-    import subprocess
-
-    done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
-    return done.stdout.strip() or "unknown"
-
-
 QUICK = "check that it works (not speed): a tiny random model, the 4 shortest requests x 8 tokens, 2 and 4 slots, once"
 
 
@@ -310,7 +303,7 @@ def _write(
     report = {
         "command": "python -m bench.slots" + (" " + " ".join(argv) if argv else ""),
         "date_utc": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
-        "commit": _commit(),
+        "commit": git_commit(short=True) or "unknown",
         "elapsed_s": measured.pop("elapsed_s", time.perf_counter() - started),
         "machine": machine_info(),
         "split": args.split,

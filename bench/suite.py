@@ -82,7 +82,6 @@ import contextlib
 import datetime as _dt
 import json
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -121,7 +120,7 @@ from bench.engines import (
     sampled_variant,
 )
 from bench.limits import physical_limits
-from bench.machine import CpuContention, background_load, machine_info, measure_memory_bandwidth
+from bench.machine import CpuContention, background_load, git_commit, machine_info, measure_memory_bandwidth
 from bench.report import (
     DRAFTER_TARGETS,
     RunRecord,
@@ -667,7 +666,7 @@ def run(cfg: SuiteConfig) -> dict[str, Any]:
         "label": cfg.label,
         "command": cfg.command,
         "date_utc": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
-        "git_commit": _git_commit(),
+        "git_commit": git_commit(),
         "config": cfg.record(engine.backend.max_length),
         "machine": machine,
         "workloads": describe_workloads(workloads, tokenizer),
@@ -742,20 +741,6 @@ def sampling_record(engines: Sequence[str], prompts: Sequence[Prompt], summary: 
         "identity_reference": {e: identity_reference(e) for e in sampled},
         "targets": sampled_targets(summary["ratios"]),
     }
-
-
-def _git_commit() -> str | None:
-    try:
-        out = subprocess.run(
-            ["git", "rev-parse", "HEAD"],
-            cwd=Path(__file__).resolve().parent,
-            capture_output=True,
-            text=True,
-            timeout=10,
-        )
-        return out.stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        return None
 
 
 # --------------------------------------------------------------------------------------------------------------
