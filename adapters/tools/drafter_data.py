@@ -254,6 +254,7 @@ class TargetRunner:
         model = onnx.load(str(folder.model_path))  # with its weights: the session is made from bytes
         self.residual_name = residual_output_name(model, layer)
         model.graph.output.append(onnx.ValueInfoProto(name=self.residual_name))
+        _apply_window(onnx, model, folder)
         if features:
             append_features(onnx, model, folder.hidden_states_name, features)
         options = make_session_options(threads=threads, genai_session_options=folder.session_options)
@@ -351,6 +352,21 @@ class TargetRunner:
         return out
 
 
+def _apply_window(onnx, model, folder: ModelFolder) -> None:
+    """Set on ``model``'s attention nodes the sliding window ``genai_config.json`` names and the graph ignores, as
+    ``OrtBackend`` does at load (``model_graph.window_rewrites``), so the data is the target ortspec runs."""
+    from ortspec.backends.onnx.model_graph import read_graph_facts, window_rewrites
+
+    if folder.sliding_window is None:
+        return
+    windows = window_rewrites(folder, read_graph_facts(folder.model_path), folder.sliding_window + 1, "config")
+    for node in model.graph.node:
+        if node.op_type == "GroupQueryAttention" and len(node.input) > 3 and node.input[3] in windows:
+            for attribute in node.attribute:
+                if attribute.name == "local_window_size":
+                    attribute.i = int(windows[node.input[3]])
+
+
 def collect(
     folder: ModelFolder,
     layer: int,
@@ -359,16 +375,18 @@ def collect(
     threads: int | None = None,
     deadline: float | None = None,
     progress: Callable[[str], None] | None = None,
+    runner: TargetRunner | None = None,
 ) -> list[TargetSequence]:
     """The first ``recipe.sequences`` sequences of :func:`prompt_batches` (``recipe.batch`` prompts at a time,
     ``recipe.seed``) run through :class:`TargetRunner` (``recipe.feature_layers`` too) for up to ``recipe.max_new``
     new tokens each, in order: the same count and seed give the same prompts. Stops early, after the batch under
-    way, only once ``deadline`` (a ``time.perf_counter()`` value; None: never) has passed."""
+    way, only once ``deadline`` (a ``time.perf_counter()`` value; None: never) has passed. ``runner``: the
+    :class:`TargetRunner` to use (for ``folder``, ``layer`` and the recipe's features; None: one made here)."""
     count, batch, max_new, seed = recipe.sequences, recipe.batch, recipe.max_new, recipe.seed
     features = recipe.feature_layers
     say = progress or (lambda _m: None)
     tokenizer = Tokenizer.from_folder(folder.path)
-    runner = TargetRunner(folder, layer, threads=threads, features=features)
+    runner = runner or TargetRunner(folder, layer, threads=threads, features=features)
     t0 = time.perf_counter()
     sequences: list[TargetSequence] = []
     said = 0.0

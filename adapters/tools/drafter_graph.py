@@ -19,11 +19,16 @@ KV of its own, so nothing here is causal)::
 
     e, h  = split(inputs_embeds)                    [B, q, H] each
     u     = concat(rms(e) * w_e, rms(h) * w_h) @ fc + fc_bias
-    q     = rope(rms(u) * w_attn @ wq, position_ids)          [B, heads, q, D]
-    for each KV head j: o_j = softmax(q_j K_j^T * scale) V_j    (q_j: its heads // kv_heads query heads)
-    u     = u + concat(o_j) @ wo
+    q     = rope(qnorm(rms(u) * w_attn @ wq), position_ids)   [B, heads, q, D]
+    for each KV head j: o_j = softmax(cap(q_j K_j^T * scale)) V_j  (q_j: its heads // kv_heads query heads;
+                                                                   K_j, V_j: the last `window` positions)
+    u     = u + join(concat(o_j) @ wo)
     m     = rms(u) * w_mlp
-    u     = u + (silu(m @ w_gate) * (m @ w_up)) @ w_down
+    u     = u + join((act(m @ w_gate) * (m @ w_up)) @ w_down)
+
+where ``qnorm`` (a per-head RMS norm), ``cap`` (a tanh soft cap), the window, ``act`` (silu or tanh-GELU) and
+``join`` (an RMS norm of the sublayer's output and a residual multiplier) are what the copied target layer has
+(:class:`HeadWeights`; a Llama layer has none of them: ``qnorm``, ``cap`` and ``join`` are the identity).
     projected_state = rms(u) * w_out
     logits          = projected_state @ lm_head                [H, V']
 
@@ -64,7 +69,15 @@ class HeadWeights:
     ``norm_attn``, ``norm_mlp``, ``norm_out`` ``[H]``; ``fc`` ``[2H, H]``; ``fc_bias`` ``[H]``; ``wq`` ``[H, A]``;
     ``wo`` ``[A, H]``; ``w_gate``, ``w_up`` ``[H, I]``; ``w_down`` ``[I, H]``; ``lm_head`` ``[H, V']``; ``cos``,
     ``sin`` ``[positions, head_size / 2]`` (the target's RoPE tables, non-interleaved halves). ``heads`` must be a
-    multiple of the target's KV heads; ``eps`` is the RMS norms' epsilon."""
+    multiple of the target's KV heads; ``eps`` is the RMS norms' epsilon.
+
+    What the copied layer computes besides (``backends/onnx/drafter_support.LayerPlan``): ``scale`` (the scores'
+    scale; None: ``1 / sqrt(head_size)``), ``softcap`` (``cap * tanh(s / cap)`` on the scaled scores; 0: none),
+    ``window`` (a query reads only the last ``window`` bound positions; 0: all), ``residual_scale`` (the attention's
+    and the MLP's outputs times it before the residual add), ``activation`` (``silu`` or ``gelu_tanh``), ``q_norm``
+    ``[head_size]`` (the query's per-head RMS norm before RoPE; None: none), ``norm_post_attn`` and
+    ``norm_post_mlp`` ``[H]`` (RMS norms of the attention's and the MLP's outputs before the residual add; None:
+    none)."""
 
     heads: int
     head_size: int
@@ -84,6 +97,14 @@ class HeadWeights:
     lm_head: np.ndarray = attrs.field(converter=_f32)
     cos: np.ndarray = attrs.field(converter=_f32)
     sin: np.ndarray = attrs.field(converter=_f32)
+    scale: float | None = None
+    softcap: float = 0.0
+    window: int = 0
+    residual_scale: float = 1.0
+    activation: str = attrs.field(default="silu", validator=attrs.validators.in_(("silu", "gelu_tanh")))
+    q_norm: np.ndarray | None = attrs.field(default=None, converter=attrs.converters.optional(_f32))
+    norm_post_attn: np.ndarray | None = attrs.field(default=None, converter=attrs.converters.optional(_f32))
+    norm_post_mlp: np.ndarray | None = attrs.field(default=None, converter=attrs.converters.optional(_f32))
 
     def __attrs_post_init__(self) -> None:
         hidden = self.norm_out.shape[0]
@@ -102,9 +123,12 @@ class HeadWeights:
             "w_up": (hidden, inter),
             "w_down": (inter, hidden),
             "norm_out": (hidden,),
+            "q_norm": (self.head_size,),
+            "norm_post_attn": (hidden,),
+            "norm_post_mlp": (hidden,),
         }
         for name, shape in expected.items():
-            if getattr(self, name).shape != shape:
+            if getattr(self, name) is not None and getattr(self, name).shape != shape:
                 raise ValueError(f"HeadWeights.{name} has shape {getattr(self, name).shape}, expected {shape}")
         if self.lm_head.ndim != 2 or self.lm_head.shape[0] != hidden:
             raise ValueError(f"HeadWeights.lm_head has shape {self.lm_head.shape}, expected [{hidden}, V']")
@@ -126,12 +150,21 @@ class HeadWeights:
     def intermediate_size(self) -> int:
         return int(self.w_gate.shape[1])
 
+    @property
+    def attention_scale(self) -> float:
+        return float(self.scale) if self.scale is not None else 1.0 / float(np.sqrt(self.head_size))
+
     def arrays(self) -> dict[str, np.ndarray]:
-        """Every parameter array by field name."""
-        return {a.name: getattr(self, a.name) for a in attrs.fields(HeadWeights) if a.name not in _SCALARS}
+        """Every parameter array by field name (the optional ones the head has)."""
+        fields = attrs.fields(HeadWeights)
+        return {
+            a.name: getattr(self, a.name)
+            for a in fields
+            if a.name not in _SCALARS and getattr(self, a.name) is not None
+        }
 
 
-_SCALARS = ("heads", "head_size", "eps")
+_SCALARS = ("heads", "head_size", "eps", "scale", "softcap", "window", "residual_scale", "activation")
 
 
 def kv_input_names(group: str, kv_heads: int) -> tuple[tuple[str, ...], tuple[str, ...]]:
@@ -139,6 +172,99 @@ def kv_input_names(group: str, kv_heads: int) -> tuple[tuple[str, ...], tuple[st
     keys = tuple(f"shared_kv.{group}.key.{h}" for h in range(kv_heads))
     values = tuple(f"shared_kv.{group}.value.{h}" for h in range(kv_heads))
     return keys, values
+
+
+class _Nodes:
+    """The nodes and initializers of a graph being built: ``const`` (an initializer), ``node`` (one output, named
+    by a counter) and ``rms`` (an RMS norm times a weight, over the last axis; needs the ``eps`` and ``two``
+    constants)."""
+
+    def __init__(self, inits: list[Any]) -> None:
+        self.nodes: list[Any] = []
+        self.inits = inits
+        self._counter = iter(range(1 << 30))
+
+    def const(self, name: str, value: Any, dtype: Any = np.int64) -> str:
+        from onnx import numpy_helper
+
+        self.inits.append(numpy_helper.from_array(np.asarray(value, dtype=dtype), name))
+        return name
+
+    def node(self, op: str, inputs: Sequence[str], **attributes: Any) -> str:
+        from onnx import helper
+
+        out = f"/{op.lower()}_{next(self._counter)}"
+        self.nodes.append(helper.make_node(op, list(inputs), [out], **attributes))
+        return out
+
+    def rms(self, x: str, weight: str) -> str:
+        node = self.node
+        mean_square = node("ReduceMean", [node("Pow", [x, "two"])], axes=[-1], keepdims=1)
+        return node("Mul", [node("Div", [x, node("Sqrt", [node("Add", [mean_square, "eps"])])]), weight])
+
+
+def _joined(g: _Nodes, weights: HeadWeights, x: str, norm: str) -> str:
+    """A sublayer's output ``x`` as it joins the residual stream: RMS-normed by ``norm`` when the head has it, times
+    the residual multiplier when it is not 1."""
+    if getattr(weights, norm) is not None:
+        x = g.rms(x, norm)
+    if weights.residual_scale != 1.0:
+        x = g.node("Mul", [x, "residual_scale"])
+    return x
+
+
+def _mlp(g: _Nodes, weights: HeadWeights, u: str) -> str:
+    """``u`` after the MLP sublayer (its gate's activation: SiLU or tanh-GELU)."""
+    node, const = g.node, g.const
+    m = g.rms(u, "norm_mlp")
+    gate = node("MatMul", [m, "w_gate"])
+    if weights.activation == "gelu_tanh":  # 0.5 g (1 + tanh(sqrt(2 / pi) (g + 0.044715 g^3)))
+        cube = node("Mul", [node("Mul", [gate, gate]), gate])
+        inner = node("Add", [gate, node("Mul", [cube, const("gelu_c", np.float32(0.044715), np.float32)])])
+        inner = node("Mul", [inner, const("gelu_k", np.float32(np.sqrt(2.0 / np.pi)), np.float32)])
+        one, point_five = const("one", np.float32(1.0), np.float32), const("half", np.float32(0.5), np.float32)
+        activated = node("Mul", [node("Mul", [gate, point_five]), node("Add", [node("Tanh", [inner]), one])])
+    else:
+        activated = node("Mul", [gate, node("Sigmoid", [gate])])
+    act = node("Mul", [activated, node("MatMul", [m, "w_up"])])
+    return node("Add", [u, _joined(g, weights, node("MatMul", [act, "w_down"]), "norm_post_mlp")])
+
+
+def _attention(g: _Nodes, weights: HeadWeights, query: str, kv_heads: int, group: str) -> str:
+    """The attended values ``[B, q, heads * D]`` of the rotated ``query`` ``[B, heads, q, D]`` over each KV head's
+    bound positions (the last ``window`` of them for a windowed head), scores scaled and soft-capped."""
+    node, const = g.node, g.const
+    size, heads = weights.head_size, weights.heads
+    per_kv = heads // kv_heads
+    key_names, value_names = kv_input_names(group, kv_heads)
+    outputs = []
+    group_shape = const("group_shape", [0, 1, -1, size])
+    heads_shape = const("heads_shape", [0, per_kv, -1, size])
+
+    def windowed(name: str) -> str:  # the last `window` bound positions (all of them when fewer)
+        return node("Slice", [name, "window_start", "window_end", "axis_2"]) if weights.window else name
+
+    if weights.window:
+        const("axis_2", [2])
+        const("window_start", [-weights.window])
+        const("window_end", [np.iinfo(np.int64).max])
+    if weights.softcap:
+        const("softcap", np.float32(weights.softcap), np.float32)
+    for j in range(kv_heads):
+        q_j = node(
+            "Slice",
+            [query, const(f"start_{j}", [j * per_kv]), const(f"end_{j}", [(j + 1) * per_kv]), "axis_1"],
+        )
+        q_j = node("Reshape", [q_j, group_shape])  # [B, 1, per_kv * q, D]: one matmul against head j
+        keys_j = node("Transpose", [windowed(key_names[j])], perm=[0, 1, 3, 2])
+        scores = node("Mul", [node("MatMul", [q_j, keys_j]), "scale"])
+        if weights.softcap:
+            scores = node("Mul", [node("Tanh", [node("Div", [scores, "softcap"])]), "softcap"])
+        probs = node("Softmax", [scores], axis=-1)
+        outputs.append(node("Reshape", [node("MatMul", [probs, windowed(value_names[j])]), heads_shape]))
+    attended = node("Concat", outputs, axis=1) if len(outputs) > 1 else outputs[0]  # [B, heads, q, D]
+    attended = node("Transpose", [attended], perm=[0, 2, 1, 3])
+    return node("Reshape", [attended, const("merge_shape", [0, 0, heads * size])])
 
 
 def build_head_graph(weights: HeadWeights, kv_heads: int, group: str = GROUP):
@@ -149,31 +275,17 @@ def build_head_graph(weights: HeadWeights, kv_heads: int, group: str = GROUP):
     if weights.heads % kv_heads:
         raise ValueError(f"heads ({weights.heads}) must be a multiple of kv_heads ({kv_heads})")
     hidden, size, heads = weights.hidden_size, weights.head_size, weights.heads
-    per_kv = heads // kv_heads
     half = size // 2
-    nodes: list[Any] = []
-    inits: list[Any] = [numpy_helper.from_array(array, name) for name, array in weights.arrays().items()]
-
-    def const(name: str, value: Any, dtype: Any = np.int64) -> str:
-        inits.append(numpy_helper.from_array(np.asarray(value, dtype=dtype), name))
-        return name
-
-    counter = iter(range(1 << 30))
-
-    def node(op: str, inputs: Sequence[str], **attributes: Any) -> str:
-        out = f"/{op.lower()}_{next(counter)}"
-        nodes.append(helper.make_node(op, list(inputs), [out], **attributes))
-        return out
+    g = _Nodes([numpy_helper.from_array(array, name) for name, array in weights.arrays().items()])
+    node, const, rms, nodes = g.node, g.const, g.rms, g.nodes
 
     const("eps", np.float32(weights.eps), np.float32)
     const("two", np.float32(2.0), np.float32)
-    const("scale", np.float32(1.0 / np.sqrt(size)), np.float32)
+    const("scale", np.float32(weights.attention_scale), np.float32)
     const("halves", [half, half])
     const("hidden_halves", [hidden, hidden])
-
-    def rms(x: str, weight: str) -> str:
-        mean_square = node("ReduceMean", [node("Pow", [x, "two"])], axes=[-1], keepdims=1)
-        return node("Mul", [node("Div", [x, node("Sqrt", [node("Add", [mean_square, "eps"])])]), weight])
+    if weights.residual_scale != 1.0:
+        const("residual_scale", np.float32(weights.residual_scale), np.float32)
 
     embeds, hidden_in = "/split_embed", "/split_hidden"
     nodes.append(helper.make_node("Split", ["inputs_embeds", "hidden_halves"], [embeds, hidden_in], axis=-1))
@@ -183,6 +295,8 @@ def build_head_graph(weights: HeadWeights, kv_heads: int, group: str = GROUP):
 
     query = node("MatMul", [rms(u, "norm_attn"), "wq"])  # [B, q, heads * D]
     query = node("Reshape", [query, const("q_shape", [0, 0, heads, size])])
+    if weights.q_norm is not None:
+        query = rms(query, "q_norm")  # per head, over D
     query = node("Transpose", [query], perm=[0, 2, 1, 3])  # [B, heads, q, D]
     cos = node("Unsqueeze", [node("Gather", ["cos", "position_ids"]), const("axis_1", [1])])  # [B, 1, q, D/2]
     sin = node("Unsqueeze", [node("Gather", ["sin", "position_ids"]), "axis_1"])
@@ -191,32 +305,13 @@ def build_head_graph(weights: HeadWeights, kv_heads: int, group: str = GROUP):
     second = node("Add", [node("Mul", ["/q_second", cos]), node("Mul", ["/q_first", sin])])
     query = node("Concat", [first, second], axis=-1)  # [B, heads, q, D], rotated
 
-    key_names, value_names = kv_input_names(group, kv_heads)
-    outputs = []
-    group_shape = const("group_shape", [0, 1, -1, size])
-    heads_shape = const("heads_shape", [0, per_kv, -1, size])
-    for j in range(kv_heads):
-        q_j = node(
-            "Slice",
-            [query, const(f"start_{j}", [j * per_kv]), const(f"end_{j}", [(j + 1) * per_kv]), "axis_1"],
-        )
-        q_j = node("Reshape", [q_j, group_shape])  # [B, 1, per_kv * q, D]: one matmul against head j
-        scores = node("MatMul", [q_j, node("Transpose", [key_names[j]], perm=[0, 1, 3, 2])])
-        probs = node("Softmax", [node("Mul", [scores, "scale"])], axis=-1)
-        outputs.append(node("Reshape", [node("MatMul", [probs, value_names[j]]), heads_shape]))
-    attended = node("Concat", outputs, axis=1) if len(outputs) > 1 else outputs[0]  # [B, heads, q, D]
-    attended = node("Transpose", [attended], perm=[0, 2, 1, 3])
-    attended = node("Reshape", [attended, const("merge_shape", [0, 0, heads * size])])
-    u = node("Add", [u, node("MatMul", [attended, "wo"])])
-
-    m = rms(u, "norm_mlp")
-    gate = node("MatMul", [m, "w_gate"])
-    act = node("Mul", [node("Mul", [gate, node("Sigmoid", [gate])]), node("MatMul", [m, "w_up"])])
-    u = node("Add", [u, node("MatMul", [act, "w_down"])])
-    state = rms(u, "norm_out")
+    attended = _attention(g, weights, query, kv_heads, group)
+    u = node("Add", [u, _joined(g, weights, node("MatMul", [attended, "wo"]), "norm_post_attn")])
+    state = rms(_mlp(g, weights, u), "norm_out")
     nodes.append(helper.make_node("Identity", [state], ["projected_state"]))
     nodes.append(helper.make_node("MatMul", ["projected_state", "lm_head"], ["logits"]))
 
+    key_names, value_names = kv_input_names(group, kv_heads)
     inputs = [
         helper.make_tensor_value_info("inputs_embeds", TensorProto.FLOAT, ["batch", "query", 2 * hidden]),
         helper.make_tensor_value_info("position_ids", TensorProto.INT64, ["batch", "query"]),
@@ -227,7 +322,7 @@ def build_head_graph(weights: HeadWeights, kv_heads: int, group: str = GROUP):
         helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", "query", weights.draft_vocab]),
         helper.make_tensor_value_info("projected_state", TensorProto.FLOAT, ["batch", "query", hidden]),
     ]
-    graph = helper.make_graph(nodes, "ortspec_shared_kv_head", inputs, outputs_info, inits)
+    graph = helper.make_graph(nodes, "ortspec_shared_kv_head", inputs, outputs_info, g.inits)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)], producer_name="ortspec")
     model.ir_version = 8
     onnx.checker.check_model(model)

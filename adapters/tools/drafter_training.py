@@ -17,7 +17,19 @@ from ortspec.adapters.tools.drafter_data import TargetSequence
 from ortspec.adapters.tools.drafter_recipe import TrainConfig
 
 # the copied target layer's parameters, trained at ``lr * copied_lr_scale``; every other parameter at ``lr``
-COPIED = ("norm_attn", "wq", "wo", "norm_mlp", "w_gate", "w_up", "w_down", "norm_out")
+COPIED = (
+    "norm_attn",
+    "wq",
+    "wo",
+    "norm_mlp",
+    "w_gate",
+    "w_up",
+    "w_down",
+    "norm_out",
+    "q_norm",
+    "norm_post_attn",
+    "norm_post_mlp",
+)
 LOG_EVERY = 10  # updates per point of the training curve
 
 

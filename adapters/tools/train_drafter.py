@@ -41,17 +41,20 @@ import numpy as np
 from ortspec.adapters.engine.cache import drafter_dir
 from ortspec.adapters.engine.folders import replace_folder
 from ortspec.adapters.engine.target_tables import TargetTables
-from ortspec.adapters.tools.drafter_data import TargetSequence, collect
+from ortspec.adapters.engine.tokenizer import Tokenizer
+from ortspec.adapters.tools.drafter_data import TargetRunner, TargetSequence, collect
+from ortspec.adapters.tools.drafter_estimate import estimate_cost
 from ortspec.adapters.tools.drafter_graph import (
     DrafterSpec,
     HeadWeights,
     quantize_weights,
     write_drafter_folder,
 )
-from ortspec.adapters.tools.drafter_head import fused_torch_head, torch_head
+from ortspec.adapters.tools.drafter_head import recipe_head
 from ortspec.adapters.tools.drafter_recipe import TrainConfig
 from ortspec.adapters.tools.drafter_training import TrainingRun, TrainingSet, train_head
 from ortspec.backends.onnx import ModelFolder
+from ortspec.backends.onnx.drafter_support import LayerPlan, layer_plan
 from ortspec.backends.onnx.fingerprint import target_fingerprint
 
 # --------------------------------------------------------------------------------------------------------------
@@ -113,14 +116,20 @@ def ridge_fc(
 
 
 def initial_weights(
-    tables: TargetTables, layer: int, draft_ids: np.ndarray, fc: np.ndarray, fc_bias: np.ndarray
+    tables: TargetTables, plan: LayerPlan, draft_ids: np.ndarray, fc: np.ndarray, fc_bias: np.ndarray
 ) -> HeadWeights:
-    """The head as initialised (see the module docstring, step 3)."""
+    """The head as initialised (see the module docstring, step 3): the target's layer ``plan.layer`` as ``plan``
+    reads it."""
     f = tables.folder
-    target_layer = tables.layer(layer)
-    cos, sin = tables.rope()
+
+    def weight(role: str) -> np.ndarray | None:
+        name = plan.weights.get(role)
+        return None if name is None else np.asarray(tables.tensor(name), np.float32)
+
     embedding = tables.embedding()
     hidden = embedding.shape[1]
+    qkv = weight("wqkv")
+    assert qkv is not None  # layer_plan names every required weight
     return HeadWeights(
         heads=f.num_attention_heads,
         head_size=f.head_size,
@@ -129,17 +138,25 @@ def initial_weights(
         norm_hidden=np.ones(hidden),
         fc=fc,
         fc_bias=fc_bias,
-        norm_attn=target_layer.norm_attn,
-        wq=target_layer.wq,
-        wo=target_layer.wo,
-        norm_mlp=target_layer.norm_mlp,
-        w_gate=target_layer.w_gate,
-        w_up=target_layer.w_up,
-        w_down=target_layer.w_down,
+        norm_attn=weight("norm_attn"),
+        wq=np.ascontiguousarray(qkv[:, : f.num_attention_heads * f.head_size]),
+        wo=weight("wo"),
+        norm_mlp=weight("norm_mlp"),
+        w_gate=weight("w_gate"),
+        w_up=weight("w_up"),
+        w_down=weight("w_down"),
         norm_out=tables.final_norm(),
         lm_head=np.ascontiguousarray(embedding[draft_ids].T),
-        cos=cos,
-        sin=sin,
+        cos=tables.tensor(plan.cos).astype(np.float32),
+        sin=tables.tensor(plan.sin).astype(np.float32),
+        scale=plan.scale,
+        softcap=plan.softcap,
+        window=plan.window,
+        residual_scale=plan.residual_scale,
+        activation=plan.activation,
+        q_norm=weight("q_norm"),
+        norm_post_attn=weight("norm_post_attn"),
+        norm_post_mlp=weight("norm_post_mlp"),
     )
 
 
@@ -221,6 +238,7 @@ def train_drafter(
         raise ValueError(f"layer must be in [1, {target.num_layers}), got {layer}")
     if any(f >= target.num_layers for f in cfg.feature_layers):
         raise ValueError(f"feature_layers must be in [1, {target.num_layers}), got {list(cfg.feature_layers)}")
+    plan = layer_plan(target, layer)  # DrafterSupportError before anything is collected
     dest = Path(out_dir) if out_dir is not None else drafter_dir(target.path)
     threads = cfg.threads or torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -233,8 +251,12 @@ def train_drafter(
         f"{cfg.updates} updates of {cfg.train_batch}, seed {cfg.seed}, {threads} threads"
         + (f", safety bound {cfg.minutes:g} min" if bound is not None else "")
     )
+    runner = TargetRunner(target, layer, threads=threads, features=cfg.feature_layers)
+    say(estimate_cost(runner, plan, cfg, Tokenizer.from_folder(target.path)).line())
+    torch.manual_seed(cfg.seed)  # the probe drew from torch's generator
     deadline = None if bound is None else t_start + bound * cfg.data_share
-    sequences = collect(target, layer, cfg, threads=threads, deadline=deadline, progress=say)
+    sequences = collect(target, layer, cfg, threads=threads, deadline=deadline, progress=say, runner=runner)
+    del runner
     t_data = time.perf_counter() - t_start
     order = np.random.default_rng(cfg.seed).permutation(len(sequences))
     held = min(cfg.heldout, len(sequences) - 1)
@@ -306,9 +328,8 @@ def _fit(
     generated = np.concatenate([s.labels[s.prompt_len :] for s in hold]) if hold else np.zeros(0, np.int64)
     coverage = float(np.isin(generated, draft_ids).mean()) if len(generated) else None
     fc, fc_bias, fit = ridge_fc(train, embedding, tables.eps, cfg.ridge)
-    head = torch_head(initial_weights(tables, layer, draft_ids, fc, fc_bias), target.num_kv_heads)
-    if cfg.feature_layers:
-        head = fused_torch_head(head, cfg.feature_layers, tables.eps)
+    weights = initial_weights(tables, layer_plan(target, layer), draft_ids, fc, fc_bias)
+    head = recipe_head(weights, target.num_kv_heads, cfg.feature_layers, tables.eps)
     table = torch.from_numpy(np.ascontiguousarray(embedding))
     data = TrainingSet(
         embedding=table, to_draft=to_draft, to_target=torch.from_numpy(draft_ids), train=train, hold=hold

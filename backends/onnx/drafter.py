@@ -44,6 +44,7 @@ from ..base import BackendError
 from .arrays import ArrayModule
 from .draft_picks import HeadPicks
 from .drafter_folder import KV_LAYOUT, METADATA_NAME, DrafterError, DrafterFolder, KvGroup, check_stop_below
+from .drafter_support import DrafterSupportError, drafter_support
 from .fingerprint import fingerprint_differences, target_fingerprint
 from .folder import ModelFolder
 from .model_graph import FLOAT_DTYPES, ORT_TYPES
@@ -55,10 +56,12 @@ __all__ = [
     "DrafterError",
     "DrafterFolder",
     "DrafterGraph",
+    "DrafterSupportError",
     "KvGroup",
     "SharedKvProposer",
     "SharedKvTarget",
     "check_stop_below",
+    "drafter_support",
     "inspect_drafter_graph",
 ]
 
@@ -299,13 +302,16 @@ class SharedKvProposer:
                     f"{where}: group {group.name!r} reads target layer {group.layer} but the target has "
                     f"{target.num_layers} layers"
                 )
+            reason = drafter_support(target, group.layer, training=False)
+            if reason is not None:
+                raise DrafterSupportError(f"{where}: {reason}")
         recorded = folder.fingerprint
         if check_fingerprint and recorded is not None:
             differs = fingerprint_differences(recorded, target_fingerprint(target.path))
             if differs:
                 raise DrafterError(
-                    f"{where}: the drafter was made for another target ({recorded.get('name')!r}; {differs[0]} "
-                    "differs); pass check_fingerprint=False to use it anyway"
+                    f"{where}: the drafter was made for another target ({recorded.get('name')!r}; "
+                    f"{'; '.join(differs)}); pass check_fingerprint=False to use it anyway"
                 )
 
     @classmethod

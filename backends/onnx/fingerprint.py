@@ -10,24 +10,47 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+# fingerprint key -> what it is, in words (the shape first: a difference there is named before the hash's)
+DIFFERENCES = {
+    "vocab_size": "vocabulary",
+    "hidden_size": "hidden size",
+    "num_layers": "layer count",
+    "config_sha256": "genai_config.json",
+    "data_bytes": "weight bytes",
+}
+
 
 def target_fingerprint(folder: str | os.PathLike[str]) -> dict[str, Any]:
-    """What identifies a target folder for a drafter trained on it: its name, the SHA-256 of its
-    ``genai_config.json`` and the byte size of the decoder's external data (cheap; a folder rebuilt from the same
-    weights has the same fingerprint; a different model of the same shape and size is not told apart)."""
+    """What identifies a target folder for a drafter trained on it: its name, its shape (``vocab_size``,
+    ``hidden_size``, ``num_layers`` from ``genai_config.json``), the SHA-256 of its ``genai_config.json`` and the
+    byte size of the decoder's external data (cheap; a folder rebuilt from the same weights has the same
+    fingerprint; a different model of the same shape and size is not told apart)."""
     path = Path(folder)
-    config = json.loads((path / "genai_config.json").read_text(encoding="utf-8"))
-    model_name = config.get("model", {}).get("decoder", {}).get("filename", "model.onnx")
+    raw = (path / "genai_config.json").read_bytes()
+    model = json.loads(raw).get("model", {})
+    decoder = model.get("decoder", {})
+    model_name = decoder.get("filename", "model.onnx")
     data = [p for p in path.iterdir() if p.name.startswith(model_name) and p.name != model_name]
     return {
         "name": path.name,
-        "config_sha256": hashlib.sha256((path / "genai_config.json").read_bytes()).hexdigest(),
+        "vocab_size": model.get("vocab_size"),
+        "hidden_size": decoder.get("hidden_size"),
+        "num_layers": decoder.get("num_hidden_layers"),
+        "config_sha256": hashlib.sha256(raw).hexdigest(),
         "data_bytes": sum(p.stat().st_size for p in data),
     }
 
 
 def fingerprint_differences(recorded: Mapping[str, Any], actual: Mapping[str, Any]) -> list[str]:
-    """The keys on which a drafter's ``recorded`` target fingerprint and a folder's ``actual`` one
-    (:func:`target_fingerprint`) differ: ``config_sha256`` and ``data_bytes`` (the folder's name does not count);
+    """What differs between a drafter's ``recorded`` target fingerprint and a folder's ``actual`` one
+    (:func:`target_fingerprint`), in words, the shape first: e.g. ``"vocabulary: 49152 recorded, 384 here"``,
+    ``"genai_config.json differs"`` (the folder's name does not count; a key the record lacks is not compared);
     empty when the drafter fits the folder."""
-    return [k for k in ("config_sha256", "data_bytes") if k in recorded and recorded[k] != actual.get(k)]
+    out = []
+    for key, what in DIFFERENCES.items():
+        if key in recorded and recorded[key] != actual.get(key):
+            if key == "config_sha256":
+                out.append(f"{what} differs")
+            else:
+                out.append(f"{what}: {recorded[key]} recorded, {actual.get(key)} here")
+    return out

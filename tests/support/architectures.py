@@ -30,6 +30,7 @@ from typing import Any
 import attrs
 
 from ortspec.adapters.tools.convert import (
+    BUILDER_EXTRA_OPTIONS,
     is_complete,
     publish_folder,
     require_convert_packages,
@@ -175,13 +176,16 @@ def make_tiny_arch_model(
     seed: int = 0,
     accuracy_level: int | None = None,
     hf_dir: str | os.PathLike[str] | None = None,
+    hidden_states: bool = True,
 ) -> Path:
     """Build the tiny random-weight ``arch`` model (see :data:`ARCHITECTURES`) at ``precision`` into ``out_dir``.
 
     Weights come from ``torch.manual_seed(seed)`` (the LM head scaled by 10, as in ``make_tiny_model``, so that
     argmaxes are well separated); the tokenizer is ``make_tiny_model``'s (vocabulary 384). Quantized precisions
     use the builder's MatMulNBits accuracy level (4 on the CPU) unless ``accuracy_level`` is given. ``hf_dir``:
-    also keep the Hugging Face checkpoint there (to compare with transformers). Idempotent; returns ``out_dir``.
+    also keep the Hugging Face checkpoint there (to compare with transformers). ``hidden_states``: the graph also
+    outputs the final norm's output (``BUILDER_EXTRA_OPTIONS``, as ``ortspec convert`` makes it, what a shared-KV
+    drafter reads); False builds the graph without it. Idempotent; returns ``out_dir``.
     """
     if arch not in ARCHITECTURES:
         raise ValueError(f"arch must be one of {sorted(ARCHITECTURES)}, got {arch!r}")
@@ -189,7 +193,7 @@ def make_tiny_arch_model(
         raise ValueError(f"precision must be one of {sorted(ARCH_PRECISIONS)}, got {precision!r}")
     dest = Path(out_dir)
     keep = Path(hf_dir) if hf_dir is not None else None
-    if is_complete(dest) and (keep is None or (keep / "config.json").is_file()):
+    if is_complete(dest, hidden_states=hidden_states) and (keep is None or (keep / "config.json").is_file()):
         return dest
     require_convert_packages(("torch", "transformers", "onnx", "onnxruntime_genai"))
     import torch
@@ -197,7 +201,7 @@ def make_tiny_arch_model(
     from transformers import PreTrainedTokenizerFast
 
     spec = ARCHITECTURES[arch]
-    extra = []
+    extra = list(BUILDER_EXTRA_OPTIONS) if hidden_states else []
     if precision in ("int8", "int4") and accuracy_level is not None:
         extra.append(f"accuracy_level={resolve_accuracy_level(precision, accuracy_level)}")
     tok = train_tiny_tokenizer(384)
@@ -223,7 +227,7 @@ def make_tiny_arch_model(
             shutil.rmtree(keep, ignore_errors=True)
             keep.parent.mkdir(parents=True, exist_ok=True)
             shutil.copytree(hf, keep)
-        if is_complete(dest):
+        if is_complete(dest, hidden_states=hidden_states):
             return dest
         staged = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=dest.parent))
         quantizer_log = logging.getLogger("onnxruntime.quantization.matmul_nbits_quantizer")
@@ -239,7 +243,7 @@ def make_tiny_arch_model(
                 extra_options=extra,
                 config_hook=spec.config_hook,
             )
-            return publish_folder(staged, dest)
+            return publish_folder(staged, dest, hidden_states=hidden_states)
         except BaseException:
             shutil.rmtree(staged, ignore_errors=True)
             raise
