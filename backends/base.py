@@ -340,6 +340,13 @@ def runs_trees(backend: object) -> TypeGuard[BatchTreeRows]:
     return bool(getattr(backend, "tree_rows", False))
 
 
+def batches_drafts(backend: object) -> bool:
+    """True when ``backend`` runs a multi-token row after a past in the same session run as the pass's other rows
+    (its ``ragged_rows`` is True), so a draft row costs its rows in the batch rather than a pass of its own
+    (``core.width.pass_cost``)."""
+    return bool(getattr(backend, "ragged_rows", False))
+
+
 def check_slot(slot: int, slots: int) -> None:
     """Raise ``BackendError`` unless ``slot`` is an int in ``[0, slots)``."""
     if isinstance(slot, bool) or not isinstance(slot, (int, np.integer)) or not 0 <= slot < slots:

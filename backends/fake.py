@@ -334,13 +334,17 @@ class FakeBatchBackend:
     """A ``BatchBackend`` over a ``FakeModel``: ``slots`` sequences, each a ``FakeBackend`` of ``max_length``
     positions, so a row's logits are exactly what a ``FakeBackend`` gives that sequence alone (the model is a pure
     function of the context). ``passes`` counts batched passes and ``rows_per_pass[i]`` the rows of pass ``i + 1``;
-    ``tokens_per_pass[i]`` its tokens."""
+    ``tokens_per_pass[i]`` its tokens. ``ragged_rows``: what the backend says of its passes (a draft row runs beside
+    the others, ``batches_drafts``), which changes only how a driver prices drafts: every pass is one pass here."""
 
-    def __init__(self, model: FakeModel, slots: int, max_length: int = 4096, *, tree_rows: bool = True) -> None:
+    def __init__(
+        self, model: FakeModel, slots: int, max_length: int = 4096, *, tree_rows: bool = True, ragged_rows: bool = False
+    ) -> None:
         if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
             raise ValueError(f"slots must be an int >= 1, got {slots!r}")
         self.model = model
         self.tree_rows = tree_rows  # BatchRow.parents rows run (False: a backend that runs chains only)
+        self.ragged_rows = ragged_rows
         self._slots = [FakeBackend(model, max_length, tree_rows=tree_rows) for _ in range(slots)]
         self._max_length = max_length
         self.rows_per_pass: list[int] = []

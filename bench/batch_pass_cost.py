@@ -5,15 +5,15 @@
 For B in 1, 2, 4, 8, 16 and K in 0, 2, 4 (K draft tokens after the pending one), every row at a context of
 ``--context`` tokens, it prints the median wall time (ms) of:
 
-* ``batched``: ``OrtBatchBackend.run_pass`` over B rows of 1 + K tokens (slots 0..B-1). With K = 0 this is one
-  session run; with K > 0 ONNX Runtime's GroupQueryAttention refuses a batch of several tokens after a past, so the
-  backend runs each row alone (B session runs; see ``backends/onnx/batch.py``).
+* ``batched``: ``OrtBatchBackend.run_pass`` over B rows of 1 + K tokens (slots 0..B-1), as opened by default: the
+  graph takes each row's query length (``BackendConfig.ragged_rows``), so the B rows are one session run.
 * ``alone``: B single-row passes of 1 + K tokens, one after the other, on the same session (a one-row run is
   ``OrtBackend.decode_verify``'s run: the same binding shapes, the same logits; on one session, so that the
   timings do not pay for two copies of the weights competing for the caches).
 * drift: the largest absolute difference between a batched row's logits and the same sequence's alone.
-* ``at 0``: one session run of B rows x (1 + K) tokens at position 0 (no past): what a batched verify's matmuls
-  would cost if the attention op took it, without the attention over the context (a lower bound).
+* ``split``: the same rows on a batch backend opened with ``ragged_rows=False`` (the file's attention): with K > 0
+  ONNX Runtime's GroupQueryAttention refuses a batch of several tokens after a past, so each row runs alone
+  (B session runs; see ``backends/onnx/batch.py``).
 
 Then, for prompt passes of 128 and 512 tokens (one row at position 0), the median wall and CPU time with the LM
 head over the last position only (``BatchRow.last_logits=1``, what the batch driver asks for a prompt chunk) and
@@ -31,6 +31,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import attrs
 import numpy as np
 
 from ortspec.backends.base import BatchRow
@@ -44,10 +45,13 @@ DEFAULT_OUT = Path("docs/bench/batch-pass-cost.md")
 
 def timed_rounds(runs: list[Callable[[], None]], repeats: int) -> np.ndarray:
     """Wall times in milliseconds, ``[repeats, len(runs)]``: one warm-up round, then ``repeats`` rounds that each
-    run every one of ``runs`` once (interleaved, so that load from elsewhere on the machine falls on all alike)."""
+    run every one of ``runs`` once (interleaved, so that load from elsewhere on the machine falls on all alike).
+    Each timed call follows an untimed call of the same run, so that no run pays for the one before it (another
+    session's thread pool still spinning after its last run)."""
     times = np.zeros((repeats + 1, len(runs)))
     for round_ in range(repeats + 1):
         for index, run in enumerate(runs):
+            run()
             start = time.perf_counter()
             run()
             times[round_, index] = 1000 * (time.perf_counter() - start)
@@ -68,17 +72,19 @@ Row = tuple[int, int, float, float, float, float, float]
 
 
 def measure(folder: Path, threads: int, repeats: int, context: int) -> list[Row]:
-    """``(B, K, batched_ms, alone_ms, ratio, at_zero_ms, drift)`` for every B and K (medians; ``ratio``: the
+    """``(B, K, batched_ms, alone_ms, ratio, split_ms, drift)`` for every B and K (medians; ``ratio``: the
     median over rounds of batched / alone); ``drift``: the largest absolute
     difference between a batched row's logits and the same slot's alone (``OrtBackend``)."""
     config = BackendConfig(threads=threads, max_length=context + 2 * max(DRAFTS) + 8)
     top = max(BATCHES)
-    batch = OrtBatchBackend.from_folder(folder, config, slots=2 * top)  # slots top.. for the runs at 0
+    batch = OrtBatchBackend.from_folder(folder, config, slots=top)
+    split = OrtBatchBackend.from_folder(folder, attrs.evolve(config, ragged_rows=False), slots=top)
     single = OrtBackend.from_folder(folder, config)
     rng = np.random.default_rng(0)
     prompts = [rng.integers(100, 10000, context).tolist() for _ in range(top)]  # a different context per slot
     for slot in range(top):
         batch.run_pass([BatchRow(slot, prompts[slot], 0)])
+        split.run_pass([BatchRow(slot, prompts[slot], 0)])
     results = []
     for k in DRAFTS:
         tokens = tuple(rng.integers(100, 10000, 1 + k).tolist())
@@ -94,7 +100,6 @@ def measure(folder: Path, threads: int, repeats: int, context: int) -> list[Row]
             drift = max(float(np.abs(out - alone_rows[row.slot]).max()) for row, out in zip(rows, outputs, strict=True))
             for slot in range(b):
                 batch.rewind(slot, context)
-            fresh = [BatchRow(top + slot, tokens, 0) for slot in range(b)]
 
             def batched(rows=rows, b=b) -> None:
                 batch.run_pass(rows)
@@ -106,16 +111,16 @@ def measure(folder: Path, threads: int, repeats: int, context: int) -> list[Row]
                     batch.run_pass([row])
                     batch.rewind(row.slot, context)
 
-            def at_zero(fresh=fresh) -> None:
-                for row in fresh:
-                    batch.reset(row.slot)
-                batch.run_pass(fresh)
+            def file_layout(rows=rows, b=b) -> None:
+                split.run_pass(rows)
+                for slot in range(b):
+                    split.rewind(slot, context)
 
-            times = timed_rounds([batched, alone, at_zero], repeats)
-            batched_ms, alone_ms, zero_ms = np.median(times, axis=0).tolist()
+            times = timed_rounds([batched, alone, file_layout], repeats)
+            batched_ms, alone_ms, split_ms = np.median(times, axis=0).tolist()
             ratio = float(np.median(times[:, 0] / times[:, 1]))  # per round: steadier than a ratio of medians
-            print(f"B={b:2d} K={k}  batched {batched_ms:.1f}  alone {alone_ms:.1f}  at 0 {zero_ms:.1f} ms", flush=True)
-            results.append((b, k, batched_ms, alone_ms, ratio, zero_ms, drift))
+            print(f"B={b:2d} K={k}  batched {batched_ms:.1f}  alone {alone_ms:.1f}  split {split_ms:.1f}", flush=True)
+            results.append((b, k, batched_ms, alone_ms, ratio, split_ms, drift))
     return results
 
 
@@ -185,23 +190,22 @@ def markdown(results, folder: Path, threads: int, repeats: int, context: int) ->
         f"{context} tokens; median of {repeats} rounds after one warm-up round (the three runs interleaved in each "
         "round), in milliseconds.",
         "",
-        "* **batched**: `OrtBatchBackend.run_pass` over B rows. K = 0: one session run of B rows. K > 0: ONNX "
-        "Runtime's GroupQueryAttention (CPU) refuses a batch of several tokens after a past, so the backend runs "
-        "each row alone (B runs).",
+        "* **batched**: `OrtBatchBackend.run_pass` over B rows as opened by default: the graph takes each row's "
+        "query length (`BackendConfig.ragged_rows`), so the B rows are one session run.",
         "* **alone**: B single-row passes of 1 + K tokens, one after another, on the same session (what "
         "`OrtBackend.decode_verify` runs; one session, so the weights are not read from two copies).",
         "* **drift**: the largest absolute difference between a batched row's logits and the same slot's "
         "(its own context) decoded alone by `OrtBackend` (batch invariance; 0 means bit for bit).",
-        "* **at 0**: one session run of B rows x (1 + K) tokens at position 0 (no past): the matmul cost a batched "
-        "verify would have if the attention op took it (a lower bound: no attention over the context).",
+        "* **split**: the same rows on a batch backend opened with `ragged_rows=False` (the file's attention): "
+        "K > 0: GroupQueryAttention refuses several tokens after a past in a batch, so each row runs alone.",
         "",
-        "| B | K | batched ms | alone ms | batched / alone (per round) | at 0 ms | at 0 per token ms | max abs drift |",
+        "| B | K | batched ms | alone ms | batched / alone (per round) | split ms | batched / split | max abs drift |",
         "|--:|--:|--:|--:|--:|--:|--:|--:|",
     ]
-    for b, k, batched, alone, ratio, at_zero, drift in results:
-        per_token = at_zero / (b * (1 + k))
+    for b, k, batched, alone, ratio, split, drift in results:
         lines.append(
-            f"| {b} | {k} | {batched:.1f} | {alone:.1f} | {ratio:.2f} | {at_zero:.1f} | {per_token:.2f} | {drift:.3g} |"
+            f"| {b} | {k} | {batched:.1f} | {alone:.1f} | {ratio:.2f} | {split:.1f} | {batched / split:.2f} | "
+            f"{drift:.3g} |"
         )
     return "\n".join(lines) + "\n"
 

@@ -2,12 +2,14 @@
 static batches of the same sizes, side by side, on one split of the throughput dataset.
 
     python -m bench.slots [--split tuning|evaluation] [--sizes 8,16,32] [--genai-sizes 1,2,4,8,16,32]
-                          [--repeats 3] [--threads 2] [--batch-command] [--out docs/bench/slots-<split>.md]
+                          [--speculative none,auto] [--repeats 3] [--threads 2] [--batch-command]
+                          [--out docs/bench/slots-<split>.md]
 
 The requests are ``bench.throughput``'s (chat prompts, each with its own number of new tokens, EOS ignored, greedy),
 the ``--split`` half of them (``bench.throughput.split``: constants are chosen on ``tuning`` and reported on
-``evaluation``). For each size N: one Engine with ``batch_slots=N`` (plain decoding, no drafter) runs every request
-through its one scheduler (``Engine.generate_requests``); for each of ``--genai-sizes`` (default: the same
+``evaluation``). For each size N: one Engine with ``batch_slots=N`` runs every request through its one scheduler
+(``Engine.generate_requests``), once per ``--speculative`` name (default ``none``: plain decoding; the Engine opens
+the shipped drafter only when one is named); for each of ``--genai-sizes`` (default: the same
 sizes) ORT GenAI runs consecutive groups of that many requests as static batches (``bench.throughput.run_genai``).
 With ``--batch-command``, the ``ortspec batch`` command (its defaults, the whole job as a subprocess: start and
 model load included) runs the same requests too. Every
@@ -54,14 +56,15 @@ from ortspec.adapters.engine.options import GenerationOptions
 from ortspec.adapters.engine.tokenizer import Tokenizer
 
 
-def run_ortspec(engine: Engine, requests: Sequence[Request], size: int) -> ColumnRun:
-    """Every request through ``engine``'s scheduler at once, plain greedy decoding."""
-    batch = [(list(q.messages), GenerationOptions(**q.options("greedy"), speculative=None)) for q in requests]
+def run_ortspec(engine: Engine, requests: Sequence[Request], size: int, speculative: str | None = None) -> ColumnRun:
+    """Every request through ``engine``'s scheduler at once, greedy, with ``speculative`` (None: plain decoding)."""
+    batch = [(list(q.messages), GenerationOptions(**q.options("greedy"), speculative=speculative)) for q in requests]
     t0 = time.perf_counter()
     results = generate_batched(engine, batch)
     seconds = time.perf_counter() - t0
     outputs = {q.id: list(r.token_ids) for q, r in zip(requests, results, strict=True)}
-    return ColumnRun(f"ortspec {size} slots", "greedy", seconds, sum(len(v) for v in outputs.values()), outputs)
+    column = f"ortspec {size} slots" + (f", {speculative}" if speculative else "")
+    return ColumnRun(column, "greedy", seconds, sum(len(v) for v in outputs.values()), outputs)
 
 
 def _rounds(sizes: Sequence[int], repeats: int) -> list[list[int]]:
@@ -73,7 +76,8 @@ def measure(args: argparse.Namespace, requests: Sequence[Request], tmp: Path) ->
     model_dir = args.model_dir or model_folder("fp32")
     tokenizer = Tokenizer.from_folder(model_dir)
     config = BackendConfig(threads=args.threads)
-    engines = {n: Engine.from_dir(model_dir, config, batch_slots=n, drafter=False) for n in args.sizes}
+    drafter = None if any(args.speculative) else False  # the shipped drafter where a configuration may draft
+    engines = {n: Engine.from_dir(model_dir, config, batch_slots=n, drafter=drafter) for n in args.sizes}
     runner, why = make_peer("ortgenai", model_dir, threads=args.threads)
     if runner is not None:
         assert isinstance(runner, OrtGenAIRunner)
@@ -92,7 +96,8 @@ def measure(args: argparse.Namespace, requests: Sequence[Request], tmp: Path) ->
 
     for ours, theirs in zip(_rounds(args.sizes, args.repeats), _rounds(args.genai_sizes, args.repeats), strict=True):
         for n in ours:
-            done(run_ortspec(engines[n], requests, n))
+            for speculative in args.speculative:
+                done(run_ortspec(engines[n], requests, n, speculative))
         for n in theirs if runner is not None else ():
             done(run_genai(runner, requests, n, "greedy", tokenizer))
         if args.batch_command:
@@ -175,7 +180,8 @@ def markdown(report: dict[str, Any]) -> str:
         "",
         f"Load: {report['requests']} requests of the {report['split']} split of `bench/data/throughput-prompts.json`"
         f" ({report['prompt_tokens']} prompt tokens, {report['new_tokens']} new tokens, EOS ignored), greedy, plain "
-        f"decoding, {report['threads']} intra-op threads, SmolLM2-135M-Instruct fp32. tokens/s = new tokens ÷ wall "
+        "decoding unless a configuration names its speculation (`ortspec batch`: its default), "
+        f"{report['threads']} intra-op threads, SmolLM2-135M-Instruct fp32. tokens/s = new tokens ÷ wall "
         "seconds of the run (ORT GenAI: its batches' own seconds, prompt ids in hand to the last token; "
         f"`ortspec batch`: the command from start to exit, model load included; its arguments: "
         f"`{' '.join(report['batch_args'])}`).",
@@ -254,6 +260,13 @@ def _sizes(text: str) -> list[int]:
     return sizes
 
 
+def _speculative(text: str) -> list[str | None]:
+    names = [x.strip() for x in text.split(",") if x.strip()]
+    if not names:
+        raise argparse.ArgumentTypeError(f"name at least one speculation, got {text!r}")
+    return [None if name == "none" else name for name in names]
+
+
 def main(argv: Sequence[str] | None = None, *, measure_fn: Callable[..., dict[str, Any]] = measure) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -264,6 +277,12 @@ def main(argv: Sequence[str] | None = None, *, measure_fn: Callable[..., dict[st
         type=_sizes,
         help="ORT GenAI's batch sizes (default: --sizes); a size of at least the "
         "number of requests is one batch of them all",
+    )
+    ap.add_argument(
+        "--speculative",
+        type=_speculative,
+        default=[None],
+        help="ortspec's speculations at each size, comma-separated; none = plain decoding (default none)",
     )
     ap.add_argument("--repeats", type=int, default=3, help="runs of each configuration, interleaved (default 3)")
     ap.add_argument("--threads", type=int, default=2, help="intra-op threads of every engine (default 2)")

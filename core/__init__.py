@@ -25,7 +25,16 @@ from .state import (
 )
 from .suffix import DraftRule, SuffixProposer, SuffixSnapshot
 from .tree import DraftTree, tree_mask
-from .width import AdditiveWidth, CostAwareWidth, FixedWidth, PricedWidth, WidthPolicy, marginal_row_cost
+from .width import (
+    AdditiveWidth,
+    CostAwareWidth,
+    FixedWidth,
+    PricedWidth,
+    WidthPolicy,
+    marginal_row_cost,
+    mean_row_cost,
+    pass_cost,
+)
 
 __all__ = [
     "MAX_DRAFT",
@@ -60,6 +69,8 @@ __all__ = [
     "PricedWidth",
     "WidthPolicy",
     "marginal_row_cost",
+    "mean_row_cost",
+    "pass_cost",
     "check_draft",
     "check_prompt_fits",
     "delivered",

@@ -100,7 +100,7 @@ class LookupOrDraft:
         fills."""
         source, draft, _ = self._choose(context)
         if source != "drafter":
-            k = _width(getattr(self, _POLICY[source]), context.width, context.plain_cost)
+            k = _width(getattr(self, _POLICY[source]), context)
             nodes = k
             if isinstance(self.lookup, SuffixProposer) and context.nodes is not None and self.tree is not None:
                 nodes = min(context.nodes, self.tree.nodes_at(k))
@@ -108,7 +108,7 @@ class LookupOrDraft:
                 narrow = attrs.evolve(context, width=k, nodes=nodes)  # the lookup's tree, its first branch k deep
                 return self.lookup.branched(narrow, self.lookup.scored(context.tokens, k))
             return draft[:k]
-        k = _width(self.drafter_policy, context.width, context.plain_cost)
+        k = _width(self.drafter_policy, context)
         if k <= 0:
             return ()
         drafted = self.drafter.propose(attrs.evolve(context, width=k))
@@ -154,5 +154,7 @@ def _rate(policy: CostAwareWidth | None) -> float:
     return policy.expected_rate(policy.best_width()) if policy is not None else 0.0
 
 
-def _width(policy: CostAwareWidth | None, cap: int, plain_cost: float) -> int:
-    return min(cap, policy.width_at(plain_cost)) if policy is not None else cap
+def _width(policy: CostAwareWidth | None, context: DraftContext) -> int:
+    if policy is None:
+        return context.width
+    return min(context.width, policy.width_at(context.plain_cost, context.token_cost))

@@ -39,7 +39,7 @@ class DraftContext:
     ``tokens``: the prompt followed by every committed token (perhaps followed by tokens drafted in front of this
     proposer: see ``after``). ``width``: the most draft tokens the step can use (>= 1). ``plain_cost``: what one
     plain step costs in the pass the draft joins, relative to a plain step alone (1.0 alone; less in a batched
-    pass, where speculation should fade: ``core.width.marginal_row_cost``). ``slot``: the batch backend's slot
+    pass: ``core.width.mean_row_cost``). ``slot``: the batch backend's slot
     whose target state is exactly that of ``tokens`` (the KV of every token but the last, and the hidden state that
     predicted the last), which a draft head reads; None when the target holds no state for these tokens (they run
     past what it processed), and a proposer that reads the target then drafts nothing. ``picker``: the target's own
@@ -52,7 +52,8 @@ class DraftContext:
     the rest (``tree_budget``). ``sequence``: which sequence the draft is for, stable for its
     whole generation (the batch slot it holds; None when the caller names none), kept by ``after``: what a proposer
     that keeps state of its own per sequence (a separate draft model's KV: ``backends/draft_model.py``) keys it
-    on, where ``slot`` (the target's state) may be None."""
+    on, where ``slot`` (the target's state) may be None. ``token_cost``: what each draft token costs where the pass
+    runs a draft row beside the others (None: it runs as a pass of its own; ``core.width.pass_cost``)."""
 
     tokens: Sequence[int]
     width: int
@@ -61,6 +62,7 @@ class DraftContext:
     picker: DraftPicker | None = None
     nodes: int | None = None
     sequence: int | None = None
+    token_cost: float | None = None
 
     @property
     def tree_budget(self) -> int:

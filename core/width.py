@@ -5,12 +5,15 @@ it by the step's budget) and ``observe(proposed, accepted) -> policy`` (the poli
 ``proposed`` draft tokens, of which ``accepted`` were committed; a plain step observes ``(0, 0)``). A policy
 only changes how many tokens are verified, never which tokens are committed.
 
-**Priced by the pass it joins.** Alone, a plain step costs 1 (the unit of ``pass_costs``). In a batched pass a
-plain step is one more one-token row among the other sequences' rows, which costs a fraction of a step
-(``marginal_row_cost`` over the backend's measured ``decode_costs``), while a row with a draft runs as a pass of
-its own on backends that cannot batch multi-token rows after a past (ONNX Runtime's CPU attention). A policy that
-implements ``PricedWidth`` (``CostAwareWidth``) is asked ``width_at(plain_cost)`` with that price, so speculation
-fades to plain batched decoding as the batch fills and returns when the batch empties or drafts pay anyway.
+**Priced by the pass it joins.** Alone, a plain step costs 1 (the unit of ``pass_costs``). In a batched pass the
+rows share the pass's time, so what a draft must beat is the batch's own rate: a plain row's price is its share of
+the pass, ``mean_row_cost`` (a pass of ``n`` one-token rows ÷ ``n``, over the backend's measured ``decode_costs``).
+A draft's price depends on the backend: where a row with a draft runs as a pass of its own (a batch backend that
+cannot run multi-token rows after a past beside the others) it costs that pass, ``pass_costs[k]``; where the pass
+carries it beside the others (a ragged batch backend) each draft token costs what one more row does,
+``token_cost`` (``marginal_row_cost``), so a draft of ``k`` costs ``plain_cost + k * token_cost`` (``pass_cost``).
+A policy that implements ``PricedWidth`` (``CostAwareWidth``) is asked ``width_at(plain_cost, token_cost)`` with
+those prices, so speculation drafts in a batch exactly where it raises the batch's tokens per second.
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ class WidthPolicy(Protocol):
 class PricedWidth(Protocol):
     """A width policy that prices a plain step by the pass it joins (see the module docstring)."""
 
-    def width_at(self, plain_cost: float) -> int: ...
+    def width_at(self, plain_cost: float, token_cost: float | None = None) -> int: ...
 
 
 @runtime_checkable
@@ -140,10 +143,25 @@ def width_policy(draft_width: int | WidthPolicy) -> WidthPolicy:
     return draft_width if isinstance(draft_width, WidthPolicy) else FixedWidth(draft_width)
 
 
-def asked_width(policy: WidthPolicy, plain_cost: float) -> int:
-    """The width ``policy`` asks for in a pass where a plain step costs ``plain_cost`` (1.0 alone): a
-    ``PricedWidth`` policy's ``width_at(plain_cost)``, any other's ``width()``."""
-    return policy.width_at(plain_cost) if isinstance(policy, PricedWidth) else policy.width()
+def asked_width(policy: WidthPolicy, plain_cost: float, token_cost: float | None = None) -> int:
+    """The width ``policy`` asks for in a pass where a plain step costs ``plain_cost`` (1.0 alone) and a draft token
+    ``token_cost`` (None: a draft row runs as a pass of its own): a ``PricedWidth`` policy's ``width_at``, any
+    other's ``width()``."""
+    if isinstance(policy, PricedWidth):
+        return policy.width_at(plain_cost, token_cost)
+    return policy.width()
+
+
+def pass_cost(pass_costs: Sequence[float], k: int, plain_cost: float = 1.0, token_cost: float | None = None) -> float:
+    """What a pass over the pending token and ``k`` draft tokens costs, in plain steps alone (the module docstring):
+    ``pass_costs[0] * plain_cost`` for ``k = 0``; else ``pass_costs[k]`` (the row runs as a pass of its own), or,
+    where the pass batches draft rows (``token_cost`` given) and a row costs less than a step alone, at most
+    ``plain_cost + k * token_cost``."""
+    if k == 0:
+        return pass_costs[0] * plain_cost
+    if token_cost is not None and plain_cost < 1.0:
+        return min(pass_costs[k], plain_cost + k * token_cost)
+    return pass_costs[k]
 
 
 def marginal_row_cost(decode_costs: Sequence[float], rows: int) -> float:
@@ -156,6 +174,20 @@ def marginal_row_cost(decode_costs: Sequence[float], rows: int) -> float:
         return 1.0
     n = min(rows, len(decode_costs) - 1)
     return max(0.01, float(decode_costs[n]) - float(decode_costs[n - 1]))
+
+
+def mean_row_cost(decode_costs: Sequence[float], rows: int) -> float:
+    """A one-token row's share of a pass of ``rows`` one-token rows, in units of a plain step alone:
+    ``decode_costs[rows] / rows`` (``decode_costs`` as for ``marginal_row_cost``; rows past the curve: the last
+    point's share less the curve's last step for each row past it, which the marginal cost prices). 1.0 for
+    ``rows <= 1``. Never below ``marginal_row_cost`` (a row never costs less than adding it)."""
+    marginal = marginal_row_cost(decode_costs, rows)
+    if rows <= 1 or len(decode_costs) < 2:
+        return 1.0
+    last = len(decode_costs) - 1
+    n = min(rows, last)
+    total = float(decode_costs[n]) + (rows - n) * marginal
+    return max(marginal, total / rows)
 
 
 @attrs.frozen
@@ -201,8 +233,8 @@ class CostAwareWidth:
     (plain steps) when speculation does not pay. While at 0 it probes with ``probe_width`` every
     ``probe_every`` steps so that it notices when drafts start to match again.
 
-    In a batched pass (``width_at(plain_cost)``, a ``PricedWidth``) a plain step costs ``plain_cost`` instead of
-    1 and a pass with a draft still ``pass_costs[k] + k * draft_cost`` (it runs alone); probes are spaced so that
+    In a batched pass (``width_at(plain_cost, token_cost)``, a ``PricedWidth``) a plain step costs ``plain_cost``
+    instead of 1 and a pass with a draft ``pass_cost(...) + k * draft_cost``; probes are spaced so that
     they cost the same share of the sequence's time as alone (``probe_interval``). ``tree`` sizes tree drafts
     (``TreeWidth``; None: a tree's branches share the width's budget).
     """
@@ -220,15 +252,16 @@ class CostAwareWidth:
     def acceptance(self) -> float:
         return self.successes / self.trials if self.trials > 0 else 0.0
 
-    def expected_rate(self, k: int, plain_cost: float = 1.0) -> float:
-        """Expected committed tokens per unit cost for a pass of width ``k`` (a plain step costing ``plain_cost``)."""
+    def expected_rate(self, k: int, plain_cost: float = 1.0, token_cost: float | None = None) -> float:
+        """Expected committed tokens per unit cost for a pass of width ``k`` (priced by ``pass_cost``)."""
+        cost = pass_cost(self.pass_costs, k, plain_cost, token_cost)
         if k == 0:
-            return 1.0 / (self.pass_costs[0] * plain_cost)
+            return 1.0 / cost
         p = min(self.acceptance(), 0.999)
-        return (1.0 - p ** (k + 1)) / (1.0 - p) / (self.pass_costs[k] + k * self.draft_cost)
+        return (1.0 - p ** (k + 1)) / (1.0 - p) / (cost + k * self.draft_cost)
 
-    def best_width(self, plain_cost: float = 1.0) -> int:
-        rates = [self.expected_rate(k, plain_cost) for k in range(len(self.pass_costs))]
+    def best_width(self, plain_cost: float = 1.0, token_cost: float | None = None) -> int:
+        rates = [self.expected_rate(k, plain_cost, token_cost) for k in range(len(self.pass_costs))]
         return max(range(len(rates)), key=lambda k: (rates[k], -k))
 
     def probe_interval(self, plain_cost: float = 1.0) -> float:
@@ -244,9 +277,10 @@ class CostAwareWidth:
     def width(self) -> int:
         return self.width_at(1.0)
 
-    def width_at(self, plain_cost: float) -> int:
-        """The width for a pass in which a plain step of this sequence costs ``plain_cost`` (1.0 alone)."""
-        k = self.best_width(plain_cost)
+    def width_at(self, plain_cost: float, token_cost: float | None = None) -> int:
+        """The width for a pass in which a plain step of this sequence costs ``plain_cost`` (1.0 alone) and a draft
+        token ``token_cost`` (None: a draft row runs as a pass of its own; ``pass_cost``)."""
+        k = self.best_width(plain_cost, token_cost)
         if k == 0 and self.idle_steps + 1 >= self.probe_interval(plain_cost):
             return min(self.probe_width, len(self.pass_costs) - 1)
         return k

@@ -13,12 +13,13 @@
                         sits the pass out (no row), and the first one always gets >= 1 (progress)
             decoding:   every pass, budget or not:
                         (pending, *draft) at state.kv_len; context, draft = speculation.draft(state, vocab,
-                        plain_cost, slot): the proposer's propose(DraftContext), cut by core.draft_width /
-                        take_draft (a DraftTree is a tree row, BatchRow.parents, on a backend whose tree_rows is
-                        True; elsewhere its first branch is verified); plain_cost: what one
-                        more one-token row costs in a pass with this many decoding sequences, priced by
-                        core.width.marginal_row_cost on the backend's decode_costs, so speculation fades as
-                        the batch fills)
+                        plain_cost, slot, token_cost): the proposer's propose(DraftContext), cut by
+                        core.draft_width / take_draft (a DraftTree is a tree row, BatchRow.parents, on a backend
+                        whose tree_rows is True; elsewhere its first branch is verified); plain_cost: a one-token
+                        row's share of a pass with this many decoding sequences (core.width.mean_row_cost on the
+                        backend's decode_costs); token_cost: what one more row costs in it
+                        (core.width.marginal_row_cost), where the backend runs a draft row beside the others
+                        (backends.base.batches_drafts), else None (it runs alone): core.width.pass_cost)
         outputs = backend.run_pass(rows)                             ONE pass for every row
         for every row, with its own [len(tokens), vocab] logits:
             a prompt chunk that is not the last: nothing to decide
@@ -62,12 +63,12 @@ from __future__ import annotations
 import collections
 from collections.abc import Sequence
 
-from ortspec.backends.base import BackendError, BatchBackend, BatchRow, runs_trees
+from ortspec.backends.base import BackendError, BatchBackend, BatchRow, batches_drafts, runs_trees
 from ortspec.core.checks import check_int
 from ortspec.core.prefix import reuse_score
 from ortspec.core.proposers import Proposer
 from ortspec.core.state import Commit, DecodeState, Detokenize, Options
-from ortspec.core.width import WidthPolicy, marginal_row_cost
+from ortspec.core.width import WidthPolicy, marginal_row_cost, mean_row_cost
 from ortspec.results import FinishCallback, StreamCallback
 from ortspec.sequence import BatchSequence, Phase
 from ortspec.speculation import Speculation
@@ -112,11 +113,11 @@ class BatchDriver:
     every decoding sequence, and every newcomer's first token, until the whole pass ends. The default,
     ``DEFAULT_PREFILL_BUDGET``, equals the default chunk, so a request alone is prefilled exactly as without a
     budget (chosen by measurement: docs/serve/prefill-budget/in-process.md).
-    ``decode_costs``: the backend's measured cost of a pass
-    of ``n`` one-token rows ÷ one alone, for ``n = 0 .. slots`` (``core.width.marginal_row_cost``;
-    ``Engine.batch_decode_costs`` measures it); without it a plain step is priced as alone (1.0), so a
-    ``PricedWidth`` policy speculates as it would alone. ``prefix_reuse``: a request takes the free slot holding
-    its longest prefix and prefills only the rest (module docstring); off, it takes the lowest free slot, emptied.
+    ``decode_costs``: the backend's measured cost of a pass of ``n`` one-token rows ÷ one alone, for ``n = 0 ..
+    slots`` (``core.width.mean_row_cost``, ``marginal_row_cost``; ``Engine.batch_decode_costs`` measures it);
+    without it a plain step is priced as alone (1.0), so a ``PricedWidth`` policy speculates as it would alone.
+    ``prefix_reuse``: a request takes the free slot holding its longest prefix and prefills only the rest (module
+    docstring); off, it takes the lowest free slot, emptied.
     The driver must be the only user of the backend's slots: what it remembers of them is what its own passes left
     there. ``passes`` counts the backend passes run."""
 
@@ -150,6 +151,7 @@ class BatchDriver:
         self._in_pass = False
         self.passes = 0
         self.device_picks = bool(getattr(backend, "picks_on_device", False))  # rows may ask for picks
+        self.batched_drafts = batches_drafts(backend)  # a draft row joins the pass's run: priced by its tokens
         self.tree_rows = runs_trees(backend)  # a proposer's DraftTree is verified whole (else its first branch)
         self.admitting = True  # False: waiting requests stay waiting (the running ones go on)
 
@@ -271,10 +273,17 @@ class BatchDriver:
         return admitted
 
     def plain_cost(self) -> float:
-        """What a plain step costs in the next pass, given the sequences decoding now (1.0 without
-        ``decode_costs``)."""
+        """What a plain step costs in the next pass, given the sequences decoding now: its share of the pass
+        (``core.width.mean_row_cost``; 1.0 without ``decode_costs``)."""
         if self.decode_costs is None:
             return 1.0
+        return mean_row_cost(self.decode_costs, sum(s.phase is Phase.DECODING for s in self._running))
+
+    def token_cost(self) -> float | None:
+        """What a draft token costs in the next pass where the backend runs draft rows beside the others (one more
+        row: ``core.width.marginal_row_cost``); None where a draft row runs as a pass of its own."""
+        if not self.batched_drafts or self.decode_costs is None:
+            return None
         return marginal_row_cost(self.decode_costs, sum(s.phase is Phase.DECODING for s in self._running))
 
     def _best_free(self, prompt: Sequence[int]) -> int:
@@ -289,13 +298,14 @@ class BatchDriver:
         one's next chunk as far as ``budget`` goes (one granted no token has no row); a sequence whose proposer
         fails is failed and freed."""
         batch = []
-        plain_cost = self.plain_cost()
+        plain_cost, token_cost = self.plain_cost(), self.token_cost()
         for sequence in sequences:
             chunk = budget.take(min(self.prefill_chunk, sequence._prompt_left))
             if sequence.phase is Phase.PREFILL and chunk == 0:
                 continue  # the budget is spent: it sits this pass out
             try:
-                row = sequence._row(chunk, self._backend.vocab_size, plain_cost, self.device_picks)
+                vocab = self._backend.vocab_size
+                row = sequence._row(chunk, vocab, plain_cost, self.device_picks, token_cost)
                 batch.append((sequence, row))
             except Exception as exc:
                 sequence._fail(exc)

@@ -199,12 +199,20 @@ class BatchSequence:
         """Prompt tokens still to prefill (0 once decoding)."""
         return len(self.state.prompt_tokens) - self._prefilled if self._phase is Phase.PREFILL else 0
 
-    def _row(self, chunk: int, vocab_size: int, plain_cost: float, device_picks: bool = False) -> BatchRow:
+    def _row(
+        self,
+        chunk: int,
+        vocab_size: int,
+        plain_cost: float,
+        device_picks: bool = False,
+        token_cost: float | None = None,
+    ) -> BatchRow:
         """This sequence's row of the next pass (a proposer failure raises ``ProposerError``): while prefilling,
         its next ``chunk`` prompt tokens (1 <= chunk <= ``_prompt_left``, the driver's choice); decoding, its
         pending token and draft, ``plain_cost`` being the price of a plain step in this pass
-        (``Speculation.draft``), asking for picks instead of logits when the backend makes them (``device_picks``)
-        and the options need nothing else; a ``DraftTree`` draft is a tree row (``BatchRow.parents``)."""
+        (``Speculation.draft``, with ``token_cost``), asking for picks instead of logits when the backend makes
+        them (``device_picks``) and the options need nothing else; a ``DraftTree`` draft is a tree row
+        (``BatchRow.parents``)."""
         assert self._slot is not None
         state = self.state
         reads_slot = self._reads_target_state  # its proposer reads the hidden state of the last row
@@ -215,7 +223,7 @@ class BatchSequence:
             tokens = state.prompt_tokens[self._prefilled : end]
             last = reads_slot and end == len(state.prompt_tokens)
             return BatchRow(self._slot, tokens, self._prefilled, last_logits=1, hidden_states=last)
-        self._context, self._draft = self._speculation.draft(state, vocab_size, plain_cost, self._slot)
+        self._context, self._draft = self._speculation.draft(state, vocab_size, plain_cost, self._slot, token_cost)
         picks = device_picks and state.options.device_picks_suffice
         draft = self._draft
         if isinstance(draft, DraftTree):

@@ -38,22 +38,29 @@ class Speculation:
         return cls(proposer, width_policy(draft_width), picker, trees)
 
     def draft(
-        self, state: DecodeState, vocab_size: int, plain_cost: float = 1.0, slot: int | None = None
+        self,
+        state: DecodeState,
+        vocab_size: int,
+        plain_cost: float = 1.0,
+        slot: int | None = None,
+        token_cost: float | None = None,
     ) -> tuple[DraftContext | None, Draft]:
         """``(context, draft)`` for the next step from ``state``: the context the proposer was asked with (None
         when it was not asked: no proposer, or a width of 0, ``core.draft_width``) and its answer cut to the width
         (``core.take_draft``: a tree by node count, reduced to its first branch unless ``trees``). ``plain_cost``:
-        what a plain step costs in the pass the step joins (1.0 alone; ``core.width.marginal_row_cost`` in a
-        batch); ``slot``: the slot holding the sequence's target state (``DraftContext.slot``, and the sequence's
-        key, ``DraftContext.sequence``, which ``after`` keeps). Raises
+        what a plain step costs in the pass the step joins (1.0 alone; ``core.width.mean_row_cost`` in a batch);
+        ``token_cost``: what a draft token costs where the pass runs a draft row beside the others (None: it runs
+        as a pass of its own; ``core.width.pass_cost``); ``slot``: the slot holding the sequence's target state
+        (``DraftContext.slot``, and the sequence's key, ``DraftContext.sequence``, which ``after`` keeps). Raises
         ``ProposerError`` when the proposer raises or proposes something that is not a draft."""
         if self.proposer is None:
             return None, ()
-        width = draft_width(state, asked_width(self.policy, plain_cost))
+        width = draft_width(state, asked_width(self.policy, plain_cost, token_cost))
         if width == 0:
             return None, ()
         nodes = min(draft_budget(state), tree_nodes(self.policy, width)) if self.trees else None
-        context = DraftContext(state.context_tokens, width, plain_cost, slot, self.picker, nodes, sequence=slot)
+        tokens = state.context_tokens
+        context = DraftContext(tokens, width, plain_cost, slot, self.picker, nodes, slot, token_cost)
         try:
             proposal = self.proposer.propose(context)
             return context, take_draft(state, proposal, width, vocab_size, trees=self.trees, nodes=nodes)

@@ -165,10 +165,11 @@ def batches(draw):
     slots = draw(st.integers(1, 4))
     chunk = draw(st.sampled_from([1, 2, 3, 5, 8, 16, 512]))
     budget = draw(st.sampled_from([None, None, 1, 2, 3, 4, 7, 16, 512]))
-    # How the driver prices a plain step (widths only: never the output): as alone, or by a cost curve.
+    # How the driver prices a plain step and a draft (widths only: never the output): as alone, or by a cost curve,
+    # with draft rows running alone or beside the others (a ragged backend).
     steps = draw(st.lists(st.floats(0.0, 1.5), min_size=slots - 1, max_size=slots - 1))
     costs = draw(st.sampled_from([None, tuple(itertools.accumulate([0.0, 1.0, *steps]))]))
-    return model, capacity, slots, Prefill(chunk, budget), requests, costs
+    return model, capacity, slots, Prefill(chunk, budget, draw(st.booleans())), requests, costs
 
 
 def submit(driver: BatchDriver, req: Request, stream: list) -> BatchSequence:
@@ -189,10 +190,12 @@ def submit(driver: BatchDriver, req: Request, stream: list) -> BatchSequence:
 
 
 class Prefill(NamedTuple):
-    """How the driver prefills: ``chunk`` (``prefill_chunk``) and ``budget`` (``prefill_budget``)."""
+    """How the driver prefills: ``chunk`` (``prefill_chunk``) and ``budget`` (``prefill_budget``), on a backend
+    whose passes run draft rows beside the others or not (``ragged``: how drafts are priced)."""
 
     chunk: int
     budget: int | None
+    ragged: bool = False
 
 
 class PhaseTracingBackend(FakeBatchBackend):
@@ -203,8 +206,8 @@ class PhaseTracingBackend(FakeBatchBackend):
 
     driver: BatchDriver
 
-    def __init__(self, model, slots, max_length):
-        super().__init__(model, slots, max_length)
+    def __init__(self, model, slots, max_length, ragged=False):
+        super().__init__(model, slots, max_length, ragged_rows=ragged)
         self.phases: list[set[Phase]] = []
         self.sat_out = 0
 
@@ -229,7 +232,7 @@ def run_batch(
 ) -> tuple[list[Outcome], PhaseTracingBackend, BatchDriver]:
     """Submit each request at its tick, cancel at its tick, run until every sequence is done (a tick is one call
     of ``step``, which runs a pass unless the driver is idle)."""
-    backend = PhaseTracingBackend(model, slots, capacity)
+    backend = PhaseTracingBackend(model, slots, capacity, prefill.ragged)
     driver = backend.driver = BatchDriver(
         backend, prefill_chunk=prefill.chunk, prefill_budget=prefill.budget, decode_costs=decode_costs
     )

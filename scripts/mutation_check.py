@@ -546,8 +546,8 @@ MUTANTS: dict[str, Mutant] = {
     ),
     "speculation-drafts-without-the-slot": Mutant(
         "ortspec/speculation.py",
-        "context = DraftContext(state.context_tokens, width, plain_cost, slot, self.picker, nodes, sequence=slot)",
-        "context = DraftContext(state.context_tokens, width, plain_cost, None, self.picker, nodes, sequence=slot)",
+        "context = DraftContext(tokens, width, plain_cost, slot, self.picker, nodes, slot, token_cost)",
+        "context = DraftContext(tokens, width, plain_cost, None, self.picker, nodes, slot, token_cost)",
     ),
     "batch-slots-floor-each-workers-share": Mutant(
         "adapters/batch/worker.py",
@@ -561,8 +561,8 @@ MUTANTS: dict[str, Mutant] = {
     ),
     "batch-driver-drafts-in-slot-0": Mutant(
         "ortspec/sequence.py",
-        "self._context, self._draft = self._speculation.draft(state, vocab_size, plain_cost, self._slot)",
-        "self._context, self._draft = self._speculation.draft(state, vocab_size, plain_cost, 0)",
+        "self._context, self._draft = self._speculation.draft(state, vocab_size, plain_cost, self._slot, token_cost)",
+        "self._context, self._draft = self._speculation.draft(state, vocab_size, plain_cost, 0, token_cost)",
         ("tests/test_batch_drafter.py",),
     ),
     "batch-driver-rows-to-the-wrong-sequence": Mutant(
@@ -577,13 +577,37 @@ MUTANTS: dict[str, Mutant] = {
     ),
     "batch-driver-prices-every-step-as-alone": Mutant(
         "ortspec/batch_driver.py",
-        "return marginal_row_cost(self.decode_costs, sum(s.phase is Phase.DECODING for s in self._running))",
+        "return mean_row_cost(self.decode_costs, sum(s.phase is Phase.DECODING for s in self._running))",
         "return 1.0",
     ),
     "batch-driver-prices-by-the-slots-not-the-load": Mutant(
         "ortspec/batch_driver.py",
-        "return marginal_row_cost(self.decode_costs, sum(s.phase is Phase.DECODING for s in self._running))",
-        "return marginal_row_cost(self.decode_costs, self._backend.slots)",
+        "return mean_row_cost(self.decode_costs, sum(s.phase is Phase.DECODING for s in self._running))",
+        "return mean_row_cost(self.decode_costs, self._backend.slots)",
+    ),
+    "width-prices-batched-drafts-as-alone": Mutant(
+        "core/width.py",
+        "return min(pass_costs[k], plain_cost + k * token_cost)",
+        "return pass_costs[k]",
+        ("tests/test_batch_driver.py",),
+    ),
+    "batch-driver-prices-batched-drafts-as-alone": Mutant(
+        "ortspec/batch_driver.py",
+        "if not self.batched_drafts or self.decode_costs is None:",
+        "if True:",
+    ),
+    # -- the ragged batch backend: rows of any lengths in one session run ------------------------------------------
+    "ragged-pass-writes-padding-as-tokens": Mutant(
+        "backends/onnx/pass_inputs.py",
+        "filled = starts + (width if valid is None else valid)",
+        "filled = starts + width",
+        ("tests/test_ort_batch.py",),
+    ),
+    "ragged-groups-ignore-the-capacity": Mutant(
+        "backends/onnx/pass_inputs.py",
+        "if furthest + width > max_length:",
+        "if False:",
+        ("tests/test_ort_batch.py",),
     ),
     # -- the batch driver's prompt-token budget per pass ------------------------------------------------------------
     "batch-driver-ignores-the-prefill-budget": Mutant(
@@ -694,6 +718,19 @@ MUTANTS: dict[str, Mutant] = {
         "adapters/batch/local.py",
         "if len(held) == 1:",
         "if held:",
+    ),
+    # -- train-drafter: the head copies layer L as the target computes it, and refuses what it cannot -------------
+    "drafter-window-counts-the-query-twice": Mutant(
+        "backends/onnx/drafter_support.py",
+        "window=max(window - 1, 0),  # GroupQueryAttention's window counts the query's own position",
+        "window=max(window, 0),",
+        ("tests/test_drafter_architectures.py::test_the_copied_layer_is_the_targets",),
+    ),
+    "drafter-reads-a-layer-without-kv": Mutant(
+        "backends/onnx/drafter_support.py",
+        "if layer not in target.kv_layers:",
+        "if False:",
+        ("tests/test_drafter_architectures.py",),
     ),
 }
 

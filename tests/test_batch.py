@@ -378,3 +378,22 @@ def test_the_backend_config_opens_every_worker_and_threads_are_the_jobs(tmp_path
         run_batch(BatchJob(src, tmp_path / "out.jsonl", backend="cuda"), progress=False)  # type: ignore[arg-type]
     with pytest.raises(BatchError, match="prefill_budget must be an int >= 1, got 0"):
         run_batch(BatchJob(src, tmp_path / "out.jsonl", prefill_budget=0), progress=False)
+
+
+def same_record(line: dict, reference: dict) -> bool:
+    """The record alone: every field equal, the logprobs' values within float32 rounding (a row's logits in a batched
+    run differ from its logits alone in the last bits: tests/test_ort_batch.py's ROW_TOLERANCE)."""
+    line, reference = dict(line), dict(reference)
+    ours, theirs = line.pop("logprobs", None), reference.pop("logprobs", None)
+    if (ours is None) != (theirs is None) or line != reference:
+        return False
+    return ours is None or _numbers(ours) == pytest.approx(_numbers(theirs), rel=1e-5, abs=1e-5)
+
+
+def _numbers(value) -> list:
+    """Every number in a nested JSON value, in order (the token ids too: approx of an int is itself)."""
+    if isinstance(value, dict):
+        return [n for v in value.values() for n in _numbers(v)]
+    if isinstance(value, list):
+        return [n for v in value for n in _numbers(v)]
+    return [value]

@@ -367,7 +367,7 @@ def test_an_interrupt_in_a_callback_leaves_every_slot_rewound_and_the_driver_usa
     assert not d.running and not d.waiting
 
 
-# -- pricing a plain step by the pass it joins (core.width.marginal_row_cost, PricedWidth) ---------------------------
+# -- pricing a step by the pass it joins (core.width.mean_row_cost, marginal_row_cost, pass_cost, PricedWidth) -------
 
 # A pass of n one-token rows costs 1 + 0.1 (n - 1) steps; a verify pass (alone) 1.0 + 0.05 k.
 DECODE_COSTS = tuple([0.0] + [1.0 + 0.1 * (n - 1) for n in range(1, 9)])
@@ -394,6 +394,54 @@ def test_marginal_row_cost_and_the_cost_aware_width_under_load():
     assert idle.probe_interval(0.1) > 10 * idle.probe_every
     assert attrs_evolve(idle, idle_steps=idle.probe_every - 1).width_at(1.0) == idle.probe_width
     assert attrs_evolve(idle, idle_steps=idle.probe_every - 1).width_at(0.1) == 0
+
+
+def test_a_plain_row_costs_its_share_of_the_pass_and_a_batched_draft_its_rows():
+    from ortspec.core import CostAwareWidth, mean_row_cost, pass_cost
+
+    assert mean_row_cost(DECODE_COSTS, 1) == mean_row_cost(DECODE_COSTS, 0) == 1.0
+    assert mean_row_cost(DECODE_COSTS, 4) == pytest.approx(1.3 / 4)  # its share of the pass
+    assert mean_row_cost(DECODE_COSTS, 16) == pytest.approx((1.7 + 8 * 0.1) / 16)  # past the curve: its last step
+    assert mean_row_cost((0.0, 1.0, 0.5), 2) == 0.25 and mean_row_cost((0.0, 1.0, 1.0), 2) == 0.5
+    # a draft row alone costs its own pass; beside the others, its rows: at most 1 + k at the plain row's share
+    assert pass_cost(PASS_COSTS, 0, 0.2) == pytest.approx(0.2)
+    assert pass_cost(PASS_COSTS, 4, 0.2) == PASS_COSTS[4]
+    assert pass_cost(PASS_COSTS, 4, 0.2, token_cost=0.1) == pytest.approx(0.2 + 4 * 0.1)
+    assert pass_cost(PASS_COSTS, 8, 0.5, token_cost=0.2) == PASS_COSTS[8]  # never more than a pass of its own
+    assert pass_cost(PASS_COSTS, 4, 1.0, token_cost=0.1) == PASS_COSTS[4]  # alone: the pass is the row's
+    sure = CostAwareWidth(PASS_COSTS, successes=9.0, trials=10.0)  # acceptance 0.9
+    share, row = mean_row_cost(DECODE_COSTS, 8), 0.1
+    assert sure.width_at(share) == 0  # a pass of its own for ~6 tokens costs more than 6 plain rows' share
+    assert 0 < sure.width_at(share, row) < 8  # beside the others: ~3.4 tokens for 0.51 of a step at 3
+
+
+def test_beside_a_full_batch_drafts_run_where_the_backend_batches_them_and_outputs_do_not_change():
+    """Beside seven decoding sequences a sure drafter drafts on a backend that runs draft rows in the batch (each
+    draft token one more row) and stays plain where each draft row would be a pass of its own; the outputs are
+    each request's alone either way."""
+    from ortspec.core import CostAwareWidth
+
+    options = Options(max_tokens=24)
+    copying = [1, 2, 3, 4, 5, 6, 7, 1, 2, 3, 4, 5, 6, 7, 1, 2, 3]
+    policy = CostAwareWidth(PASS_COSTS, successes=9.0, trials=10.0)
+
+    def first_widths(ragged: bool) -> list[int]:
+        drv = BatchDriver(FakeBatchBackend(MODEL, 8, 256, ragged_rows=ragged), decode_costs=DECODE_COSTS)
+        assert drv.batched_drafts is ragged
+        first = drv.submit(copying, options, Oracle(), draft_width=policy)
+        rest = [drv.submit([9, 8, i], Options(max_tokens=40)) for i in range(7)]
+        widths = []
+        while drv.step():
+            if first.phase.value == "decoding" and all(s.phase.value == "decoding" for s in rest):
+                widths.append(first._context.width if first._context is not None else 0)
+        assert first.result().token_ids == alone(copying, options).token_ids
+        for i, sequence in enumerate(rest):
+            assert sequence.result().token_ids == alone([9, 8, i], Options(max_tokens=40)).token_ids
+        return widths
+
+    batched, alone_priced = first_widths(ragged=True), first_widths(ragged=False)
+    assert len(batched) >= 3 and any(w > 0 for w in batched[:3])
+    assert len(alone_priced) >= 3 and alone_priced[:3] == [0, 0, 0]
 
 
 def attrs_evolve(value, **changes):

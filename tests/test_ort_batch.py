@@ -4,7 +4,9 @@ on it gives what ``generate`` gives each request alone. Every wait is on pass co
 
 Batch invariance, measured on the tiny model (float32, CPU, one thread): a row's logits in a batch differ from the
 same sequence's alone by at most ~1.5e-6 (a batch changes the matmuls' blocking, so not always exactly 0); the
-tests assert ``ROW_TOLERANCE``."""
+tests assert ``ROW_TOLERANCE``. Every test runs on both layouts of a pass: ``ragged`` (the graph takes each row's
+query length, so one session run carries rows of any lengths: ``ragged_rewrite.py``) and ``split`` (the file's
+attention: multi-token rows after a past run alone)."""
 
 from __future__ import annotations
 
@@ -14,15 +16,15 @@ import pytest
 from ortspec import BatchBackend, BatchDriver, BatchRow, Options, PromptLookup, Sampling, generate
 from ortspec.backends.base import BackendError
 from ortspec.backends.onnx import BackendConfig, OrtBackend, OrtBatchBackend
-from ortspec.backends.onnx.pass_inputs import pass_groups
+from ortspec.backends.onnx.pass_inputs import RUN_ROWS, pass_groups, ragged_groups
 
 ROW_TOLERANCE = 1e-5  # float32 max abs difference, batch row vs the sequence alone
 MAX_LENGTH = 64
 
 
-@pytest.fixture(scope="module")
-def config():
-    return BackendConfig(threads=1, max_length=MAX_LENGTH)
+@pytest.fixture(scope="module", params=[None, False], ids=["ragged", "split"])
+def config(request):
+    return BackendConfig(threads=1, max_length=MAX_LENGTH, ragged_rows=request.param)
 
 
 @pytest.fixture(scope="module")
@@ -44,20 +46,40 @@ def alone_rows(single: OrtBackend, context: list[int], new: int) -> np.ndarray:
     return single.decode_verify(context[base:], base).copy()
 
 
-def test_it_is_a_batch_backend_and_splits_passes_into_the_runs_gqa_accepts(batch):
+def test_it_is_a_batch_backend_and_groups_a_pass_into_the_runs_its_graph_accepts(batch):
     assert isinstance(batch, BatchBackend)
-    # prefill rows of one length share a run; other lengths run apart
     rows = [BatchRow(0, (1,), 0), BatchRow(1, (2, 3), 0), BatchRow(2, (4, 5), 0), BatchRow(3, (5, 6, 7), 0)]
-    groups = pass_groups(rows)
-    assert [[row.slot for row in group.rows] for group in groups] == [[0], [1, 2], [3]]
-    assert [group.idle_at_zero for group in groups] == [False, True, True]
-    batch.run_pass(rows)
-    assert batch.runs == 3
     later = [BatchRow(0, (1,), 1), BatchRow(1, (2, 3), 2), BatchRow(2, (4,), 2), BatchRow(3, (5,), 3)]
-    assert [[row.slot for row in group.rows] for group in pass_groups(later)] == [[0, 2, 3], [1]]
+    if batch.graph.query_lengths_name is None:
+        # prefill rows of one length share a run; other lengths run apart; a multi-token row after a past alone
+        assert [[row.slot for row in group.rows] for group in pass_groups(rows)] == [[0], [1, 2], [3]]
+        assert [group.idle_at_zero for group in pass_groups(rows)] == [False, True, True]
+        assert [[row.slot for row in group.rows] for group in pass_groups(later)] == [[0, 2, 3], [1]]
+        runs = [3, 5]
+    else:  # any rows share a run, right-padded to the widest, where that costs less than another run
+        assert [[row.slot for row in group.rows] for group in ragged_groups(rows, MAX_LENGTH)] == [[0, 1, 2, 3]]
+        assert [[row.slot for row in group.rows] for group in ragged_groups(later, MAX_LENGTH)] == [[0, 2, 3, 1]]
+        runs = [1, 2]
+    batch.run_pass(rows)
+    assert batch.runs == runs[0]
     batch.run_pass(later)
-    assert batch.runs == 5
+    assert batch.runs == runs[1]
     assert [batch.current_len(slot) for slot in range(4)] == [2, 4, 3, 4]
+
+
+def test_ragged_groups_pad_only_where_a_run_costs_more():
+    decodes = [BatchRow(slot, (1,), 10) for slot in range(3)]
+    chunk = BatchRow(3, tuple(range(2 * RUN_ROWS)), 10)  # padding the decodes to its width costs more than a run
+    groups = ragged_groups([chunk, *decodes], MAX_LENGTH)
+    assert [[row.slot for row in group.rows] for group in groups] == [[0, 1, 2], [3]]
+    verify = BatchRow(3, (1, 2, 3), 10)  # a short draft pads the decodes for less than a run
+    assert [[row.slot for row in g.rows] for g in ragged_groups([verify, *decodes], MAX_LENGTH)] == [[0, 1, 2, 3]]
+    # a row that cannot fit the run's width at its position, and one as wide as the slots, run apart
+    late = BatchRow(0, (1,), MAX_LENGTH - 2)
+    groups = ragged_groups([late, BatchRow(1, (1, 2, 3), 0)], MAX_LENGTH)
+    assert [[row.slot for row in group.rows] for group in groups] == [[0], [1]]
+    full = BatchRow(2, tuple(range(MAX_LENGTH)), 0)
+    assert [[row.slot for row in g.rows] for g in ragged_groups([full, *decodes[:2]], MAX_LENGTH)] == [[0, 1], [2]]
 
 
 def test_each_row_equals_the_sequence_alone_over_random_batches(batch, single):

@@ -57,9 +57,11 @@ logger = logging.getLogger(__name__)
 R = TypeVar("R")
 
 
-def _refuse_tree_rows(config: BackendConfig) -> None:
+def _refuse_batch_only(config: BackendConfig) -> None:
     if config.tree_rows:
         raise ValueError("tree_rows: token-tree rows run on the batch backend (OrtBatchBackend) only")
+    if config.ragged_rows:
+        raise ValueError("ragged_rows: ragged passes run on the batch backend (OrtBatchBackend) only")
 
 
 class OrtBackend:
@@ -104,7 +106,7 @@ class OrtBackend:
         import onnxruntime as ort
 
         config = config if config is not None else BackendConfig()
-        _refuse_tree_rows(config)
+        _refuse_batch_only(config)
         self._ort = ort
         self.config = config
         self.session = session
@@ -203,7 +205,7 @@ class OrtBackend:
         import onnxruntime  # noqa: F401 - fail here, before any work, when it is missing
 
         config = config if config is not None else BackendConfig()
-        _refuse_tree_rows(config)
+        _refuse_batch_only(config)
         folder = folder_or_path if isinstance(folder_or_path, ModelFolder) else ModelFolder.load(folder_or_path)
         config.capacity(folder.context_length)  # ValueError before any work
         loaded = load_rewrites(folder, config, keep_logits=config.provider == "cpu" and not config.static)

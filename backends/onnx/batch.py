@@ -6,12 +6,15 @@ head_size]`` of the graph's KV dtype, bound as both ``past_key_values.N`` and ``
 ``past_present_share_buffer`` layout, on ``GroupQueryAttention``): the operator appends each row's new positions in
 place, at the row's own length, which it reads from that row's ``attention_mask``.
 
-**One pass, several runs.** ONNX Runtime's ``GroupQueryAttention`` (CPU, 1.32) takes a batch of more than one
-row only when every row is one token or every row starts at position 0; for several tokens after a past it
-refuses ("batch_size must be 1 when sequence_length > 1 and past context is given"). So ``run_pass`` splits its
-rows (:func:`pass_groups`): the one-token rows (plain decodes) in one session run, the rows at position 0 (first
-prompt chunks) in another, and each multi-token row after a past (a later prompt chunk, a verify of a draft) in a
-run of its own. A batch of plain decodes is one run.
+**One pass, as few runs as pay.** ONNX Runtime's ``GroupQueryAttention`` (CPU, 1.32), as the builder wires it,
+takes a batch of more than one row only when every row is one token or every row starts at position 0; for several
+tokens after a past it refuses ("batch_size must be 1 when sequence_length > 1 and past context is given"). With
+``BackendConfig.ragged_rows`` (the default where the graph and ONNX Runtime allow) the session runs the graph with
+each row's query length (``ragged_rewrite.py``): rows of any lengths at any positions share a run, right-padded to
+its widest, and ``run_pass`` groups them (:func:`ragged_groups`) to pad only where padding costs less than another
+run. Without it (:func:`pass_groups`): the one-token rows (plain decodes) in one session run, the rows at position 0
+(first prompt chunks) of one length in another, and each multi-token row after a past (a later prompt chunk, a
+verify of a draft) in a run of its own. Either way a batch of plain decodes is one run.
 
 A run binds the contiguous range of slots ``[lo, hi]`` that its rows name, batch row ``b`` being slot ``lo + b``
 (a view of the buffers at an offset: nothing is gathered or copied). Shapes, with ``S`` the longest row's token
@@ -23,10 +26,13 @@ count and ``B = hi - lo + 1``::
     position_ids   [B, S]      row b: start_b, start_b + 1, ..., start_b + S - 1
     logits         [B, S, vocab]  row b's first len(tokens_b) rows are its answer
 
-``start_b`` is the slot's ``current_len``. A row's padding positions are computed and written to its KV past its
-real length, then forgotten: afterwards the slot's length is ``start_b + len(tokens_b)``, and the next pass
-overwrites them (causal attention means a real token never sees the padding after it). A slot inside the range
-with no row (an *idle* slot) gets a row of padding at its own length, written likewise to stale positions; when
+``start_b`` is the slot's ``current_len``. Ragged (``ragged_rows``): row ``b``'s mask covers ``start_b +
+len(tokens_b)`` positions and ``ortspec_query_lengths[b] = len(tokens_b)``, so only its real tokens are written and
+attended; an *idle* slot inside the range (no row) gets a row of ``0`` tokens after one position, which writes
+nothing. Otherwise a row's padding positions are computed and written to its KV past its real length, then
+forgotten: afterwards the slot's length is ``start_b + len(tokens_b)``, and the next pass overwrites them (causal
+attention means a real token never sees the padding after it); an idle slot gets a row of padding at its own
+length, written likewise to stale positions; when
 ``length + S`` would pass the slot's capacity the row starts at ``max_length - S`` instead, and in a prefill run
 it starts at 0: then the resident positions it overwrites are saved before the run and restored after it. So the
 idle slots' KV is untouched (the batch driver's prefix reuse counts on it), and a run costs the rows of the range.
@@ -78,7 +84,7 @@ from .config import BackendConfig
 from .folder import ModelFolder
 from .kv import KV_KINDS
 from .model_graph import DecoderGraph, LoadedGraph, inspect_graph, load_rewrites, read_graph_facts
-from .pass_inputs import Outputs, PassInputs, pass_groups
+from .pass_inputs import Outputs, PassInputs, pass_groups, ragged_groups
 from .session import execution_providers, open_session
 
 CPU = "cpu"
@@ -214,6 +220,12 @@ class OrtBatchBackend:
         (``BackendConfig.tree_rows``)."""
         return self.graph.tree_bias_name is not None
 
+    @property
+    def ragged_rows(self) -> bool:
+        """Whether one session run carries rows of any lengths at any positions (the graph was opened with the
+        query lengths, ``BackendConfig.ragged_rows``), so a draft row joins the pass's run (``batches_drafts``)."""
+        return self.graph.query_lengths_name is not None
+
     def keep_path(self, slot: int, start: int, nodes: Sequence[int]) -> None:
         """After a tree row at ``start``, move the KV (and any kept hidden state) of position ``start + 1 +
         nodes[d]`` to ``start + 1 + d`` for each ``d`` (``backends/base.py``: ``BatchTreeRows``)."""
@@ -238,9 +250,12 @@ class OrtBatchBackend:
                 raise BackendError(f"the tree row of slot {row.slot} starts at position 0; a tree needs a past")
         if self.graph.hidden_name is None and any(row.hidden_states for row in rows):
             raise BackendError(f"{self.folder.model_path} has no hidden-states output, which a row asked for")
-        groups = pass_groups(rows)
-        if len(groups) == 1:
-            return self._run_group(groups[0].rows, groups[0].idle_at_zero)
+        groups = ragged_groups(rows, self._max_length) if self.ragged_rows else pass_groups(rows)
+        if len(groups) == 1:  # views of the pass's buffers, in the order of ``rows``
+            group = groups[0]
+            outputs = self._run_group(group.rows, group.idle_at_zero)
+            answers = dict(zip((row.slot for row in group.rows), outputs, strict=True))
+            return [answers[row.slot] for row in rows]
         lengths = self._lengths[: self._slots]
         done: dict[int, np.ndarray] = {}
         try:
@@ -280,19 +295,22 @@ class OrtBatchBackend:
         # the last `kept` of the padded width's positions cover every row's wanted ones (row b's are its last
         # logits_rows real positions, which end at len(tokens_b) - 1)
         kept = max(width - len(row.tokens) + row.logits_rows for row in rows)
-        in_pass = {row.slot for row in rows}
-        starts = np.array(
-            [
-                self._lengths[slot] if slot in in_pass else self._idle_start(slot, width, idle_at_zero)
-                for slot in range(lo, hi + 1)
-            ],
-            dtype=np.int64,
-        )
+        in_pass = {row.slot: len(row.tokens) for row in rows}
         tree = rows[0].parents if len(rows) == 1 else None  # a tree row runs alone (``pass_groups``)
-        inputs = PassInputs(self.graph, starts, width, kept, tree)
+        span = range(lo, hi + 1)
+        if self.graph.query_lengths_name is not None:  # idle rows: one position held, none written
+            valid = np.array([in_pass.get(slot, 0) for slot in span], dtype=np.int64)
+            starts = np.array([self._lengths[slot] if slot in in_pass else 1 for slot in span], dtype=np.int64)
+            inputs, saved = PassInputs(self.graph, starts, width, kept, tree, valid), []
+        else:
+            starts = np.array(
+                [self._lengths[s] if s in in_pass else self._idle_start(s, width, idle_at_zero) for s in span],
+                dtype=np.int64,
+            )
+            inputs = PassInputs(self.graph, starts, width, kept, tree)
+            saved = self._save_overwritten(lo, starts, width)
         for row in rows:
             inputs.ids[row.slot - lo, : len(row.tokens)] = row.tokens
-        saved = self._save_overwritten(lo, starts, width)
         try:
             out, hidden = self._run(lo, inputs, outputs if outputs is not None else self._pass_outputs)
         finally:
@@ -367,6 +385,10 @@ class OrtBatchBackend:
             binding.bind_input(graph.position_name, CPU, 0, graph.position_dtype, shape, inputs.positions.ctypes.data)
         if graph.keep_name is not None:
             binding.bind_input(graph.keep_name, CPU, 0, np.int64, [1], inputs.keep.ctypes.data)
+        if inputs.query_lengths is not None:
+            assert graph.query_lengths_name is not None
+            lengths = inputs.query_lengths
+            binding.bind_input(graph.query_lengths_name, CPU, 0, np.int32, [count], lengths.ctypes.data)
         if inputs.tree_positions is not None and inputs.tree_bias is not None:
             assert graph.tree_positions_name is not None and graph.tree_bias_name is not None
             positions, bias = inputs.tree_positions, inputs.tree_bias

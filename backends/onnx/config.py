@@ -108,7 +108,11 @@ class BackendConfig:
     reads; empty: the final hidden state alone) and ``tree_rows`` (the batch backend's graph takes each
     ``GroupQueryAttention``'s ``position_ids`` and ``attention_bias`` inputs, so a pass can verify a token tree:
     ``tree_rewrite.py``; ``OrtBatchBackend`` only; True: required, ``BackendError`` for a graph the rewrite
-    refuses; None (default): where the graph allows; False: never)."""
+    refuses; None (default): where the graph allows; False: never) and ``ragged_rows`` (the batch backend's graph
+    takes each ``GroupQueryAttention``'s ``query_seqlens`` input, so one session run carries rows of any lengths at
+    any positions, right-padded: ``ragged_rewrite.py``; ``OrtBatchBackend`` only; True: required; None (default):
+    where the graph and the installed ONNX Runtime allow; False: never, each multi-token row after a past runs
+    alone)."""
 
     provider: str = attrs.field(default="cpu", converter=_lower, validator=_provider)
     device_id: int = attrs.field(default=0, validator=int_at_least(0))
@@ -127,6 +131,7 @@ class BackendConfig:
     matmul_accuracy_level: int | None = attrs.field(default=None, validator=_accuracy_level)
     hidden_features: tuple[int, ...] = attrs.field(default=(), converter=feature_layers)
     tree_rows: bool | None = None
+    ragged_rows: bool | None = None
 
     @property
     def static(self) -> bool:

@@ -43,6 +43,7 @@ from ..base import BackendError
 from .config import BackendConfig
 from .folder import CONFIG_NAME, ModelFileError, ModelFolder, external_data_problem
 from .graph_features import append_features
+from .ragged_rewrite import QUERY_LENGTHS_INPUT, add_query_lengths
 from .tree_rewrite import TREE_BIAS_INPUT, TREE_POSITIONS_INPUT, add_tree_inputs
 
 logger = logging.getLogger(__name__)
@@ -131,7 +132,9 @@ class DecoderGraph:
     ``hidden_name`` (None when the graph has none): the final norm's output, ``[1, tokens, hidden_size]`` of
     ``hidden_dtype`` (``hidden_size`` is 0 without it). ``tree_positions_name`` and ``tree_bias_name`` (None unless
     the tree rewrite added them, ``tree_rewrite.py``): every attention node's position ids (int64 ``[batch,
-    tokens]``) and additive bias (``tree_bias_dtype``, ``[1, 1, tokens, total positions]``)."""
+    tokens]``) and additive bias (``tree_bias_dtype``, ``[1, 1, tokens, total positions]``).
+    ``query_lengths_name`` (None unless the ragged rewrite added it, ``ragged_rewrite.py``): each row's count of real
+    tokens, int32 ``[batch]``."""
 
     ids_name: str
     ids_dtype: np.dtype
@@ -152,6 +155,7 @@ class DecoderGraph:
     tree_positions_name: str | None = None
     tree_bias_name: str | None = None
     tree_bias_dtype: np.dtype | None = None
+    query_lengths_name: str | None = None
 
 
 class _Interface:
@@ -341,6 +345,9 @@ def inspect_graph(session, folder: ModelFolder, facts: GraphFacts | None = None)
     if tree:
         interface.fed.update((TREE_POSITIONS_INPUT, TREE_BIAS_INPUT))
         tree_bias_dtype = interface.dtype_of(interface.inputs[TREE_BIAS_INPUT], FLOAT_DTYPES, "input")
+    query_lengths = QUERY_LENGTHS_INPUT if QUERY_LENGTHS_INPUT in interface.inputs else None
+    if query_lengths is not None:
+        interface.fed.add(query_lengths)
     interface.check_all_fed()
     if kv_dtype is None:
         raise interface.fail("the graph has no KV inputs (genai_config.json names no layers)")
@@ -366,6 +373,7 @@ def inspect_graph(session, folder: ModelFolder, facts: GraphFacts | None = None)
         tree_positions_name=TREE_POSITIONS_INPUT if tree else None,
         tree_bias_name=TREE_BIAS_INPUT if tree else None,
         tree_bias_dtype=tree_bias_dtype,
+        query_lengths_name=query_lengths,
     )
 
 
@@ -423,14 +431,17 @@ def rewritten_model(
     features: Sequence[int] = (),
     hidden_name: str | None = None,
     tree: bool | None = False,
+    ragged: bool | None = False,
 ) -> tuple[bytes, GraphFacts]:
     """The ONNX model at ``model_path`` serialized with ``local_window_size`` set to ``windows[past_key]`` on the
     ``GroupQueryAttention`` node reading ``past_key``, (when ``accuracy_level`` is given) every ``MatMulNBits``
     node's ``accuracy_level`` set to it, and (when ``keep_logits`` names the logits output) the logits of the last
     positions only (module docstring), and (with ``features``) the residual streams entering those layers appended
     to the ``hidden_name`` output (``graph_features.py``), and (``tree`` True, or None where the graph allows) the
-    tree inputs (``tree_rewrite.add_tree_inputs``); and the facts of the result. External weights stay where
-    they are (open the bytes with the model's folder as the external-data folder)."""
+    tree inputs (``tree_rewrite.add_tree_inputs``), and (``ragged`` True, or None where the graph and the
+    installed ONNX Runtime allow) each row's query length (``ragged_rewrite.add_query_lengths``); and the facts
+    of the result. External weights stay where they are (open the bytes with the model's folder as the
+    external-data folder)."""
     import onnx
 
     model = _load_proto(model_path)
@@ -449,6 +460,12 @@ def rewritten_model(
         except BackendError:
             if tree:
                 raise  # asked for; None: the graph runs without tree rows
+    if ragged is not False:
+        try:
+            add_query_lengths(model)
+        except BackendError:
+            if ragged:
+                raise  # asked for; None: multi-token rows after a past run alone
     return model.SerializeToString(), _facts_of(model)
 
 
@@ -581,7 +598,8 @@ def load_rewrites(
     if features:
         rewrites.append(f"{folder.hidden_states_name} + the residual streams entering layers {list(features)}")
     tree = config.tree_rows if trees else False
-    if not (windows or set_level or keep_logits or features or tree is not False):
+    ragged = config.ragged_rows if trees else False
+    if not (windows or set_level or keep_logits or features or tree is not False or ragged is not False):
         return LoadedGraph(facts)
     model_bytes, facts = rewritten_model(
         folder.model_path,
@@ -591,5 +609,6 @@ def load_rewrites(
         features=features,
         hidden_name=folder.hidden_states_name,
         tree=tree,
+        ragged=ragged,
     )
     return LoadedGraph(facts, tuple(rewrites), model_bytes)

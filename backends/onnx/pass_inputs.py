@@ -21,20 +21,36 @@ class PassInputs:
     ``kept`` positions get logits; all ``S`` when the graph has no ``keep_name``). With the tree inputs
     (``DecoderGraph.tree_bias_name``): ``tree_positions`` ``[B, S]`` (``positions``, or for a tree row, ``parents``
     given and ``B == 1``, its start plus each row's depth) and ``tree_bias`` ``[1, 1, S, total]`` (zeros; for a tree
-    row ``-inf`` where ``core.tree.tree_mask`` hides a row from another)."""
+    row ``-inf`` where ``core.tree.tree_mask`` hides a row from another).
+
+    ``valid`` (a graph with ``query_lengths_name``, ``ragged_rewrite.py``): each bound row's count of real tokens,
+    ``0 <= valid[b] <= S`` (0: an idle row, whose start must be 1), fed as ``query_lengths`` (int32 ``[B]``); a row's
+    mask then covers ``starts[b] + valid[b]`` positions and its padding positions repeat its last real one. None:
+    every row is ``S`` tokens long (its padding is written to the KV past its real length and forgotten)."""
 
     def __init__(
-        self, graph: DecoderGraph, starts: np.ndarray, width: int, kept: int, parents: tuple[int, ...] | None = None
+        self,
+        graph: DecoderGraph,
+        starts: np.ndarray,
+        width: int,
+        kept: int,
+        parents: tuple[int, ...] | None = None,
+        valid: np.ndarray | None = None,
     ) -> None:
         count = len(starts)
-        total = int(starts.max()) + width
+        filled = starts + (width if valid is None else valid)  # positions each slot holds after the run
+        total = max(int(filled.max()), width)
         self.starts = starts
         self.width = width
         self.kept = kept if graph.keep_name is not None else width  # logits positions computed: the last ``kept``
         self.keep = np.array([self.kept], np.int64)
         self.ids = np.zeros((count, width), graph.ids_dtype)
-        self.mask = (np.arange(total)[None, :] < (starts[:, None] + width)).astype(graph.mask_dtype or np.int64)
-        self.positions = (starts[:, None] + np.arange(width)[None, :]).astype(graph.position_dtype or np.int64)
+        self.mask = (np.arange(total)[None, :] < filled[:, None]).astype(graph.mask_dtype or np.int64)
+        positions = starts[:, None] + np.arange(width)[None, :]
+        if valid is not None:
+            positions = np.minimum(positions, np.maximum(filled - 1, 0)[:, None])
+        self.positions = positions.astype(graph.position_dtype or np.int64)
+        self.query_lengths = None if valid is None else valid.astype(np.int32)
         self.tree_positions = self.tree_bias = None
         if graph.tree_bias_name is not None:
             self.tree_positions = self.positions.astype(np.int64)
@@ -75,6 +91,43 @@ def pass_groups(rows: Sequence[BatchRow]) -> list[PassGroup]:
     alone = [row for row in rows if len(row.tokens) > 1 and row.position > 0]
     groups = [PassGroup(decode, False)] if decode else []
     groups.extend(PassGroup(tuple(same), True) for same in prefill.values())
+    groups.extend(PassGroup((row,), False) for row in alone)
+    return groups
+
+
+# What one session run costs beyond its rows, in padded token rows (the weights are read once per run):
+# read off docs/bench/batch-pass-cost.md (a run of 16 one-token rows against one of a single row).
+RUN_ROWS = 16
+
+
+def ragged_groups(rows: Sequence[BatchRow], max_length: int, run_rows: int = RUN_ROWS) -> list[PassGroup]:
+    """Split a batch into session runs of a graph that takes query lengths (``ragged_rewrite.py``), where any rows
+    can share a run, each right-padded to the run's widest: the partition of the rows, ordered by width, into
+    runs that costs least when a run costs ``run_rows`` plus its rows times its width (the padding is computed like
+    real tokens), every row fitting ``max_length`` at its position plus the run's width. A tree row
+    (``parents``) runs alone, and so does a row as wide as ``max_length`` (an idle row beside it would not fit).
+    Runs come narrowest first."""
+    alone = [row for row in rows if row.parents is not None or len(row.tokens) >= max_length]
+    ordered = sorted((row for row in rows if row not in alone), key=lambda row: len(row.tokens))
+    n = len(ordered)
+    best = [0.0] + [float("inf")] * n  # best[j]: the least cost of the first j rows
+    cut = [0] * (n + 1)  # where the last run of best[j] starts
+    for j in range(1, n + 1):
+        width = len(ordered[j - 1].tokens)
+        furthest = 0
+        for i in range(j - 1, -1, -1):
+            furthest = max(furthest, ordered[i].position)
+            if furthest + width > max_length:
+                break
+            cost = best[i] + run_rows + (j - i) * width
+            if cost < best[j]:
+                best[j], cut[j] = cost, i
+    groups: list[PassGroup] = []
+    j = n
+    while j > 0:
+        groups.append(PassGroup(tuple(ordered[cut[j] : j]), False))
+        j = cut[j]
+    groups.reverse()
     groups.extend(PassGroup((row,), False) for row in alone)
     return groups
 
