@@ -110,10 +110,16 @@ def check_constrained(sc: Scenario, data) -> None:
     )
 
     # Constrained plain decoding is the reference decoder on the masked model (until the grammar completes).
-    if plain.finish_reason is FinishReason.GRAMMAR_COMPLETE:
-        if tokens:  # the reference knows no grammar: it decodes as many tokens, and the masked rows
+    if complete and plain.finish_reason is not FinishReason.EOS_TOKEN:
+        # The grammar ended the generation at its last token, as a limit does (a partial character is flushed and
+        # a stop string it completes still ends it): the reference knows no grammar, so it decodes as many tokens.
+        if tokens:
             shorter = attrs.evolve(sc, options=attrs.evolve(sc.options, max_tokens=len(tokens)))
-            assert list(tokens) == reference_tokens(shorter, grammar).tokens
+            ref = reference_tokens(shorter, grammar)
+            assert list(tokens) == ref.tokens
+            if plain.finish_reason is not FinishReason.GRAMMAR_COMPLETE:
+                assert plain.text == ref.text
+                assert str(plain.finish_reason) == ref.finish_reason
     else:
         ref = reference_tokens(sc, grammar)
         assert list(tokens) == ref.tokens
