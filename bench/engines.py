@@ -62,7 +62,7 @@ SPEC_ENGINES = (
 )
 ORTSPEC_ENGINES = ("ortspec-greedy", *SPEC_ENGINES)
 SAMPLED_ORTSPEC_ENGINES = (SAMPLED_REFERENCE, SAMPLED_SPEC, SAMPLED_AUTO, SAMPLED_AUTO_TREE, SAMPLED_DRAFT_MODEL)
-PEER_ENGINES = ("ortgenai", "ortgenai-ngram", "onnx_genai")
+PEER_ENGINES = ("ortgenai", "ortgenai-ngram", "onnx_genai", "llamacpp")
 SAMPLED_PEER = "ortgenai-sampled"  # ORT GenAI plain sampling
 SAMPLED_NGRAM_PEER = "ortgenai-ngram-sampled"  # ORT GenAI n-gram speculation, sampling
 SAMPLED_PEER_ENGINES = (SAMPLED_PEER, SAMPLED_NGRAM_PEER)
@@ -338,7 +338,7 @@ class PeerEngine:
             if "target_forward_passes" in spec and "standard_fallback_steps" in spec:
                 passes = int(spec["target_forward_passes"]) + int(spec["standard_fallback_steps"])
             return spec.get("draft_tokens_evaluated"), spec.get("draft_tokens_accepted"), passes
-        if self.name in ("ortgenai", "onnx_genai", SAMPLED_PEER):
+        if self.name in ("ortgenai", "onnx_genai", "llamacpp", SAMPLED_PEER):
             # plain: the prefill pass yields the first token, then one pass per further token (EOS included)
             return None, None, r.new_tokens + (1 if r.finish_reason == "stop" else 0)
         return None, None, None

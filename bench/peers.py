@@ -25,6 +25,9 @@ Peers (names accepted by :func:`make_peer`):
 ``onnx_genai``
     ``onnx_genai.Engine`` greedy (``temperature=0``) on a patched copy of the folder
     whose symbolic KV-cache dimension is made concrete.
+``llamacpp``
+    llama.cpp (``llama-cpp-python``) greedy on the model's own GGUF, at its native precision
+    (``bench.llamacpp``).
 
 Timing is the same for all peers: the clock starts once the prompt (text or
 ids) is in hand, ``ttft_s`` is the time until the first new token is available,
@@ -63,7 +66,7 @@ from ortspec.adapters.engine.tokenizer import Tokenizer
 from ortspec.backends.onnx import ModelFolder
 from ortspec.driver import decode_rate
 
-PEER_NAMES = ("ortgenai", "ortgenai-ngram", "onnx_genai", "ortgenai-sampled", "ortgenai-ngram-sampled")
+PEER_NAMES = ("ortgenai", "ortgenai-ngram", "onnx_genai", "ortgenai-sampled", "ortgenai-ngram-sampled", "llamacpp")
 DEFAULT_SAMPLING = {"temperature": 0.7, "top_p": 0.9}  # the sampled peers' options unless given (the suite's)
 
 
@@ -689,13 +692,17 @@ def make_peer(
     """
     if name not in PEER_NAMES:
         return None, f"unknown peer {name!r}; known: {', '.join(PEER_NAMES)}"
-    module = "onnx_genai" if name == "onnx_genai" else "onnxruntime_genai"
+    module = {"onnx_genai": "onnx_genai", "llamacpp": "llama_cpp"}.get(name, "onnxruntime_genai")
     try:
         __import__(module)
     except Exception as exc:  # ImportError, or a broken native library
         return None, f"{module} is not importable: {type(exc).__name__}: {exc}"
     try:
         sampling = (options.get("sampling") or DEFAULT_SAMPLING) if name.endswith("-sampled") else None
+        if name == "llamacpp":
+            from bench.llamacpp import LlamaCppRunner
+
+            return LlamaCppRunner(model_dir, threads=threads, gguf=options.get("gguf")), None
         if name in ("ortgenai", "ortgenai-sampled"):
             return OrtGenAIRunner(model_dir, threads=threads, sampling=sampling), None
         if name in ("ortgenai-ngram", "ortgenai-ngram-sampled"):

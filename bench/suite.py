@@ -30,6 +30,8 @@ Engines (``--engines``, comma separated):
 ``ortgenai-sampled``          ONNX Runtime GenAI sampling (do_sample, temperature 0.7, top_p 0.9, top_k = the
                               vocabulary, i.e. no cut; random_seed = the prompt's seed)
 ``ortgenai-ngram-sampled``    the same with its n-gram speculation (the same ``--ngram``)
+``llamacpp``                  llama.cpp greedy on the model's own Q4_1 GGUF (``bench.llamacpp``; optional: needs
+                              ``llama-cpp-python``)
 
 A peer that cannot be imported or loaded is listed under ``missing`` with the reason; nothing is faked.
 

@@ -48,3 +48,13 @@ def test_suffix_replay_counts_passes_and_writes_its_report(tmp_path, capsys):
     # the cache lets the second and third answers copy the shared start: fewer passes than tokens
     assert int(ceiling[1]) <= int(ours[1]) < tokens
     assert "At a 200-token context" in report
+
+
+def test_llamacpp_is_reported_missing_or_refuses_a_folder_that_is_not_its_model(tiny_model_dir):
+    """The llama.cpp peer is optional: without ``llama-cpp-python`` it is missing, with the reason; with it, a folder
+    whose vocabulary is not the GGUF's (the tiny model's) is refused, not run."""
+    from bench.peers import make_peer
+
+    runner, why = make_peer("llamacpp", tiny_model_dir, threads=1)
+    assert runner is None
+    assert "llama_cpp is not importable" in why or "is not this folder's model" in why, why

