@@ -121,7 +121,7 @@ class ModelCost:
     def read(cls, folder: ModelFolder) -> ModelCost:
         import onnx
 
-        from ortspec.backends.onnx.model_graph import lm_head
+        from ortspec.backends.onnx.graph_rewrites import lm_head
 
         model = onnx.load(os.fspath(folder.model_path), load_external_data=False)
         inits = {t.name: t for t in model.graph.initializer}

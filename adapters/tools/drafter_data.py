@@ -354,8 +354,9 @@ class TargetRunner:
 
 def _apply_window(onnx, model, folder: ModelFolder) -> None:
     """Set on ``model``'s attention nodes the sliding window ``genai_config.json`` names and the graph ignores, as
-    ``OrtBackend`` does at load (``model_graph.window_rewrites``), so the data is the target ortspec runs."""
-    from ortspec.backends.onnx.model_graph import read_graph_facts, window_rewrites
+    ``OrtBackend`` does at load (``graph_rewrites.window_rewrites``), so the data is the target ortspec runs."""
+    from ortspec.backends.onnx.graph_rewrites import window_rewrites
+    from ortspec.backends.onnx.model_graph import read_graph_facts
 
     if folder.sliding_window is None:
         return

@@ -12,8 +12,9 @@ IO binding; this class composes the parts, each in its own module:
   the tokens it replays.
 * ``cuda_graphs.py``: CUDA graphs per pass width (:class:`GraphBook`), the stream-ordered session and its eager
   fallback, the per-phase timer.
-* ``model_graph.py``: the graph checked against the folder, and the load-time rewrites (sliding window,
-  ``MatMulNBits`` accuracy level, and on the CPU with dynamic shapes the LM head over the last positions only).
+* ``model_graph.py``: the graph checked against the folder; ``graph_rewrites.py``: the load-time rewrites
+  (sliding window, ``MatMulNBits`` accuracy level, and on the CPU with dynamic shapes the LM head over the last
+  positions only).
 
 What the backend adds on top: prompts longer than a prefill chunk are prefilled chunk by chunk, and where the graph
 takes ``model_graph.KEEP_LOGITS_INPUT`` (the CPU with dynamic shapes, a builder LM head) each chunk runs the LM head
@@ -48,8 +49,9 @@ from .binding import DefaultBinding, RowBuffers, StaticBinding, StaticPass, stat
 from .config import BackendConfig
 from .cuda_graphs import EAGER, GraphBook, PhaseTimer, open_stream_ordered
 from .folder import ModelFolder
+from .graph_rewrites import LoadedGraph, load_rewrites
 from .kv import KvStore
-from .model_graph import LoadedGraph, inspect_graph, load_rewrites, read_graph_facts
+from .model_graph import inspect_graph, read_graph_facts
 from .recurrent import RecurrentStates
 from .session import execution_providers, open_session
 
@@ -197,7 +199,7 @@ class OrtBackend:
         ``config.static_shapes`` on CUDA the session runs on the array module's own stream without host
         synchronisation around runs; with ``config.cuda_graphs`` it captures one CUDA graph per pass width, with an
         eager fallback when ONNX Runtime cannot capture (``cuda_graphs.py``). The load-time rewrites are
-        ``model_graph.load_rewrites``'s (logged).
+        ``graph_rewrites.load_rewrites``'s (logged).
         A folder problem raises ``ModelFolderError`` naming the file and the key or tensor (``ModelFileError``,
         also a ``BackendError``, for the model file); another session problem ``BackendError``; a bad setting
         ``ValueError`` (when the config is made, or here for ``max_length`` past the model's context).

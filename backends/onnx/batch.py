@@ -82,8 +82,9 @@ from ..base import (
 from .arrays import ArrayModule, HostArrays
 from .config import BackendConfig
 from .folder import ModelFolder
+from .graph_rewrites import LoadedGraph, load_rewrites
 from .kv import KV_KINDS
-from .model_graph import DecoderGraph, LoadedGraph, inspect_graph, load_rewrites, read_graph_facts
+from .model_graph import DecoderGraph, inspect_graph, read_graph_facts
 from .pass_inputs import Outputs, PassInputs, pass_groups, ragged_groups
 from .session import execution_providers, open_session
 

@@ -99,7 +99,7 @@ class BackendConfig:
     ``config_entries`` (further session config entries, kept as sorted string pairs; a mapping is accepted).
     The fast CUDA path: ``static_shapes`` (fixed-shape binding; see ``binding.py``), ``cuda_graphs`` (one
     captured CUDA graph per pass width up to ``graph_max_tokens`` tokens; needs ``provider="cuda"`` and implies
-    static shapes; see ``cuda_graphs.py``). Load-time rewrites (see ``model_graph.py``): ``sliding_window``
+    static shapes; see ``cuda_graphs.py``). Load-time rewrites (see ``graph_rewrites.py``): ``sliding_window``
     (``"config"``: apply the window ``genai_config.json`` names where the graph ignores it; ``"graph"``: run the
     graph as written) and ``matmul_accuracy_level`` (0..4: every ``MatMulNBits`` node's ``accuracy_level``; 1 =
     float32 compute, which makes a quantized model's verify passes agree with its one-token decodes; None keeps

@@ -171,7 +171,7 @@ def layer_plan(target: ModelFolder, layer: int | None = None) -> LayerPlan:
         and target.sliding_window
         and (not target.sliding_window_layers or layer in target.sliding_window_layers)
     ):
-        window = int(target.sliding_window)  # applied at load (model_graph.window_rewrites)
+        window = int(target.sliding_window)  # applied at load (graph_rewrites.window_rewrites)
     return LayerPlan(
         layer=layer,
         scale=scale,

@@ -107,8 +107,11 @@ def ragged_groups(rows: Sequence[BatchRow], max_length: int, run_rows: int = RUN
     real tokens), every row fitting ``max_length`` at its position plus the run's width. A tree row
     (``parents``) runs alone, and so does a row as wide as ``max_length`` (an idle row beside it would not fit).
     Runs come narrowest first."""
-    alone = [row for row in rows if row.parents is not None or len(row.tokens) >= max_length]
-    ordered = sorted((row for row in rows if row not in alone), key=lambda row: len(row.tokens))
+    alone: list[BatchRow] = []
+    ordered: list[BatchRow] = []
+    for row in rows:
+        (alone if row.parents is not None or len(row.tokens) >= max_length else ordered).append(row)
+    ordered.sort(key=lambda row: len(row.tokens))
     n = len(ordered)
     best = [0.0] + [float("inf")] * n  # best[j]: the least cost of the first j rows
     cut = [0] * (n + 1)  # where the last run of best[j] starts

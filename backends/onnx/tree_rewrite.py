@@ -11,7 +11,7 @@ that, which the builder leaves empty: ``position_ids`` (input 9, int64 ``[batch,
 past (``tests/test_tree_attention_ort.py``; ``docs/tree-attention.md``).
 
 **Contract of** :func:`add_tree_inputs` (a ``ModelProto``, changed in place, e.g. after
-``model_graph.rewritten_model``'s rewrites): two graph inputs are added, :data:`TREE_POSITIONS_INPUT` (int64
+``graph_rewrites.rewritten_model``'s rewrites): two graph inputs are added, :data:`TREE_POSITIONS_INPUT` (int64
 ``[batch_size, sequence_length]``) and :data:`TREE_BIAS_INPUT` (the attention nodes' ``T``, ``[batch_size or 1, 1,
 sequence_length, total_sequence_length]``), and every ``GroupQueryAttention`` node reads them as its
 ``position_ids`` and ``attention_bias``. Fed ``positions = past + arange(n)`` and a zero bias, the rewritten graph
