@@ -1,4 +1,5 @@
-"""``speculative="auto"``: per draft, prompt lookup or a draft model (the shared-KV drafter), whichever has earned more.
+"""``speculative="auto"``: per draft, prompt lookup or a model (the shared-KV drafter, a separate draft model),
+whichever has earned more.
 
 A frozen value that learns like a width policy (``core.proposers.Learner``): ``propose`` is a pure function of the
 value and the draft's context, and the driver replaces the value with ``observe(context, draft, accepted)`` after
@@ -19,64 +20,94 @@ from .suffix import SuffixProposer
 from .tree import DraftTree
 from .width import CostAwareWidth, TreeBudget
 
-_POLICY = {"strong": "lookup_policy", "weak": "weak_lookup_policy", "drafter": "drafter_policy"}
+_POLICY = {
+    "strong": "lookup_policy",
+    "weak": "weak_lookup_policy",
+    "drafter": "drafter_policy",
+    "draft_model": "draft_model_policy",
+}
+_MODEL = {"drafter": "drafter", "draft_model": "draft_model"}
+
+
+def _one_model(instance: Any, attribute: Any, value: Any) -> None:
+    if instance.drafter is None and value is None:
+        raise ValueError("LookupOrDraft needs a drafter or a draft_model")
 
 
 @attrs.frozen
 class LookupOrDraft:
-    """Prompt lookup or a draft model, chosen per draft by what each has earned, each with its own cost-aware width
-    policy.
+    """Prompt lookup or a model, chosen per draft by what each has earned, each with its own cost-aware width
+    policy. The models: ``drafter`` (the shared-KV head, reading the target's state), ``draft_model`` (a separate
+    draft model with its own KV), or both; at least one.
 
-    Three sources learn their acceptance apart: lookup drafts from a strong match (a context suffix of at least
-    ``strong_ngram`` tokens found earlier), lookup drafts from a weak match, and the drafter. Per call: when prompt
-    lookup has a draft, it is taken if its source's policy (strong or weak, by the match's length) expects at least
-    as many committed tokens per unit of target time as the drafter's (``expected_rate`` at each policy's best
-    width); otherwise the drafter drafts ``drafter_policy.width()`` tokens. So on text that copies its prompt the
+    The sources learn their acceptance apart: lookup drafts from a strong match (a context suffix of at least
+    ``strong_ngram`` tokens found earlier), lookup drafts from a weak match, the drafter and the draft model. Per
+    call, the model is the one whose policy expects more committed tokens per unit of target time (``expected_rate``
+    at its best width; the drafter on a tie, and unpriced); then, when prompt lookup has a draft, it is taken if its
+    source's policy (strong or weak, by the match's length) expects at least as much as the model's; otherwise the
+    model drafts ``width()`` tokens of its policy. So on text that copies its prompt the
     lookup wins even on short matches, and on open-ended text, where short matches rarely hold, the drafter does.
-    Each policy prices its source (``draft_cost``: 0 for lookup, the head's step for the drafter) and learns only
-    from its own drafts (``observe``). Widths are capped by the driver's ``width``, so the driver's own policy should
+    Each policy prices its source (``draft_cost``: 0 for lookup, a model's step for a model) and learns only
+    from its own drafts (``observe``), so a model that has not drafted keeps its prior rate and is tried when the
+    other's falls below it. Widths are capped by the driver's ``width``, so the driver's own policy should
     only cap (a ``FixedWidth`` of the largest width). Unpriced (no policies; see :meth:`priced`), lookup drafts
     whenever it has a draft and each source drafts up to the driver's width. Where the target holds no state for
     the context (``DraftContext.slot`` None: after tokens drafted in front, such as a grammar's forced ones) the
     lookup is the source whenever it has a draft (as wide as its policy allows), since a draft head could not draft
-    there. Under sampling the drafter drafts with the
-    context's ``picker``; lookup drafts copy the context as they are. ``lookup_drafts`` and ``drafter_drafts``
-    count the verified drafts of each source.
+    there. Under sampling a model drafts with the context's ``picker``; lookup drafts copy the context as they are.
+    ``lookup_drafts``, ``drafter_drafts`` and ``draft_model_drafts`` count the verified drafts of each source.
 
-    **Strong matches learn while the drafter drafts.** A source that is not chosen learns nothing from its own
-    drafts, so after a few misses a strong match could lose to the drafter for the rest of a request while long
-    copies go by. So when the drafter drafts over a strong match, the match's draft is kept (``shadow``: the
+    **Strong matches learn while a model drafts.** A source that is not chosen learns nothing from its own
+    drafts, so after a few misses a strong match could lose to a model for the rest of a request while long
+    copies go by. So when a model drafts over a strong match, the match's draft is kept (``shadow``: the
     context's length then and the draft, uncut by the policy) and scored at the next ``observe`` against the
     tokens that step committed: its agreeing prefix is observed by the strong policy as a draft it verified (when
     the lookup agreed with every committed token, only those count, all accepted: the rest is unknown). Weak
-    matches do not shadow: they are the drafter's own ground, where one right token in a shadow would draw drafts
+    matches do not shadow: they are the models' own ground, where one right token in a shadow would draw drafts
     away from a better source.
     """
 
     lookup: PromptLookup | SuffixProposer
-    drafter: Proposer
+    drafter: Proposer | None
     lookup_policy: CostAwareWidth | None = None  # strong matches
     weak_lookup_policy: CostAwareWidth | None = None
     drafter_policy: CostAwareWidth | None = None
     strong_ngram: int = attrs.field(default=3, validator=int_at_least(1))
     lookup_drafts: int = 0
     drafter_drafts: int = 0
-    shadow: tuple[int, tuple[int, ...]] | None = None  # (context length, a strong match's draft the drafter beat)
+    shadow: tuple[int, tuple[int, ...]] | None = None  # (context length, a strong match's draft a model beat)
     tree: TreeBudget | None = None
+    draft_model: Proposer | None = attrs.field(default=None, validator=_one_model)
+    draft_model_policy: CostAwareWidth | None = None
+    draft_model_drafts: int = 0
 
     def priced(
-        self, lookup_policy: CostAwareWidth, drafter_policy: CostAwareWidth, tree: TreeBudget | None = None
+        self,
+        lookup_policy: CostAwareWidth,
+        drafter_policy: CostAwareWidth | None,
+        tree: TreeBudget | None = None,
+        draft_model_policy: CostAwareWidth | None = None,
     ) -> LookupOrDraft:
         """This value with the sources' width policies (made from the backend's measured costs): ``lookup_policy``
-        for both kinds of lookup match, ``drafter_policy`` for the drafter; ``tree``, what sizes the lookup's tree
-        drafts."""
+        for both kinds of lookup match, ``drafter_policy`` for the drafter, ``draft_model_policy`` for the draft
+        model (each None without its model); ``tree``, what sizes the lookup's tree drafts."""
         return attrs.evolve(
             self,
             lookup_policy=lookup_policy,
             weak_lookup_policy=lookup_policy,
             drafter_policy=drafter_policy,
+            draft_model_policy=draft_model_policy,
             tree=tree,
         )
+
+    def _model(self) -> str:
+        """The model source a draft would come from: the draft model when it expects more than the drafter (or
+        there is no drafter), else the drafter."""
+        if self.drafter is None:
+            return "draft_model"
+        if self.draft_model is not None and _rate(self.draft_model_policy) > _rate(self.drafter_policy):
+            return "draft_model"
+        return "drafter"
 
     def observe_tree(self, chain: int, chain_accepted: int, extra_nodes: int, extra_accepted: int) -> LookupOrDraft:
         """This value after a step's tree outcome (``core.width.TreeLearner``): ``tree`` learns it."""
@@ -90,16 +121,17 @@ class LookupOrDraft:
         draft, matched = self.lookup.match(context.tokens, context.width)
         match = "strong" if draft and matched >= self.strong_ngram else "weak"
         policy: CostAwareWidth | None = getattr(self, _POLICY[match])
-        if draft and (context.slot is None or _rate(policy) >= _rate(self.drafter_policy)):
+        model = self._model()
+        if draft and (context.slot is None or _rate(policy) >= _rate(getattr(self, _POLICY[model]))):
             return match, draft, match
-        return "drafter", draft, match
+        return model, draft, match
 
     def propose(self, context: DraftContext) -> tuple[int, ...] | DraftTree:
         """The chosen source's draft (the source chosen by the sources' rates, which a cheaper plain step does not
         reorder), as wide as its policy's ``width_at(context.plain_cost)`` allows, so speculation fades as a batch
         fills."""
         source, draft, _ = self._choose(context)
-        if source != "drafter":
+        if source not in _MODEL:
             k = _width(getattr(self, _POLICY[source]), context)
             nodes = k
             if isinstance(self.lookup, SuffixProposer) and context.nodes is not None and self.tree is not None:
@@ -108,16 +140,16 @@ class LookupOrDraft:
                 narrow = attrs.evolve(context, width=k, nodes=nodes)  # the lookup's tree, its first branch k deep
                 return self.lookup.branched(narrow, self.lookup.scored(context.tokens, k))
             return draft[:k]
-        k = _width(self.drafter_policy, context)
+        k = _width(getattr(self, _POLICY[source]), context)
         if k <= 0:
             return ()
-        drafted = self.drafter.propose(attrs.evolve(context, width=k))
+        drafted = getattr(self, _MODEL[source]).propose(attrs.evolve(context, width=k))
         return drafted.cut(k) if isinstance(drafted, DraftTree) else tuple(drafted)[:k]
 
     def observe(self, context: DraftContext, draft: Sequence[int] | DraftTree, accepted: int) -> LookupOrDraft:
         """This value after ``accepted`` of ``draft`` (what ``propose(context)`` returned) were committed: the
         source that drafted it (the same choice ``propose`` made) learns it; an empty draft counts as an idle step
-        of that source's policy. A strong match the drafter beat is kept to be scored at the next call (the class
+        of that source's policy. A strong match a model beat is kept to be scored at the next call (the class
         docstring's ``shadow``), and the one kept before is scored now."""
         context_tokens = context.tokens
         learned = self._shadow_learned(context_tokens)
@@ -125,10 +157,10 @@ class LookupOrDraft:
         name = _POLICY[source]
         policy: CostAwareWidth | None = getattr(learned, name)
         verified = 1 if draft else 0
-        shadowed = source == "drafter" and match == "strong" and learned.lookup_policy is not None
+        shadowed = source in _MODEL and match == "strong" and learned.lookup_policy is not None
+        counter = f"{source}_drafts" if source in _MODEL else "lookup_drafts"
         changes: dict[str, Any] = {
-            "lookup_drafts": self.lookup_drafts + (verified if source != "drafter" else 0),
-            "drafter_drafts": self.drafter_drafts + (verified if source == "drafter" else 0),
+            counter: getattr(self, counter) + verified,
             "shadow": (len(context_tokens), lookup_draft) if shadowed else None,
         }
         if policy is not None:

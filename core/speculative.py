@@ -28,15 +28,15 @@ SPECULATIVE_NAMES = {
     "Engine's recent outputs (its suffix cache)",
     "shared-kv": "the Engine's drafter",
     "draft-model": "the Engine's draft model (a smaller model of the same vocabulary, with its own KV)",
-    "auto": "per draft, the suffix lookup or the drafter, whichever has earned more (without a drafter: the suffix "
-    "lookup alone)",
+    "auto": "per draft, the suffix lookup, the drafter or the draft model, whichever has earned more (without a "
+    "drafter or a draft model: the suffix lookup alone)",
 }
 SPECULATIVE_CHOICES = tuple(SPECULATIVE_NAMES)
 # The names that draft with the drafter, and those that draft from the suffix cache.
 DRAFTER_NAMES = ("shared-kv", "auto")
 SUFFIX_NAMES = ("suffix", "auto")
-# The names that draft with the draft model.
-DRAFT_MODEL_NAMES = ("draft-model",)
+# The names that draft with the draft model (when the Engine has one).
+DRAFT_MODEL_NAMES = ("draft-model", "auto")
 # What every surface drafts with unless told otherwise (chosen by measurement, alone and many at once:
 # docs/bench/default-speculation.md). Exact output makes speculating by default safe: it changes only how fast
 # the same tokens arrive.
@@ -136,15 +136,16 @@ def speculation(
     """The proposer and width policy a request starts with. ``speculative``: None (plain decoding), a name of
     ``SPECULATIVE_NAMES``, or a proposer (used as it is). ``draft_width``: ``"auto"`` (cost-aware on ``prices``), an
     int (the most draft tokens per pass; for ``"auto"``, a cap under each source's own priced policy) or a width
-    policy. ``"auto"`` without a drafter is ``AUTO_LOOKUP``; ``"shared-kv"`` without one is refused
-    (``ArgumentError``), as is ``"draft-model"`` without a draft model. ``"auto"`` does not draft with the draft
-    model. ``prices`` must be given when ``needs_prices`` says so."""
+    policy. ``"auto"`` without a drafter or a draft model is ``AUTO_LOOKUP``; ``"shared-kv"`` without a drafter is
+    refused (``ArgumentError``), as is ``"draft-model"`` without a draft model. ``prices`` must be given when
+    ``needs_prices`` says so."""
     check_sources(speculative, sources)
     if speculative is None:
         return None, 1 if draft_width == "auto" else draft_width  # type: ignore[return-value]
     drafter = sources.drafter
-    if speculative == "auto" and drafter is not None:
-        return _auto(LookupOrDraft(lookup(AUTO_LOOKUP, sources), drafter), draft_width, _priced(prices), sources)
+    if speculative == "auto" and (drafter is not None or sources.draft_model is not None):
+        auto = LookupOrDraft(lookup(AUTO_LOOKUP, sources), drafter, draft_model=sources.draft_model)
+        return _auto(auto, draft_width, _priced(prices), sources)
     if speculative == "auto":
         speculative = AUTO_LOOKUP
     proposer = _named_source(speculative, sources)
@@ -157,8 +158,7 @@ def speculation(
     if proposer is drafter:
         return proposer, _drafter_policy(priced, sources)
     if proposer is sources.draft_model:
-        curve = priced.pass_costs[: sources.draft_model_max_draft + 1]
-        return proposer, CostAwareWidth(curve, draft_cost=priced.draft_model_cost)
+        return proposer, _draft_model_policy(priced, sources)
     return proposer, CostAwareWidth(priced.pass_costs, tree=_tree_budget(proposer, priced))
 
 
@@ -190,13 +190,20 @@ def _drafter_policy(prices: Prices, sources: Sources) -> CostAwareWidth:
     return CostAwareWidth(prices.pass_costs[: sources.drafter_max_draft + 1], draft_cost=prices.draft_cost)
 
 
+def _draft_model_policy(prices: Prices, sources: Sources) -> CostAwareWidth:
+    """The draft model's cost-aware policy: the curve up to its widest draft, each draft token priced at its step."""
+    return CostAwareWidth(prices.pass_costs[: sources.draft_model_max_draft + 1], draft_cost=prices.draft_model_cost)
+
+
 def _auto(
     auto: LookupOrDraft, draft_width: int | WidthPolicy | str, prices: Prices, sources: Sources
 ) -> tuple[Proposer, int | WidthPolicy]:
-    """``"auto"`` with a drafter: each source priced by its own policy; the request's width only caps them (the
-    widest curve, or the int given)."""
+    """``"auto"`` with a drafter or a draft model (or both): each source priced by its own policy; the request's width
+    only caps them (the widest curve, or the int given)."""
     tree = _tree_budget(auto.lookup, prices)
-    priced = auto.priced(CostAwareWidth(prices.pass_costs), _drafter_policy(prices, sources), tree)
+    drafter = _drafter_policy(prices, sources) if auto.drafter is not None else None
+    draft_model = _draft_model_policy(prices, sources) if auto.draft_model is not None else None
+    priced = auto.priced(CostAwareWidth(prices.pass_costs), drafter, tree, draft_model)
     if isinstance(draft_width, int):
         return priced, FixedWidth(draft_width)
     if draft_width == "auto":

@@ -6,7 +6,9 @@ never re-reads a token its slot holds (after a rewind, it feeds only what follow
 The draft models are ``FakeBatchBackend``s (``DraftBackend``): over the target's own model (every draft its pick),
 over another model of the same vocabulary (other seed and Markov weight), or adversarial: one whose every row puts
 EOS on top, one whose rows are the target's negated (it drafts the least likely token everywhere), and one that raises
-after a drawn number of passes (it then drafts nothing more in that slot, and the request still ends exactly).
+after a drawn number of passes (it then drafts nothing more in that slot, and the request still ends exactly). Each
+test drafts with the draft model alone or through ``"auto"`` (``LookupOrDraft``: per draft, prompt lookup or the draft
+model, whichever has earned more on drawn prices), where the draft model's slot falls behind while lookup drafts.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from ortspec import BatchDriver, Generation
 from ortspec.backends.base import BackendError
 from ortspec.backends.draft_model import DraftModelProposer
 from ortspec.backends.fake import FakeBackend, FakeBatchBackend, FakeModel
-from ortspec.core import DraftContext, FixedWidth, Options
+from ortspec.core import CostAwareWidth, DraftContext, FixedWidth, LookupOrDraft, Options, PromptLookup
 from ortspec.core.forced import ForcedTokens
 from ortspec.core.sampling import DraftPicker, Sampling
 from property_tests.conftest import examples
@@ -97,6 +99,17 @@ def draft_models(draw, target: FakeModel, slots: int, options: Options):
                                              max_draft=draw(st.integers(1, 16)), prefill_chunk=chunk)  # fmt: skip
 
 
+def through_auto(draw, proposer: DraftModelProposer) -> DraftModelProposer | LookupOrDraft:
+    """``proposer`` as it is, or as ``"auto"``'s draft model beside a prompt lookup, each priced on a verify cost
+    curve with the draft model's step at a drawn price (so either may win the draws)."""
+    if not draw(st.booleans(), label="through auto"):
+        return proposer
+    costs = tuple(1.0 + 0.1 * k for k in range(proposer.max_draft + 1))
+    step = draw(st.sampled_from((0.0, 0.2, 1.5)), label="draft model's step")
+    auto = LookupOrDraft(PromptLookup(ngram=draw(st.integers(1, 3))), None, draft_model=proposer)
+    return auto.priced(CostAwareWidth(costs), None, None, CostAwareWidth(costs, draft_cost=step))
+
+
 def check_draft_model(kind: str, backend: DraftBackend, proposer: DraftModelProposer) -> None:
     """What every run checks of its draft model: no re-reads, and a failure only where one was planted."""
     assert backend.rereads == 0
@@ -112,10 +125,10 @@ def test_a_draft_model_keeps_a_lone_generation_exact(sc, width, constrained, dat
     plain decoding's; under a grammar too, drafting after the grammar's forced tokens (``ForcedTokens``: a context
     with no ``slot`` but the sequence's ``sequence``)."""
     kind, backend, proposer = data.draw(draft_models(sc.model, 1, sc.options), label="draft model")
-    drafts, options = proposer, sc.options
+    drafts, options = through_auto(data.draw, proposer), sc.options
     if constrained:
         grammar = data.draw(fake_grammars(sc.model.vocab_size, sc.options.eos_token_ids), label="grammar")
-        drafts, options = ForcedTokens(grammar, len(sc.prompt), proposer), attrs.evolve(options, grammar=grammar)
+        drafts, options = ForcedTokens(grammar, len(sc.prompt), drafts), attrs.evolve(options, grammar=grammar)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # a planted failure warns
         generation = Generation(FakeBackend(sc.model, sc.capacity), sc.prompt, options, drafts,
@@ -153,8 +166,8 @@ def batches(draw):
     model = draw(fake_models())
     requests = [(draw(scenarios(model=model)), draw(st.integers(1, 6))) for _ in range(draw(st.integers(2, 5)))]
     slots = draw(st.integers(1, len(requests)))
-    draft = draw(draft_models(model, slots, requests[0][0].options))
-    return model, requests, slots, draft, draw(st.booleans())
+    kind, backend, proposer = draw(draft_models(model, slots, requests[0][0].options))
+    return model, requests, slots, (kind, backend, proposer, through_auto(draw, proposer)), draw(st.booleans())
 
 
 @settings(max_examples=examples(60))
@@ -162,14 +175,14 @@ def batches(draw):
 def test_a_draft_model_keeps_each_sequence_of_a_batch_exact(batch):
     """In a batch, each sequence drafts in the draft slot of its own slot (a later sequence in a freed slot keeps
     what it shares with the one before): each output is its plain decoding alone, and no token is re-read."""
-    model, requests, slots, (kind, backend, proposer), prefix_reuse = batch
+    model, requests, slots, (kind, backend, proposer, drafts), prefix_reuse = batch
     driver = BatchDriver(FakeBatchBackend(model, slots), prefill_budget=None, prefix_reuse=prefix_reuse)
     sequences = []
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
         for sc, width in requests:
             options = attrs.evolve(sc.options, max_context=None)
-            sequence = driver.submit(sc.prompt, options, proposer, draft_width=FixedWidth(width),
+            sequence = driver.submit(sc.prompt, options, drafts, draft_width=FixedWidth(width),
                                      detokenize=sc.detokenize)  # fmt: skip
             sequences.append((sc, options, sequence))
         driver.run()

@@ -540,9 +540,15 @@ MUTANTS: dict[str, Mutant] = {
     ),
     "auto-lets-the-drafter-draft-without-target-state": Mutant(
         "core/lookup_or_draft.py",
-        "if draft and (context.slot is None or _rate(policy) >= _rate(self.drafter_policy)):",
-        "if draft and _rate(policy) >= _rate(self.drafter_policy):",
+        "if draft and (context.slot is None or _rate(policy) >= _rate(getattr(self, _POLICY[model]))):",
+        "if draft and _rate(policy) >= _rate(getattr(self, _POLICY[model])):",
         ("tests/test_draft_context.py",),
+    ),
+    "auto-never-drafts-with-the-draft-model-beside-a-drafter": Mutant(
+        "core/lookup_or_draft.py",
+        "if self.draft_model is not None and _rate(self.draft_model_policy) > _rate(self.drafter_policy):",
+        "if False:",
+        ("tests/test_proposers.py",),
     ),
     "speculation-drafts-without-the-slot": Mutant(
         "ortspec/speculation.py",

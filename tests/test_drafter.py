@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ctypes
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -472,14 +473,21 @@ def test_draft_cost_is_measured_and_the_backend_left_reset(tiny_model_dir, draft
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def test_batched_target_data_equals_the_backend(tiny_model_dir):
+def test_batched_target_data_equals_the_backend(tiny_model_dir, tmp_path):
     """TargetRunner (batched, equal-length prompts) records what OrtBackend computes one sequence at a time: the
-    greedy continuation, hidden states, the layer's keys and values, and labels = the next tokens."""
+    greedy continuation, hidden states, the layer's keys and values, and labels = the next tokens. It reads a
+    folder whose files are hard links (which ``onnx.load`` refuses to read external data from) as the backend does."""
     from ortspec.adapters.tools.drafter_data import TargetRunner
     from ortspec.backends.onnx import ModelFolder
 
+    linked = tmp_path / "linked"
+    linked.mkdir()
+    for file in Path(tiny_model_dir).iterdir():
+        if file.is_file():
+            os.link(file, linked / file.name)
+    assert (linked / "model.onnx.data").stat().st_nlink == 2
+    runner = TargetRunner(ModelFolder.load(linked), 1, threads=1)
     folder = ModelFolder.load(tiny_model_dir)
-    runner = TargetRunner(folder, 1, threads=1)
     prompts = [prompt_ids(9, folder.vocab_size, seed=s) for s in range(3)]
     records = runner.run(prompts, 12, eos=[0])
     backend = OrtBackend.from_folder(folder, BackendConfig(threads=1, max_length=64))

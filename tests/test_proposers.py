@@ -197,32 +197,47 @@ def test_is_frozen():
         p.ngram = 4  # type: ignore[misc]
 
 
+def _truth(position: int) -> int:
+    """The "target's" token at a position of an open-ended walk: no bigram of it repeats in 300."""
+    return (position * position * 37 + 11 * position) % 997
+
+
+class _Oracle:
+    """A model that drafts the walk's own tokens."""
+
+    def propose(self, context):
+        return [_truth(len(context.tokens) + i) for i in range(context.width)]
+
+
+class _Wrong:
+    """A model whose every draft token is wrong."""
+
+    def propose(self, context):
+        return [1000 + i for i in range(context.width)]
+
+
+def _drive(context: list[int], auto: LookupOrDraft, steps: int, next_token) -> LookupOrDraft:
+    """``steps`` verified drafts of ``auto`` on ``context`` (extended in place), the target's pick at a position
+    being ``next_token(tokens before it)``."""
+    for _ in range(steps):
+        before = DraftContext(tuple(context), 4, slot=0)  # the target holds the context's state: all may draft
+        draft = auto.propose(before)
+        accepted = 0
+        for t in draft:  # the driver's rule: commit the agreeing prefix, then the target's own pick
+            if t != next_token(context):
+                break
+            context.append(t)
+            accepted += 1
+        context.append(next_token(context))
+        auto = auto.observe(before, draft, accepted)
+    return auto
+
+
 def test_auto_learns_which_source_pays():
     """``LookupOrDraft`` keeps, per source, what its drafts earned: a drafter that knows the text wins over prompt
     lookup's short matches that keep failing, and prompt lookup wins on text that repeats itself."""
-
-    def truth(position: int) -> int:  # the "target's" token at a position: no bigram of it repeats in 300
-        return (position * position * 37 + 11 * position) % 997
-
-    class Oracle:
-        def propose(self, context):
-            return [truth(len(context.tokens) + i) for i in range(context.width)]
-
+    truth, Oracle, drive = _truth, _Oracle, _drive
     costs = (1.0, 1.1, 1.2, 1.3, 1.4)
-
-    def drive(context: list[int], auto: LookupOrDraft, steps: int, next_token) -> LookupOrDraft:
-        for _ in range(steps):
-            before = DraftContext(tuple(context), 4, slot=0)  # the target holds the context's state: both may draft
-            draft = auto.propose(before)
-            accepted = 0
-            for t in draft:  # the driver's rule: commit the agreeing prefix, then the target's own pick
-                if t != next_token(context):
-                    break
-                context.append(t)
-                accepted += 1
-            context.append(next_token(context))
-            auto = auto.observe(before, draft, accepted)
-        return auto
 
     # open-ended text: the walk never repeats a 3-gram early, so lookup only has short matches, which fail
     auto = LookupOrDraft(PromptLookup(ngram=3, max_draft=8), Oracle())
@@ -239,6 +254,29 @@ def test_auto_learns_which_source_pays():
     context = loop * 2
     auto = drive(context, auto, 30, lambda c: loop[len(c) % 6])
     assert auto.lookup_drafts > 3 * auto.drafter_drafts
+
+
+def test_auto_learns_which_model_pays():
+    """With both a drafter and a draft model, each learns from its own drafts: the cheaper drafter drafts first,
+    and the draft model (priced at a costlier step) takes over where the drafter keeps failing and it does not;
+    where the drafter knows the text, the draft model is tried once the drafter's misses bring it down, at most."""
+    costs = (1.0, 1.1, 1.2, 1.3, 1.4)
+
+    def auto(drafter, draft_model):
+        value = LookupOrDraft(PromptLookup(ngram=3, max_draft=8), drafter, draft_model=draft_model)
+        return value.priced(
+            CostAwareWidth(costs), CostAwareWidth(costs, draft_cost=0.05), None, CostAwareWidth(costs, draft_cost=0.3)
+        )
+
+    knows_more = _drive([5, 11, 5, 23, 11, 31], auto(_Wrong(), _Oracle()), 30, lambda c: _truth(len(c)))
+    assert knows_more.draft_model_drafts > 3 * knows_more.drafter_drafts
+    knows_less = _drive([5, 11, 5, 23, 11, 31], auto(_Oracle(), _Wrong()), 30, lambda c: _truth(len(c)))
+    assert knows_less.drafter_drafts > 3 * knows_less.draft_model_drafts
+    alone = LookupOrDraft(PromptLookup(ngram=3, max_draft=8), None, draft_model=_Oracle())  # no drafter
+    alone = _drive([5, 11, 5, 23, 11, 31], alone.priced(CostAwareWidth(costs), None), 30, lambda c: _truth(len(c)))
+    assert alone.draft_model_drafts > 3 * alone.lookup_drafts and alone.drafter_drafts == 0
+    with pytest.raises(ValueError, match="drafter or a draft_model"):
+        LookupOrDraft(PromptLookup(), None)
 
 
 def test_auto_fades_with_the_price_of_a_plain_step():

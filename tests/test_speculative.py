@@ -4,6 +4,7 @@ it with the same name and gets the same proposer."""
 
 from __future__ import annotations
 
+import attrs
 import pytest
 
 from ortspec.core import (
@@ -64,8 +65,14 @@ def test_each_name_is_its_proposer_and_width_policy():
     model, width = speculation("draft-model", "auto", with_model, PRICES)  # priced at its own step, to its widest
     assert model is draft_model and width == CostAwareWidth(PRICES.pass_costs[:3], draft_cost=0.3)
     assert speculation("draft-model", 4, with_model) == (draft_model, 4)
-    auto, _ = speculation("auto", "auto", with_model, PRICES)  # auto does not draft with the draft model
-    assert isinstance(auto, SuffixProposer)
+    auto, _ = speculation("auto", "auto", with_model, PRICES)  # the suffix lookup or the draft model
+    assert isinstance(auto, LookupOrDraft) and auto.drafter is None and auto.draft_model is draft_model
+    assert auto.draft_model_policy == CostAwareWidth(PRICES.pass_costs[:3], draft_cost=0.3)
+    both = attrs.evolve(with_model, drafter=drafter, drafter_max_draft=drafter.max_draft)
+    auto, _ = speculation("auto", "auto", both, PRICES)  # all three sources, each priced at its own step
+    assert auto.drafter is drafter and auto.draft_model is draft_model
+    assert auto.drafter_policy == CostAwareWidth(PRICES.pass_costs[:4], draft_cost=0.2)
+    assert auto.draft_model_policy == CostAwareWidth(PRICES.pass_costs[:3], draft_cost=0.3)
 
 
 def test_bad_names_and_missing_sources_are_refused_naming_speculative():

@@ -4,7 +4,8 @@ KV cache and residual stream, and its greedy pick at every position).
 
 * :func:`training_prompts` yields deterministic chat prompts: creative and explanatory requests assembled from word
   lists below (none of them is a prompt of ``bench.workloads``, whose open-ended prompts stay held out), and
-  requests grounded in text of this Python's standard library (module docstrings, ``pydoc_data`` topics).
+  requests grounded in this Python's ``pydoc_data`` topics (:func:`grounded_texts`: no source of a benchmark
+  prompt).
 * :class:`TargetRunner` runs the target's own ONNX graph (the folder's ``model.onnx``, through onnxruntime, with an
   extra output: the residual stream entering the drafter's layer) on batches of prompts of one token length, so
   the batch needs no padding, and decodes greedily.
@@ -21,10 +22,8 @@ from __future__ import annotations
 
 import itertools
 import random
-import sysconfig
 import time
 from collections.abc import Callable, Iterator, Sequence
-from pathlib import Path
 
 import attrs
 import numpy as np
@@ -33,6 +32,7 @@ from ortspec.adapters.engine.tokenizer import Tokenizer
 from ortspec.adapters.tools.drafter_recipe import TrainConfig
 from ortspec.backends.onnx import ModelFolder, make_session_options
 from ortspec.backends.onnx.graph_features import append_features, residual_output_name
+from ortspec.backends.onnx.session import open_session
 
 # --------------------------------------------------------------------------------------------------------------
 # Prompts
@@ -150,37 +150,31 @@ _GROUNDED = (
 )
 
 
-def _local_texts() -> list[str]:
-    """Paragraphs of English from this Python's standard library: ``pydoc_data`` topics and module docstrings
-    (sorted, so the list is the same on every run of the same Python)."""
-    texts: list[str] = []
+def grounded_texts() -> list[str]:
+    """Paragraphs of English (over 200 characters each) from this Python's ``pydoc_data`` topics (the language
+    reference's text), in sorted topic order, so the list is the same on every run of the same Python. Empty where
+    the Python ships no ``pydoc_data``.
+
+    Not the standard library's modules or their docstrings: ``bench.workloads`` builds its summarize, qa_context and
+    code_edit prompts from those, and a drafter trained on them would be measured on its own training source."""
     try:
         from pydoc_data.topics import topics
-
-        for key in sorted(topics):
-            texts.extend(p.strip() for p in topics[key].split("\n\n") if len(p.strip()) > 200)
     except ImportError:
-        pass
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-    import ast
-
-    for path in sorted(stdlib.glob("*.py")):
-        try:
-            doc = ast.get_docstring(ast.parse(path.read_text(encoding="utf-8", errors="replace")))
-        except (SyntaxError, ValueError):
-            continue
-        if doc and len(doc) > 200:
-            texts.append(doc.strip())
+        return []
+    texts: list[str] = []
+    for key in sorted(topics):
+        texts.extend(p.strip() for p in topics[key].split("\n\n") if len(p.strip()) > 200)
     return texts
 
 
 def training_prompts(seed: int = 0) -> Iterator[tuple[str, str]]:
     """Endless deterministic ``(kind, user message)`` pairs: about 55% creative requests, 25% explanatory
-    questions and 20% requests about a paragraph of standard-library text, in an order fixed by ``seed``."""
+    questions and 20% requests about a paragraph of :func:`grounded_texts` (explanatory questions instead where
+    there is none), in an order fixed by ``seed``."""
     rng = random.Random(seed)
     creative = [f.format(f"{c} {s}") for f, c, s in itertools.product(_FORMS, _CHARACTERS, _SITUATIONS)]
     questions = [f.format(t) for f, t in itertools.product(_QUESTION_FORMS, _TOPICS)]
-    texts = _local_texts()
+    texts = grounded_texts()
     rng.shuffle(creative)
     rng.shuffle(questions)
     rng.shuffle(texts)
@@ -188,7 +182,7 @@ def training_prompts(seed: int = 0) -> Iterator[tuple[str, str]]:
         r = rng.random()
         if r < 0.55:
             yield "creative", creative[i % len(creative)]
-        elif r < 0.8:
+        elif r < 0.8 or not texts:
             yield "question", questions[i % len(questions)]
         else:
             yield "grounded", rng.choice(_GROUNDED).format(texts[i % len(texts)][:400])
@@ -248,18 +242,21 @@ class TargetRunner:
         self, folder: ModelFolder, layer: int, *, threads: int | None = None, features: Sequence[int] = ()
     ) -> None:
         import onnx
-        import onnxruntime as ort
 
         self.folder, self.layer = folder, layer
-        model = onnx.load(str(folder.model_path))  # with its weights: the session is made from bytes
+        # the graph alone, rewritten; the session reads the weights from the folder, as the backend's does
+        model = onnx.load(str(folder.model_path), load_external_data=False)
         self.residual_name = residual_output_name(model, layer)
         model.graph.output.append(onnx.ValueInfoProto(name=self.residual_name))
         _apply_window(onnx, model, folder)
         if features:
             append_features(onnx, model, folder.hidden_states_name, features)
         options = make_session_options(threads=threads, genai_session_options=folder.session_options)
-        self.session = ort.InferenceSession(
-            model.SerializeToString(), sess_options=options, providers=["CPUExecutionProvider"]
+        self.session = open_session(
+            folder.model_path,
+            providers=["CPUExecutionProvider"],
+            session_options=options,
+            model_bytes=model.SerializeToString(),
         )
         del model
         outputs = {o.name: o for o in self.session.get_outputs()}
