@@ -25,6 +25,7 @@ from typing import Any
 
 import attrs
 
+from bench.genai_draft_model import DEFAULT_DRAFT_TOKENS, DRAFT_MODEL_PEER
 from bench.peers import PeerRun, PeerRunner, make_peer
 from ortspec.adapters.engine import Engine
 from ortspec.adapters.engine.suffix_cache import SuffixCache
@@ -39,12 +40,17 @@ SAMPLED_AUTO_TREE = "ortspec-auto-tree-sampled"  # ortspec-auto-tree, sampling
 TREE_RULE = DraftRule(branches=3)  # the tree settings' suffix rule
 DRAFT_MODEL = "ortspec-draft-model"  # speculative="draft-model": the suite's --draft-model folder drafts
 SAMPLED_DRAFT_MODEL = "ortspec-draft-model-sampled"  # ortspec-draft-model, sampling
-DRAFT_MODEL_ENGINES = (DRAFT_MODEL, SAMPLED_DRAFT_MODEL)  # missing without the suite's --draft-model
+AUTO_DRAFT_MODEL = "ortspec-auto-draft-model"  # ortspec-auto on an Engine that has the --draft-model folder too
+SAMPLED_AUTO_DRAFT_MODEL = "ortspec-auto-draft-model-sampled"  # ortspec-auto-draft-model, sampling
+# The settings that run on an Engine with the suite's --draft-model (missing without it); every other setting runs
+# on an Engine without one, so ortspec-auto and ortspec-auto-draft-model differ by the draft model alone.
+DRAFT_MODEL_ENGINES = (DRAFT_MODEL, SAMPLED_DRAFT_MODEL, AUTO_DRAFT_MODEL, SAMPLED_AUTO_DRAFT_MODEL)
 SAMPLED_SPECS = (
     SAMPLED_SPEC,
     SAMPLED_AUTO,
     SAMPLED_AUTO_TREE,
     SAMPLED_DRAFT_MODEL,
+    SAMPLED_AUTO_DRAFT_MODEL,
 )  # the sampled speculative settings
 # The settings that need the Engine's shared-KV drafter (the shipped one, or ``ortspec train-drafter``'s); without
 # one they are missing.
@@ -59,10 +65,20 @@ SPEC_ENGINES = (
     "ortspec-auto",
     AUTO_TREE,
     DRAFT_MODEL,
+    AUTO_DRAFT_MODEL,
 )
 ORTSPEC_ENGINES = ("ortspec-greedy", *SPEC_ENGINES)
-SAMPLED_ORTSPEC_ENGINES = (SAMPLED_REFERENCE, SAMPLED_SPEC, SAMPLED_AUTO, SAMPLED_AUTO_TREE, SAMPLED_DRAFT_MODEL)
-PEER_ENGINES = ("ortgenai", "ortgenai-ngram", "onnx_genai", "llamacpp")
+SAMPLED_ORTSPEC_ENGINES = (
+    SAMPLED_REFERENCE,
+    SAMPLED_SPEC,
+    SAMPLED_AUTO,
+    SAMPLED_AUTO_TREE,
+    SAMPLED_DRAFT_MODEL,
+    SAMPLED_AUTO_DRAFT_MODEL,
+)
+# ortgenai-draft-model (DRAFT_MODEL_PEER): ORT GenAI's own draft-model speculation, drafting with the suite's
+# --draft-model folder (missing without it)
+PEER_ENGINES = ("ortgenai", "ortgenai-ngram", DRAFT_MODEL_PEER, "onnx_genai", "llamacpp")
 SAMPLED_PEER = "ortgenai-sampled"  # ORT GenAI plain sampling
 SAMPLED_NGRAM_PEER = "ortgenai-ngram-sampled"  # ORT GenAI n-gram speculation, sampling
 SAMPLED_PEER_ENGINES = (SAMPLED_PEER, SAMPLED_NGRAM_PEER)
@@ -72,6 +88,7 @@ REFERENCE = "ortspec-greedy"  # identity is checked against its tokens (greedy e
 BASELINE = "ortgenai"
 NGRAM_PEER = "ortgenai-ngram"
 DEFAULT_NGRAM = (3, 8)  # the n-gram peers' (ngram_size, max_draft_tokens) unless a run chooses another
+DEFAULT_GENAI_DRAFT_TOKENS = DEFAULT_DRAFT_TOKENS  # ortgenai-draft-model's max_draft_tokens (GenAI's own default)
 KMAX = 16  # the widest draft of the adaptive settings, and the verify cost curve's last K
 
 # The sampled column: temperature 0.7, top_p 0.9 (no top_k, min_p or penalties), one seed per prompt.
@@ -240,6 +257,7 @@ def ortspec_engine(name: str, engine: Engine, pass_costs: Sequence[float] = ()) 
         SAMPLED_AUTO: "ortspec-auto",
         SAMPLED_AUTO_TREE: AUTO_TREE,
         SAMPLED_DRAFT_MODEL: DRAFT_MODEL,
+        SAMPLED_AUTO_DRAFT_MODEL: AUTO_DRAFT_MODEL,
     }
     if name in twins:
         return sampled_variant(ortspec_engine(twins[name], engine, pass_costs), name, SAMPLING)
@@ -273,16 +291,17 @@ def ortspec_engine(name: str, engine: Engine, pass_costs: Sequence[float] = ()) 
     if name == "ortspec-suffix":
         description = {"speculative": "suffix", "draft_width": "auto (the Engine's cost-aware policy)"}
         return OrtspecEngine(name, engine, lambda: "suffix", "auto", description)
-    if name == DRAFT_MODEL:
+    if name in (DRAFT_MODEL, AUTO_DRAFT_MODEL):
         if engine.draft_model is None:
             raise ValueError(f"{name} needs a draft model: run the suite with --draft-model DIR")
         folder = getattr(getattr(engine.draft_model, "backend", None), "folder", None)
+        how = "draft-model" if name == DRAFT_MODEL else "auto"
         description = {
-            "speculative": "draft-model",
-            "draft_width": "auto (the Engine's cost-aware policy, priced with the draft model's measured step)",
+            "speculative": how,
+            "draft_width": "auto (the Engine's cost-aware policies, priced with each model's measured step)",
             "draft_model": str(getattr(folder, "path", engine.draft_model)),
         }
-        return OrtspecEngine(name, engine, lambda: "draft-model", "auto", description)
+        return OrtspecEngine(name, engine, lambda: how, "auto", description)
     if name in DRAFTER_ENGINES:
         if engine.drafter is None:
             raise ValueError(f"{name} needs a shared-KV drafter for the model: run `ortspec train-drafter`")
@@ -356,13 +375,18 @@ def load_peer(
     threads: int,
     cache_root: Path | None = None,
     ngram: tuple[int, int] = DEFAULT_NGRAM,
+    draft_model: Path | None = None,
+    draft_tokens: int = DEFAULT_GENAI_DRAFT_TOKENS,
 ) -> tuple[PeerEngine, None] | tuple[None, str]:
     """The peer ``name`` (one of ``PEER_ENGINES`` or ``SAMPLED_PEER_ENGINES``) on ``model_dir``, or ``(None, why
-    it is missing)``. The n-gram peers draft with ``ngram`` (ngram_size, max_draft_tokens); the sampled peers
-    sample at ``SAMPLING``;
+    it is missing)``. The n-gram peers draft with ``ngram`` (ngram_size, max_draft_tokens); ``ortgenai-draft-model``
+    drafts with the folder ``draft_model`` (missing when None), ``draft_tokens`` tokens per draft (GenAI's
+    ``max_draft_tokens``); the sampled peers sample at ``SAMPLING``;
     onnx_genai gets a fresh engine per run (no prefix-cache hits), its time to first token from a probe, and its
     patched folder under ``cache_root`` when given."""
     options: dict[str, Any] = {"ngram_size": ngram[0], "max_draft_tokens": ngram[1]}
+    if name == DRAFT_MODEL_PEER:
+        options = {"draft_model": draft_model, "draft_tokens": draft_tokens}
     if name in SAMPLED_PEER_ENGINES:
         options["sampling"] = dict(SAMPLING)
     if name == "onnx_genai":

@@ -22,6 +22,9 @@ Peers (names accepted by :func:`make_peer`):
     The same two, sampling (``do_sample=True``, ``temperature``, ``top_p``, ``top_k``,
     ``random_seed``: see :class:`OrtGenAIRunner`). ORT GenAI's RNG is not ortspec's:
     at the same seed they draw different tokens from the same distribution.
+``ortgenai-draft-model``
+    ``ortgenai`` with its draft-model speculation: a second model folder of the target's vocabulary drafts
+    (``model.draft`` in an overlay of the folder; ``bench.genai_draft_model``).
 ``onnx_genai``
     ``onnx_genai.Engine`` greedy (``temperature=0``) on a patched copy of the folder
     whose symbolic KV-cache dimension is made concrete.
@@ -66,7 +69,15 @@ from ortspec.adapters.engine.tokenizer import Tokenizer
 from ortspec.backends.onnx import ModelFolder
 from ortspec.driver import decode_rate
 
-PEER_NAMES = ("ortgenai", "ortgenai-ngram", "onnx_genai", "ortgenai-sampled", "ortgenai-ngram-sampled", "llamacpp")
+PEER_NAMES = (
+    "ortgenai",
+    "ortgenai-ngram",
+    "onnx_genai",
+    "ortgenai-sampled",
+    "ortgenai-ngram-sampled",
+    "llamacpp",
+    "ortgenai-draft-model",
+)
 DEFAULT_SAMPLING = {"temperature": 0.7, "top_p": 0.9}  # the sampled peers' options unless given (the suite's)
 
 
@@ -688,7 +699,8 @@ def make_peer(
     ``options`` go to the runner: ``ngram_size`` / ``max_draft_tokens`` for
     ``ortgenai-ngram`` and ``ortgenai-ngram-sampled`` (defaults 3 and 8),
     ``sampling`` for the sampled peers (default ``DEFAULT_SAMPLING``),
-    ``fresh_engine`` / ``ttft`` / ``cache_root`` for ``onnx_genai``.
+    ``fresh_engine`` / ``ttft`` / ``cache_root`` for ``onnx_genai``, ``draft_model`` (the draft folder; without
+    it the peer is missing) / ``draft_tokens`` (default 4) for ``ortgenai-draft-model``.
     """
     if name not in PEER_NAMES:
         return None, f"unknown peer {name!r}; known: {', '.join(PEER_NAMES)}"
@@ -705,6 +717,10 @@ def make_peer(
             return LlamaCppRunner(model_dir, threads=threads, gguf=options.get("gguf")), None
         if name in ("ortgenai", "ortgenai-sampled"):
             return OrtGenAIRunner(model_dir, threads=threads, sampling=sampling), None
+        if name == "ortgenai-draft-model":
+            from bench.genai_draft_model import draft_model_peer
+
+            return draft_model_peer(model_dir, threads, options.get("draft_model"), options.get("draft_tokens"))
         if name in ("ortgenai-ngram", "ortgenai-ngram-sampled"):
             return OrtGenAIRunner(
                 model_dir,
@@ -744,6 +760,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument("--ngram-size", type=int, default=3)
     ap.add_argument("--max-draft-tokens", type=int, default=8)
+    ap.add_argument("--draft-model", help="the draft model folder of ortgenai-draft-model")
     ap.add_argument("--seed", type=int, default=0, help="the sampled peers' seed (default 0)")
     ap.add_argument("--text", action="store_true", help="include generated text")
     args = ap.parse_args(argv)
@@ -761,6 +778,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             threads=args.threads,
             ngram_size=args.ngram_size,
             max_draft_tokens=args.max_draft_tokens,
+            draft_model=args.draft_model,
         )
         if runner is None:
             report["missing"][name] = why

@@ -407,8 +407,8 @@ def _header(result: dict[str, Any]) -> Iterator[str]:
         "Medians over prompts. tok/s e2e = new tokens ÷ total time (prefill included); decode tok/s = "
         "(new − 1) ÷ (total − TTFT); acceptance = accepted ÷ verified draft tokens; tokens/step = tokens "
         "per target pass after the prefill; passes = target forward passes (ortspec: prefill + steps; "
-        "ORT GenAI n-gram: its reported target_forward_passes + standard_fallback_steps; greedy peers: "
-        "one per token); identical = runs whose tokens equal ortspec-greedy's (EOS removed); disturbed = "
+        "ORT GenAI n-gram and draft model: its reported target_forward_passes + standard_fallback_steps; "
+        "greedy peers: one per token); identical = runs whose tokens equal ortspec-greedy's (EOS removed); disturbed = "
         f"runs during which other processes used > {cfg['contention_threshold']} cores."
     )
     if any(e in SAMPLED_ENGINES for e in result["engines_run"]):

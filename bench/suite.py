@@ -26,6 +26,9 @@ Engines (``--engines``, comma separated):
 ``ortspec-auto-sampled``      ``ortspec-auto`` sampling the same way, at the same seed
 ``ortgenai``                  ONNX Runtime GenAI greedy
 ``ortgenai-ngram``            ONNX Runtime GenAI n-gram speculation (``--ngram SIZE,DRAFT``, default 3,8)
+``ortgenai-draft-model``      ONNX Runtime GenAI draft-model speculation: the ``--draft-model`` folder drafts
+                              (``model.draft`` in an overlay of the model folder; ``--genai-draft-tokens K``,
+                              default 4; ``bench.genai_draft_model``); missing without ``--draft-model``
 ``onnx_genai``                onnx_genai greedy, a fresh engine per run (no prefix-cache hits)
 ``ortgenai-sampled``          ONNX Runtime GenAI sampling (do_sample, temperature 0.7, top_p 0.9, top_k = the
                               vocabulary, i.e. no cut; random_seed = the prompt's seed)
@@ -97,6 +100,7 @@ from tqdm import tqdm
 from bench.engines import (
     ALL_ENGINES,
     ALL_FILTERS,
+    DEFAULT_GENAI_DRAFT_TOKENS,
     DEFAULT_NGRAM,
     DRAFT_MODEL_ENGINES,
     DRAFTER_ENGINES,
@@ -194,7 +198,8 @@ class SuiteConfig:
     max_length: int | None
     quick: bool
     progress: bool
-    draft_model: Path | None = None  # a draft model folder for the Engine (the ortspec-draft-model settings)
+    draft_model: Path | None = None  # a draft model folder: the DRAFT_MODEL_ENGINES settings run on an Engine with it
+    genai_draft_tokens: int = DEFAULT_GENAI_DRAFT_TOKENS  # ortgenai-draft-model's max_draft_tokens
 
     @classmethod
     def from_args(
@@ -236,6 +241,7 @@ class SuiteConfig:
             quick=bool(args.quick),
             progress=not args.no_progress,
             draft_model=Path(args.draft_model) if args.draft_model else None,
+            genai_draft_tokens=args.genai_draft_tokens,
         )
 
     def disturbed(self, others_cores: float | None) -> bool:
@@ -251,6 +257,7 @@ class SuiteConfig:
             "categories": list(self.categories),
             "split": self.split or "all",
             "ngram": {"ngram_size": self.ngram[0], "max_draft_tokens": self.ngram[1]},
+            "genai_draft_tokens": self.genai_draft_tokens,
             "n_per_category": self.n_per_category,
             "max_new_tokens": self.max_new_tokens,
             "max_prompt_tokens": self.max_prompt_tokens,
@@ -376,9 +383,11 @@ def quieter(cfg: SuiteConfig, *curves: dict[str, Any]) -> dict[str, Any]:
 
 
 def load_engines(
-    cfg: SuiteConfig, engine: Engine, pass_costs: Sequence[float], log: Log
+    cfg: SuiteConfig, engine: Engine, pass_costs: Sequence[float], log: Log, with_draft_model: Engine | None = None
 ) -> tuple[dict[str, BenchEngine], dict[str, str]]:
-    """The requested engines in the requested order, and the missing peers with the reason."""
+    """The requested engines in the requested order, and the missing peers with the reason. The settings of
+    ``DRAFT_MODEL_ENGINES`` run on ``with_draft_model`` (an Engine with the suite's draft model), the others on
+    ``engine``."""
     missing: dict[str, str] = {}
     loaded: dict[str, BenchEngine] = {}
     for n in [e for e in cfg.engines if e in (*ORTSPEC_ENGINES, *SAMPLED_ORTSPEC_ENGINES)]:
@@ -386,15 +395,24 @@ def load_engines(
             missing[n] = "no shared-KV drafter for this model (run `ortspec train-drafter`)"
             log(f"{n} missing: {missing[n]}")
             continue
-        if n in DRAFT_MODEL_ENGINES and engine.draft_model is None:
+        if n in DRAFT_MODEL_ENGINES and with_draft_model is None:
             missing[n] = "no draft model (run the suite with --draft-model DIR)"
             log(f"{n} missing: {missing[n]}")
             continue
-        loaded[n] = ortspec_engine(n, engine, pass_costs)
+        on = with_draft_model if n in DRAFT_MODEL_ENGINES and with_draft_model is not None else engine
+        loaded[n] = ortspec_engine(n, on, pass_costs)
     for name in [e for e in cfg.engines if e in (*PEER_ENGINES, *SAMPLED_PEER_ENGINES)]:
         log(f"loading peer {name}")
         cache = cfg.workdir / "onnx_genai-cache" if cfg.quick else None
-        peer, why = load_peer(name, cfg.model_dir, cfg.threads, cache_root=cache, ngram=cfg.ngram)
+        peer, why = load_peer(
+            name,
+            cfg.model_dir,
+            cfg.threads,
+            cache_root=cache,
+            ngram=cfg.ngram,
+            draft_model=cfg.draft_model,
+            draft_tokens=cfg.genai_draft_tokens,
+        )
         if peer is None:
             missing[name] = why
             log(f"peer {name} missing: {why}")
@@ -645,11 +663,14 @@ def run(cfg: SuiteConfig) -> dict[str, Any]:
     bandwidth = [measure_bandwidth(cfg)]
     log(f"bandwidth {bandwidth[0]['best_gb_s']} GB/s")
     config = BackendConfig(threads=cfg.threads, max_length=cfg.max_length)
-    engine = Engine.from_dir(cfg.model_dir, config, draft_model=cfg.draft_model)
+    engine = Engine.from_dir(cfg.model_dir, config)
+    with_draft_model = None
+    if cfg.draft_model is not None and any(n in DRAFT_MODEL_ENGINES for n in cfg.engines):
+        with_draft_model = Engine.from_dir(cfg.model_dir, config, draft_model=cfg.draft_model)
     probe = cost_curve_ids(cfg, engine.backend, prompts)
     log(f"verify cost curve at {len(probe[0])} tokens, K = 0..{KMAX}, {cfg.cost_repeat} samples each")
     cost = measure_cost_curve(cfg, engine.backend, probe, "start", log)
-    engines, missing = load_engines(cfg, engine, cost["curve"], log)
+    engines, missing = load_engines(cfg, engine, cost["curve"], log, with_draft_model)
     drafter = drafter_record(cfg, engine, probe, log) if any(n in DRAFTER_ENGINES for n in engines) else {}
     prompt_checks = check_prompts(engines, prompts)
     for name, e in engines.items():
@@ -828,7 +849,17 @@ def _parser() -> argparse.ArgumentParser:
         "--draft-model",
         default=None,
         metavar="DIR",
-        help="a model folder of the same vocabulary for the Engine to draft with (the ortspec-draft-model settings)",
+        help="a model folder of the same vocabulary: the draft-model settings (ortspec-draft-model, "
+        "ortspec-auto-draft-model) run on a second Engine that drafts with it",
+    )
+    ap.add_argument(
+        "--genai-draft-tokens",
+        type=int,
+        choices=range(1, 17),
+        default=DEFAULT_GENAI_DRAFT_TOKENS,
+        metavar="K",
+        help="ortgenai-draft-model's draft length (ORT GenAI's max_draft_tokens, 1..16; default "
+        f"{DEFAULT_GENAI_DRAFT_TOKENS}, GenAI's own)",
     )
     ap.add_argument("--out", help="output folder (default docs/bench/; --quick: a temporary folder)")
     ap.add_argument("--label", help="names the output files (default: --precision, or 'quick')")

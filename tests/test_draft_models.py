@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from ortspec.backends.draft_model import DraftModelProposer
+from ortspec.core import LookupOrDraft
 
 pytest.importorskip("onnx")
 
@@ -117,6 +118,9 @@ def test_the_engine_opens_one_draft_slot_per_slot_and_its_lone_slot(engine):
     assert isinstance(proposer, DraftModelProposer)
     assert proposer.backend.slots == engine.batch.slots + 1 == engine.lone_slot + 1 == 3
     assert proposer.target_vocab == engine.backend.vocab_size and proposer.stop_ids == engine.eos_token_ids
+    # its runs alternate with the target's: a pool left spinning would take a core from the target's next pass
+    options = proposer.backend.session.get_session_options()
+    assert options.get_session_config_entry("session.intra_op.allow_spinning") == "0"
 
 
 PROMPTS = ["def add(a, b):\n    return a + b\n\ndef sub(a, b):", "The cat sat on the mat. The cat", "x = [1, 2, 3]"]
@@ -128,8 +132,9 @@ def test_draft_model_output_is_plain_decoding_alone_and_many_at_once(engine, sam
     plain = [engine.generate(p, speculative=None, **options) for p in PROMPTS]
     alone = [engine.generate(p, speculative="draft-model", draft_width=4, **options) for p in PROMPTS]
     many = engine.generate_many(PROMPTS, speculative="draft-model", draft_width=4, **options)
-    for want, one, batched in zip(plain, alone, many, strict=True):
-        assert one.token_ids == batched.token_ids == want.token_ids
+    auto = engine.generate_many(PROMPTS, speculative="auto", **options)  # the lookup or the draft model, priced
+    for want, one, batched, chosen in zip(plain, alone, many, auto, strict=True):
+        assert one.token_ids == batched.token_ids == chosen.token_ids == want.token_ids
     assert sum(r.stats.proposed_tokens for r in alone) > 0
     assert not engine.draft_model.broken
 
@@ -140,6 +145,9 @@ def test_draft_model_width_auto_is_priced_by_its_measured_step(engine):
     request = engine.request("a b a b", _options(speculative="draft-model"))
     assert request.proposer is engine.draft_model and not request.reads_target_state
     assert request.draft_width.draft_cost == prices.draft_model_cost
+    auto = engine.request("a b a b", _options()).proposer  # the default, "auto", drafts with the draft model too
+    assert isinstance(auto, LookupOrDraft) and auto.draft_model is engine.draft_model and auto.drafter is None
+    assert auto.draft_model_policy.draft_cost == prices.draft_model_cost
 
 
 def _options(**kwargs):

@@ -30,8 +30,6 @@ if TYPE_CHECKING:
 
 # A finished record: its task, its output line and its metrics (``output.result_lines``, ``failure_lines``).
 Finished = tuple[Task, dict[str, Any], dict[str, Any]]
-# The ``speculative`` names that draft with the Engine's drafter (``core.speculative``: "shared-kv" is the drafter
-# alone, "auto" the suffix lookup or the drafter, per draft); every other value drafts without it.
 
 
 # The most records a worker decodes at once when the job does not say (``max_batch`` None): chosen by measurement on

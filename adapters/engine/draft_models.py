@@ -94,7 +94,9 @@ def open_draft_model(
     slots: int,
 ) -> DraftModelProposer:
     """The draft model in folder ``path`` for the target ``target``: its vocabulary checked
-    (``VocabularyMismatch``), opened with ``config`` (the target's, without its hidden features and tree rows) as
+    (``VocabularyMismatch``), opened with ``config`` (the target's, without its hidden features and tree rows, and
+    with a thread pool that does not spin: its runs alternate with the target's on the same cores, and a pool left
+    spinning after a draft step takes a core from the target's next pass) as
     an ``OrtBatchBackend`` of ``slots`` slots (:func:`draft_slots`), or, for one slot where it cannot run batched,
     as ``OneSlot`` over ``OrtBackend``; its drafts end after the target's EOS ids, and it feeds a context in rows of
     at most ``config.prefill_chunk`` tokens. ``ModelFolderError`` naming the file when the folder cannot be used."""
@@ -102,7 +104,8 @@ def open_draft_model(
 
     folder = ModelFolder.load(Path(path).expanduser())
     check_same_vocabulary(target, folder)
-    config = attrs.evolve(config, hidden_features=(), tree_rows=False)  # the target's reads, not the draft's
+    # the target's reads are not the draft's; its pool sleeps as soon as a draft step ends
+    config = attrs.evolve(config, hidden_features=(), tree_rows=False, allow_spinning=False)
     backend: BatchBackend
     try:
         backend = OrtBatchBackend.from_folder(folder, config, slots=slots)

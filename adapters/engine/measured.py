@@ -133,8 +133,9 @@ class Measurements:
             from ortspec.adapters.engine.measurements import cached_draft_cost
 
             draft = self.draft_model
-            folder = getattr(getattr(draft, "backend", None), "folder", None)
-            key = _folder_key(draft, getattr(folder, "path", None))
+            backend = getattr(draft, "backend", None)
+            folder = getattr(backend, "folder", None)
+            key = _folder_key(draft, getattr(folder, "path", None)) + _session_key(backend)
             slot, name = self._drafter_slot, "draft model cost"
             self._draft_model_cost = self._measured(
                 "draft model's cost",
@@ -215,6 +216,15 @@ class Measurements:
             RuntimeWarning,
             stacklevel=4,
         )
+
+
+def _session_key(backend: object) -> str:
+    """How a draft model's session was opened, as far as it changes its step's time beside the target's (threads
+    and spinning: ``BackendConfig``); empty for a backend without a config."""
+    config = getattr(backend, "config", None)
+    if config is None:
+        return ""
+    return f"|threads={config.threads}|allow_spinning={config.allow_spinning}"
 
 
 def _folder_key(proposer: object, path: object) -> str:

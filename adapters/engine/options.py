@@ -69,11 +69,9 @@ class GenerationOptions(Sampling, Limits):
 
     speculative: str | Proposer | None = option(
         DEFAULT_SPECULATIVE,
-        "how drafts are made (default 'auto'): None (plain decoding), 'prompt-lookup', 'suffix' (the longest "
-        "suffix match in the context and the Engine's recent outputs), 'shared-kv' (the Engine's drafter), "
-        "'draft-model' (the Engine's draft model: Engine.from_dir(..., draft_model=DIR)), 'auto' "
-        "(per draft, the suffix lookup or the drafter, whichever has earned more), or a proposer object ('none' is "
-        "None)",
+        f"how drafts are made (default {DEFAULT_SPECULATIVE!r}): None (plain decoding), "
+        + ", ".join(f"{name!r} ({meaning})" for name, meaning in SPECULATIVE_NAMES.items())
+        + ", or a proposer object ('none' is None)",
         converter=speculative_value,
         validator=_check_speculative,
         none_is_a_value=True,

@@ -182,7 +182,6 @@ class OrtBackend:
         if self.share_buffer:
             self.kv.bind_shared(binding)
 
-    # ------------------------------------------------------------------------------------------------------------
     @classmethod
     def from_folder(
         cls,
