@@ -480,9 +480,10 @@ def test_batched_target_data_equals_the_backend(tiny_model_dir, tmp_path):
     from ortspec.adapters.tools.drafter_data import TargetRunner
     from ortspec.backends.onnx import ModelFolder
 
-    linked = tmp_path / "linked"
+    copy, linked = tmp_path / "copy", tmp_path / "linked"  # links to a copy: the shared tiny folder keeps one link
+    shutil.copytree(tiny_model_dir, copy)
     linked.mkdir()
-    for file in Path(tiny_model_dir).iterdir():
+    for file in copy.iterdir():
         if file.is_file():
             os.link(file, linked / file.name)
     assert (linked / "model.onnx.data").stat().st_nlink == 2
