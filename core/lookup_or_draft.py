@@ -150,7 +150,8 @@ class LookupOrDraft:
         """This value after ``accepted`` of ``draft`` (what ``propose(context)`` returned) were committed: the
         source that drafted it (the same choice ``propose`` made) learns it; an empty draft counts as an idle step
         of that source's policy. A strong match a model beat is kept to be scored at the next call (the class
-        docstring's ``shadow``), and the one kept before is scored now."""
+        docstring's ``shadow``), and the one kept before is scored now. When another source drafted, the draft
+        model's policy counts the step's committed tokens as unread (``CostAwareWidth.behind``)."""
         context_tokens = context.tokens
         learned = self._shadow_learned(context_tokens)
         source, lookup_draft, match = self._choose(context)
@@ -165,6 +166,8 @@ class LookupOrDraft:
         }
         if policy is not None:
             changes[name] = policy.observe(len(draft), accepted)
+        if source != "draft_model" and learned.draft_model_policy is not None:
+            changes["draft_model_policy"] = learned.draft_model_policy.behind(accepted + 1)
         return attrs.evolve(learned, **changes)
 
     def _shadow_learned(self, context_tokens: Sequence[int]) -> LookupOrDraft:

@@ -71,7 +71,8 @@ class Sources:
     lookup), by ``rule``; ``drafter``, a draft model reading the target (``"shared-kv"``, ``"auto"``; None when there
     is none), drafting at most ``drafter_max_draft`` tokens per pass; ``draft_model``, a separate draft model with
     its own KV (``"draft-model"``; ``backends/draft_model.py``; None when there is none), drafting at most
-    ``draft_model_max_draft`` tokens per pass."""
+    ``draft_model_max_draft`` tokens per pass; ``context_tokens``, the request's context as it starts (its prompt),
+    which a draft model reads before its first draft."""
 
     snapshot: SuffixSnapshot | None = None
     rule: DraftRule = attrs.field(factory=DraftRule)
@@ -79,6 +80,7 @@ class Sources:
     drafter_max_draft: int = MAX_DRAFT
     draft_model: Proposer | None = None
     draft_model_max_draft: int = MAX_DRAFT
+    context_tokens: int = 0
 
 
 def _costs(values: Any) -> tuple[float, ...]:
@@ -89,11 +91,13 @@ def _costs(values: Any) -> tuple[float, ...]:
 class Prices:
     """A backend's measured prices: ``pass_costs[k]``, a pass over the pending token and ``k`` draft tokens ÷ a
     plain step (k = 0 .. the widest draft); ``draft_cost``, the drafter's time per draft token ÷ a plain step;
-    ``draft_model_cost``, the draft model's time per draft token ÷ a plain step."""
+    ``draft_model_cost``, the draft model's time per draft token ÷ a plain step; ``draft_model_read_cost``, the draft
+    model's time per context token it reads before drafting ÷ a plain step."""
 
     pass_costs: tuple[float, ...] = attrs.field(converter=_costs)
     draft_cost: float = 0.0
     draft_model_cost: float = 0.0
+    draft_model_read_cost: float = 0.0
 
 
 def check_sources(speculative: Any, sources: Sources) -> None:
@@ -191,8 +195,14 @@ def _drafter_policy(prices: Prices, sources: Sources) -> CostAwareWidth:
 
 
 def _draft_model_policy(prices: Prices, sources: Sources) -> CostAwareWidth:
-    """The draft model's cost-aware policy: the curve up to its widest draft, each draft token priced at its step."""
-    return CostAwareWidth(prices.pass_costs[: sources.draft_model_max_draft + 1], draft_cost=prices.draft_model_cost)
+    """The draft model's cost-aware policy: the curve up to its widest draft, each draft token priced at its step,
+    and the request's context unread, each token priced at its read."""
+    return CostAwareWidth(
+        prices.pass_costs[: sources.draft_model_max_draft + 1],
+        draft_cost=prices.draft_model_cost,
+        read_cost=prices.draft_model_read_cost,
+        unread=sources.context_tokens,
+    )
 
 
 def _auto(

@@ -26,6 +26,9 @@ import attrs
 from .checks import int_at_least, number_in
 from .proposers import MAX_DRAFT
 
+# The most of a sequence's time that probing a source that does not pay may take (``CostAwareWidth.probe_loss``).
+PROBE_SHARE = 0.025
+
 
 def acceptance_rate(accepted: int, proposed: int) -> float:
     """Accepted ÷ proposed draft tokens; 0.0 when nothing was proposed. The one definition."""
@@ -212,9 +215,9 @@ class FixedWidth:
         return attrs.evolve(self, tree=self.tree.observe(chain, chain_accepted, extra_nodes, extra_accepted))
 
 
-def _check_draft_cost(instance: object, attribute: object, value: object) -> None:
+def _check_cost(instance: object, attribute: Any, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value < float("inf"):
-        raise ValueError(f"draft_cost must be a finite number >= 0, got {value!r}")
+        raise ValueError(f"{attribute.name} must be a finite number >= 0, got {value!r}")
 
 
 @attrs.frozen
@@ -233,6 +236,19 @@ class CostAwareWidth:
     (plain steps) when speculation does not pay. While at 0 it probes with ``probe_width`` every
     ``probe_every`` steps so that it notices when drafts start to match again.
 
+    **A source that reads before it drafts.** A draft model keeps its own KV, so before it drafts it must read the
+    context tokens it has not read (the prompt, at its first draft; every token committed while it did not draft):
+    ``read_cost`` is its time per such token relative to a plain step (0 for a source that reads nothing: lookup, a
+    head reading the target's state), ``unread`` how many it has not read, as the policy counts them (one more per
+    plain step, ``behind`` for tokens another source drafted; after its own draft, the bonus token, and the last
+    draft token when all were accepted). The tokens a draft model feeds in drafting are priced in ``draft_cost``; the
+    reading, once per return from idling, is paid by a probe (``catch_up``).
+
+    **Probes are priced too.** A probe's expected loss (``probe_loss``: its pass, draft tokens and catch-up, less
+    the plain steps that would commit its expected tokens) may take at most ``PROBE_SHARE`` of the sequence's time,
+    so a source whose probe costs more is probed less often, and one whose catch-up has grown past what that share
+    buys is not probed again.
+
     In a batched pass (``width_at(plain_cost, token_cost)``, a ``PricedWidth``) a plain step costs ``plain_cost``
     instead of 1 and a pass with a draft ``pass_cost(...) + k * draft_cost``; probes are spaced so that
     they cost the same share of the sequence's time as alone (``probe_interval``). ``tree`` sizes tree drafts
@@ -246,8 +262,10 @@ class CostAwareWidth:
     probe_every: int = attrs.field(default=8, validator=int_at_least(1))
     probe_width: int = attrs.field(default=2, validator=int_at_least(1))
     idle_steps: int = 0
-    draft_cost: float = attrs.field(default=0.0, validator=_check_draft_cost)
+    draft_cost: float = attrs.field(default=0.0, validator=_check_cost)
     tree: TreeBudget | None = None
+    read_cost: float = attrs.field(default=0.0, validator=_check_cost)
+    unread: int = attrs.field(default=0, validator=int_at_least(0))
 
     def acceptance(self) -> float:
         return self.successes / self.trials if self.trials > 0 else 0.0
@@ -264,15 +282,32 @@ class CostAwareWidth:
         rates = [self.expected_rate(k, plain_cost, token_cost) for k in range(len(self.pass_costs))]
         return max(range(len(rates)), key=lambda k: (rates[k], -k))
 
+    def catch_up(self) -> float:
+        """What reading the unread context costs before the next draft, in plain steps alone: ``read_cost`` for each
+        unread token but the last (which the first draft step feeds, priced in ``draft_cost``)."""
+        return self.read_cost * max(self.unread - 1, 0)
+
+    def probe_loss(self, plain_cost: float = 1.0) -> float:
+        """A probe's expected cost beyond the plain steps (at ``plain_cost`` each) that would commit the tokens it is
+        expected to commit, in plain steps alone: its pass of ``probe_width`` draft tokens as a pass of its own, its
+        draft tokens and its ``catch_up``; never below 0."""
+        width = min(self.probe_width, len(self.pass_costs) - 1)
+        p = min(self.acceptance(), 0.999)
+        tokens = (1.0 - p ** (width + 1)) / (1.0 - p)
+        cost = self.pass_costs[width] + width * self.draft_cost + self.catch_up()
+        return max(cost - tokens * plain_cost, 0.0)
+
     def probe_interval(self, plain_cost: float = 1.0) -> float:
         """Plain steps between probes while the best width is 0: ``probe_every`` alone; with a cheaper plain step,
         longer, so that a probe's extra cost (its pass over the plain step it replaces) is the same share of the
-        sequence's time as alone (the extra cost alone floored at 0.05 of a step)."""
+        sequence's time as alone (the extra cost alone floored at 0.05 of a step); and never so short that the
+        probes' expected loss (``probe_loss``) takes more than ``PROBE_SHARE`` of the sequence's time."""
+        budgeted = self.probe_loss(plain_cost) / (PROBE_SHARE * plain_cost)
         if plain_cost >= 1.0:
-            return float(self.probe_every)
+            return max(float(self.probe_every), budgeted)
         probe = self.pass_costs[min(self.probe_width, len(self.pass_costs) - 1)] + self.probe_width * self.draft_cost
         extra_alone = max(probe - 1.0, 0.05)
-        return self.probe_every * (probe - plain_cost) / (extra_alone * plain_cost)
+        return max(self.probe_every * (probe - plain_cost) / (extra_alone * plain_cost), budgeted)
 
     def width(self) -> int:
         return self.width_at(1.0)
@@ -298,14 +333,19 @@ class CostAwareWidth:
 
     def observe(self, proposed: int, accepted: int) -> CostAwareWidth:
         if proposed == 0:
-            return attrs.evolve(self, idle_steps=self.idle_steps + 1)
+            return attrs.evolve(self, idle_steps=self.idle_steps + 1, unread=self.unread + 1)
         trials = accepted + (1 if accepted < proposed else 0)
         return attrs.evolve(
             self,
             successes=self.successes * self.decay + accepted,
             trials=self.trials * self.decay + trials,
             idle_steps=0,
+            unread=2 if accepted == proposed else 1,
         )
+
+    def behind(self, tokens: int) -> CostAwareWidth:
+        """This policy after ``tokens`` were committed that its source did not read (another source drafted them)."""
+        return attrs.evolve(self, unread=self.unread + tokens)
 
 
 @attrs.frozen

@@ -426,7 +426,10 @@ def width_policies():
         decay=st.floats(0.0, 1.0),
         probe_every=_integers(1, 10),
         probe_width=_integers(1, 4),
+        draft_cost=st.floats(0.0, 2.0),
         tree=trees,
+        read_cost=st.floats(0.0, 1.0),
+        unread=_integers(0, 2000),
     )
     fixed = st.builds(FixedWidth, _integers(1, 32), tree=trees)
     additive = st.builds(

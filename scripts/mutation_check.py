@@ -544,6 +544,24 @@ MUTANTS: dict[str, Mutant] = {
         "if draft and _rate(policy) >= _rate(getattr(self, _POLICY[model])):",
         ("tests/test_draft_context.py",),
     ),
+    "probes-ignore-the-catch-up": Mutant(
+        "core/width.py",
+        "cost = self.pass_costs[width] + width * self.draft_cost + self.catch_up()",
+        "cost = self.pass_costs[width] + width * self.draft_cost",
+        ("tests/test_proposers.py",),
+    ),
+    "the-draft-model-starts-with-nothing-unread": Mutant(
+        "core/speculative.py",
+        "unread=sources.context_tokens,",
+        "unread=0,",
+        ("tests/test_speculative.py",),
+    ),
+    "auto-forgets-what-the-draft-model-did-not-read": Mutant(
+        "core/lookup_or_draft.py",
+        'changes["draft_model_policy"] = learned.draft_model_policy.behind(accepted + 1)',
+        "pass",
+        ("tests/test_proposers.py",),
+    ),
     "auto-never-drafts-with-the-draft-model-beside-a-drafter": Mutant(
         "core/lookup_or_draft.py",
         "if self.draft_model is not None and _rate(self.draft_model_policy) > _rate(self.drafter_policy):",

@@ -145,9 +145,24 @@ def test_draft_model_width_auto_is_priced_by_its_measured_step(engine):
     request = engine.request("a b a b", _options(speculative="draft-model"))
     assert request.proposer is engine.draft_model and not request.reads_target_state
     assert request.draft_width.draft_cost == prices.draft_model_cost
+    # its catch-up is priced too: a read per context token, the whole prompt unread at the start
+    assert prices.draft_model_read_cost > 0 and request.draft_width.read_cost == prices.draft_model_read_cost
+    assert request.draft_width.unread == len(request.ids) > 0
     auto = engine.request("a b a b", _options()).proposer  # the default, "auto", drafts with the draft model too
     assert isinstance(auto, LookupOrDraft) and auto.draft_model is engine.draft_model and auto.drafter is None
     assert auto.draft_model_policy.draft_cost == prices.draft_model_cost
+
+
+def test_draft_model_read_cost_is_measured_by_whole_rereads(engine):
+    from ortspec.adapters.engine.measurements import measure_read_cost, probe_ids
+
+    measured, proposer = engine.measurements, engine.draft_model
+    ids, fed = probe_ids(engine.backend.vocab_size, 40), proposer.tokens_fed
+    result = measure_read_cost(measured.backend, proposer, ids, repeats=3, slot=measured._drafter_slot)
+    assert result["context_tokens"] == 40 and result["read_s"] > 0 and result["decode_step_s"] > 0
+    assert result["cost"] == pytest.approx(result["read_s"] / 40 / result["decode_step_s"])
+    assert proposer.tokens_fed - fed >= 3 * 40  # each timed propose read the whole context
+    assert measured.backend.current_len() == 0
 
 
 def _options(**kwargs):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import attrs
 import pytest
 
 from ortspec.core import CostAwareWidth, LookupOrDraft
@@ -277,6 +278,54 @@ def test_auto_learns_which_model_pays():
     assert alone.draft_model_drafts > 3 * alone.lookup_drafts and alone.drafter_drafts == 0
     with pytest.raises(ValueError, match="drafter or a draft_model"):
         LookupOrDraft(PromptLookup(), None)
+
+
+def test_a_source_that_reads_before_it_drafts_is_probed_by_its_price():
+    """A draft model reads the context it has not read before it drafts (``CostAwareWidth.read_cost``, ``unread``):
+    a probe pays that catch-up, so probes are spaced by their expected loss (at most ``PROBE_SHARE`` of the time);
+    a source whose catch-up has grown past what that share buys is not probed again, while a source that reads
+    nothing probes every ``probe_every`` steps as before. After its own draft, only the bonus (and the last draft
+    token when all were accepted) is unread; tokens another source drafted count as unread."""
+    from ortspec.core.width import PROBE_SHARE
+
+    costs = (1.0, 1.1, 1.2, 1.3, 1.4)
+    idle = CostAwareWidth(costs, successes=0.0, trials=10.0, draft_cost=0.6)  # drafts never pay
+    assert idle.catch_up() == 0.0 and idle.probe_interval() == pytest.approx(idle.probe_loss() / PROBE_SHARE)
+    assert idle.probe_loss() == pytest.approx(1.2 + 2 * 0.6 - 1.0)  # its pass and 2 draft tokens for 1 token
+    lookup = CostAwareWidth(costs, successes=0.0, trials=10.0)  # a cheap probe: spaced by probe_every
+    assert lookup.probe_interval() == lookup.probe_every
+    reader = attrs.evolve(idle, read_cost=0.1, unread=50)
+    assert reader.catch_up() == pytest.approx(4.9)  # every unread token but the last, which the draft feeds
+    assert reader.probe_loss() == pytest.approx(idle.probe_loss() + 4.9)
+    assert reader.probe_interval() == pytest.approx(reader.probe_loss() / PROBE_SHARE)
+    assert reader.probe_interval() > 4 * idle.probe_interval()
+    # idling: one more unread token per plain step, so the next probe only moves away
+    steps = 0
+    while reader.width() == 0 and steps < 1000:
+        reader, steps = reader.observe(0, 0), steps + 1
+    assert steps == 1000 and reader.unread == 1050
+    # a cheap read is probed again, later the more it has to read
+    cheap = attrs.evolve(idle, read_cost=0.001, unread=0)
+    for _ in range(200):
+        cheap = cheap.observe(cheap.width(), 0) if cheap.width() else cheap.observe(0, 0)
+    assert cheap.unread < 200
+    # after its own draft: the bonus token is unread, and the last draft token too when every one was accepted
+    assert reader.observe(3, 1).unread == 1 and reader.observe(3, 3).unread == 2
+    assert reader.behind(5).unread == reader.unread + 5
+    with pytest.raises(ValueError, match="read_cost must be a finite number"):
+        CostAwareWidth(costs, read_cost=-1.0)
+
+
+def test_auto_counts_what_other_sources_drafted_as_unread_by_the_draft_model():
+    costs = (1.0, 1.1, 1.2, 1.3, 1.4)
+    auto = LookupOrDraft(PromptLookup(ngram=3, max_draft=8), None, draft_model=_Wrong())
+    auto = auto.priced(CostAwareWidth(costs), None, None, CostAwareWidth(costs, draft_cost=0.3, read_cost=0.1))
+    copies = DraftContext([1, 2, 3, 4, 5, 6, 1, 2, 3], 4, slot=0)  # a strong match: the lookup drafts
+    draft = auto.propose(copies)
+    assert draft[:1] == (4,) and auto.observe(copies, draft, 1).draft_model_policy.unread == 2
+    fresh = DraftContext([7, 8, 9, 10, 11], 4, slot=0)  # no match: the draft model drafts (and learns it)
+    drafted = auto.propose(fresh)
+    assert drafted and auto.observe(fresh, drafted, 0).draft_model_policy.unread == 1
 
 
 def test_auto_fades_with_the_price_of_a_plain_step():

@@ -27,7 +27,7 @@ from ortspec.core.speculative import (
 )
 from ortspec.core.width import TreeBudget
 
-PRICES = Prices((1.0, 1.1, 1.2, 1.3, 1.5), draft_cost=0.2, draft_model_cost=0.3)
+PRICES = Prices((1.0, 1.1, 1.2, 1.3, 1.5), draft_cost=0.2, draft_model_cost=0.3, draft_model_read_cost=0.05)
 TREE = TreeBudget(PRICES.pass_costs)  # what sizes a lookup's tree drafts
 
 
@@ -61,18 +61,20 @@ def test_each_name_is_its_proposer_and_width_policy():
     own = PromptLookup(ngram=2)
     assert speculation(own, 3, without) == (own, 3)
     draft_model = Drafter()
-    with_model = Sources(draft_model=draft_model, draft_model_max_draft=2)
+    with_model = Sources(draft_model=draft_model, draft_model_max_draft=2, context_tokens=40)
     model, width = speculation("draft-model", "auto", with_model, PRICES)  # priced at its own step, to its widest
-    assert model is draft_model and width == CostAwareWidth(PRICES.pass_costs[:3], draft_cost=0.3)
+    # and at its read of the request's context, all of it unread at the start
+    priced = CostAwareWidth(PRICES.pass_costs[:3], draft_cost=0.3, read_cost=0.05, unread=40)
+    assert model is draft_model and width == priced
     assert speculation("draft-model", 4, with_model) == (draft_model, 4)
     auto, _ = speculation("auto", "auto", with_model, PRICES)  # the suffix lookup or the draft model
     assert isinstance(auto, LookupOrDraft) and auto.drafter is None and auto.draft_model is draft_model
-    assert auto.draft_model_policy == CostAwareWidth(PRICES.pass_costs[:3], draft_cost=0.3)
+    assert auto.draft_model_policy == priced
     both = attrs.evolve(with_model, drafter=drafter, drafter_max_draft=drafter.max_draft)
     auto, _ = speculation("auto", "auto", both, PRICES)  # all three sources, each priced at its own step
     assert auto.drafter is drafter and auto.draft_model is draft_model
     assert auto.drafter_policy == CostAwareWidth(PRICES.pass_costs[:4], draft_cost=0.2)
-    assert auto.draft_model_policy == CostAwareWidth(PRICES.pass_costs[:3], draft_cost=0.3)
+    assert auto.draft_model_policy == priced
 
 
 def test_bad_names_and_missing_sources_are_refused_naming_speculative():

@@ -54,11 +54,12 @@ class Measurements:
         self._batch_decode_costs: tuple[float, ...] | None = None
         self._draft_cost: float | None = None
         self._draft_model_cost: float | None = None
+        self._draft_model_read_cost: float | None = None
 
     def prices(self) -> Prices:
-        """The prices a cost-aware width policy reads (``core.speculative.Prices``): ``pass_costs``, ``draft_cost``
-        and ``draft_model_cost``."""
-        return Prices(self.pass_costs(), self.draft_cost(), self.draft_model_cost())
+        """The prices a cost-aware width policy reads (``core.speculative.Prices``): ``pass_costs``, ``draft_cost``,
+        ``draft_model_cost`` and ``draft_model_read_cost``."""
+        return Prices(self.pass_costs(), self.draft_cost(), self.draft_model_cost(), self.draft_model_read_cost())
 
     def verify_drift(self) -> float:
         """Largest logit difference between this backend's verify passes and one-token decodes (3 windows of up to
@@ -132,11 +133,7 @@ class Measurements:
         if self._draft_model_cost is None:
             from ortspec.adapters.engine.measurements import cached_draft_cost
 
-            draft = self.draft_model
-            backend = getattr(draft, "backend", None)
-            folder = getattr(backend, "folder", None)
-            key = _folder_key(draft, getattr(folder, "path", None)) + _session_key(backend)
-            slot, name = self._drafter_slot, "draft model cost"
+            draft, key, slot, name = self.draft_model, self._draft_model_key(), self._drafter_slot, "draft model cost"
             self._draft_model_cost = self._measured(
                 "draft model's cost",
                 lambda before: cached_draft_cost(
@@ -144,6 +141,31 @@ class Measurements:
                 ),
             )
         return self._draft_model_cost
+
+    def draft_model_read_cost(self) -> float:
+        """The draft model's time per context token it reads before drafting ÷ a decode step of the target
+        (``measurements.measure_read_cost`` at the lone slot), measured and kept like ``draft_model_cost``; 0.0
+        without a draft model. ``BackendError`` if the measurement fails."""
+        if self.draft_model is None:
+            return 0.0
+        if self._draft_model_read_cost is None:
+            from ortspec.adapters.engine.measurements import cached_read_cost
+
+            draft, key, slot = self.draft_model, self._draft_model_key(), self._drafter_slot
+            self._draft_model_read_cost = self._measured(
+                "draft model's read cost",
+                lambda before: cached_read_cost(
+                    self.backend, draft, self.measurement_file(), key, slot=slot, before=before
+                ),
+            )
+        return self._draft_model_read_cost
+
+    def _draft_model_key(self) -> str:
+        """Which draft model a measurement of it is for: its folder and the version of its files, and how its
+        session runs."""
+        backend = getattr(self.draft_model, "backend", None)
+        folder = getattr(backend, "folder", None)
+        return _folder_key(self.draft_model, getattr(folder, "path", None)) + _session_key(backend)
 
     def measurement_file(self) -> Path | None:
         """Where this engine's measurements are kept (``measurements.cached_measurement``): one file per model

@@ -319,6 +319,69 @@ def cached_draft_cost(
     return float(cached_measurement(cache_file, name, params, measure)["cost"])
 
 
+def measure_read_cost(
+    backend: Backend, proposer: Proposer, context_ids: Sequence[int], repeats: int = 7, slot: int = 0
+) -> dict[str, Any]:
+    """What a proposer that keeps its own KV (a separate draft model) costs per context token it reads before it
+    drafts (its catch-up), relative to a plain decode step of ``backend`` at the same context: interleaved
+    ``repeats`` times (after a warm-up), one ``propose`` of width 1 after a context that shares no first token with
+    the one before (so the proposer reads it whole, then picks one token) and one 1-token decode of the target.
+    Returns ``read_s`` (median seconds of one such ``propose``), ``context_tokens``, ``decode_step_s`` and ``cost``
+    (``read_s / context_tokens / decode_step_s``: the ``read_cost`` of ``CostAwareWidth``). Resets the backend."""
+    context = list(context_ids)
+    if len(context) < 3:
+        raise ValueError("measuring a read needs a context of at least 3 tokens")
+    other = [(context[0] + 1) % backend.vocab_size, *context[1:]]
+    backend.reset()
+    backend.decode(context[:-1], 0)
+    base = backend.current_len()
+    reads, decodes = [], []
+    for r in range(repeats + 1):
+        t0 = time.perf_counter()
+        proposer.propose(DraftContext(other if r % 2 else context, 1, slot=slot))
+        t1 = time.perf_counter()
+        backend.decode(context[-1:], base)
+        t2 = time.perf_counter()
+        backend.rewind(base)
+        if r >= 1:  # the first is warm-up
+            reads.append(t1 - t0)
+            decodes.append(t2 - t1)
+    backend.reset()
+    read_s, decode_s = statistics.median(reads), statistics.median(decodes)
+    return {
+        "repeats": repeats,
+        "context_tokens": len(context),
+        "read_s": read_s,
+        "decode_step_s": decode_s,
+        "cost": read_s / len(context) / decode_s,
+    }
+
+
+def cached_read_cost(
+    backend: Backend,
+    proposer: Proposer,
+    cache_file: Path | None,
+    drafter_key: str,
+    *,
+    slot: int = 0,
+    before: Callable[[], None] | None = None,
+) -> float:
+    """``measure_read_cost(...)["cost"]`` over a context of ``probe_ids`` (up to 256 tokens, cut to fit the
+    capacity), at ``slot``, kept by ``cached_measurement`` as ``"draft model read cost"`` with ``drafter_key`` (which
+    draft model, and how its session runs) among the params. ``before()`` runs just before the backend is used (not
+    on a cache hit); the measurement resets the backend."""
+    context = max(3, min(256, backend.max_length - 2))
+
+    def measure() -> dict[str, Any]:
+        if before is not None:
+            before()
+        result = measure_read_cost(backend, proposer, probe_ids(backend.vocab_size, context), slot=slot)
+        return {key: result[key] for key in ("cost", "read_s", "decode_step_s", "context_tokens")}
+
+    params = {"drafter": drafter_key, "context_tokens": context, "probe": "probe_ids"}
+    return float(cached_measurement(cache_file, "draft model read cost", params, measure)["cost"])
+
+
 def batch_sizes(slots: int) -> tuple[int, ...]:
     """The pass sizes ``measure_batch_decode_costs`` times on ``slots`` slots: the powers of two below ``slots``,
     and ``slots``."""

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, NamedTuple
 
+import attrs
+
 from ortspec.adapters.engine.options import GenerationOptions, Prompt
 from ortspec.core import MAX_DRAFT, LookupOrDraft, PricedWidth, Proposer, WidthPolicy
 from ortspec.core.forced import forcing
@@ -62,6 +64,7 @@ def make_request(engine: Engine, prompt: Prompt, options: GenerationOptions) -> 
     )  # fmt: skip
     check_sources(name, sources)
     ids, core_options = engine.prepare(prompt, options)
+    sources = attrs.evolve(sources, context_tokens=len(ids))
     if name is not None:
         engine.measurements.warn_if_inexact()
     priced = needs_prices(name, options.draft_width)
