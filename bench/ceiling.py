@@ -15,7 +15,10 @@ is the ceiling of speculation itself at this pass cost. Beside them, the **suffi
 earlier outputs in a ``SuffixCache`` as an Engine records them) drafting every pass, up to ``max_draft`` tokens,
 for free, its drafts checked against the output: what the lookup does on these outputs without a drafter, a width
 policy or a drafting cost, so its gap to the anchored copier is the lookup's choice among a match's occurrences
-and where its drafts stop.
+and where its drafts stop. The **suffix lookup's trees, replayed** (``tree_lookup_passes``): the same lookup
+drafting trees of a match's other occurrences too (``DraftRule(branches=3)``, the first branch as deep as the
+chain's, the other branches in the rest of ``max_draft`` nodes), each pass priced by its node count: how much of
+that gap verifying several occurrences at once buys at this pass cost.
 
 Everything else is the run's own measurement, nothing is re-timed:
 
@@ -34,6 +37,7 @@ it. The prompt ids are rebuilt with ``bench.workloads`` and must match the file'
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -44,7 +48,8 @@ import attrs
 from bench.engines import BASELINE, KMAX, NGRAM_PEER, REFERENCE
 from bench.workloads import STREAM_CATEGORIES, build_workloads, encode_chat, workloads_digest
 from ortspec.adapters.engine.suffix_cache import SuffixCache
-from ortspec.core import DraftContext, Proposer, SuffixProposer
+from ortspec.core import DraftContext, DraftRule, Proposer, SuffixProposer
+from ortspec.core.tree import DraftTree, walk
 
 AUTO = "ortspec-auto"
 CATEGORIES = ("code_edit", "repetitive")
@@ -102,6 +107,33 @@ def lookup_passes(proposer: Proposer, prompt: Sequence[int], output: Sequence[in
     return passes
 
 
+def tree_lookup_passes(
+    proposer: Proposer, prompt: Sequence[int], output: Sequence[int], width: int, nodes: int
+) -> list[int]:
+    """The node counts verified by ``proposer``'s passes over ``output`` after ``prompt``, greedy, where it may draft
+    a tree: a pass at ``j`` verifies ``proposer.propose(DraftContext(prompt + output[:j], K, nodes=N))``, ``K =
+    min(width, tokens left - 1)``, ``N = min(nodes, tokens left - 1)`` (a chain is a one-branch tree), commits the
+    path the output follows (``core.tree.walk`` with the output as the target's picks) and then its own pick. Costs
+    the proposer's calls."""
+    out, passes, j = [int(t) for t in output], [], 1
+    while j < len(out):
+        left = len(out) - j - 1
+        k, n = min(width, left), min(nodes, left)
+        proposal = proposer.propose(DraftContext([*prompt, *out[:j]], k, nodes=n)) if k > 0 else ()
+        tree = proposal if isinstance(proposal, DraftTree) else DraftTree.chain(tuple(proposal)[:k])
+        tree = tree.within(max(n, k), k)
+        path = walk(tree, functools.partial(_output_pick, out, j, tree.depths)).path
+        passes.append(len(tree))
+        j += len(path) + 1
+    return passes
+
+
+def _output_pick(out: Sequence[int], j: int, depths: Sequence[int], row: int) -> int:
+    """The target's pick from verify row ``row`` of a pass at ``j`` when it produces ``out``: row 0 picks ``out[j]``,
+    node ``row - 1`` (at depth ``depths[row - 1]``) the token after it."""
+    return out[j + (depths[row - 1] + 1 if row else 0)]
+
+
 def perfect_passes(new_tokens: int, max_draft: int = KMAX) -> list[int]:
     """A perfect drafter's passes: ``max_draft`` right drafts each, after the prompt's pass made the first token."""
     passes, j = [], 1
@@ -114,8 +146,13 @@ def perfect_passes(new_tokens: int, max_draft: int = KMAX) -> list[int]:
 
 # The speculators a report compares: measured ``ortspec-auto``, its lookup replayed, then the ceilings.
 LOOKUP = "suffix lookup, replayed"
+# The same lookup drafting trees (``DraftRule(branches=TREE_BRANCHES)``), its first branch ``TREE_WIDTH`` deep (the
+# chain's depth) and at most ``KMAX`` nodes in all: what hindsight among a match's occurrences buys when every
+# verified node is priced.
+TREE_BRANCHES, TREE_WIDTH = 3, KMAX
+TREE = f"suffix lookup, {TREE_BRANCHES}-branch trees, replayed"
 COPIER, ANCHORED, DRAFTER = "perfect copier", "perfect copier, anchored", "perfect drafter"
-SPECULATORS = (AUTO, LOOKUP, ANCHORED, COPIER, DRAFTER)
+SPECULATORS = (AUTO, LOOKUP, TREE, ANCHORED, COPIER, DRAFTER)
 
 
 @attrs.frozen
@@ -174,6 +211,13 @@ def ceilings(result: Mapping[str, Any], categories: Sequence[str] = CATEGORIES) 
         cache = caches.setdefault(w.category, SuffixCache()) if stream else SuffixCache()
         passes = {
             LOOKUP: lookup_passes(SuffixProposer(cache=cache.snapshot()), prompt, tokens),
+            TREE: tree_lookup_passes(
+                SuffixProposer(DraftRule(branches=TREE_BRANCHES), cache=cache.snapshot()),
+                prompt,
+                tokens,
+                TREE_WIDTH,
+                KMAX,
+            ),  # fmt: skip
             ANCHORED: copy_passes(seen if stream else [], prompt, tokens, anchor=1),
             COPIER: copy_passes(seen if stream else [], prompt, tokens),
             DRAFTER: perfect_passes(len(tokens)),
@@ -207,7 +251,9 @@ def report(result: Mapping[str, Any], rows: Sequence[PromptCeiling], source: str
         f"- {COPIER}: every pass drafts the longest continuation found verbatim in what a copying proposer sees "
         f"(all right, drafting free); {ANCHORED}: the same, continuing an occurrence of the token before the draft; "
         f"{DRAFTER}: {KMAX} right drafts every pass; {LOOKUP}: auto's suffix lookup alone drafting up to {KMAX} "
-        "tokens every pass, free, checked against the output (no drafter, no width policy)",
+        "tokens every pass, free, checked against the output (no drafter, no width policy); "
+        f"{TREE}: the same lookup drafting trees {TREE_WIDTH} deep, at most {KMAX} nodes, each pass priced by "
+        "its node count",
         "",
         "Medians over prompts of tokens per pass and of per-prompt ratios of end-to-end totals (TTFT + decode).",
         "",
