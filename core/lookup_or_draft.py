@@ -26,7 +26,8 @@ _POLICY = {
     "drafter": "drafter_policy",
     "draft_model": "draft_model_policy",
 }
-_MODEL = {"drafter": "drafter", "draft_model": "draft_model"}
+# The model sources, each named as the field that holds it.
+_MODELS = ("drafter", "draft_model")
 
 
 def _one_model(instance: Any, attribute: Any, value: Any) -> None:
@@ -131,7 +132,7 @@ class LookupOrDraft:
         reorder), as wide as its policy's ``width_at(context.plain_cost)`` allows, so speculation fades as a batch
         fills."""
         source, draft, _ = self._choose(context)
-        if source not in _MODEL:
+        if source not in _MODELS:
             k = _width(getattr(self, _POLICY[source]), context)
             nodes = k
             if isinstance(self.lookup, SuffixProposer) and context.nodes is not None and self.tree is not None:
@@ -143,7 +144,7 @@ class LookupOrDraft:
         k = _width(getattr(self, _POLICY[source]), context)
         if k <= 0:
             return ()
-        drafted = getattr(self, _MODEL[source]).propose(attrs.evolve(context, width=k))
+        drafted = getattr(self, source).propose(attrs.evolve(context, width=k))
         return drafted.cut(k) if isinstance(drafted, DraftTree) else tuple(drafted)[:k]
 
     def observe(self, context: DraftContext, draft: Sequence[int] | DraftTree, accepted: int) -> LookupOrDraft:
@@ -158,8 +159,8 @@ class LookupOrDraft:
         name = _POLICY[source]
         policy: CostAwareWidth | None = getattr(learned, name)
         verified = 1 if draft else 0
-        shadowed = source in _MODEL and match == "strong" and learned.lookup_policy is not None
-        counter = f"{source}_drafts" if source in _MODEL else "lookup_drafts"
+        shadowed = source in _MODELS and match == "strong" and learned.lookup_policy is not None
+        counter = f"{source}_drafts" if source in _MODELS else "lookup_drafts"
         changes: dict[str, Any] = {
             counter: getattr(self, counter) + verified,
             "shadow": (len(context_tokens), lookup_draft) if shadowed else None,
