@@ -1,6 +1,8 @@
-"""Benchmark suite for ortspec: ``suite`` (the run, ``python -m bench.suite``), ``engines`` (the engines under
-test), ``report`` (summaries and result files), ``limits`` (physical limits of a decode step), ``workloads``,
-``peers`` (peer-engine runners), ``machine`` (machine facts) and ``replay``.
+"""Benchmark suite for ortspec: ``suite`` (the run's command line, ``python -m bench.suite``; ``suite_config``,
+``suite_runs`` and ``suite_measurements`` hold its settings, its run and its measurements), ``engines`` (the engines
+under test), ``report`` (summaries and result files), ``limits`` (physical limits of a decode step), ``workloads``,
+``peers`` (peer-engine runners: ``peer_base``, ``peer_ortgenai``, ``peer_onnx_genai``), ``machine`` (machine facts)
+and ``replay``.
 
 Each other benchmark is one module with one entry point, ``python -m bench.<name>``, that writes its result file
 (the repository keeps one current result per benchmark; git keeps the earlier runs): ``throughput``,

@@ -26,7 +26,8 @@ from typing import Any
 import attrs
 
 from bench.genai_draft_model import DEFAULT_DRAFT_TOKENS, DRAFT_MODEL_PEER
-from bench.peers import PeerRun, PeerRunner, make_peer
+from bench.peer_base import PeerRun, PeerRunner
+from bench.peers import make_peer
 from ortspec.adapters.engine import Engine
 from ortspec.adapters.engine.suffix_cache import SuffixCache
 from ortspec.core import AdditiveWidth, CostAwareWidth, DraftRule, PromptLookup, Proposer, SuffixSnapshot, WidthPolicy

@@ -11,13 +11,13 @@ max_draft_tokens=K)`` sets the draft length (1..16; GenAI's own default, with no
 ``standard_fallback_steps``, the counters the n-gram peer reports too (``bench.engines.PeerEngine`` reads them).
 
 :class:`DraftOverlay` builds that folder: a temporary overlay of the target folder (every file hard linked, as
-``bench.peers._overlay_folder`` does, or copied across file systems) whose ``genai_config.json`` gains
+``bench.peer_base._overlay_folder`` does, or copied across file systems) whose ``genai_config.json`` gains
 ``model.draft`` = the draft folder's own ``model.decoder`` with ``filename`` = ``draft/<its file>`` and
 ``session_options.intra_op_num_threads`` = the peer's threads (the target's ``model.decoder`` is pinned the same
 way), and whose ``draft/`` subfolder holds hard links to the draft's graph and the external data files the graph
 names. The original folders are never modified.
 
-:class:`OrtGenAIDraftModelRunner` is ``bench.peers.OrtGenAIRunner`` (greedy; same timing, same tokenization:
+:class:`OrtGenAIDraftModelRunner` is ``bench.peer_ortgenai.OrtGenAIRunner`` (greedy; same timing, same tokenization:
 ortspec's ``Tokenizer`` for the target folder, the prompt given as token ids) on such an overlay. The overlay
 lives in a ``tempfile.TemporaryDirectory``, removed by :meth:`OrtGenAIDraftModelRunner.close` and, for a runner
 never closed, at interpreter exit (the directory's finalizer): a leaked overlay leaves the target's external
@@ -32,7 +32,8 @@ import tempfile
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from bench.peers import OrtGenAIRunner, _link_or_copy, _overlay_folder
+from bench.peer_base import _link_or_copy, _overlay_folder
+from bench.peer_ortgenai import OrtGenAIRunner
 from ortspec.adapters.engine.draft_models import check_same_vocabulary
 from ortspec.backends.onnx import ModelFolder
 

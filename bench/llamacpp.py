@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.peers import PeerRun, PeerRunner
+from bench.peer_base import PeerRun, PeerRunner
 from ortspec.adapters.engine.cache import cache_root
 from ortspec.adapters.engine.tokenizer import Tokenizer
 from ortspec.adapters.tools.convert import SMOLLM2_GGUF_MEMBER, download_smollm2_gguf

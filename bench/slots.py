@@ -38,7 +38,8 @@ from typing import Any
 import attrs
 
 from bench.machine import git_commit, machine_info
-from bench.peers import OrtGenAIRunner, make_peer
+from bench.peer_ortgenai import OrtGenAIRunner
+from bench.peers import make_peer
 from bench.throughput import (
     ColumnRun,
     Request,

@@ -59,7 +59,8 @@ import attrs
 from bench.batch_scaling import outputs as batch_outputs
 from bench.engines import SAMPLING, prompt_seed
 from bench.machine import machine_info
-from bench.peers import OrtGenAIRunner, make_peer
+from bench.peer_ortgenai import OrtGenAIRunner
+from bench.peers import make_peer
 from bench.workloads import CATEGORIES, Workload, build_workloads, encode_chat, half, python_version_tag
 from ortspec import BackendConfig, Engine
 from ortspec.adapters.engine.engine import DEFAULT_SLOTS

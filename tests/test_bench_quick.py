@@ -17,8 +17,8 @@ def _builder_available() -> bool:
     not _builder_available(), reason="the tiny model builder needs torch, transformers, onnx and onnxruntime_genai"
 )
 def test_quick_suite_writes_results(tmp_path):
-    from bench.engines import prompt_seed
-    from bench.suite import ORTSPEC_ENGINES, SAMPLED_ORTSPEC_ENGINES, main
+    from bench.engines import ORTSPEC_ENGINES, SAMPLED_ORTSPEC_ENGINES, prompt_seed
+    from bench.suite import main
 
     assert main(["--quick", "--out", str(tmp_path), "--no-progress"]) == 0
     json_path = tmp_path / "results-quick.json"
