@@ -40,30 +40,38 @@ requests (16 + 32 + 64 clients x 1 request: 66,000 prompt tokens, at most 9,000 
 and the overload phase (~80 requests served, 32 tokens each): about 5 minutes on idle cores for ``batched`` (the
 earlier runs took about 11 for it and the retired worker design together, half of it the workers); two to three
 times that while other processes take most of the cores (the report says how many they took).
+
+Layout: this module is the server configurations (``SERVER_CONFIGS``), the load phase's measurement
+(``measure_load``), each configuration's run (``run_config``) and the command line; ``bench.serve_load_server``
+holds the server under test (``ServerProcess``) and the CPU it uses in a phase (``contended``),
+``bench.serve_load_clients`` the prompts, their references and the streaming clients of each phase,
+``bench.serve_load_report`` the summaries, ratios and markdown.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import os
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
-import httpx
-import openai
-
-from bench.machine import CpuContention, machine_info
+from bench.machine import machine_info
+from bench.serve_load_clients import (
+    compute_references,
+    conversation,
+    load_phase,
+    load_prompts,
+    overload_phase,
+    phase_offsets,
+    prefix_reuse_phase,
+)
 from bench.serve_load_report import (
     BASELINE_CONFIG,
     Outcome,
@@ -76,15 +84,11 @@ from bench.serve_load_report import (
     summarize_load,
     summarize_overload,
 )
-from bench.workloads import CATEGORIES, build_workloads
-from ortspec.adapters.engine import Engine
+from bench.serve_load_server import ServerProcess, contended
+from bench.workloads import CATEGORIES
 from ortspec.adapters.engine.tokenizer import Tokenizer
-from ortspec.backends.onnx import BackendConfig
 from ortspec.core.speculative import DEFAULT_SPECULATIVE
 
-T = TypeVar("T")
-MODEL_NAME = "served"
-MAX_TOKENS = (64, 128, 32, 96)  # cycled over the prompts: mixed output lengths
 CONVERSATION_SOURCES = ("textwrap.py", "shlex.py", "fnmatch.py")
 CORES = "{cores}"  # in a configuration's arguments: the usable cores of this machine
 
@@ -131,301 +135,14 @@ QUICK = {  # --quick: the defaults it changes (an option given explicitly wins)
 }
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def default_configs() -> list[str]:
     """What a run without ``--configs`` runs."""
     return [name for name, config in SERVER_CONFIGS.items() if config.by_default]
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Prompts and references
-# ----------------------------------------------------------------------------------------------------------------
-
-
-def load_prompts(model_dir: Path, n_per_category: int, max_prompt_tokens: int) -> list[Prompt]:
-    """``n_per_category`` chats of each category of the evaluation split (``bench.workloads``), each with its own
-    source text, dropping any over ``max_prompt_tokens``."""
-    tokenizer = Tokenizer.from_folder(model_dir)
-    prompts = []
-    for i, w in enumerate(build_workloads(n_per_category, max_prompt_tokens, tokenizer, split="evaluation")):
-        ids = tokenizer.encode(tokenizer.apply_chat_template(w.messages))
-        if len(ids) > max_prompt_tokens:  # the workloads' budget is approximate on very small vocabularies
-            continue
-        prompts.append(Prompt(w.name, w.messages, MAX_TOKENS[i % len(MAX_TOKENS)], len(ids)))
-    return prompts
-
-
-def conversation(tokenizer: Tokenizer, source: str, tokens: int) -> list[dict[str, str]]:
-    """A first turn of about ``tokens`` tokens: a standard-library file cut to fit, and a question about it."""
-    import sysconfig
-
-    text = (Path(sysconfig.get_paths()["stdlib"]) / source).read_text(encoding="utf-8")
-    question = "\n\nWhat does this module do? Answer in two sentences."
-    overhead = len(tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": question}])))
-    ids = tokenizer.encode(text)[: max(1, tokens - overhead)]
-    return [{"role": "user", "content": tokenizer.decode(ids) + question}]
-
-
-def compute_references(model_dir: Path, prompts: list[Prompt], threads: int) -> dict[str, Any]:
-    """Each prompt's plain greedy text (no speculation, no prefix reuse), in process, one prompt at a time with
-    ``threads`` threads: also a baseline measured on the machine as it is now (seconds, tokens, tokens/s)."""
-    engine = Engine.from_dir(model_dir, BackendConfig(threads=threads))
-    tokens = 0
-    with CpuContention() as contention:
-        for p in prompts:
-            result = engine.generate(p.messages, max_tokens=p.max_tokens, speculative=None)
-            assert result.finish_reason is not None
-            p.reference, p.reference_finish = result.text, result.finish_reason.openai
-            tokens += len(result.token_ids)
-    wall = contention.wall_s
-    return {
-        "seconds": round(wall, 2),
-        "completion_tokens": tokens,
-        "tokens_per_s": round(tokens / wall, 1),
-        "threads": threads,
-        "other_processes_cores": contention.others_cores,
-    }
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# The server
-# ----------------------------------------------------------------------------------------------------------------
-
-
-class ServerProcess:
-    """``ortspec serve`` in a subprocess on a free loopback port, started with ``config_args`` (a configuration's
-    CLI arguments) and ``max_queue``; ``url`` answers once ``wait_ready`` returns."""
-
-    def __init__(self, model_dir: Path, config_args: Sequence[str], max_queue: int, log: Path) -> None:
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "ortspec.adapters.cli", "serve", "--model", str(model_dir)]
-        cmd += ["--model-name", MODEL_NAME, "--port", str(self.port), *config_args]
-        cmd += ["--max-queue", str(max_queue), "--log-level", "warning"]
-        self.command = cmd
-        self._log = open(log, "w", encoding="utf-8")  # noqa: SIM115 (closed in stop)
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT)
-
-    def wait_ready(self, timeout_s: float = 300.0) -> float:
-        t0 = time.monotonic()
-        while time.monotonic() - t0 < timeout_s:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"the server exited with {self.proc.returncode}; see {self._log.name}")
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return time.monotonic() - t0
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        raise RuntimeError(f"the server did not answer /health within {timeout_s} s")
-
-    def processes(self) -> list[int]:
-        """The server process and every process under it (``--ray``: the local Ray instance and its replicas)."""
-        parents: dict[int, list[int]] = {}
-        for stat in Path("/proc").glob("[0-9]*/stat"):
-            try:
-                ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            parents.setdefault(ppid, []).append(int(stat.parent.name))
-        tree, todo = [], [self.proc.pid]
-        while todo:
-            pid = todo.pop()
-            tree.append(pid)
-            todo += parents.get(pid, [])
-        return tree
-
-    def cpu_seconds(self) -> float:
-        """CPU time the server's processes have used (user + system, their threads included)."""
-        total = 0
-        for pid in self.processes():
-            with contextlib.suppress(OSError):
-                fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-                total += int(fields[11]) + int(fields[12])
-        return total / os.sysconf("SC_CLK_TCK")
-
-    def memory_mib(self) -> dict[str, float | None]:
-        """The server's processes' resident memory now (``rss``: VmRSS) and their peaks (``peak``: VmHWM, since start
-        or since the last ``reset_peak``), summed, MiB; None where /proc does not say."""
-        kib: dict[str, int] = {}
-        for pid in self.processes():
-            with contextlib.suppress(OSError):
-                for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-                    if line.startswith(("VmRSS", "VmHWM")):
-                        kib[line.split(":")[0]] = kib.get(line.split(":")[0], 0) + int(line.split()[1])
-        return {k: round(kib[v] / 1024, 1) if v in kib else None for k, v in (("rss", "VmRSS"), ("peak", "VmHWM"))}
-
-    def reset_peak(self) -> bool:
-        """Reset the server's processes' VmHWM to their current RSS (Linux: ``5`` to ``/proc/PID/clear_refs``);
-        False if the kernel refused (the peak is then the server's lifetime peak)."""
-        try:
-            for pid in self.processes():
-                Path(f"/proc/{pid}/clear_refs").write_text("5")
-        except OSError:
-            return False
-        return True
-
-    def metrics(self) -> dict[str, float]:
-        """The server's ``ortspec_`` samples, summed over labels (``name_total`` / ``name_sum`` / ``name_count``
-        -> value; histogram buckets and creation times left out)."""
-        totals: dict[str, float] = {}
-        for line in httpx.get(self.url + "/metrics", timeout=10).text.splitlines():
-            if not line.startswith("ortspec_"):
-                continue
-            name, value = line.split("{")[0].split(" ")[0], float(line.rsplit(" ", 1)[1])
-            if not name.endswith(("_bucket", "_created")):
-                totals[name] = totals.get(name, 0.0) + value
-        return totals
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-        self._log.close()
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Clients
-# ----------------------------------------------------------------------------------------------------------------
-
-
-async def stream_once(
-    client: openai.AsyncOpenAI, name: str, messages: list[dict[str, str]], max_tokens: int
-) -> Outcome:
-    out = Outcome(prompt=name, start=time.perf_counter())
-    parts: list[str] = []
-    try:
-        stream = await client.chat.completions.create(
-            model=MODEL_NAME,
-            messages=messages,  # type: ignore[arg-type]
-            max_tokens=max_tokens,
-            stream=True,
-            stream_options={"include_usage": True},
-        )
-        async for chunk in stream:
-            now = time.perf_counter()
-            if chunk.usage is not None:
-                out.completion_tokens = chunk.usage.completion_tokens
-                details = chunk.usage.prompt_tokens_details
-                out.cached_tokens = (details.cached_tokens or 0) if details else 0
-            for choice in chunk.choices:
-                if choice.delta.content:
-                    parts.append(choice.delta.content)
-                    out.chunk_times.append(now)
-                    if out.first is None:
-                        out.first = now
-                out.finish = choice.finish_reason or out.finish
-    except openai.APIStatusError as exc:
-        out.status, out.error = exc.status_code, f"{type(exc).__name__}: {exc.message}"
-        out.retry_after = exc.response.headers.get("retry-after")
-    except Exception as exc:  # noqa: BLE001 (every failure is counted and reported)
-        out.status, out.error = 0, f"{type(exc).__name__}: {exc}"
-    out.text = "".join(parts)
-    return out
-
-
-def _client(url: str, connections: int) -> openai.AsyncOpenAI:
-    limits = httpx.Limits(max_connections=connections, max_keepalive_connections=connections)
-    http = httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(900.0, connect=30.0))
-    return openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, http_client=http)
-
-
-async def prefix_reuse_phase(url: str, turns: list[list[dict[str, str]]], max_tokens: int) -> list[dict[str, Any]]:
-    """For each conversation: the cold first turn, then the second turn on the same server."""
-    client = _client(url, 2)
-    rows = []
-    for i, first_turn in enumerate(turns):
-        cold = await stream_once(client, f"conversation-{i}/turn-1", first_turn, max_tokens)
-        second_turn = first_turn + [
-            {"role": "assistant", "content": cold.text},
-            {"role": "user", "content": "Which function in it would you read first, and why?"},
-        ]
-        warm = await stream_once(client, f"conversation-{i}/turn-2", second_turn, max_tokens)
-        for o in (cold, warm):
-            if o.error or o.first is None:
-                raise RuntimeError(f"prefix-reuse phase: {o.prompt} failed: {o.error or 'no text'}")
-        assert cold.first is not None and warm.first is not None
-        rows.append(
-            {
-                "cold_ttft_s": cold.first - cold.start,
-                "second_turn_ttft_s": warm.first - warm.start,
-                "ratio": (warm.first - warm.start) / (cold.first - cold.start),
-                "second_turn_cached_tokens": warm.cached_tokens,
-            }
-        )
-    await client.close()
-    return rows
-
-
-def phase_offsets(concurrency: Sequence[int], requests: int) -> dict[int, int]:
-    """Each load phase's first prompt: the phases (ascending concurrency) take consecutive runs of the prompts, so
-    with ``sum(concurrency) * requests`` prompts or more no request repeats another's prompt (nothing cached)."""
-    offsets, at = {}, 0
-    for clients in concurrency:
-        offsets[clients] = at
-        at += clients * requests
-    return offsets
-
-
-async def load_phase(
-    url: str, prompts: list[Prompt], concurrency: int, requests: int, offset: int = 0
-) -> tuple[list[Outcome], float]:
-    """``concurrency`` clients streaming ``requests`` requests each: client c's request r is prompt ``(offset + c x
-    requests + r) mod len(prompts)``."""
-    client = _client(url, concurrency)
-
-    async def one_client(c: int) -> list[Outcome]:
-        outcomes = []
-        for r in range(requests):
-            p = prompts[(offset + c * requests + r) % len(prompts)]
-            outcomes.append(await stream_once(client, p.name, p.messages, p.max_tokens))
-        return outcomes
-
-    t0 = time.perf_counter()
-    per_client = await asyncio.gather(*(one_client(c) for c in range(concurrency)))
-    wall = time.perf_counter() - t0
-    await client.close()
-    return [o for outcomes in per_client for o in outcomes], wall
-
-
-async def overload_phase(url: str, prompts: list[Prompt], concurrency: int) -> tuple[list[Outcome], float]:
-    client = _client(url, concurrency)
-    t0 = time.perf_counter()
-    outcomes = await asyncio.gather(
-        *(
-            stream_once(client, prompts[i % len(prompts)].name, prompts[i % len(prompts)].messages, 32)
-            for i in range(concurrency)
-        )
-    )
-    wall = time.perf_counter() - t0
-    await client.close()
-    return list(outcomes), wall
-
-
-# ----------------------------------------------------------------------------------------------------------------
 # Phases
 # ----------------------------------------------------------------------------------------------------------------
-
-
-def contended(server: ServerProcess, phase: Callable[[], T]) -> tuple[T, dict[str, Any]]:
-    """Run ``phase`` and say how many cores the server, this process (the clients) and every other process used
-    on average meanwhile (other processes: load that does not belong to the benchmark), and the server's CPU
-    seconds in it."""
-    cpu0 = server.cpu_seconds()
-    with CpuContention() as c:
-        value = phase()
-    server_s = server.cpu_seconds() - cpu0
-    server_cores = server_s / c.wall_s if c.wall_s else 0.0
-    others = None if c.others_cores is None else round(max(0.0, c.others_cores - server_cores), 2)
-    cpu = {"server_cores": round(server_cores, 2), "client_cores": c.self_cores, "other_cores": others}
-    return value, cpu | {"server_s": round(server_s, 1)}
 
 
 @dataclass(frozen=True)

@@ -6,11 +6,12 @@ static batches of the same sizes, side by side, on one split of the throughput d
                           [--out docs/bench/slots-<split>.md]
 
 The requests are ``bench.throughput``'s (chat prompts, each with its own number of new tokens, EOS ignored, greedy),
-the ``--split`` half of them (``bench.throughput.split``: constants are chosen on ``tuning`` and reported on
+the ``--split`` half of them (``bench.throughput_dataset.split``: constants are chosen on ``tuning`` and reported on
 ``evaluation``). For each size N: one Engine with ``batch_slots=N`` runs every request through its one scheduler
 (``Engine.generate_requests``), once per ``--speculative`` name (default ``none``: plain decoding; the Engine opens
 the shipped drafter only when one is named); for each of ``--genai-sizes`` (default: the same
-sizes) ORT GenAI runs consecutive groups of that many requests as static batches (``bench.throughput.run_genai``).
+sizes) ORT GenAI runs consecutive groups of that many requests as static batches
+(``bench.throughput_columns.run_genai``).
 With ``--batch-command``, the ``ortspec batch`` command (its defaults, the whole job as a subprocess: start and
 model load included) runs the same requests too. Every
 configuration runs ``--repeats`` times, interleaved (the order of the sizes rotates each round), after a warm-up of
@@ -40,17 +41,9 @@ import attrs
 from bench.machine import git_commit, machine_info
 from bench.peer_ortgenai import OrtGenAIRunner
 from bench.peers import make_peer
-from bench.throughput import (
-    ColumnRun,
-    Request,
-    batch_args,
-    generate_batched,
-    load_dataset,
-    model_folder,
-    run_batch_command,
-    run_genai,
-    split,
-)
+from bench.throughput import model_folder
+from bench.throughput_columns import ColumnRun, batch_args, generate_batched, run_batch_command, run_genai
+from bench.throughput_dataset import Request, load_dataset, split
 from bench.workloads import SPLITS, encode_chat
 from ortspec import BackendConfig, Engine
 from ortspec.adapters.engine.options import GenerationOptions

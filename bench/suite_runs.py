@@ -43,8 +43,8 @@ from bench.report import (
     mismatches,
     sampled_targets,
     summarize,
-    write_results,
 )
+from bench.report_files import write_results
 from bench.suite_config import Log, Prompt, SuiteConfig
 from bench.suite_measurements import (
     cost_curve_ids,

@@ -8,11 +8,12 @@ The table is one row per workload (the run's categories) and headline setting (`
 sampled): tokens/s end to end, the medians of per-prompt speedups over plain ortspec decoding (greedy, or plain
 sampling at the same seed), over ONNX Runtime GenAI greedy and over its n-gram speculation (sampled: its sampled
 n-gram speculation), tokens per target pass, and how many outputs were identical to plain decoding's. Every number
-is read from the results file as ``bench.report`` wrote it (the same ratios and cells as its markdown report), and
-the paragraph above the table gives the run's date, commit, machine and model, linking the results files. A second
-table, from ``bench.slots``' results file, gives many requests at once: each configuration's median tokens/s, its
-spread and its ratio to ORT GenAI's best static batch. All of it goes between the two marker lines in README.md;
-tests/test_readme_numbers.py fails when the README's copy differs from what this writes.
+is read from the results file as ``bench.report_files`` wrote it (the same ratios and cells as its markdown report,
+``bench.report_tables``), and the paragraph above the table gives the run's date, commit, machine and model, linking
+the results files. A second table, from ``bench.slots``' results file, gives many requests at once: each
+configuration's median tokens/s, its spread and its ratio to ORT GenAI's best static batch. All of it goes between
+the two marker lines in README.md; tests/test_readme_numbers.py fails when the README's copy differs from what this
+writes.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.append(str(ROOT))  # the repository root, for bench
 
-from bench import report  # noqa: E402
+from bench import report_tables  # noqa: E402
 from bench.engines import SAMPLED_AUTO  # noqa: E402
 
 DEFAULT_RESULTS = ROOT / "docs" / "bench" / "results-evaluation.json"
@@ -97,12 +98,14 @@ def table(result: dict[str, Any]) -> list[str]:
             cells = [
                 cat,
                 label,
-                report._fmt(row["e2e_tok_s"]),
-                report._ratio_cell(report._ratio(result, over_plain, engine, cat)),
-                report._ratio_cell(report._ratio(result, over_greedy, engine, cat)) if over_greedy else "—",
-                report._ratio_cell(report._ratio(result, over_ngram, engine, cat)),
-                report._fmt(row["tokens_per_step"], 2),
-                report._identity_cell(row),
+                report_tables._fmt(row["e2e_tok_s"]),
+                report_tables._ratio_cell(report_tables._ratio(result, over_plain, engine, cat)),
+                report_tables._ratio_cell(report_tables._ratio(result, over_greedy, engine, cat))
+                if over_greedy
+                else "—",
+                report_tables._ratio_cell(report_tables._ratio(result, over_ngram, engine, cat)),
+                report_tables._fmt(row["tokens_per_step"], 2),
+                report_tables._identity_cell(row),
             ]
             lines.append("| " + " | ".join(cells) + " |")
     return lines

@@ -7,7 +7,8 @@ import json
 from pathlib import Path
 
 from bench import slots
-from bench.throughput import ColumnRun, load_dataset, split
+from bench.throughput_columns import ColumnRun
+from bench.throughput_dataset import load_dataset, split
 
 
 def test_the_splits_halve_every_kind_and_share_no_request_or_source() -> None:
@@ -56,7 +57,7 @@ def test_the_report_gives_medians_spreads_ratios_and_whether_every_output_agreed
 
 
 def test_the_batch_commands_seconds_are_split_from_its_summary_line() -> None:
-    from bench.throughput import job_times
+    from bench.throughput_columns import job_times
 
     line = (
         "ortspec batch: 32 records written (0 errors), 0 already done; 3107 tokens in 50.0 s: 0.64 records/s, "

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import gpu
+from bench import gpu, gpu_measure, gpu_report
 from bench.replay import PRICED_SETTINGS, _settings, load_inputs, price, replay
 
 REPO = Path(__file__).resolve().parent.parent
@@ -65,8 +65,8 @@ def test_targets_are_judged_only_where_measured():
             "greedy": {"decode_tok_s": rate},
             "verify8_over_decode": ratio,
             "priced": {
-                "code_edit": {gpu.PRICED: {"speedup_with_host": code}},
-                "open_ended": {gpu.PRICED: {"speedup_with_host": open_}},
+                "code_edit": {gpu_report.PRICED: {"speedup_with_host": code}},
+                "open_ended": {gpu_report.PRICED: {"speedup_with_host": open_}},
             },
             "identity": {"oracle_drafts_identical": same, "prompt_lookup_identical": True},
         }
@@ -86,7 +86,7 @@ def test_targets_are_judged_only_where_measured():
             },
         },
     }
-    rows = gpu.targets(report)
+    rows = gpu_report.targets(report)
     greedy = [r for r in rows if r["target"].startswith("greedy")]
     assert [(r["where"], r["met"]) for r in greedy] == [("qwen2.5-0.5b-int4-cuda graphs", True)]
     smol = {r["target"]: r["met"] for r in rows if r["where"] == "smollm2-135m-fp16-cuda eager"}
@@ -137,7 +137,7 @@ def test_gpu_bench_smoke_run_on_the_cpu(tmp_path):
     for result in model["modes"].values():
         assert "error" not in result, result
         assert result["greedy"]["new_tokens"] == 24 and result["greedy"]["decode_tok_s"] > 0
-        assert len(result["costs"]["curve"]) == gpu.KMAX + 1 and result["costs"]["curve"][0] == 1.0
+        assert len(result["costs"]["curve"]) == gpu_measure.KMAX + 1 and result["costs"]["curve"][0] == 1.0
         assert result["identity"]["oracle_drafts_identical"] and result["identity"]["prompt_lookup_identical"]
         assert set(result["priced"]) == {"code_edit", "summarize", "qa_context", "open_ended"}
         assert result["step_us"]["greedy_pass"]["passes"] > 0 and result["step_us"]["verify9_pass"]["run"] > 0

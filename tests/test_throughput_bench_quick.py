@@ -39,7 +39,8 @@ def test_quick_throughput_writes_its_report(tmp_path):
 
 
 def test_first_difference_and_spread():
-    from bench.throughput import first_difference, spread
+    from bench.throughput_dataset import spread
+    from bench.throughput_report import first_difference
 
     assert first_difference([1, 2, 3], [1, 2, 3]) is None
     assert first_difference([1, 2, 3], [1, 5, 3]) == 1
