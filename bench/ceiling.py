@@ -15,7 +15,7 @@ is the ceiling of speculation itself at this pass cost. Beside them, the **suffi
 earlier outputs in a ``SuffixCache`` as an Engine records them) drafting every pass, up to ``max_draft`` tokens,
 for free, its drafts checked against the output: what the lookup does on these outputs without a drafter, a width
 policy or a drafting cost, so its gap to the anchored copier is the lookup's choice among a match's occurrences
-and where its drafts stop. The **suffix lookup's trees, replayed** (``tree_lookup_passes``): the same lookup
+and where its drafts stop. The **suffix lookup's trees, replayed** (``lookup_passes`` with ``nodes``): the same lookup
 drafting trees of a match's other occurrences too (``DraftRule(branches=3)``, the first branch as deep as the
 chain's, the other branches in the rest of ``max_draft`` nodes), each pass priced by its node count: how much of
 that gap verifying several occurrences at once buys at this pass cost.
@@ -92,36 +92,22 @@ def copy_passes(
     return passes
 
 
-def lookup_passes(proposer: Proposer, prompt: Sequence[int], output: Sequence[int], max_draft: int = KMAX) -> list[int]:
-    """The drafts (token counts verified) of ``proposer``'s passes over ``output`` after ``prompt``, greedy: a pass
-    at ``j`` verifies ``proposer.propose(DraftContext(prompt + output[:j], K))``, ``K = min(max_draft, tokens left
-    - 1)``, cut to ``K``, commits its prefix that agrees with ``output[j:]`` and then its own pick. Costs the
-    proposer's calls."""
-    out, passes, j = [int(t) for t in output], [], 1
-    while j < len(out):
-        k = min(max_draft, len(out) - j - 1)
-        draft = tuple(proposer.propose(DraftContext([*prompt, *out[:j]], k)))[:k] if k > 0 else ()
-        agreed = next((i for i, t in enumerate(draft) if t != out[j + i]), len(draft))
-        passes.append(len(draft))
-        j += agreed + 1
-    return passes
-
-
-def tree_lookup_passes(
-    proposer: Proposer, prompt: Sequence[int], output: Sequence[int], width: int, nodes: int
+def lookup_passes(
+    proposer: Proposer, prompt: Sequence[int], output: Sequence[int], max_draft: int = KMAX, nodes: int | None = None
 ) -> list[int]:
-    """The node counts verified by ``proposer``'s passes over ``output`` after ``prompt``, greedy, where it may draft
-    a tree: a pass at ``j`` verifies ``proposer.propose(DraftContext(prompt + output[:j], K, nodes=N))``, ``K =
-    min(width, tokens left - 1)``, ``N = min(nodes, tokens left - 1)`` (a chain is a one-branch tree), commits the
-    path the output follows (``core.tree.walk`` with the output as the target's picks) and then its own pick. Costs
-    the proposer's calls."""
+    """The rows verified (draft tokens, or a tree's nodes) by ``proposer``'s passes over ``output`` after
+    ``prompt``, greedy: a pass at ``j`` verifies ``proposer.propose(DraftContext(prompt + output[:j], K, nodes=N))``,
+    ``K = min(max_draft, tokens left - 1)``, ``N = min(nodes, tokens left - 1)`` (``nodes`` None: no trees, the
+    proposal cut to a chain of ``K``), commits the path the output follows (``core.tree.walk`` with the output as the
+    target's picks; a chain's prefix that agrees with it) and then the pass's own pick. Costs the proposer's calls."""
     out, passes, j = [int(t) for t in output], [], 1
     while j < len(out):
         left = len(out) - j - 1
-        k, n = min(width, left), min(nodes, left)
+        k = min(max_draft, left)
+        n = None if nodes is None else min(nodes, left)
         proposal = proposer.propose(DraftContext([*prompt, *out[:j]], k, nodes=n)) if k > 0 else ()
         tree = proposal if isinstance(proposal, DraftTree) else DraftTree.chain(tuple(proposal)[:k])
-        tree = tree.within(max(n, k), k)
+        tree = tree.within(max(n or k, k), k)
         path = walk(tree, functools.partial(_output_pick, out, j, tree.depths)).path
         passes.append(len(tree))
         j += len(path) + 1
@@ -211,13 +197,13 @@ def ceilings(result: Mapping[str, Any], categories: Sequence[str] = CATEGORIES) 
         cache = caches.setdefault(w.category, SuffixCache()) if stream else SuffixCache()
         passes = {
             LOOKUP: lookup_passes(SuffixProposer(cache=cache.snapshot()), prompt, tokens),
-            TREE: tree_lookup_passes(
+            TREE: lookup_passes(
                 SuffixProposer(DraftRule(branches=TREE_BRANCHES), cache=cache.snapshot()),
                 prompt,
                 tokens,
                 TREE_WIDTH,
                 KMAX,
-            ),  # fmt: skip
+            ),
             ANCHORED: copy_passes(seen if stream else [], prompt, tokens, anchor=1),
             COPIER: copy_passes(seen if stream else [], prompt, tokens),
             DRAFTER: perfect_passes(len(tokens)),

@@ -270,13 +270,18 @@ class CostAwareWidth:
     def acceptance(self) -> float:
         return self.successes / self.trials if self.trials > 0 else 0.0
 
+    def expected_tokens(self, k: int) -> float:
+        """Expected committed tokens of a pass of width ``k`` (its accepted drafts and its own pick), with a geometric
+        run length at the acceptance estimate: ``(1 - p**(k + 1)) / (1 - p)``."""
+        p = min(self.acceptance(), 0.999)
+        return (1.0 - p ** (k + 1)) / (1.0 - p)
+
     def expected_rate(self, k: int, plain_cost: float = 1.0, token_cost: float | None = None) -> float:
         """Expected committed tokens per unit cost for a pass of width ``k`` (priced by ``pass_cost``)."""
         cost = pass_cost(self.pass_costs, k, plain_cost, token_cost)
         if k == 0:
             return 1.0 / cost
-        p = min(self.acceptance(), 0.999)
-        return (1.0 - p ** (k + 1)) / (1.0 - p) / (cost + k * self.draft_cost)
+        return self.expected_tokens(k) / (cost + k * self.draft_cost)
 
     def best_width(self, plain_cost: float = 1.0, token_cost: float | None = None) -> int:
         rates = [self.expected_rate(k, plain_cost, token_cost) for k in range(len(self.pass_costs))]
@@ -292,10 +297,8 @@ class CostAwareWidth:
         expected to commit, in plain steps alone: its pass of ``probe_width`` draft tokens as a pass of its own, its
         draft tokens and its ``catch_up``; never below 0."""
         width = min(self.probe_width, len(self.pass_costs) - 1)
-        p = min(self.acceptance(), 0.999)
-        tokens = (1.0 - p ** (width + 1)) / (1.0 - p)
         cost = self.pass_costs[width] + width * self.draft_cost + self.catch_up()
-        return max(cost - tokens * plain_cost, 0.0)
+        return max(cost - self.expected_tokens(width) * plain_cost, 0.0)
 
     def probe_interval(self, plain_cost: float = 1.0) -> float:
         """Plain steps between probes while the best width is 0: ``probe_every`` alone; with a cheaper plain step,

@@ -51,7 +51,7 @@ def test_lookup_replay_verifies_each_draft_against_the_output():
 
 
 def test_tree_replay_follows_the_branch_the_output_takes_and_counts_its_nodes():
-    from bench.ceiling import lookup_passes, tree_lookup_passes
+    from bench.ceiling import lookup_passes
     from ortspec.core import DraftRule, PromptLookup, SuffixProposer
 
     # after the output's 6 1, the prompt holds two continuations of 1: "2 3 9" (the most recent) and "4 5 9"; the
@@ -59,9 +59,9 @@ def test_tree_replay_follows_the_branch_the_output_takes_and_counts_its_nodes():
     # "1 4"; the tree verifies both (6 nodes) in one pass and commits 4 5 and the pass's own 0. The 8s repeat.
     prompt, output = [1, 4, 5, 9, 1, 2, 3, 9], [6, 1, 4, 5, 0, 8, 8, 8, 8, 8]
     assert lookup_passes(SuffixProposer(DraftRule(branches=1)), prompt, output, max_draft=3) == [0, 2, 3, 0, 0, 2]
-    tree = tree_lookup_passes(SuffixProposer(DraftRule(branches=3)), prompt, output, width=3, nodes=6)
+    tree = lookup_passes(SuffixProposer(DraftRule(branches=3)), prompt, output, 3, nodes=6)
     assert tree == [0, 6, 0, 0, 2]
     # a proposer without trees is replayed as its chains are
     lookup = PromptLookup(ngram=1, max_draft=4)
     prompt, output = [5, 1, 2, 3, 8, 9], [1, 2, 3, 7, 8, 9, 0]
-    assert tree_lookup_passes(lookup, prompt, output, width=4, nodes=8) == lookup_passes(lookup, prompt, output, 4)
+    assert lookup_passes(lookup, prompt, output, 4, nodes=8) == lookup_passes(lookup, prompt, output, 4)
