@@ -136,7 +136,7 @@ class LookupOrDraft:
             k = _width(getattr(self, _POLICY[source]), context)
             nodes = k
             if isinstance(self.lookup, SuffixProposer) and context.nodes is not None and self.tree is not None:
-                nodes = min(context.nodes, self.tree.nodes_at(k))
+                nodes = min(context.nodes, self.tree.nodes_at(k, context.plain_cost, context.token_cost))
             if isinstance(self.lookup, SuffixProposer) and nodes > k > 0:
                 narrow = attrs.evolve(context, width=k, nodes=nodes)  # the lookup's tree, its first branch k deep
                 return self.lookup.branched(narrow, self.lookup.scored(context.tokens, k))

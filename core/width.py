@@ -60,18 +60,22 @@ class TreeLearner(Protocol):
 
 @runtime_checkable
 class TreeWidth(Protocol):
-    """A width policy that also sizes tree drafts: ``nodes_at(width)``, the most nodes a tree ``width`` deep may
-    have (``width`` or more), and ``observe_tree`` (``TreeLearner``)."""
+    """A width policy that also sizes tree drafts: ``nodes_at(width, plain_cost, token_cost)``, the most nodes a tree
+    ``width`` deep may have (``width`` or more) in a pass priced as ``pass_cost`` prices it, and ``observe_tree``
+    (``TreeLearner``)."""
 
-    def nodes_at(self, width: int) -> int: ...
+    def nodes_at(self, width: int, plain_cost: float = 1.0, token_cost: float | None = None) -> int: ...
 
     def observe_tree(self, chain: int, chain_accepted: int, extra_nodes: int, extra_accepted: int) -> Any: ...
 
 
-def tree_nodes(policy: WidthPolicy, width: int) -> int:
-    """The most nodes a tree draft ``width`` deep may have under ``policy``: its ``nodes_at`` for a ``TreeWidth``,
+def tree_nodes(policy: WidthPolicy, width: int, plain_cost: float = 1.0, token_cost: float | None = None) -> int:
+    """The most nodes a tree draft ``width`` deep may have under ``policy`` in a pass where a plain step costs
+    ``plain_cost`` and a draft token ``token_cost`` (as for ``pass_cost``): its ``nodes_at`` for a ``TreeWidth``,
     ``width`` otherwise (the branches share a chain's budget)."""
-    return max(policy.nodes_at(width), width) if isinstance(policy, TreeWidth) and width > 0 else width
+    if not isinstance(policy, TreeWidth) or width <= 0:
+        return width
+    return max(policy.nodes_at(width, plain_cost, token_cost), width)
 
 
 def _check_costs(instance: object, attribute: object, value: tuple[float, ...]) -> None:
@@ -93,7 +97,9 @@ class TreeBudget:
     chain_passes``, the tokens a pass commits along its first branch (its accepted draft tokens + the bonus), and
     ``branch_tokens / branch_nodes``, the tokens the other branches added per node they took. ``nodes_at(width)`` is
     the node count ``n`` in ``[width, min(width * max_branches, len(pass_costs) - 1)]`` with the most expected tokens
-    per cost, ``(chain + gain * (n - width)) / pass_costs[n]``: ``width`` (a chain) where branches do not pay. While
+    per cost, ``(chain + gain * (n - width)) / pass_cost(pass_costs, n, plain_cost, token_cost)``: alone, the verify
+    cost curve's ``pass_costs[n]``; in a batch, the pass's price of ``n`` draft rows beside the others (a tree row
+    shares the batch's run as a chain does). ``width`` (a chain) where branches do not pay. While
     at a chain it probes with twice the width every ``probe_every`` drafted steps, so that it notices when branches
     start to pay. It changes how many tokens are verified, never which are committed.
     """
@@ -112,13 +118,17 @@ class TreeBudget:
         """The tokens the other branches add per node they take (estimated)."""
         return self.branch_tokens / self.branch_nodes if self.branch_nodes > 0 else 0.0
 
-    def nodes_at(self, width: int) -> int:
+    def nodes_at(self, width: int, plain_cost: float = 1.0, token_cost: float | None = None) -> int:
         top = min(len(self.pass_costs) - 1, width * self.max_branches)
         if width < 1 or top <= width:
             return width
         chain = self.chain_tokens / self.chain_passes if self.chain_passes > 0 else 1.0
         gain = self.gain()
-        best = max(range(width, top + 1), key=lambda n: ((chain + gain * (n - width)) / self.pass_costs[n], -n))
+
+        def rate(n: int) -> tuple[float, int]:
+            return (chain + gain * (n - width)) / pass_cost(self.pass_costs, n, plain_cost, token_cost), -n
+
+        best = max(range(width, top + 1), key=rate)
         if best == width and self.idle_steps + 1 >= self.probe_every:
             return min(top, 2 * width)
         return best
@@ -206,8 +216,8 @@ class FixedWidth:
     def observe(self, proposed: int, accepted: int) -> FixedWidth:
         return self
 
-    def nodes_at(self, width: int) -> int:
-        return width if self.tree is None else self.tree.nodes_at(width)
+    def nodes_at(self, width: int, plain_cost: float = 1.0, token_cost: float | None = None) -> int:
+        return width if self.tree is None else self.tree.nodes_at(width, plain_cost, token_cost)
 
     def observe_tree(self, chain: int, chain_accepted: int, extra_nodes: int, extra_accepted: int) -> FixedWidth:
         if self.tree is None:
@@ -323,9 +333,9 @@ class CostAwareWidth:
             return min(self.probe_width, len(self.pass_costs) - 1)
         return k
 
-    def nodes_at(self, width: int) -> int:
+    def nodes_at(self, width: int, plain_cost: float = 1.0, token_cost: float | None = None) -> int:
         """The most nodes of a tree ``width`` deep: ``tree``'s choice (None: ``width``)."""
-        return width if self.tree is None else self.tree.nodes_at(width)
+        return width if self.tree is None else self.tree.nodes_at(width, plain_cost, token_cost)
 
     def observe_tree(self, chain: int, chain_accepted: int, extra_nodes: int, extra_accepted: int) -> CostAwareWidth:
         """The policy after a tree step: ``tree`` learns it (``TreeBudget.observe``); the acceptance estimate

@@ -58,7 +58,7 @@ class Speculation:
         width = draft_width(state, asked_width(self.policy, plain_cost, token_cost))
         if width == 0:
             return None, ()
-        nodes = min(draft_budget(state), tree_nodes(self.policy, width)) if self.trees else None
+        nodes = min(draft_budget(state), tree_nodes(self.policy, width, plain_cost, token_cost)) if self.trees else None
         tokens = state.context_tokens
         context = DraftContext(tokens, width, plain_cost, slot, self.picker, nodes, slot, token_cost)
         try:

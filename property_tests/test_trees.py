@@ -16,7 +16,8 @@ first branch), on the logits path and the device-picks path: tokens, text, finis
 streamed deltas equal plain decoding's, no pass writes a position that could not be committed, and before every
 pass, and at the end, the backend's KV (each position's token and the context its entry was computed in, the fake's
 model of a KV entry) is plain decoding's for the same tokens, a prefix of plain decoding's output. In a batch
-(``BatchDriver`` on a ``FakeBatchBackend``), tree-drafting sequences share passes with chain-drafting and plain ones;
+(``BatchDriver`` on a ``FakeBatchBackend``, whose passes run draft rows beside the others or not, so tree budgets
+are priced alone or at the batch's costs), tree-drafting sequences share passes with chain-drafting and plain ones;
 after every pass each running sequence's slot holds plain decoding's KV, and every output is its request's alone.
 """
 
@@ -236,7 +237,7 @@ def batches(draw):
         else:
             proposer = draw(proposers_for(model, sc.rules, len(sc.prompt))) if kind == "chain" else None
         requests.append((sc, proposer, draw(widths()), draw(st.integers(0, 6))))
-    return model, requests, draw(st.integers(1, 3)), draw(st.sampled_from([True, True, False]))
+    return model, requests, draw(st.integers(1, 3)), draw(st.sampled_from([True, True, False])), draw(st.booleans())
 
 
 def folded(sc: Scenario):
@@ -249,9 +250,9 @@ def folded(sc: Scenario):
 @settings(max_examples=examples(60))
 @given(batches())
 def test_tree_drafting_sequences_in_a_batch_are_plain_decoding(batch):
-    model, requests, slots, tree_rows = batch
+    model, requests, slots, tree_rows, ragged = batch
     plain = [decode(FakeBackend(model, UNBOUNDED), sc, sc.options, None, 1) for sc, *_ in requests]
-    backend = KvCheckingBatchBackend(model, slots, UNBOUNDED, tree_rows=tree_rows)
+    backend = KvCheckingBatchBackend(model, slots, UNBOUNDED, tree_rows=tree_rows, ragged_rows=ragged)
     driver = BatchDriver(backend, prefill_chunk=8)
     sequences: dict[int, object] = {}
     tick = 0

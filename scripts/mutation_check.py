@@ -633,6 +633,18 @@ MUTANTS: dict[str, Mutant] = {
         "if False:",
         ("tests/test_ort_batch.py",),
     ),
+    "ragged-tree-bias-lands-on-the-first-row": Mutant(
+        "backends/onnx/pass_inputs.py",
+        "self.tree_bias[b, 0, : n + 1, start : start + n + 1][hidden] = -np.inf",
+        "self.tree_bias[0, 0, : n + 1, start : start + n + 1][hidden] = -np.inf",
+        ("tests/test_ort_tree_rows.py",),
+    ),
+    "tree-budget-prices-batched-nodes-as-alone": Mutant(
+        "core/width.py",
+        "return (chain + gain * (n - width)) / pass_cost(self.pass_costs, n, plain_cost, token_cost), -n",
+        "return (chain + gain * (n - width)) / self.pass_costs[n], -n",
+        ("tests/test_tree_budget.py",),
+    ),
     # -- the batch driver's prompt-token budget per pass ------------------------------------------------------------
     "batch-driver-ignores-the-prefill-budget": Mutant(
         "ortspec/batch_driver.py",

@@ -65,6 +65,32 @@ def test_a_tree_row_gives_each_node_its_paths_logits(trees, single):
     assert trees.current_len(1) == len(prompt) + 1 + len(PARENTS)
 
 
+def test_a_tree_row_shares_a_run_with_other_rows_and_each_row_gets_its_own_logits(trees, single):
+    """With ragged runs, a tree row beside a plain decode, a chain verify and another tree (its own bias each) is one
+    session run whose every row gives what that row's path gives alone."""
+    assert trees.ragged_rows
+    rng = np.random.default_rng(4)
+    prompts = [rng.integers(0, trees.vocab_size, n).tolist() for n in (10, 6, 9, 4)]
+    for slot, prompt in enumerate(prompts):
+        trees.run_pass([BatchRow(slot, prompt, 0)])
+    other = (-1, -1, 1)  # a second tree of another shape: two roots, the second with a child
+    drafts = [rng.integers(0, trees.vocab_size, n).tolist() for n in (len(PARENTS), 0, 3, len(other))]
+    pending = rng.integers(0, trees.vocab_size, 4).tolist()
+    parents = [PARENTS, None, None, other]
+    rows = [
+        BatchRow(slot, (pending[slot], *drafts[slot]), len(prompts[slot]), parents=parents[slot]) for slot in range(4)
+    ]
+    runs = trees.runs
+    out = trees.run_pass(rows)
+    assert trees.runs == runs + 1
+    for slot in range(4):
+        shape = parents[slot] if parents[slot] is not None else tuple(range(-1, len(drafts[slot]) - 1))
+        for j in range(-1, len(drafts[slot])):
+            path = [] if j < 0 else [drafts[slot][i] for i in path_of(shape, j)]
+            expected = alone(single, [*prompts[slot], pending[slot], *path])
+            assert np.abs(out[slot][j + 1] - expected).max() <= ROW_TOLERANCE, f"slot {slot} row {j + 1}"
+
+
 def test_the_kept_path_continues_as_plain_decoding(trees, single):
     rng = np.random.default_rng(2)
     prompt = rng.integers(0, trees.vocab_size, 7).tolist()

@@ -65,3 +65,14 @@ def test_speculation_teaches_the_first_branch_to_the_policy_and_the_rest_to_the_
     assert tree is not None and tree.branch_tokens == policy.tree.branch_tokens * 0.85 + 2
     chain_learned = speculation.observe(context, draft, 2, (0, 1))  # the first branch accepted whole
     assert chain_learned.policy.acceptance() == policy.observe(2, 2).acceptance()
+
+
+def test_in_a_batch_nodes_are_priced_by_the_pass_they_join():
+    """Alone, a node costing half a step does not pay for a quarter token; in a batch whose pass prices a draft row
+    at a tenth of a plain row it does; where a draft row costs a whole plain row (compute-bound), it does not."""
+    budget = TreeBudget(STEEP, max_branches=3, chain_tokens=2.0, chain_passes=1.0, branch_tokens=2.0, branch_nodes=8.0)
+    assert budget.nodes_at(4) == 4
+    assert budget.nodes_at(4, plain_cost=0.2, token_cost=0.02) == 12
+    assert budget.nodes_at(4, plain_cost=0.2, token_cost=0.2) == 4
+    granted = CostAwareWidth(STEEP, tree=budget)
+    assert tree_nodes(granted, 4, 0.2, 0.02) == 12 and tree_nodes(granted, 4) == 4

@@ -46,9 +46,10 @@ rows' compute.
 
 **Tree rows.** With ``BackendConfig.tree_rows`` the session runs the graph with the tree inputs
 (``tree_rewrite.py``; ``pass_inputs.PassInputs`` feeds them, consecutive positions and a zero bias for ordinary
-rows). A row with ``parents`` (a token tree, ``BatchRow``) runs alone, after a past, each node at the row's position
-plus its depth and seeing only what ``core.tree.tree_mask`` allows; ``keep_path`` then moves the accepted path's
-KV into place before the driver rewinds.
+rows). A row with ``parents`` (a token tree, ``BatchRow``) runs after a past, each node at the row's position plus
+its depth and seeing only what ``core.tree.tree_mask`` allows (the bias is per row, so with ``ragged_rows`` a tree
+row shares a run with any other rows; without, it runs alone like every multi-token row after a past);
+``keep_path`` then moves the accepted path's KV into place before the driver rewinds.
 
 **The lone slot.** Beside its ``slots``, the backend keeps one more KV cache that no pass of ``run_pass`` can name:
 :meth:`OrtBatchBackend.lone` is the one-sequence ``Backend`` protocol on it (``LoneSlot``), with its own logits
@@ -297,18 +298,18 @@ class OrtBatchBackend:
         # logits_rows real positions, which end at len(tokens_b) - 1)
         kept = max(width - len(row.tokens) + row.logits_rows for row in rows)
         in_pass = {row.slot: len(row.tokens) for row in rows}
-        tree = rows[0].parents if len(rows) == 1 else None  # a tree row runs alone (``pass_groups``)
+        trees = {row.slot - lo: row.parents for row in rows if row.parents is not None}
         span = range(lo, hi + 1)
         if self.graph.query_lengths_name is not None:  # idle rows: one position held, none written
             valid = np.array([in_pass.get(slot, 0) for slot in span], dtype=np.int64)
             starts = np.array([self._lengths[slot] if slot in in_pass else 1 for slot in span], dtype=np.int64)
-            inputs, saved = PassInputs(self.graph, starts, width, kept, tree, valid), []
+            inputs, saved = PassInputs(self.graph, starts, width, kept, trees, valid), []
         else:
             starts = np.array(
                 [self._lengths[s] if s in in_pass else self._idle_start(s, width, idle_at_zero) for s in span],
                 dtype=np.int64,
             )
-            inputs = PassInputs(self.graph, starts, width, kept, tree)
+            inputs = PassInputs(self.graph, starts, width, kept, trees)
             saved = self._save_overwritten(lo, starts, width)
         for row in rows:
             inputs.ids[row.slot - lo, : len(row.tokens)] = row.tokens

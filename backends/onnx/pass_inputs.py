@@ -4,7 +4,7 @@ inputs of a run over a range of slots (``PassInputs``, tree rows included), how 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import attrs
 import numpy as np
@@ -19,9 +19,10 @@ class PassInputs:
     """The host inputs of one session run over the bound slot range: ``ids`` ``[B, S]``, ``mask`` ``[B, total]``,
     ``positions`` ``[B, S]``, ``starts`` (each bound row's first written position) and ``keep`` (``[1]``: the last
     ``kept`` positions get logits; all ``S`` when the graph has no ``keep_name``). With the tree inputs
-    (``DecoderGraph.tree_bias_name``): ``tree_positions`` ``[B, S]`` (``positions``, or for a tree row, ``parents``
-    given and ``B == 1``, its start plus each row's depth) and ``tree_bias`` ``[1, 1, S, total]`` (zeros; for a tree
-    row ``-inf`` where ``core.tree.tree_mask`` hides a row from another).
+    (``DecoderGraph.tree_bias_name``): ``tree_positions`` ``[B, S]`` (``positions``; for a tree row, its start plus
+    1 + each node's depth) and ``tree_bias`` (zeros ``[1, 1, S, total]`` when no row is a tree, else ``[B, 1, S,
+    total]``: zeros, and for each tree row ``-inf`` where ``core.tree.tree_mask`` hides one of its rows from another).
+    ``trees`` maps a bound row's index ``b`` to its tree's ``parents`` (``BatchRow.parents``).
 
     ``valid`` (a graph with ``query_lengths_name``, ``ragged_rewrite.py``): each bound row's count of real tokens,
     ``0 <= valid[b] <= S`` (0: an idle row, whose start must be 1), fed as ``query_lengths`` (int32 ``[B]``); a row's
@@ -34,7 +35,7 @@ class PassInputs:
         starts: np.ndarray,
         width: int,
         kept: int,
-        parents: tuple[int, ...] | None = None,
+        trees: Mapping[int, tuple[int, ...]] | None = None,
         valid: np.ndarray | None = None,
     ) -> None:
         count = len(starts)
@@ -54,17 +55,17 @@ class PassInputs:
         self.tree_positions = self.tree_bias = None
         if graph.tree_bias_name is not None:
             self.tree_positions = self.positions.astype(np.int64)
-            self.tree_bias = np.zeros((1, 1, width, total), graph.tree_bias_dtype)
-            if parents is not None:
-                self._tree(int(starts[0]), parents)
+            self.tree_bias = np.zeros((count if trees else 1, 1, width, total), graph.tree_bias_dtype)
+            for b, parents in (trees or {}).items():
+                self._tree(b, parents)
 
-    def _tree(self, start: int, parents: tuple[int, ...]) -> None:
-        """Positions and bias of one tree row ``(pending, *nodes)`` at ``start`` (``BatchRow.parents``)."""
-        assert self.tree_positions is not None and self.tree_bias is not None and len(self.starts) == 1
-        n = len(parents)
-        self.tree_positions[0, 1 : n + 1] = start + 1 + np.asarray(DraftTree((0,) * n, parents).depths, np.int64)
+    def _tree(self, b: int, parents: tuple[int, ...]) -> None:
+        """Positions and bias of bound row ``b``, a tree row ``(pending, *nodes)`` (``BatchRow.parents``)."""
+        assert self.tree_positions is not None and self.tree_bias is not None
+        start, n = int(self.starts[b]), len(parents)
+        self.tree_positions[b, 1 : n + 1] = start + 1 + np.asarray(DraftTree((0,) * n, parents).depths, np.int64)
         hidden = ~tree_mask(parents)
-        self.tree_bias[0, 0, : n + 1, start : start + n + 1][hidden] = -np.inf
+        self.tree_bias[b, 0, : n + 1, start : start + n + 1][hidden] = -np.inf
 
 
 @attrs.frozen
@@ -104,13 +105,13 @@ def ragged_groups(rows: Sequence[BatchRow], max_length: int, run_rows: int = RUN
     """Split a batch into session runs of a graph that takes query lengths (``ragged_rewrite.py``), where any rows
     can share a run, each right-padded to the run's widest: the partition of the rows, ordered by width, into
     runs that costs least when a run costs ``run_rows`` plus its rows times its width (the padding is computed like
-    real tokens), every row fitting ``max_length`` at its position plus the run's width. A tree row
-    (``parents``) runs alone, and so does a row as wide as ``max_length`` (an idle row beside it would not fit).
-    Runs come narrowest first."""
+    real tokens), every row fitting ``max_length`` at its position plus the run's width. A tree row (``parents``)
+    is a row like any other (its bias is its own: ``PassInputs``); a row as wide as ``max_length`` runs alone (an
+    idle row beside it would not fit). Runs come narrowest first."""
     alone: list[BatchRow] = []
     ordered: list[BatchRow] = []
     for row in rows:
-        (alone if row.parents is not None or len(row.tokens) >= max_length else ordered).append(row)
+        (alone if len(row.tokens) >= max_length else ordered).append(row)
     ordered.sort(key=lambda row: len(row.tokens))
     n = len(ordered)
     best = [0.0] + [float("inf")] * n  # best[j]: the least cost of the first j rows
