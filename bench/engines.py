@@ -36,9 +36,10 @@ from ortspec.driver import Generation
 SAMPLED_REFERENCE = "ortspec-sampled"  # plain sampling: the sampled settings' identity is checked against it
 SAMPLED_SPEC = "ortspec-lookup-adaptive-sampled"  # ortspec-lookup-adaptive, sampling
 SAMPLED_AUTO = "ortspec-auto-sampled"  # ortspec-auto, sampling
-AUTO_TREE = "ortspec-auto-tree"  # ortspec-auto with the suffix lookup drafting trees (DraftRule(branches=3))
+AUTO_TREE = "ortspec-auto-tree"  # ortspec-auto with trees: the suffix lookup's (TREE_RULE) and the drafter's
 SAMPLED_AUTO_TREE = "ortspec-auto-tree-sampled"  # ortspec-auto-tree, sampling
 TREE_RULE = DraftRule(branches=3)  # the tree settings' suffix rule
+TREE_DRAFTER_BRANCHES = 3  # the tree settings' drafter: its chain and the head's runners-up (SharedKvProposer)
 DRAFT_MODEL = "ortspec-draft-model"  # speculative="draft-model": the suite's --draft-model folder drafts
 SAMPLED_DRAFT_MODEL = "ortspec-draft-model-sampled"  # ortspec-draft-model, sampling
 AUTO_DRAFT_MODEL = "ortspec-auto-draft-model"  # ortspec-auto on an Engine that has the --draft-model folder too
@@ -155,7 +156,8 @@ class OrtspecEngine:
     """One ortspec setting on a shared ``Engine``: a proposer factory (``None``: plain decoding; a fresh proposer
     per generation, or the name of one the Engine makes: ``"shared-kv"``, ``"auto"``), a draft width (an int, a
     width policy, or ``"auto"``: the Engine's own), the sampling options (``Engine`` keywords; empty: greedy) and
-    the suffix lookup's rule (None: the Engine's default ``DraftRule()``), set on the Engine for its runs."""
+    the suffix lookup's rule (None: the Engine's default ``DraftRule()``) and the drafter's ``branches`` (1: chains),
+    set on the Engine for its runs."""
 
     def __init__(
         self,
@@ -166,8 +168,10 @@ class OrtspecEngine:
         description: dict[str, Any],
         sampling: Mapping[str, float] | None = None,
         suffix_rule: DraftRule | None = None,
+        drafter_branches: int = 1,
     ) -> None:
         self.name = name
+        self.drafter_branches = drafter_branches
         self.engine = engine
         self.make_proposer = make_proposer
         self.draft_width = draft_width
@@ -193,6 +197,8 @@ class OrtspecEngine:
         from and records into (default: this setting's)."""
         self.engine.suffix_cache = cache if cache is not None else self.suffix_cache
         self.engine.suffix_rule = self.suffix_rule
+        if self.engine.drafter is not None:
+            self.engine.drafter.branches = self.drafter_branches
         proposer = self.make_proposer() if self.make_proposer else None
         sampling: dict[str, Any] = {**self.sampling, "seed": 0 if seed is None else seed} if self.sampled else {}
         return self.engine.start(
@@ -314,8 +320,12 @@ def ortspec_engine(name: str, engine: Engine, pass_costs: Sequence[float] = ()) 
             "draft_width": "auto (the Engine's cost-aware policies, priced with the drafter's measured step)",
             "drafter": str(folder) if folder else repr(engine.drafter),
             **({"suffix_rule": f"{TREE_RULE!r}: trees where the pass prices them"} if tree else {}),
+            **({"drafter_branches": f"{TREE_DRAFTER_BRANCHES}: trees where the pass prices them"} if tree else {}),
         }
-        return OrtspecEngine(name, engine, lambda: how, "auto", description, suffix_rule=tree)
+        branches = TREE_DRAFTER_BRANCHES if tree else 1
+        return OrtspecEngine(
+            name, engine, lambda: how, "auto", description, suffix_rule=tree, drafter_branches=branches
+        )
     known = ", ".join((*ORTSPEC_ENGINES, *SAMPLED_ORTSPEC_ENGINES))
     raise ValueError(f"unknown ortspec engine {name!r}; known: {known}")
 

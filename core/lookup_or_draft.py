@@ -18,7 +18,7 @@ from .checks import int_at_least
 from .proposers import DraftContext, PromptLookup, Proposer
 from .suffix import SuffixProposer
 from .tree import DraftTree
-from .width import CostAwareWidth, TreeBudget
+from .width import CostAwareWidth
 
 _POLICY = {
     "strong": "lookup_policy",
@@ -57,6 +57,10 @@ class LookupOrDraft:
     lookup is the source whenever it has a draft (as wide as its policy allows), since a draft head could not draft
     there. Under sampling a model drafts with the context's ``picker``; lookup drafts copy the context as they are.
     ``lookup_drafts``, ``drafter_drafts`` and ``draft_model_drafts`` count the verified drafts of each source.
+    Trees: a source whose policy carries a tree budget (``CostAwareWidth.tree``) drafts as many nodes as that budget
+    grants at the source's width (where the backend runs trees: ``DraftContext.nodes``), and after a tree step that
+    budget learns what the tree brought (``observe_tree``, routed to ``drafted_by``, the policy of the source that
+    drafted).
 
     **Strong matches learn while a model drafts.** A source that is not chosen learns nothing from its own
     drafts, so after a few misses a strong match could lose to a model for the rest of a request while long
@@ -77,7 +81,7 @@ class LookupOrDraft:
     lookup_drafts: int = 0
     drafter_drafts: int = 0
     shadow: tuple[int, tuple[int, ...]] | None = None  # (context length, a strong match's draft a model beat)
-    tree: TreeBudget | None = None
+    drafted_by: str | None = None  # the policy field of the source that drafted the last observed draft
     draft_model: Proposer | None = attrs.field(default=None, validator=_one_model)
     draft_model_policy: CostAwareWidth | None = None
     draft_model_drafts: int = 0
@@ -86,19 +90,17 @@ class LookupOrDraft:
         self,
         lookup_policy: CostAwareWidth,
         drafter_policy: CostAwareWidth | None,
-        tree: TreeBudget | None = None,
         draft_model_policy: CostAwareWidth | None = None,
     ) -> LookupOrDraft:
         """This value with the sources' width policies (made from the backend's measured costs): ``lookup_policy``
         for both kinds of lookup match, ``drafter_policy`` for the drafter, ``draft_model_policy`` for the draft
-        model (each None without its model); ``tree``, what sizes the lookup's tree drafts."""
+        model (each None without its model); a policy's ``tree`` sizes its source's tree drafts."""
         return attrs.evolve(
             self,
             lookup_policy=lookup_policy,
             weak_lookup_policy=lookup_policy,
             drafter_policy=drafter_policy,
             draft_model_policy=draft_model_policy,
-            tree=tree,
         )
 
     def _model(self) -> str:
@@ -111,10 +113,14 @@ class LookupOrDraft:
         return "drafter"
 
     def observe_tree(self, chain: int, chain_accepted: int, extra_nodes: int, extra_accepted: int) -> LookupOrDraft:
-        """This value after a step's tree outcome (``core.width.TreeLearner``): ``tree`` learns it."""
-        if self.tree is None:
+        """This value after a step's tree outcome (``core.width.TreeLearner``), which follows ``observe``: the
+        policy of the source that drafted (``drafted_by``) learns it."""
+        name = self.drafted_by
+        policy: CostAwareWidth | None = getattr(self, name) if name is not None else None
+        if name is None or policy is None or policy.tree is None:
             return self
-        return attrs.evolve(self, tree=self.tree.observe(chain, chain_accepted, extra_nodes, extra_accepted))
+        changes: dict[str, Any] = {name: policy.observe_tree(chain, chain_accepted, extra_nodes, extra_accepted)}
+        return attrs.evolve(self, **changes)
 
     def _choose(self, context: DraftContext) -> tuple[str, tuple[int, ...], str]:
         """``(source, draft, match)`` for a draft in ``context``: the chosen source; the lookup's draft (uncut;
@@ -132,20 +138,18 @@ class LookupOrDraft:
         reorder), as wide as its policy's ``width_at(context.plain_cost)`` allows, so speculation fades as a batch
         fills."""
         source, draft, _ = self._choose(context)
+        policy: CostAwareWidth | None = getattr(self, _POLICY[source])
+        k = _width(policy, context)
+        nodes = _nodes(policy, context, k)
         if source not in _MODELS:
-            k = _width(getattr(self, _POLICY[source]), context)
-            nodes = k
-            if isinstance(self.lookup, SuffixProposer) and context.nodes is not None and self.tree is not None:
-                nodes = min(context.nodes, self.tree.nodes_at(k, context.plain_cost, context.token_cost))
-            if isinstance(self.lookup, SuffixProposer) and nodes > k > 0:
+            if isinstance(self.lookup, SuffixProposer) and nodes is not None and nodes > k > 0:
                 narrow = attrs.evolve(context, width=k, nodes=nodes)  # the lookup's tree, its first branch k deep
                 return self.lookup.branched(narrow, self.lookup.scored(context.tokens, k))
             return draft[:k]
-        k = _width(getattr(self, _POLICY[source]), context)
         if k <= 0:
             return ()
-        drafted = getattr(self, source).propose(attrs.evolve(context, width=k))
-        return drafted.cut(k) if isinstance(drafted, DraftTree) else tuple(drafted)[:k]
+        drafted = getattr(self, source).propose(attrs.evolve(context, width=k, nodes=nodes))
+        return drafted.cut(k if nodes is None else nodes) if isinstance(drafted, DraftTree) else tuple(drafted)[:k]
 
     def observe(self, context: DraftContext, draft: Sequence[int] | DraftTree, accepted: int) -> LookupOrDraft:
         """This value after ``accepted`` of ``draft`` (what ``propose(context)`` returned) were committed: the
@@ -164,6 +168,7 @@ class LookupOrDraft:
         changes: dict[str, Any] = {
             counter: getattr(self, counter) + verified,
             "shadow": (len(context_tokens), lookup_draft) if shadowed else None,
+            "drafted_by": name,
         }
         if policy is not None:
             changes[name] = policy.observe(len(draft), accepted)
@@ -194,3 +199,12 @@ def _width(policy: CostAwareWidth | None, context: DraftContext) -> int:
     if policy is None:
         return context.width
     return min(context.width, policy.width_at(context.plain_cost, context.token_cost))
+
+
+def _nodes(policy: CostAwareWidth | None, context: DraftContext, width: int) -> int | None:
+    """The most nodes a source's tree ``width`` deep may have in ``context``: None where the backend runs no trees
+    (``context.nodes`` None); the context's cap unpriced; else what the policy's tree budget grants, within the
+    cap."""
+    if context.nodes is None or policy is None:
+        return context.nodes
+    return min(context.nodes, max(policy.nodes_at(width, context.plain_cost, context.token_cost), width))

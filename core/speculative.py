@@ -166,10 +166,11 @@ def speculation(
     return proposer, CostAwareWidth(priced.pass_costs, tree=_tree_budget(proposer, priced))
 
 
-def _tree_budget(lookup: Any, prices: Prices) -> TreeBudget | None:
-    """What sizes a lookup's tree drafts (``core.width.TreeBudget`` on the verify cost curve), for a lookup that
-    drafts trees (``PromptLookup.branches`` or ``DraftRule.branches`` above 1); None for one that drafts chains."""
-    branches = lookup.rule.branches if isinstance(lookup, SuffixProposer) else getattr(lookup, "branches", 1)
+def _tree_budget(source: Any, prices: Prices) -> TreeBudget | None:
+    """What sizes a source's tree drafts (``core.width.TreeBudget`` on the verify cost curve), for a source that
+    drafts trees (``PromptLookup.branches``, ``DraftRule.branches`` or a drafter's ``branches`` above 1); None for
+    one that drafts chains."""
+    branches = source.rule.branches if isinstance(source, SuffixProposer) else getattr(source, "branches", 1)
     return TreeBudget(prices.pass_costs) if branches > 1 else None
 
 
@@ -190,8 +191,13 @@ def _priced(prices: Prices | None) -> Prices:
 
 
 def _drafter_policy(prices: Prices, sources: Sources) -> CostAwareWidth:
-    """The drafter's cost-aware policy: the curve up to its widest draft, each draft token priced at its step."""
-    return CostAwareWidth(prices.pass_costs[: sources.drafter_max_draft + 1], draft_cost=prices.draft_cost)
+    """The drafter's cost-aware policy: the curve up to its widest draft, each draft token priced at its step; a
+    tree budget on the whole curve where the drafter drafts trees."""
+    return CostAwareWidth(
+        prices.pass_costs[: sources.drafter_max_draft + 1],
+        draft_cost=prices.draft_cost,
+        tree=_tree_budget(sources.drafter, prices),
+    )
 
 
 def _draft_model_policy(prices: Prices, sources: Sources) -> CostAwareWidth:
@@ -210,10 +216,10 @@ def _auto(
 ) -> tuple[Proposer, int | WidthPolicy]:
     """``"auto"`` with a drafter or a draft model (or both): each source priced by its own policy; the request's width
     only caps them (the widest curve, or the int given)."""
-    tree = _tree_budget(auto.lookup, prices)
+    lookup = CostAwareWidth(prices.pass_costs, tree=_tree_budget(auto.lookup, prices))
     drafter = _drafter_policy(prices, sources) if auto.drafter is not None else None
     draft_model = _draft_model_policy(prices, sources) if auto.draft_model is not None else None
-    priced = auto.priced(CostAwareWidth(prices.pass_costs), drafter, tree, draft_model)
+    priced = auto.priced(lookup, drafter, draft_model)
     if isinstance(draft_width, int):
         return priced, FixedWidth(draft_width)
     if draft_width == "auto":

@@ -155,6 +155,35 @@ class DraftTree:
             depth += 1
         return cls(tuple(tokens), tuple(parents))
 
+    @classmethod
+    def with_siblings(
+        cls, chain: Sequence[int], siblings: Sequence[Sequence[tuple[int, float]]], limit: int
+    ) -> DraftTree:
+        """``chain`` (the first branch, cut to ``limit`` nodes) and, in the nodes left, the likeliest ``siblings``
+        as leaves: ``siblings[d]`` lists ``(token, chance)`` candidates for depth ``d`` beside ``chain[d]``
+        (children of chain node ``d - 1``; of the root for ``d = 0``), ``chance`` the estimated probability that the
+        walk reaches depth ``d`` and takes that token. Taken by chance, highest first (ties: the shallower, then the
+        earlier listed); a candidate at a depth the cut chain does not reach, or whose token its parent already has
+        as a child, is skipped. The nodes are the chain's, then the siblings' in the order taken, so the first
+        branch is the cut chain."""
+        tokens = [int(t) for t in chain[: max(limit, 0)]]
+        depth = len(tokens)
+        candidates = [
+            (-float(chance), d, i, int(token))
+            for d, listed in enumerate(siblings[:depth])
+            for i, (token, chance) in enumerate(listed)
+        ]
+        parents = list(range(-1, depth - 1))
+        taken = {(d - 1, tokens[d]) for d in range(depth)}
+        for _, d, _, token in sorted(candidates):
+            if len(tokens) >= limit:
+                break
+            if (d - 1, token) not in taken:
+                taken.add((d - 1, token))
+                tokens.append(token)
+                parents.append(d - 1)
+        return cls(tuple(tokens), tuple(parents))
+
     def within(self, nodes: int, depth: int) -> DraftTree:
         """The tree cut to its first ``nodes`` nodes of depth below ``depth`` (so its paths are at most ``depth``
         tokens long): a valid tree, since a node's ancestors come before it and are shallower."""

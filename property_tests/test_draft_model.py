@@ -107,7 +107,7 @@ def through_auto(draw, proposer: DraftModelProposer) -> DraftModelProposer | Loo
     costs = tuple(1.0 + 0.1 * k for k in range(proposer.max_draft + 1))
     step = draw(st.sampled_from((0.0, 0.2, 1.5)), label="draft model's step")
     auto = LookupOrDraft(PromptLookup(ngram=draw(st.integers(1, 3))), None, draft_model=proposer)
-    return auto.priced(CostAwareWidth(costs), None, None, CostAwareWidth(costs, draft_cost=step))
+    return auto.priced(CostAwareWidth(costs), None, CostAwareWidth(costs, draft_cost=step))
 
 
 def check_draft_model(kind: str, backend: DraftBackend, proposer: DraftModelProposer) -> None:

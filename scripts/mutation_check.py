@@ -152,6 +152,24 @@ MUTANTS: dict[str, Mutant] = {
         "learned, chain_accepted = tuple(draft.tokens[j] for j in first), min(accepted, len(first))",
         ("tests/test_tree_budget.py",),
     ),
+    "tree-siblings-lengthen-the-chain": Mutant(
+        "core/tree.py",
+        "for d, listed in enumerate(siblings[:depth])",
+        "for d, listed in enumerate(siblings[: depth + 1])",
+        ("tests/test_tree.py",),
+    ),
+    "drafter-siblings-ignore-the-chance-of-reaching-them": Mutant(
+        "backends/onnx/drafter.py",
+        "siblings.append([(token, reach * p) for token, p in ranked])",
+        "siblings.append([(token, p) for token, p in ranked])",
+        ("tests/test_drafter.py",),
+    ),
+    "auto-teaches-the-lookups-tree-budget-what-the-drafter-drafted": Mutant(
+        "core/lookup_or_draft.py",
+        '"drafted_by": name,',
+        '"drafted_by": "lookup_policy",',
+        ("tests/test_tree.py",),
+    ),
     "suffix-tree-puts-the-best-path-last": Mutant(
         "core/suffix.py",
         "tree = DraftTree.merged([best.draft, *ranked], budget)",

@@ -227,6 +227,37 @@ def test_batched_drafter_generations_are_each_request_alone(engine, speculative,
                 assert result.stats == alone.stats
 
 
+@pytest.mark.parametrize("sampling", [{}, {"temperature": 0.8, "top_p": 0.9, "seed": 7}])
+def test_drafter_trees_batched_and_alone_are_each_request_alone(engine, sampling):
+    """With ``branches`` (the head's runners-up as sibling leaves) and a budget that grants nodes, tree rows run
+    batched and alone, and every request still gets what plain decoding gives it alone."""
+    from ortspec.core import FixedWidth
+    from ortspec.core.width import TreeBudget
+
+    batch, trees = engine.batch, []
+    run_pass = batch.run_pass
+
+    def recording(rows):
+        trees.extend(row.parents for row in rows if row.parents is not None)
+        return run_pass(rows)
+
+    engine.drafter.branches, batch.run_pass = 3, recording
+    try:
+        assert all(engine.drafter.for_slot(slot).branches == 3 for slot in range(batch.slots))
+        policy = FixedWidth(3, tree=TreeBudget((1.0,) * 25))  # flat costs: every node pays
+        batched_equals_alone(engine, "shared-kv", policy, sampling)
+        assert trees and any(len(parents) > 3 for parents in trees)
+        trees.clear()
+        plain = engine.generate(PROMPTS[1], max_tokens=24, ignore_eos=True, **sampling)
+        alone = engine.generate(
+            PROMPTS[1], max_tokens=24, ignore_eos=True, speculative="shared-kv", draft_width=policy, **sampling
+        )
+        assert alone.token_ids == plain.token_ids and trees
+        batched_equals_alone(engine, "auto", "auto", sampling)
+    finally:
+        engine.drafter.branches, batch.run_pass = 1, run_pass
+
+
 def assert_drafts_per_slot(engine) -> None:
     """``engine`` (opened batched) drafts with the drafters of its slots (``SlotDrafters``), and its requests that
     draft with them (``"shared-kv"``, ``"auto"``) are submitted reading their slot's target state; the others not."""

@@ -242,6 +242,41 @@ def test_coupled_drafts_are_the_targets_pick_rule_on_the_heads_rows(
     assert differs  # at T 1.5 the coupled picks are not the argmax
 
 
+def test_with_branches_the_drafter_hangs_the_heads_runners_up_beside_its_chain(drafter_dir, backend):
+    """With ``branches`` and a context granting more nodes than the width, the draft is a tree: the chain it drafts
+    alone as its first branch, then as leaves the head's runner-up tokens at each depth (the reference head's top
+    ``branches`` there), the likeliest first by the chance of reaching and taking them; without the nodes, the
+    chain."""
+    from ortspec.core.tree import DraftTree
+
+    proposer = SharedKvProposer.open(backend, drafter_dir, branches=3)
+    reference = ReferenceHead(drafter_dir, backend.folder.num_kv_heads)
+    layer = proposer.folder.groups[0].layer
+    context = prompt_ids(20, backend.vocab_size, seed=5)
+    promised_state(backend, context)
+    chain = SharedKvProposer.open(backend, drafter_dir).propose(DraftContext(context, 4, slot=0))
+    assert proposer.propose(DraftContext(context, 4, slot=0)) == chain  # no node budget: the chain
+    assert proposer.propose(DraftContext(context, 4, slot=0, nodes=4)) == chain
+    tree = proposer.propose(DraftContext(context, 4, slot=0, nodes=9))
+    assert isinstance(tree, DraftTree) and tree.first_branch().tokens == chain and len(tree) == 4 + 5
+    keys, values = live_kv(backend, layer)
+    token, state, reach, expected = context[-1], backend.hidden_at(18).astype(np.float64), 1.0, []
+    for depth, pick in enumerate(chain):
+        logits, state = reference.step(reference.embedding[token].astype(np.float64), state, 19, keys, values)
+        probs = np.exp(logits - logits.max())
+        probs /= probs.sum()
+        top = [int(j) for j in np.argsort(-probs, kind="stable")[:3]]
+        ids = [int(reference.to_target[j]) for j in top]
+        expected += [(-reach * probs[j], depth, t) for j, t in zip(top, ids, strict=True) if t != pick]
+        reach *= probs[top[ids.index(pick)]] if pick in ids else 0.0
+        token = pick
+    expected.sort()
+    siblings = [(tree.depths[j], tree.tokens[j]) for j in range(4, len(tree))]
+    assert siblings == [(d, t) for _, d, t in expected[:5]]
+    assert all(tree.parents[j] == tree.depths[j] - 1 for j in range(4, len(tree)))  # leaves beside the chain
+    assert backend.current_len() == 19
+
+
 def test_the_drafter_reads_the_cache_in_place(drafter_dir, backend):
     """Changing the backend's KV buffer (in place, same address) changes the next draft exactly as the reference
     says: the drafter reads the live buffer, not a copy."""

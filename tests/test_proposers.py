@@ -266,7 +266,7 @@ def test_auto_learns_which_model_pays():
     def auto(drafter, draft_model):
         value = LookupOrDraft(PromptLookup(ngram=3, max_draft=8), drafter, draft_model=draft_model)
         return value.priced(
-            CostAwareWidth(costs), CostAwareWidth(costs, draft_cost=0.05), None, CostAwareWidth(costs, draft_cost=0.3)
+            CostAwareWidth(costs), CostAwareWidth(costs, draft_cost=0.05), CostAwareWidth(costs, draft_cost=0.3)
         )
 
     knows_more = _drive([5, 11, 5, 23, 11, 31], auto(_Wrong(), _Oracle()), 30, lambda c: _truth(len(c)))
@@ -319,7 +319,7 @@ def test_a_source_that_reads_before_it_drafts_is_probed_by_its_price():
 def test_auto_counts_what_other_sources_drafted_as_unread_by_the_draft_model():
     costs = (1.0, 1.1, 1.2, 1.3, 1.4)
     auto = LookupOrDraft(PromptLookup(ngram=3, max_draft=8), None, draft_model=_Wrong())
-    auto = auto.priced(CostAwareWidth(costs), None, None, CostAwareWidth(costs, draft_cost=0.3, read_cost=0.1))
+    auto = auto.priced(CostAwareWidth(costs), None, CostAwareWidth(costs, draft_cost=0.3, read_cost=0.1))
     copies = DraftContext([1, 2, 3, 4, 5, 6, 1, 2, 3], 4, slot=0)  # a strong match: the lookup drafts
     draft = auto.propose(copies)
     assert draft[:1] == (4,) and auto.observe(copies, draft, 1).draft_model_policy.unread == 2

@@ -53,7 +53,7 @@ def test_each_name_is_its_proposer_and_width_policy():
     assert isinstance(auto, LookupOrDraft) and auto.drafter is drafter and isinstance(auto.lookup, SuffixProposer)
     assert width == FixedWidth(len(PRICES.pass_costs) - 1)  # the request's width only caps each source's policy
     assert auto.drafter_policy == CostAwareWidth(PRICES.pass_costs[:4], draft_cost=0.2)  # up to its widest draft
-    assert auto.lookup_policy == CostAwareWidth(PRICES.pass_costs) and auto.tree is None  # the lookup drafts chains
+    assert auto.lookup_policy == CostAwareWidth(PRICES.pass_costs)  # the lookup drafts chains: no tree budget
     capped, width = speculation("auto", 2, with_drafter, PRICES)
     assert isinstance(capped, LookupOrDraft) and capped.drafter_policy is not None and width == FixedWidth(2)
     head, width = speculation("shared-kv", "auto", with_drafter, PRICES)
@@ -183,6 +183,6 @@ def test_a_lookup_that_drafts_trees_gets_a_tree_budget_and_one_that_drafts_chain
     drafter = Drafter()
     with_drafter = Sources(rule=DraftRule(branches=3), drafter=drafter, drafter_max_draft=drafter.max_draft)
     auto, _ = speculation("auto", "auto", with_drafter, PRICES)
-    assert isinstance(auto, LookupOrDraft) and auto.tree == TREE
+    assert isinstance(auto, LookupOrDraft) and auto.lookup_policy.tree == TREE
     _, chain_width = speculation("prompt-lookup", "auto", Sources(), PRICES)
     assert isinstance(chain_width, CostAwareWidth) and chain_width.tree is None

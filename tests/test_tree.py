@@ -405,6 +405,33 @@ def test_auto_cuts_a_drafters_tree_to_its_width():
     assert auto.propose(DraftContext((7, 8, 9), 3, slot=0)) == DraftTree((1, 2, 3), (-1, -1, 0))
 
 
+def test_auto_sizes_each_sources_tree_by_that_sources_budget_and_teaches_it_alone():
+    from ortspec.core import CostAwareWidth
+
+    class Drafter:
+        def __init__(self):
+            self.asked = []
+
+        def propose(self, context):
+            self.asked.append(context.nodes)
+            return DraftTree((1, 2, 3, 4, 5, 6, 7, 8), (-1, 0, 1, -1, -1, 0, 1, 2))
+
+    flat = (1.0,) * 17
+    drafter = Drafter()
+    granting = CostAwareWidth(flat, tree=TreeBudget(flat, max_branches=2, branch_tokens=8.0))
+    auto = LookupOrDraft(PromptLookup(), drafter).priced(CostAwareWidth(flat), granting)
+    context = DraftContext((7, 8, 9), 3, slot=0, nodes=16)
+    draft = auto.propose(context)
+    assert drafter.asked == [6] and draft == DraftTree((1, 2, 3, 4, 5, 6), (-1, 0, 1, -1, -1, 0))  # 2 x the width
+    learned = auto.observe(context, draft.first_branch().tokens, 1).observe_tree(3, 1, 3, 1)
+    assert learned.drafted_by == "drafter_policy" and learned.lookup_policy == auto.lookup_policy
+    assert learned.drafter_policy.tree != auto.drafter_policy.tree
+    assert learned.drafter_policy.tree == auto.drafter_policy.tree.observe(3, 1, 3, 1)
+    # where the backend runs no trees the context grants no nodes, and the drafter is asked without them
+    auto.propose(DraftContext((7, 8, 9), 3, slot=0))
+    assert drafter.asked[-1] is None
+
+
 def test_merged_keeps_the_first_branch_whole_and_spreads_the_rest_level_by_level():
     tree = DraftTree.merged([(1, 2, 3, 4), (1, 2, 5, 6), (7, 8, 9)], 6)
     assert tree == DraftTree((1, 2, 3, 4, 7, 8), (-1, 0, 1, 2, -1, 4))  # (1, 2) shared; then each level in order
@@ -457,3 +484,18 @@ def test_within_keeps_the_first_nodes_above_a_depth_and_renumbers_their_parents(
     assert tree.within(6, 2) == DraftTree((1, 2, 4, 5), (-1, 0, -1, 2))
     assert tree.within(3, 9) == tree.cut(3) and tree.within(9, 9) is tree and len(tree.within(4, 0)) == 0
     assert tree.first_branch_nodes() == (0, 1, 2)
+
+
+def test_with_siblings_hangs_the_likeliest_candidates_beside_the_chain():
+    chain = (10, 11, 12)
+    siblings = [[(20, 0.3), (21, 0.1)], [(22, 0.2), (11, 0.9)], [(23, 0.05)], [(24, 0.25)], [(25, 0.9)]]
+    tree = DraftTree.with_siblings(chain, siblings, 6)
+    # the chain first; then by chance: 20 (0.3) beside 10, 22 (0.2) beside 11, 21 (0.1); 11 duplicates the chain's
+    # own token at depth 1, and depths 3 and 4 are below the chain (a child of its last node would lengthen it)
+    assert tree == DraftTree((10, 11, 12, 20, 22, 21), (-1, 0, 1, -1, 0, -1))
+    assert tree.first_branch().tokens == chain
+    assert DraftTree.with_siblings(chain, siblings, 2) == DraftTree.chain((10, 11))
+    twins = [[(5, 0.5), (5, 0.4), (7, 0.3), (6, 0.1)]]  # a repeated candidate, and the chain's own token
+    assert DraftTree.with_siblings((7,), twins, 4) == DraftTree((7, 5, 6), (-1,) * 3)
+    assert len(DraftTree.with_siblings((), [[(5, 0.5)]], 4)) == 0
+    assert DraftTree.with_siblings(chain, [], 8) == DraftTree.chain(chain)

@@ -41,12 +41,33 @@ class HeadPicks:
         argmax (on a device, the device's), or with ``picks`` the coupled pick at draft position ``len(drafted)``."""
         if picks is None and self.device != "cpu":
             return self.target_id(int(self.arrays.argmax_margin(logits[0])[0][0]))
+        row = self.host_row(logits)
+        return self.argmax(row) if picks is None else self.coupled(row, picks, drafted)
+
+    def host_row(self, logits: Any) -> np.ndarray:
+        """The row of one head run's ``logits`` ``[1, 1, V']`` on the host (downloaded from a device)."""
         row = logits[0, 0]
         if self.device != "cpu":
             host = np.empty(row.shape, np.float32)
             self.arrays.download(row, host)
             row = host
-        return self.argmax(row) if picks is None else self.coupled(row, picks, drafted)
+        return np.asarray(row)
+
+    def ranked(self, row: np.ndarray, count: int) -> list[tuple[int, float]]:
+        """The ``count`` likeliest target ids of a host ``row`` (``host_row``) under the head's softmax, the likeliest
+        first (the lowest column on ties), each with its probability."""
+        count = max(0, min(count, row.shape[-1]))
+        if count == 0:
+            return []
+        values = np.array(row, np.float32)  # a copy: the picked columns are masked below
+        top = []
+        for _ in range(count):  # a few argmaxes cost less than a partition of the row
+            top.append(int(np.argmax(values)))
+            values[top[-1]] = -np.inf
+        values[top] = np.asarray(row, np.float32)[top]
+        shifted = np.exp(values - values[top[0]])
+        probs = shifted[top] / float(shifted.sum())
+        return [(self.target_id(j), float(p)) for j, p in zip(top, probs, strict=True)]
 
     def target_id(self, draft_id: int) -> int:
         """The target id of column ``draft_id``."""

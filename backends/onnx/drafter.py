@@ -39,6 +39,7 @@ import numpy as np
 
 from ortspec.core.proposers import DraftContext
 from ortspec.core.sampling import DraftPicks
+from ortspec.core.tree import DraftTree
 
 from ..base import BackendError
 from .arrays import ArrayModule
@@ -205,7 +206,12 @@ class SharedKvProposer:
     (0 = never; None: the folder's ``stop_below``; host path only; ``HeadPicks`` says under which distribution). The
     backend must be the one the driver runs: the promise that ``propose`` relies on (module docstring) is checked,
     and a broken one raises ``DrafterError``. Buffers are the proposer's, on the backend's device; nothing KV-sized
-    is allocated or copied per call. ``steps`` and ``runs`` count ``propose`` calls that drafted and head runs."""
+    is allocated or copied per call. ``steps`` and ``runs`` count ``propose`` calls that drafted and head runs.
+    ``branches``: the most candidates a tree draft holds at one depth (1, the default: chains); above 1, where the
+    context grants more nodes than the width (``DraftContext.nodes``: a tree budget, on a backend that runs trees),
+    ``propose`` drafts its chain as the first branch and, in the nodes left, the head's runner-up tokens as sibling
+    leaves (``core.tree.DraftTree.with_siblings``), ranked by the head's probability of reaching and taking them;
+    they cost no head run (each depth's runners-up come from the run that picked its token)."""
 
     def __init__(
         self,
@@ -216,8 +222,12 @@ class SharedKvProposer:
         max_draft: int | None = None,
         stop_below: float | None = None,
         check_fingerprint: bool = True,
+        branches: int = 1,
     ) -> None:
         self.backend = backend
+        if branches < 1:
+            raise ValueError(f"branches must be >= 1, got {branches}")
+        self.branches = int(branches)
         self.folder = folder
         self.session = session
         self.max_draft = int(max_draft if max_draft is not None else folder.num_speculative_tokens)
@@ -325,6 +335,7 @@ class SharedKvProposer:
         stop_below: float | None = None,
         check_fingerprint: bool = True,
         session_options=None,
+        branches: int = 1,
     ) -> SharedKvProposer:
         """Open the drafter in ``folder_or_path`` for ``backend`` (an ``OrtBackend`` with hidden states), on the
         backend's execution provider. ``threads``: the head's intra-op threads (default 1: a draft step is a few
@@ -343,14 +354,16 @@ class SharedKvProposer:
             max_draft=max_draft,
             stop_below=stop_below,
             check_fingerprint=check_fingerprint,
+            branches=branches,
         )
 
     # ------------------------------------------------------------------------------------------------------------
-    def propose(self, context: DraftContext) -> tuple[int, ...]:
+    def propose(self, context: DraftContext) -> tuple[int, ...] | DraftTree:
         """Up to ``min(context.width, max_draft)`` draft tokens after ``context.tokens`` (see the module
-        docstring): the argmax picks, or with the context's ``picker`` (a sampled generation) the coupled ones.
-        Bound to one target, it reads that target whatever the context's slot number, and drafts nothing for a
-        context whose slot is None (the target holds no state for it)."""
+        docstring): the argmax picks, or with the context's ``picker`` (a sampled generation) the coupled ones; a
+        tree of at most ``context.nodes`` nodes with them as its first branch where ``branches`` and the context
+        allow (the class docstring). Bound to one target, it reads that target whatever the context's slot number,
+        and drafts nothing for a context whose slot is None (the target holds no state for it)."""
         if context.slot is None:
             return ()
         tokens = context.tokens
@@ -364,12 +377,26 @@ class SharedKvProposer:
         if steps < 1 or kv_len < 1:
             return ()
         picks = context.picker.after(tokens) if context.picker is not None else None
-        return self.draft(int(tokens[-1]), kv_len, steps, picks)
+        nodes = context.nodes
+        if self.branches == 1 or nodes is None or nodes <= steps:
+            return self.draft(int(tokens[-1]), kv_len, steps, picks)
+        siblings: list[list[tuple[int, float]]] = []
+        chain = self.draft(int(tokens[-1]), kv_len, steps, picks, siblings)
+        return DraftTree.with_siblings(chain, siblings, nodes)
 
-    def draft(self, token: int, kv_len: int, steps: int, picks: DraftPicks | None = None) -> tuple[int, ...]:
+    def draft(
+        self,
+        token: int,
+        kv_len: int,
+        steps: int,
+        picks: DraftPicks | None = None,
+        siblings: list[list[tuple[int, float]]] | None = None,
+    ) -> tuple[int, ...]:
         """``steps`` picks starting from ``token`` at position ``kv_len`` (the backend's ``current_len()``) and the
         backend's hidden state at ``kv_len - 1`` (fused with the residual streams of that row when the folder has
-        fused features): argmax picks, or coupled ones with ``picks``."""
+        fused features): argmax picks, or coupled ones with ``picks``. With ``siblings`` (a list, appended to):
+        per run, the head's ``branches`` likeliest tokens, each with the chance of reaching that depth and taking
+        it (the product of the earlier picks' head probabilities times its own; 0 past a pick outside them)."""
         arrays, hidden = self._arrays, self.folder.hidden_size
         self._bind_kv(kv_len)
         self._positions_host[0, 0] = kv_len
@@ -379,6 +406,7 @@ class SharedKvProposer:
             row = self._fuse.run(None, {"row": np.asarray(row, np.float32)[None]})[0][0]
         arrays.copy(self._embeds[0, 0, hidden:], row[:hidden])
         draft: list[int] = []
+        reach = 1.0  # the chance the walk reaches the next depth (``siblings``)
         self.steps += 1
         for i in range(steps):
             arrays.copy(self._embeds[0, 0, :hidden], self._embedding[token])
@@ -389,6 +417,8 @@ class SharedKvProposer:
                 raise DrafterError(f"onnxruntime failed running {self.folder.model_path}: {exc}") from exc
             self.runs += 1
             pick = self._head_picks.pick(self._logits, picks, draft)
+            if siblings is not None:
+                reach = self._rank_siblings(siblings, pick, reach)
             if pick is None:
                 break
             token = pick
@@ -396,6 +426,13 @@ class SharedKvProposer:
             if i + 1 < steps:
                 arrays.copy(self._embeds[0, 0, hidden:], self._state[0, 0])
         return tuple(draft)
+
+    def _rank_siblings(self, siblings: list[list[tuple[int, float]]], pick: int | None, reach: float) -> float:
+        """Append this run's ``branches`` likeliest tokens with their chances (``draft``'s docstring), ``reach``
+        being the chance of reaching this depth; return the chance of reaching the next one through ``pick``."""
+        ranked = self._head_picks.ranked(self._head_picks.host_row(self._logits), self.branches)
+        siblings.append([(token, reach * p) for token, p in ranked])
+        return reach * next((p for token, p in ranked if token == pick), 0.0)
 
     def _bind_kv(self, kv_len: int) -> None:
         """Bind every per-head KV input to the first ``kv_len`` positions of its head, in the backend's buffer."""

@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 
 from ortspec.core.proposers import DraftContext
+from ortspec.core.tree import DraftTree
 
 from .batch import OrtBatchBackend
 from .drafter import DrafterFolder, SharedKvProposer
@@ -26,14 +27,27 @@ from .drafter import DrafterFolder, SharedKvProposer
 
 class SlotDrafters:
     """A drafter's ONNX session on ``batch``'s slots (see the module docstring), made from ``lone``, the drafter
-    already bound to the lone slot (``batch.slot_target(batch.slots)``): its session, folder, ``max_draft`` and
-    ``stop_below`` are every slot's. Made by :meth:`open` or :meth:`sharing`."""
+    already bound to the lone slot (``batch.slot_target(batch.slots)``): its session, folder, ``max_draft``,
+    ``stop_below`` and ``branches`` are every slot's (setting ``branches`` here sets it for every slot). Made by
+    :meth:`open` or :meth:`sharing`."""
 
     def __init__(self, batch: OrtBatchBackend, lone: SharedKvProposer) -> None:
         self.batch = batch
         self.folder, self.session = lone.folder, lone.session
         self.max_draft, self.stop_below = lone.max_draft, lone.stop_below
         self._bound: dict[int, SharedKvProposer] = {batch.slots: lone}
+
+    @property
+    def branches(self) -> int:
+        """The most candidates a tree draft holds at one depth (``SharedKvProposer.branches``; 1: chains)."""
+        return self.lone().branches
+
+    @branches.setter
+    def branches(self, value: int) -> None:
+        if int(value) < 1:
+            raise ValueError(f"branches must be >= 1, got {value}")
+        for proposer in self._bound.values():
+            proposer.branches = int(value)
 
     @classmethod
     def open(
@@ -59,7 +73,7 @@ class SlotDrafters:
         one-sequence backend, on the same model folder as ``batch``, where its target was checked)."""
         return cls(batch, _bound(batch, batch.slots, drafter))
 
-    def propose(self, context: DraftContext) -> tuple[int, ...]:
+    def propose(self, context: DraftContext) -> tuple[int, ...] | DraftTree:
         """The draft of the proposer bound to ``context.slot`` (``for_slot``); nothing for a context without a slot
         (the target holds no state for it)."""
         return () if context.slot is None else self.for_slot(context.slot).propose(context)
@@ -84,5 +98,5 @@ def _bound(batch: OrtBatchBackend, slot: int, like: SharedKvProposer) -> SharedK
     """``like``'s session and settings bound to ``slot`` of ``batch`` (its target checked already)."""
     return SharedKvProposer(
         batch.slot_target(slot), like.folder, like.session, max_draft=like.max_draft, stop_below=like.stop_below,
-        check_fingerprint=False,
+        check_fingerprint=False, branches=like.branches,
     )  # fmt: skip
