@@ -45,7 +45,7 @@ from typing import Any
 
 import attrs
 
-from bench.engines import BASELINE, KMAX, NGRAM_PEER, REFERENCE
+from bench.engines import BASELINE, KMAX, NGRAM_PEER, REFERENCE, TREE_BRANCHES
 from bench.workloads import STREAM_CATEGORIES, build_workloads, encode_chat, workloads_digest
 from ortspec.adapters.engine.suffix_cache import SuffixCache
 from ortspec.core import DraftContext, DraftRule, Proposer, SuffixProposer
@@ -135,7 +135,7 @@ LOOKUP = "suffix lookup, replayed"
 # The same lookup drafting trees (``DraftRule(branches=TREE_BRANCHES)``), its first branch ``TREE_WIDTH`` deep (the
 # chain's depth) and at most ``KMAX`` nodes in all: what hindsight among a match's occurrences buys when every
 # verified node is priced.
-TREE_BRANCHES, TREE_WIDTH = 3, KMAX
+TREE_WIDTH = KMAX
 TREE = f"suffix lookup, {TREE_BRANCHES}-branch trees, replayed"
 COPIER, ANCHORED, DRAFTER = "perfect copier", "perfect copier, anchored", "perfect drafter"
 SPECULATORS = (AUTO, LOOKUP, TREE, ANCHORED, COPIER, DRAFTER)

@@ -30,16 +30,15 @@ from bench.peer_base import PeerRun, PeerRunner
 from bench.peers import make_peer
 from ortspec.adapters.engine import Engine
 from ortspec.adapters.engine.suffix_cache import SuffixCache
-from ortspec.core import AdditiveWidth, CostAwareWidth, DraftRule, PromptLookup, Proposer, SuffixSnapshot, WidthPolicy
+from ortspec.core import AdditiveWidth, CostAwareWidth, PromptLookup, Proposer, SuffixSnapshot, WidthPolicy
 from ortspec.driver import Generation
 
 SAMPLED_REFERENCE = "ortspec-sampled"  # plain sampling: the sampled settings' identity is checked against it
 SAMPLED_SPEC = "ortspec-lookup-adaptive-sampled"  # ortspec-lookup-adaptive, sampling
 SAMPLED_AUTO = "ortspec-auto-sampled"  # ortspec-auto, sampling
-AUTO_TREE = "ortspec-auto-tree"  # ortspec-auto with trees: the suffix lookup's (TREE_RULE) and the drafter's
+AUTO_TREE = "ortspec-auto-tree"  # ortspec-auto with trees (TREE_BRANCHES): the suffix lookup's and the drafter's
 SAMPLED_AUTO_TREE = "ortspec-auto-tree-sampled"  # ortspec-auto-tree, sampling
-TREE_RULE = DraftRule(branches=3)  # the tree settings' suffix rule
-TREE_DRAFTER_BRANCHES = 3  # the tree settings' drafter: its chain and the head's runners-up (SharedKvProposer)
+TREE_BRANCHES = 3  # the tree settings' Engine.tree_branches: the suffix lookup's and the drafter's
 DRAFT_MODEL = "ortspec-draft-model"  # speculative="draft-model": the suite's --draft-model folder drafts
 SAMPLED_DRAFT_MODEL = "ortspec-draft-model-sampled"  # ortspec-draft-model, sampling
 AUTO_DRAFT_MODEL = "ortspec-auto-draft-model"  # ortspec-auto on an Engine that has the --draft-model folder too
@@ -156,8 +155,7 @@ class OrtspecEngine:
     """One ortspec setting on a shared ``Engine``: a proposer factory (``None``: plain decoding; a fresh proposer
     per generation, or the name of one the Engine makes: ``"shared-kv"``, ``"auto"``), a draft width (an int, a
     width policy, or ``"auto"``: the Engine's own), the sampling options (``Engine`` keywords; empty: greedy) and
-    the suffix lookup's rule (None: the Engine's default ``DraftRule()``) and the drafter's ``branches`` (1: chains),
-    set on the Engine for its runs."""
+    the Engine's ``tree_branches`` (1: chains), set on the Engine for its runs."""
 
     def __init__(
         self,
@@ -167,15 +165,13 @@ class OrtspecEngine:
         draft_width: int | WidthPolicy | str,
         description: dict[str, Any],
         sampling: Mapping[str, float] | None = None,
-        suffix_rule: DraftRule | None = None,
-        drafter_branches: int = 1,
+        tree_branches: int = 1,
     ) -> None:
         self.name = name
-        self.drafter_branches = drafter_branches
+        self.tree_branches = tree_branches
         self.engine = engine
         self.make_proposer = make_proposer
         self.draft_width = draft_width
-        self.suffix_rule = suffix_rule if suffix_rule is not None else DraftRule()
         self.sampling = dict(sampling or {})
         self.description = description | ({"sampling": dict(self.sampling)} if self.sampling else {})
         # This setting's own suffix cache, on the shared Engine during its runs: it learns from this setting's
@@ -196,9 +192,7 @@ class OrtspecEngine:
         ``seed``: the sampler's seed (sampled settings; 0 when not given); ``cache``: the suffix cache it drafts
         from and records into (default: this setting's)."""
         self.engine.suffix_cache = cache if cache is not None else self.suffix_cache
-        self.engine.suffix_rule = self.suffix_rule
-        if self.engine.drafter is not None:
-            self.engine.drafter.branches = self.drafter_branches
+        self.engine.tree_branches = self.tree_branches
         proposer = self.make_proposer() if self.make_proposer else None
         sampling: dict[str, Any] = {**self.sampling, "seed": 0 if seed is None else seed} if self.sampled else {}
         return self.engine.start(
@@ -249,8 +243,9 @@ class OrtspecEngine:
 def sampled_variant(setting: OrtspecEngine, name: str, sampling: Mapping[str, float]) -> OrtspecEngine:
     """``setting`` (a greedy one) sampling with ``sampling``, called ``name``."""
     description = {k: v for k, v in setting.describe().items() if k != "sampling"}
-    engine, rule = setting.engine, setting.suffix_rule
-    return OrtspecEngine(name, engine, setting.make_proposer, setting.draft_width, description, sampling, rule)
+    return OrtspecEngine(
+        name, setting.engine, setting.make_proposer, setting.draft_width, description, sampling, setting.tree_branches
+    )
 
 
 def ortspec_engine(name: str, engine: Engine, pass_costs: Sequence[float] = ()) -> OrtspecEngine:
@@ -314,18 +309,15 @@ def ortspec_engine(name: str, engine: Engine, pass_costs: Sequence[float] = ()) 
             raise ValueError(f"{name} needs a shared-KV drafter for the model: run `ortspec train-drafter`")
         how = "shared-kv" if name == "ortspec-shared-kv" else "auto"
         folder = getattr(getattr(engine.drafter, "folder", None), "path", None)
-        tree = TREE_RULE if name == AUTO_TREE else None
+        tree = name == AUTO_TREE
         description = {
             "speculative": how,
             "draft_width": "auto (the Engine's cost-aware policies, priced with the drafter's measured step)",
             "drafter": str(folder) if folder else repr(engine.drafter),
-            **({"suffix_rule": f"{TREE_RULE!r}: trees where the pass prices them"} if tree else {}),
-            **({"drafter_branches": f"{TREE_DRAFTER_BRANCHES}: trees where the pass prices them"} if tree else {}),
+            **({"tree_branches": f"{TREE_BRANCHES}: trees where the pass prices them"} if tree else {}),
         }
-        branches = TREE_DRAFTER_BRANCHES if tree else 1
-        return OrtspecEngine(
-            name, engine, lambda: how, "auto", description, suffix_rule=tree, drafter_branches=branches
-        )
+        branches = TREE_BRANCHES if tree else 1
+        return OrtspecEngine(name, engine, lambda: how, "auto", description, tree_branches=branches)
     known = ", ".join((*ORTSPEC_ENGINES, *SAMPLED_ORTSPEC_ENGINES))
     raise ValueError(f"unknown ortspec engine {name!r}; known: {known}")
 

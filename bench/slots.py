@@ -8,8 +8,10 @@ static batches of the same sizes, side by side, on one split of the throughput d
 The requests are ``bench.throughput``'s (chat prompts, each with its own number of new tokens, EOS ignored, greedy),
 the ``--split`` half of them (``bench.throughput_dataset.split``: constants are chosen on ``tuning`` and reported on
 ``evaluation``). For each size N: one Engine with ``batch_slots=N`` runs every request through its one scheduler
-(``Engine.generate_requests``), once per ``--speculative`` name (default ``none``: plain decoding; the Engine opens
-the shipped drafter only when one is named); for each of ``--genai-sizes`` (default: the same
+(``Engine.generate_requests``), once per ``--speculative`` name (default ``none``: plain decoding; a name ending in
+``-tree``, such as ``auto-tree``, is that speculation with the Engine's ``tree_branches`` at the suite's tree settings'
+(``bench.engines.TREE_BRANCHES``); the
+Engine opens the shipped drafter only when one is named); for each of ``--genai-sizes`` (default: the same
 sizes) ORT GenAI runs consecutive groups of that many requests as static batches
 (``bench.throughput_columns.run_genai``).
 With ``--batch-command``, the ``ortspec batch`` command (its defaults, the whole job as a subprocess: start and
@@ -38,6 +40,7 @@ from typing import Any
 
 import attrs
 
+from bench.engines import TREE_BRANCHES
 from bench.machine import git_commit, machine_info
 from bench.peer_ortgenai import OrtGenAIRunner
 from bench.peers import make_peer
@@ -51,10 +54,16 @@ from ortspec.adapters.engine.tokenizer import Tokenizer
 
 
 def run_ortspec(engine: Engine, requests: Sequence[Request], size: int, speculative: str | None = None) -> ColumnRun:
-    """Every request through ``engine``'s scheduler at once, greedy, with ``speculative`` (None: plain decoding)."""
-    batch = [(list(q.messages), GenerationOptions(**q.options("greedy"), speculative=speculative)) for q in requests]
+    """Every request through ``engine``'s scheduler at once, greedy, with ``speculative`` (None: plain decoding; a
+    name ending in ``-tree``: that speculation drafting trees, ``TREE_BRANCHES``)."""
+    name = speculative.removesuffix("-tree") if speculative else None
+    batch = [(list(q.messages), GenerationOptions(**q.options("greedy"), speculative=name)) for q in requests]
+    engine.tree_branches = TREE_BRANCHES if name != speculative else 1
     t0 = time.perf_counter()
-    results = generate_batched(engine, batch)
+    try:
+        results = generate_batched(engine, batch)
+    finally:
+        engine.tree_branches = 1
     seconds = time.perf_counter() - t0
     outputs = {q.id: list(r.token_ids) for q, r in zip(requests, results, strict=True)}
     column = f"ortspec {size} slots" + (f", {speculative}" if speculative else "")

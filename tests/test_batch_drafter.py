@@ -387,3 +387,40 @@ def test_a_batch_workers_records_use_the_drafter_and_each_line_is_the_record_alo
     for task in tasks:  # the same line but its stats (speculation is priced by the pass it joins)
         line, reference = dict(lines[task.key]), dict(alone.run(task)[0])  # type: ignore[arg-type]
         assert "error" not in line and line.pop("stats") and reference.pop("stats") and line == reference
+
+
+def test_tree_branches_reach_every_surface(tiny_model_dir, drafter_dir, tmp_path):
+    """``tree_branches`` (``Engine.from_dir``, the Engine's attribute, ``--tree-branches`` on every command that
+    opens an Engine, the batch job and the server's loader) sets the suffix lookup's branches and every slot's
+    drafter's; a value below 1 is refused naming it."""
+    from ortspec.adapters.batch import BatchError, BatchJob, run_batch
+    from ortspec.adapters.batch.records import option_fields, parse_record
+    from ortspec.adapters.batch.worker import WorkerSettings
+    from ortspec.adapters.cli.main import build_parser
+    from ortspec.adapters.engine import Engine
+    from ortspec.core.checks import ArgumentError
+
+    parser = build_parser()
+    for argv in (["generate", "x"], ["demo"], ["bench"], ["serve"], ["batch", "in.jsonl", "out.jsonl"]):
+        assert parser.parse_args(argv).tree_branches == 1
+        assert parser.parse_args([*argv, "--tree-branches", "3"]).tree_branches == 3
+    with Engine.from_dir(tiny_model_dir, CONFIG, drafter=drafter_dir, batch_slots=2, tree_branches=3) as engine:
+        assert engine.tree_branches == 3 and engine.suffix_rule.branches == 3
+        assert all(engine.drafter.for_slot(slot).branches == 3 for slot in (0, 1, engine.lone_slot))
+        with pytest.raises(ArgumentError, match="tree_branches"):
+            engine.tree_branches = 0
+        engine.tree_branches = 1
+        assert engine.suffix_rule.branches == 1 and engine.drafter.for_slot(0).branches == 1
+    with pytest.raises(ArgumentError, match="tree_branches"):
+        Engine.from_dir(tiny_model_dir, CONFIG, drafter=False, tree_branches=0)
+    job = BatchJob(tmp_path / "in.jsonl", tmp_path / "out.jsonl", tree_branches=2)
+    task = parse_record('{"id": 1, "prompt": "x"}', 1, {}, option_fields())
+    assert WorkerSettings.of(job, 1, {}, [task]).tree_branches == 2
+    (tmp_path / "in.jsonl").write_text('{"id": 1, "prompt": "x"}\n')
+    with pytest.raises(BatchError, match="tree_branches"):
+        run_batch(BatchJob(tmp_path / "in.jsonl", tmp_path / "out.jsonl", tree_branches=0), progress=False)
+    pytest.importorskip("uvicorn")
+    from ortspec.adapters.serve.run import load_serving
+
+    with load_serving(tiny_model_dir, CONFIG, max_batch=1, drafter=False, tree_branches=2) as served:
+        assert served.tree_branches == 2

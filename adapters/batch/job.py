@@ -55,7 +55,7 @@ class BatchJob:
     job's default, is ``"auto"`` or ``"shared-kv"``): a run whose records all decode plainly or with a lookup
     loads no drafter, whatever ``drafter`` says. ``draft_model``: a draft model folder of the same vocabulary
     (``Engine.from_dir``'s), which ``speculative="draft-model"`` uses; opened only when a record the run has to do
-    drafts with it.
+    drafts with it. ``tree_branches``: each worker's Engine's (``Engine.from_dir``'s: 1, chains).
 
     The value is not checked when it is made: ``run_batch`` checks it before anything runs (``BatchError``)."""
 
@@ -74,6 +74,7 @@ class BatchJob:
     ship_model: bool = False
     drafter: str | os.PathLike[str] | bool | None = None
     draft_model: str | os.PathLike[str] | None = None
+    tree_branches: int = 1
 
     @property
     def mode(self) -> str:

@@ -19,6 +19,7 @@ import attrs
 from ortspec.adapters.hosts import available_cores
 from ortspec.backends.onnx.config import BackendConfig
 from ortspec.batch_driver import check_prefill_budget
+from ortspec.core.checks import check_int
 from ortspec.core.speculative import speculative_value
 
 from .job import BatchError, BatchJob, BatchSummary
@@ -69,6 +70,7 @@ def _check_job(job: BatchJob) -> None:
         raise BatchError(f"max_batch must be None or an int >= 1, got {job.max_batch!r}")
     try:
         check_prefill_budget(job.prefill_budget)
+        check_int("tree_branches", job.tree_branches, 1)
     except ValueError as exc:
         raise BatchError(str(exc)) from None
 

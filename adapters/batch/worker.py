@@ -117,8 +117,8 @@ class WorkerSettings:
     (``GenerationOptions`` keywords; a record's own win), ``max_batch``, the records a worker decodes at once (its
     Engine's ``batch_slots``), ``prefill_budget``, the most prompt tokens one of its passes folds in (the
     Engine's), ``drafter`` (``Engine.from_dir``'s; ``False``: none is opened), ``warm``: measure what
-    speculation needs before the first record (``Engine.warm``), and ``draft_model`` (``Engine.from_dir``'s; None:
-    none is opened). Pickled to each worker."""
+    speculation needs before the first record (``Engine.warm``), ``draft_model`` (``Engine.from_dir``'s; None:
+    none is opened) and ``tree_branches`` (``Engine.from_dir``'s). Pickled to each worker."""
 
     threads: int
     defaults: Mapping[str, Any] = attrs.field(factory=dict, converter=dict)
@@ -130,6 +130,7 @@ class WorkerSettings:
     drafter: str | os.PathLike[str] | bool | None = None
     warm: bool = True
     draft_model: str | os.PathLike[str] | None = None
+    tree_branches: int = 1
 
     @classmethod
     def of(
@@ -162,6 +163,7 @@ class WorkerSettings:
             drafter,
             speculates(defaults, tasks),
             draft_model=job.draft_model if needs_draft_model(defaults, tasks) else None,
+            tree_branches=job.tree_branches,
         )
 
 
@@ -201,6 +203,7 @@ class BatchWorker:
             draft_model=settings.draft_model,
             batch_slots=settings.max_batch,
             prefill_budget=settings.prefill_budget,
+            tree_branches=settings.tree_branches,
         )
         # Why the folder runs one record at a time (only news when more were asked for).
         self.note: str | None = self.engine.note if settings.max_batch > 1 else None

@@ -159,6 +159,7 @@ def job_of(args: argparse.Namespace) -> BatchJob:
         ship_model=args.ship_model,
         drafter=drafter(args),
         draft_model=draft_model(args),
+        tree_branches=args.tree_branches,
     )
 
 

@@ -52,7 +52,13 @@ def engine(args: argparse.Namespace):
     from ortspec.adapters.engine import Engine
 
     config = backend_config(args, threads=args.threads)
-    return Engine.from_dir(model_dir(args), config, drafter=drafter(args), draft_model=draft_model(args))
+    return Engine.from_dir(
+        model_dir(args),
+        config,
+        drafter=drafter(args),
+        draft_model=draft_model(args),
+        tree_branches=args.tree_branches,
+    )
 
 
 def drafter(args: argparse.Namespace) -> str | bool | None:

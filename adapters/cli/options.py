@@ -139,8 +139,8 @@ def model_options(
 ) -> None:
     """The ``model`` group: ``--model``, ``--provider``, ``--threads``, ``--max-length``, the fast CUDA path's
     ``--static-shapes`` and ``--cuda-graphs``; with ``load_rewrites``
-    also ``--matmul-accuracy-level`` and ``--sliding-window``, and with ``drafter`` (only then) ``--drafter`` and
-    ``--draft-model``."""
+    also ``--matmul-accuracy-level`` and ``--sliding-window``, and with ``drafter`` (only then) ``--drafter``,
+    ``--draft-model`` and ``--tree-branches``."""
     g = p.add_argument_group("model")
     g.add_argument(
         "--model",
@@ -188,6 +188,15 @@ def model_options(
             default=None,
             help="a smaller model folder of the same vocabulary to draft with (--speculative draft-model; its "
             "tokenizer must map every token to the same id)",
+        )
+        g.add_argument(
+            "--tree-branches",
+            type=positive_int,
+            default=1,
+            metavar="N",
+            help="draft token trees of up to N candidates at a point, from the suffix lookup's matches and the "
+            "drafter's runner-up tokens, each verified in one pass where its price pays (default 1: chains; "
+            "docs/tree-attention.md); the output is the same either way",
         )
     if not load_rewrites:
         return

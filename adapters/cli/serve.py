@@ -119,6 +119,7 @@ def cmd_serve(args: argparse.Namespace, model: Path) -> int:
             prefix_reuse=args.prefix_reuse,
             drafter=drafter(args),
             draft_model=draft_model(args),
+            tree_branches=args.tree_branches,
         )
         return cmd_serve_ray(args, model, replica)
     engine = load_serving(
@@ -129,6 +130,7 @@ def cmd_serve(args: argparse.Namespace, model: Path) -> int:
         prefill_budget=args.prefill_budget,
         drafter=drafter(args),
         draft_model=draft_model(args),
+        tree_branches=args.tree_branches,
     )
     with engine:
         uvicorn.run(create_app(engine, settings), host=args.host, port=args.port, log_level=args.log_level)

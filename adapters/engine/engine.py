@@ -24,6 +24,8 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
+import attrs
+
 from ortspec.adapters.engine import calls
 from ortspec.adapters.engine.calls import Call, EngineClosed
 from ortspec.adapters.engine.draft_models import draft_slots, open_draft_model
@@ -137,6 +139,7 @@ class Engine:
         batch_slots: int | None = None,
         prefill_budget: int | None = DEFAULT_PREFILL_BUDGET,
         clock: Callable[[], float] = time.monotonic,
+        tree_branches: int = 1,
     ) -> Engine:
         """Load an ONNX Runtime GenAI folder (``genai_config.json``, the model, ``tokenizer.json``).
 
@@ -150,13 +153,14 @@ class Engine:
         to draft with (``speculative="draft-model"``; docs/draft-model.md), opened with ``backend_config`` and one
         draft slot per slot (``draft_models.open_draft_model``; ``VocabularyMismatch``, a ``ValueError``, names what
         differs when its vocabulary is not the target's). ``prefix_reuse`` and ``prefill_budget``: the class
-        docstring; ``clock``: :meth:`__init__`'s.
+        docstring; ``clock``: :meth:`__init__`'s; ``tree_branches``: the Engine's ``tree_branches``.
 
         Raises ``ValueError`` for a bad argument, ``ModelFolderError`` (a ``ValueError``) naming the file and the
         field or tensor when the folder cannot be used, and ``BackendError`` when onnxruntime fails otherwise."""
         from ortspec.backends.onnx import OrtBackend
 
         check_prefill_budget(prefill_budget)
+        check_int("tree_branches", tree_branches, 1)
         slots = DEFAULT_SLOTS if batch_slots is None else check_int("batch_slots", batch_slots, 1)
         folder = ModelFolder.load(Path(path))
         tokenizer = Tokenizer.from_folder(folder.path)
@@ -183,10 +187,11 @@ class Engine:
             )
             engine.note = f"this folder runs one sequence at a time: {exc}"
             log.info("%s", engine.note)
+            engine.tree_branches = tree_branches
             return engine
         drafters = open_drafter(folder, drafter, lambda found: SlotDrafters.open(batch, found))
         drafts = None if draft_model is None else open_draft_model(folder, draft_model, config, draft_slots(batch))
-        return cls(
+        engine = cls(
             batch,
             tokenizer,
             drafter=drafters,
@@ -194,6 +199,24 @@ class Engine:
             **loaded,  # type: ignore[arg-type]
             **settings,  # type: ignore[arg-type]
         )
+        engine.tree_branches = tree_branches
+        return engine
+
+    @property
+    def tree_branches(self) -> int:
+        """The most candidate continuations a draft tree holds at one point, for the suffix lookup (its matches'
+        other continuations: ``suffix_rule.branches``) and the drafter (the head's runner-up tokens: its
+        ``branches``); 1 (the default): chains. Setting it sets both. Trees are verified where the backend runs
+        tree rows, each source's nodes granted by its tree budget (docs/tree-attention.md); the output is the
+        same either way. ``ArgumentError`` (a ``ValueError``) for a value below 1."""
+        return self.suffix_rule.branches
+
+    @tree_branches.setter
+    def tree_branches(self, value: int) -> None:
+        branches = check_int("tree_branches", value, 1)
+        self.suffix_rule = attrs.evolve(self.suffix_rule, branches=branches)
+        if self.drafter is not None:
+            self.drafter.branches = branches
 
     # -- the scheduler ------------------------------------------------------------------------------------------
     @property

@@ -45,13 +45,15 @@ def load_serving(
     prefill_budget: int | None = DEFAULT_PREFILL_BUDGET,
     drafter: str | os.PathLike[str] | bool | None = None,
     draft_model: str | os.PathLike[str] | None = None,
+    tree_branches: int = 1,
 ) -> Engine:
     """The Engine ``ortspec serve`` runs (and each ``--ray`` replica): ``Engine.from_dir`` with ``max_batch`` slots
     (None: ``DEFAULT_MAX_BATCH``), opened with ``backend`` (a ``BackendConfig``; its ``threads`` None: every usable
     core), prefix reuse on unless ``prefix_reuse`` is False (a request takes the free slot holding its longest
     prefix), at most ``prefill_budget`` prompt tokens per pass (``--prefill-budget``), and ``drafter``
     (``Engine.from_dir``'s: by default the shared-KV drafter found for the model, if any) and ``draft_model``
-    (``Engine.from_dir``'s: a draft model folder of the same vocabulary, or None). A folder that cannot run
+    (``Engine.from_dir``'s: a draft model folder of the same vocabulary, or None), and ``tree_branches`` (the
+    Engine's: 1, chains; more, token trees where they pay). A folder that cannot run
     batched is served one sequence at a time, logging why."""
     backend = backend if backend is not None else BackendConfig()
     if backend.threads is None:
@@ -64,6 +66,7 @@ def load_serving(
         draft_model=draft_model,
         batch_slots=max_batch,
         prefill_budget=prefill_budget,
+        tree_branches=tree_branches,
     )
     if engine.note is not None:
         log.warning("%s", engine.note)

@@ -42,7 +42,7 @@ from ortspec.core.state import Commit
 class ReplicaSettings:
     """``ortspec serve``'s options, as every replica opens its Engine and serves with them (one value, pickled to
     each replica). ``backend``, ``prefill_budget``, ``prefix_reuse``, ``drafter``, ``draft_model`` (a folder on
-    every node): as for ``run.load_serving``;
+    every node), ``tree_branches``: as for ``run.load_serving``;
     ``max_batch``: the slots (None: ``ortspec serve``'s default). ``server``: the ``ServerSettings``
     (``max_queue`` is each replica's queue beyond its slots; the ingress bounds the whole). ``source``: the model
     folder's path on every node, or its shipped files (``ray_support.model_source``; ``run.ray_app`` fills it in).
@@ -57,6 +57,7 @@ class ReplicaSettings:
     prefix_reuse: bool = True
     drafter: str | bool | None = None
     draft_model: str | None = None
+    tree_branches: int = 1
     wrap_batch: Callable[[BatchBackend], BatchBackend] | None = None
 
     @property
@@ -126,6 +127,7 @@ class EngineReplica:
             prefill_budget=settings.prefill_budget,
             drafter=settings.drafter,
             draft_model=settings.draft_model,
+            tree_branches=settings.tree_branches,
         )
         if settings.wrap_batch is not None:
             engine = wrapped(engine, settings.wrap_batch)
