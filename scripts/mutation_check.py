@@ -657,6 +657,12 @@ MUTANTS: dict[str, Mutant] = {
         "self.tree_bias[0, 0, : n + 1, start : start + n + 1][hidden] = -np.inf",
         ("tests/test_ort_tree_rows.py",),
     ),
+    "one-sequence-tree-keeps-no-path": Mutant(
+        "backends/onnx/backend.py",
+        "self.kv.move_positions(moves)",
+        "self.kv.move_positions([])",
+        ("tests/test_ort_tree_rows.py",),
+    ),
     "tree-budget-prices-batched-nodes-as-alone": Mutant(
         "core/width.py",
         "return (chain + gain * (n - width)) / pass_cost(self.pass_costs, n, plain_cost, token_cost), -n",

@@ -165,6 +165,55 @@ def test_the_batch_driver_with_tree_drafts_equals_generate_alone(trees, single, 
     assert driver.passes < sum(len(out) for out in expected)  # several tokens per pass
 
 
+@pytest.fixture(scope="module")
+def single_trees(tiny_model_dir):
+    return OrtBackend.from_folder(tiny_model_dir, BackendConfig(threads=1, max_length=MAX_LENGTH, tree_rows=True))
+
+
+def test_the_one_sequence_backend_runs_a_tree_and_keeps_its_path(single_trees, single):
+    """``OrtBackend`` opened with ``tree_rows=True`` (the dynamic binding: the CPU here, CUDA the same way): a tree
+    pass gives each node its path's logits, chain passes on the rewritten graph give the file's, and the kept path
+    continues as plain decoding."""
+    backend = single_trees
+    assert backend.tree_rows and not single.tree_rows
+    rng = np.random.default_rng(5)
+    prompt = rng.integers(0, backend.vocab_size, 9).tolist()
+    backend.reset()
+    first = backend.decode_verify(prompt, 0)
+    assert np.abs(first[-1] - alone(single, prompt)).max() <= ROW_TOLERANCE  # a chain pass: the file's logits
+    nodes = rng.integers(0, backend.vocab_size, len(PARENTS)).tolist()
+    out = backend.verify_tree((4, *nodes), PARENTS, len(prompt))
+    assert out.shape == (len(PARENTS) + 1, backend.vocab_size)
+    assert np.abs(out[0] - alone(single, [*prompt, 4])).max() <= ROW_TOLERANCE
+    for j in range(len(PARENTS)):
+        context = [*prompt, 4, *(nodes[i] for i in path_of(PARENTS, j))]
+        assert np.abs(out[j + 1] - alone(single, context)).max() <= ROW_TOLERANCE, f"node {j}"
+    kept = (2, 4, 5)  # the second root's branch
+    backend.keep_path(len(prompt), kept)
+    backend.rewind(len(prompt) + 1 + len(kept))
+    nxt = int(rng.integers(0, backend.vocab_size))
+    after = backend.decode([nxt], backend.current_len())
+    assert np.abs(after - alone(single, [*prompt, 4, *(nodes[i] for i in kept), nxt])).max() <= ROW_TOLERANCE
+    with pytest.raises(BackendError, match="position 0"):
+        backend.reset() or backend.verify_tree((1, 2, 3), (-1, -1), 0)
+    with pytest.raises(BackendError, match="parents"):
+        backend.verify_tree((1, 2, 3), (-1,), 0)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [Options(max_tokens=12), Options(max_tokens=12, sampling=Sampling(temperature=0.8, seed=7))],
+    ids=["greedy", "seeded"],
+)
+def test_generate_with_tree_drafts_on_the_one_sequence_backend_is_plain_decoding(single_trees, single, options):
+    for prompt in PROMPTS:
+        expected = list(generate(single, prompt, options).token_ids)
+        proposer = OracleTree(prompt, expected, single.vocab_size)
+        got = generate(single_trees, prompt, options, proposer, draft_width=len(PARENTS))
+        assert list(got.token_ids) == expected
+        assert got.stats.steps < len(expected)  # several tokens per pass
+
+
 def test_tree_rows_are_refused_where_they_cannot_run(trees, tiny_model_dir, config):
     with pytest.raises(BackendError, match="position 0"):
         trees.run_pass([BatchRow(0, (1, 2, 3), 0, parents=(-1, -1))])
@@ -172,8 +221,8 @@ def test_tree_rows_are_refused_where_they_cannot_run(trees, tiny_model_dir, conf
     plain.run_pass([BatchRow(0, (1, 2), 0)])
     with pytest.raises(BackendError, match="token tree"):
         plain.run_pass([BatchRow(0, (1, 2, 3), 2, parents=(-1, -1))])
-    with pytest.raises(ValueError, match="batch backend"):
-        OrtBackend.from_folder(tiny_model_dir, BackendConfig(threads=1, tree_rows=True))
+    with pytest.raises(ValueError, match="static-shape binding"):
+        OrtBackend.from_folder(tiny_model_dir, BackendConfig(threads=1, tree_rows=True, static_shapes=True))
     trees.run_pass([BatchRow(0, (1, 2, 3), 0)])
     with pytest.raises(BackendError):
         trees.keep_path(0, 1, (1, 0))  # not a path: decreasing

@@ -21,7 +21,10 @@ takes ``model_graph.KEEP_LOGITS_INPUT`` (the CPU with dynamic shapes, a builder 
 over its last position only; ``rewind`` into a stateful model replays; and the capabilities. **DevicePicks**: on CUDA
 the KV, the inputs and the logits live in device memory (CuPy arrays, or torch CUDA tensors where CuPy is missing),
 bound by pointer, and ``verify_picks`` reduces each row to its argmax and top-1/top-2 margin on the device, copying to
-the host only what is asked for. **HiddenStates**: when the graph has the ``hidden_states`` output (the builder's
+the host only what is asked for. **TreeRows** (``BackendConfig(tree_rows=True)``, the dynamic binding): the graph
+rewritten with the tree inputs (``tree_rewrite.py``), fed consecutive positions and a zero bias on every pass and a
+tree's positions and bias on ``verify_tree``; ``keep_path`` moves the accepted path's KV into place.
+**HiddenStates**: when the graph has the ``hidden_states`` output (the builder's
 ``include_hidden_states=true`` extra option; ``ortspec convert`` sets it), ``hidden_at(position)`` for a position of the
 last pass that kept its row (every position of a ``decode_verify``; the last of a ``decode`` when the LM head keeps the
 last position only; a host float32 row), and for a drafter on the same device (the ``SharedKvTarget`` protocol of
@@ -43,7 +46,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from ..base import BackendError, check_position, check_tokens
+from ..base import BackendError, check_kept_path, check_position, check_tokens, check_tree_row
 from .arrays import ArrayModule, HostArrays, cuda_arrays
 from .binding import DefaultBinding, RowBuffers, StaticBinding, StaticPass, static_shapes_unsupported
 from .config import BackendConfig
@@ -60,8 +63,11 @@ R = TypeVar("R")
 
 
 def _refuse_batch_only(config: BackendConfig) -> None:
-    if config.tree_rows:
-        raise ValueError("tree_rows: token-tree rows run on the batch backend (OrtBatchBackend) only")
+    if config.tree_rows and config.static:
+        raise ValueError(
+            "tree_rows: a token-tree pass binds its own positions and bias, which the static-shape binding "
+            "(static_shapes, cuda_graphs) does not; use the dynamic binding"
+        )
     if config.ragged_rows:
         raise ValueError("ragged_rows: ragged passes run on the batch backend (OrtBatchBackend) only")
 
@@ -129,6 +135,9 @@ class OrtBackend:
         # what makes this session compute differently from the folder as written ("" when nothing does)
         self.variant = "; ".join([*self.rewrites, *(f"{key}={value}" for key, value in config.config_entries)])
         self.stateful = bool(self.graph.states)
+        if self.stateful and self.graph.tree_bias_name is not None:
+            raise BackendError(f"{folder.model_path}: token-tree rows on a model with recurrent states")
+        self._parents: tuple[int, ...] | None = None  # the tree of the pass being bound (``verify_tree``)
         self.share_buffer = self._shares_buffer(config.share_buffer)
         self.static_shapes = config.static
         if self.static_shapes:
@@ -209,7 +218,8 @@ class OrtBackend:
         _refuse_batch_only(config)
         folder = folder_or_path if isinstance(folder_or_path, ModelFolder) else ModelFolder.load(folder_or_path)
         config.capacity(folder.context_length)  # ValueError before any work
-        loaded = load_rewrites(folder, config, keep_logits=config.provider == "cpu" and not config.static)
+        keep_logits = config.provider == "cpu" and not config.static
+        loaded = load_rewrites(folder, config, keep_logits=keep_logits, trees=config.tree_rows is True)
         options = session_options if session_options is not None else config.session_options(folder.session_options)
         if config.provider == "cpu" or not config.static:
             providers = execution_providers(config.provider, config.device_id)
@@ -346,6 +356,40 @@ class OrtBackend:
             timer.add("readback", time.perf_counter() - t0)
         return out
 
+    @property
+    def tree_rows(self) -> bool:
+        """Whether ``verify_tree`` and ``keep_path`` may be called (``TreeRows``): the graph was opened with the
+        tree inputs (``BackendConfig(tree_rows=True)``; the dynamic binding, on the CPU or CUDA)."""
+        return self.graph.tree_bias_name is not None
+
+    def verify_tree(self, tokens: Sequence[int], parents: Sequence[int], base: int) -> np.ndarray:
+        """One pass over a token tree ``tokens = (pending, *nodes)`` at ``base`` (``backends/base.py``:
+        ``TreeRows``): every row's logits, row ``j + 1`` those after node ``j``'s path. ``BackendError`` without the
+        tree inputs, for parents that are not a tree's, or at position 0 (the attention needs a past)."""
+        if not self.tree_rows:
+            raise BackendError("verify_tree: this backend was opened without the tree inputs (tree_rows=True)")
+        check_tree_row(tokens, parents, "verify_tree")
+        if int(base) < 1:
+            raise BackendError("verify_tree: a token tree at position 0 (the tree's attention needs a past)")
+        self._parents = tuple(int(p) for p in parents)
+        try:
+            return self._verify_pass(tokens, base, self._rows.host_rows)
+        finally:
+            self._parents = None
+
+    def keep_path(self, start: int, nodes: Sequence[int]) -> None:
+        """After ``verify_tree`` at ``start``, move the KV (and the kept hidden state) of position ``start + 1 +
+        nodes[d]`` to ``start + 1 + d`` for each ``d`` (``TreeRows``); ``BackendError``, nothing moved, for a path
+        that is not one."""
+        check_kept_path(start, nodes, self.kv.length)
+        moves = [(start + 1 + node, start + 1 + d) for d, node in enumerate(nodes) if node != d]
+        self.kv.move_positions(moves)
+        first, count = self._rows.hidden_span
+        if count and self._rows.hidden is not None:
+            for source, target in moves:
+                if first <= source < first + count and target >= first:
+                    self._rows.hidden[target - first] = self._rows.hidden[source - first]
+
     def capture_graphs(self, counts: Iterable[int] | None = None) -> dict[str, Any]:
         """Warm up and capture the CUDA graph of each pass width in ``counts`` (default: 1 to ``graph_max_tokens``)
         now, so that no capture happens during a generation: each width runs at position 0 until ONNX Runtime has
@@ -408,7 +452,7 @@ class OrtBackend:
         total = past + count
         self._alloc_rows(count)
         binding = self._default.binding
-        self._default.bind_pass(self._rows, tokens, past, kept)
+        self._default.bind_pass(self._rows, tokens, past, kept, self._parents)
         self._rows.hidden_span = (0, 0)  # overwritten by this run
         presents = None if self.share_buffer else self.kv.bind_grow_copy(binding, self._ort, past, total)
         if self._recurrent is not None:

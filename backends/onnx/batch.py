@@ -178,7 +178,7 @@ class OrtBatchBackend:
         _check_cpu_only(config)
         folder = folder_or_path if isinstance(folder_or_path, ModelFolder) else ModelFolder.load(folder_or_path)
         config.capacity(folder.context_length)  # ValueError before any work
-        loaded = load_rewrites(folder, config, keep_logits=True, trees=True)
+        loaded = load_rewrites(folder, config, keep_logits=True, trees=True, ragged=True)
         options = session_options if session_options is not None else config.session_options(folder.session_options)
         providers = execution_providers(CPU, config.device_id)
         session = open_session(

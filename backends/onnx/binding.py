@@ -25,12 +25,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
 from .arrays import ArrayModule
 from .model_graph import DecoderGraph
+from .tree_rewrite import tree_feeds
 
 
 def bind_input(binding, arrays: ArrayModule, name: str, dtype, shape: list[int], address: int) -> None:
@@ -121,6 +123,7 @@ class DefaultBinding:
             arrays.from_host(np.arange(max_length, dtype=graph.position_dtype)) if graph.position_name else None
         )
         self._kept = np.ones(1, np.int64)  # the KEEP_LOGITS_INPUT value, read by the session on the host
+        self._tree_feeds: tuple[np.ndarray, np.ndarray] | None = None  # kept alive until the next pass binds
         self.binding: Any = None
 
     def open(self, session) -> Any:
@@ -128,9 +131,14 @@ class DefaultBinding:
         self.binding = session.io_binding()
         return self.binding
 
-    def bind_pass(self, rows: RowBuffers, tokens: np.ndarray, past: int, kept: int) -> None:
+    def bind_pass(
+        self, rows: RowBuffers, tokens: np.ndarray, past: int, kept: int, parents: Sequence[int] | None = None
+    ) -> None:
         """Bind a pass of ``tokens`` at ``past`` whose outputs hold its last ``kept`` rows (``len(tokens)`` unless
-        the graph takes ``KEEP_LOGITS_INPUT``)."""
+        the graph takes ``KEEP_LOGITS_INPUT``). With the tree inputs (``DecoderGraph.tree_bias_name``): consecutive
+        positions and a zero bias, or for a tree row ``(pending, *nodes)`` (``parents``: node ``j``'s parent, -1 for
+        the pending token) each node at ``past + 1 + depth`` seeing its ancestors only (``tree_feeds``); host
+        arrays, which ONNX Runtime copies where the session runs."""
         binding, graph, arrays = self.binding, self._graph, self._arrays
         count = len(tokens)
         self._kept[0] = kept
@@ -144,6 +152,16 @@ class DefaultBinding:
         if graph.position_name:
             address = arrays.ptr(self._positions) + past * np.dtype(graph.position_dtype).itemsize
             bind_input(binding, arrays, graph.position_name, graph.position_dtype, [1, count], address)
+        if graph.tree_bias_name is not None and graph.tree_positions_name is not None:
+            if parents is None:
+                positions = (past + np.arange(count, dtype=np.int64))[None, :]
+                bias = np.zeros((1, 1, count, past + count), graph.tree_bias_dtype)
+            else:
+                rooted = (-1, *(p + 1 for p in parents))  # the pending token is the one root
+                positions, bias = tree_feeds(rooted, past, past + count, graph.tree_bias_dtype or np.float32)
+            self._tree_feeds = (positions, bias)
+            binding.bind_cpu_input(graph.tree_positions_name, positions)
+            binding.bind_cpu_input(graph.tree_bias_name, bias)
         rows.bind_outputs(binding, kept)
 
 

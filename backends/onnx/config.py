@@ -105,10 +105,11 @@ class BackendConfig:
     float32 compute, which makes a quantized model's verify passes agree with its one-token decodes; None keeps
     the graph's) and ``hidden_features`` (decoder layers, each >= 1: the residual stream entering each is appended
     to every hidden-state row, so a row is ``[(1 + len(hidden_features)) * H]``: what a drafter with fused features
-    reads; empty: the final hidden state alone) and ``tree_rows`` (the batch backend's graph takes each
-    ``GroupQueryAttention``'s ``position_ids`` and ``attention_bias`` inputs, so a pass can verify a token tree:
-    ``tree_rewrite.py``; ``OrtBatchBackend`` only; True: required, ``BackendError`` for a graph the rewrite
-    refuses; None (default): where the graph allows; False: never) and ``ragged_rows`` (the batch backend's graph
+    reads; empty: the final hidden state alone) and ``tree_rows`` (the graph takes each ``GroupQueryAttention``'s
+    ``position_ids`` and ``attention_bias`` inputs, so a pass can verify a token tree: ``tree_rewrite.py``; True:
+    required, ``BackendError`` for a graph the rewrite refuses, and on ``OrtBackend`` the dynamic binding only
+    (``ValueError`` with static shapes); None (default): ``OrtBatchBackend`` where the graph allows, ``OrtBackend``
+    never; False: never) and ``ragged_rows`` (the batch backend's graph
     takes each ``GroupQueryAttention``'s ``query_seqlens`` input, so one session run carries rows of any lengths at
     any positions, right-padded: ``ragged_rewrite.py``; ``OrtBatchBackend`` only; True: required; None (default):
     where the graph and the installed ONNX Runtime allow; False: never, each multi-token row after a past runs

@@ -194,14 +194,19 @@ class LoadedGraph:
 
 
 def load_rewrites(
-    folder: ModelFolder, config: BackendConfig, *, keep_logits: bool = False, trees: bool = False
+    folder: ModelFolder,
+    config: BackendConfig,
+    *,
+    keep_logits: bool = False,
+    trees: bool = False,
+    ragged: bool = False,
 ) -> LoadedGraph:
     """Read the folder's graph and apply the rewrites ``config`` asks for (``sliding_window``,
     ``matmul_accuracy_level``, ``hidden_features``) that change it, and with ``keep_logits`` the logits of the last
-    positions only (where the LM head allows it), and with ``trees`` (a batch backend) the tree inputs as
-    ``config.tree_rows`` asks (which, fed consecutive positions and a zero bias, change nothing); ``BackendError``
-    as :func:`window_rewrites` and ``tree_rewrite.add_tree_inputs`` (a graph it cannot rewrite, when
-    ``tree_rows`` is True)."""
+    positions only (where the LM head allows it), with ``trees`` the tree inputs as ``config.tree_rows`` asks
+    (which, fed consecutive positions and a zero bias, change nothing), and with ``ragged`` (a batch backend) the
+    query lengths as ``config.ragged_rows`` asks; ``BackendError`` as :func:`window_rewrites` and
+    ``tree_rewrite.add_tree_inputs`` (a graph it cannot rewrite, when ``tree_rows`` is True)."""
     facts = read_graph_facts(folder.model_path)
     if keep_logits:
         keep_logits = lm_head(_load_proto(folder.model_path), folder.logits_name) is not None
@@ -216,8 +221,8 @@ def load_rewrites(
     if features:
         rewrites.append(f"{folder.hidden_states_name} + the residual streams entering layers {list(features)}")
     tree = config.tree_rows if trees else False
-    ragged = config.ragged_rows if trees else False
-    if not (windows or set_level or keep_logits or features or tree is not False or ragged is not False):
+    query_lengths = config.ragged_rows if ragged else False
+    if not (windows or set_level or keep_logits or features or tree is not False or query_lengths is not False):
         return LoadedGraph(facts)
     model_bytes, facts = rewritten_model(
         folder.model_path,
@@ -227,6 +232,6 @@ def load_rewrites(
         features=features,
         hidden_name=folder.hidden_states_name,
         tree=tree,
-        ragged=ragged,
+        ragged=query_lengths,
     )
     return LoadedGraph(facts, tuple(rewrites), model_bytes)

@@ -16,6 +16,7 @@ Positions at or past ``length`` are stale and never read. The buffers are owned 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -98,6 +99,13 @@ class KvStore:
         for layer, (present_key, present_value) in enumerate(presents):
             self._arrays.copy_positions(self.keys[layer], present_key, past, total)
             self._arrays.copy_positions(self.values[layer], present_value, past, total)
+
+    def move_positions(self, moves: Sequence[tuple[int, int]]) -> None:
+        """Copy each ``(source, target)`` position's keys and values of every layer and head, in order (a tree
+        pass's accepted path moved into place: ascending, so no source is overwritten before it is read)."""
+        for source, target in moves:
+            for buffer in (*self.keys, *self.values):
+                buffer[:, :, target] = buffer[:, :, source]
 
     def pointer(self, layer: int, which: str, head: int) -> int:
         """The address of KV head ``head`` of ``layer`` (``which``: ``"key"`` or ``"value"``) at position 0:
