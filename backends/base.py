@@ -219,6 +219,14 @@ def check_kept_path(start: int, nodes: Sequence[int], current_len: int) -> None:
         previous = node
 
 
+def kept_path_moves(start: int, nodes: Sequence[int], current_len: int) -> list[tuple[int, int]]:
+    """The ``(source, target)`` positions ``keep_path(start, nodes)`` copies, ascending (so no source is overwritten
+    before it is read): ``start + 1 + nodes[d]`` to ``start + 1 + d`` for each node not already in place; checked
+    first (``check_kept_path``)."""
+    check_kept_path(start, nodes, current_len)
+    return [(start + 1 + node, start + 1 + d) for d, node in enumerate(nodes) if node != d]
+
+
 def check_tree_row(tokens: Sequence[int], parents: Sequence[int], what: str) -> None:
     """Raise ``BackendError`` unless ``parents`` are the parents of a tree row over ``tokens`` (pending, *nodes):
     one per node, each -1 or an earlier node (``core.tree.check_parents``)."""

@@ -10,6 +10,8 @@ IO binding; this class composes the parts, each in its own module:
   binding (one IO binding per pass width, the length carried by the mask's values).
 * ``recurrent.py`` (:class:`RecurrentStates`): hybrid models' recurrent states, the snapshot a rewind restores and
   the tokens it replays.
+* ``static_passes.py``: the static-shape passes (one binding per width, stream-ordered, CUDA graphs with the eager
+  fallback).
 * ``cuda_graphs.py``: CUDA graphs per pass width (:class:`GraphBook`), the stream-ordered session and its eager
   fallback, the per-phase timer.
 * ``model_graph.py``: the graph checked against the folder; ``graph_rewrites.py``: the load-time rewrites
@@ -46,17 +48,18 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from ..base import BackendError, check_kept_path, check_position, check_tokens, check_tree_row
+from ..base import BackendError, check_position, check_tokens, check_tree_row, kept_path_moves
 from .arrays import ArrayModule, HostArrays, cuda_arrays
-from .binding import DefaultBinding, RowBuffers, StaticBinding, StaticPass, static_shapes_unsupported
+from .binding import DefaultBinding, RowBuffers, StaticBinding, static_shapes_unsupported
 from .config import BackendConfig
-from .cuda_graphs import EAGER, GraphBook, PhaseTimer, open_stream_ordered
+from .cuda_graphs import GraphBook, PhaseTimer, open_stream_ordered
 from .folder import ModelFolder
 from .graph_rewrites import LoadedGraph, load_rewrites
-from .kv import KvStore
+from .kv import KvStore, move_rows
 from .model_graph import inspect_graph, read_graph_facts
 from .recurrent import RecurrentStates
 from .session import execution_providers, open_session
+from .static_passes import give_up_graphs, run_static
 
 logger = logging.getLogger(__name__)
 R = TypeVar("R")
@@ -258,7 +261,7 @@ class OrtBackend:
         if self._rows.capacity:
             logger.info("OrtBackend: growing the logits buffer from %d to %d rows", self._rows.capacity, rows)
             if self.graphs is not None and self.graphs.enabled:
-                self._give_up_graphs(f"the logits buffer grew from {self._rows.capacity} to {rows} rows")
+                give_up_graphs(self, f"the logits buffer grew from {self._rows.capacity} to {rows} rows")
             if self.static_binding is not None:
                 self.static_binding.forget_passes()
         self._rows.allocate(rows)
@@ -381,14 +384,11 @@ class OrtBackend:
         """After ``verify_tree`` at ``start``, move the KV (and the kept hidden state) of position ``start + 1 +
         nodes[d]`` to ``start + 1 + d`` for each ``d`` (``TreeRows``); ``BackendError``, nothing moved, for a path
         that is not one."""
-        check_kept_path(start, nodes, self.kv.length)
-        moves = [(start + 1 + node, start + 1 + d) for d, node in enumerate(nodes) if node != d]
+        moves = kept_path_moves(start, nodes, self.kv.length)
         self.kv.move_positions(moves)
         first, count = self._rows.hidden_span
         if count and self._rows.hidden is not None:
-            for source, target in moves:
-                if first <= source < first + count and target >= first:
-                    self._rows.hidden[target - first] = self._rows.hidden[source - first]
+            move_rows(self._rows.hidden[:count], first, moves)
 
     def capture_graphs(self, counts: Iterable[int] | None = None) -> dict[str, Any]:
         """Warm up and capture the CUDA graph of each pass width in ``counts`` (default: 1 to ``graph_max_tokens``)
@@ -437,7 +437,7 @@ class OrtBackend:
         if timer is not None:
             timer.begin(len(tokens))
         if self.static_shapes:
-            self._run_static(tokens, t0)
+            run_static(self, tokens, t0)
             return len(tokens)
         kept = len(tokens) if last is None or self.graph.keep_name is None else min(last, len(tokens))
         self._run_dynamic(tokens, t0, kept)
@@ -482,82 +482,6 @@ class OrtBackend:
         self.kv.length = total
         if self.graph.hidden_name:
             self._rows.hidden_span = (total - kept, kept)
-
-    # ------------------------------------------------------------------------------------------------------------
-    # static shapes
-    def _static_pass(self, static: StaticBinding, count: int) -> StaticPass:
-        """The IO binding and run options of passes of ``count`` tokens (made once per width)."""
-        found = static.passes.get(count)
-        if found is not None:
-            return found
-        binding = self.session.io_binding()
-        self.kv.bind_shared(binding)
-        self._rows.bind_outputs(binding, count)
-        graph_id = self.graphs.graph_id(count) if self.graphs is not None else EAGER
-        options = self._ort.RunOptions()
-        if self.graphs is not None:
-            options.add_run_config_entry("gpu_graph_id", str(graph_id))
-        if self.stream_ordered:
-            options.add_run_config_entry("disable_synchronize_execution_providers", "1")
-        return static.add_pass(count, binding, self._rows.ids, options, graph_id)
-
-    def _run_static(self, tokens: np.ndarray, t0: float) -> None:
-        """Static binding: every input at a fixed address and shape per width; on the stream-ordered CUDA path no
-        host synchronisation; with CUDA graphs the width's graph id (and the eager fallback on failure)."""
-        timer, arrays, static = self.timer, self._arrays, self.static_binding
-        assert static is not None
-        count = len(tokens)
-        past = self.kv.length
-        total = past + count
-        self._alloc_rows(count)
-        self._rows.hidden_span = (0, 0)  # overwritten by this run
-        step = self._static_pass(static, count)
-        static.stage(tokens, self._rows.ids, past, total)
-        if timer is not None:
-            t1 = time.perf_counter()
-            timer.add("host", t1 - t0)
-        if not self.stream_ordered:
-            arrays.sync()
-            if timer is not None:
-                t2 = time.perf_counter()
-                timer.add("sync", t2 - t1)
-                t1 = t2
-        try:
-            self.session.run_with_iobinding(step.binding, step.run_options)
-            if timer is not None:
-                t2 = time.perf_counter()
-                timer.add("run", t2 - t1)
-            if not self.stream_ordered:
-                step.binding.synchronize_outputs()
-                if timer is not None:
-                    timer.add("sync", time.perf_counter() - t2)
-        except Exception as exc:  # noqa: BLE001 - ORT raises its own exception types
-            if step.graph_id == EAGER or self.graphs is None or not self.graphs.enabled:
-                raise BackendError(f"onnxruntime failed on {count} tokens at position {past}: {exc}") from exc
-            self._give_up_graphs(f"a run with gpu_graph_id={step.graph_id} ({count} tokens) failed: {exc}")
-            self._run_static(tokens, time.perf_counter() if timer is not None else 0.0)  # eager now
-            return
-        if self.graphs is not None:
-            self.graphs.record(count)
-        self.kv.length = total
-        if self.graph.hidden_name:
-            self._rows.hidden_span = (past, count)
-
-    def _give_up_graphs(self, reason: str) -> None:
-        """The eager fallback: end a capture left open on the stream, reopen the session without CUDA graphs and
-        rebind everything (the KV and every other buffer are kept). ``BackendError`` without ``reopen_session``."""
-        book = self.graphs
-        assert book is not None
-        logger.warning("OrtBackend: giving up CUDA graphs (%s); running eagerly", reason.splitlines()[0][:500])
-        book.disable(reason)
-        try:
-            self._arrays.end_capture()
-        except Exception as exc:  # noqa: BLE001 - reported with the reason
-            raise BackendError(f"CUDA graphs failed ({reason}) and the capture could not be ended: {exc}") from exc
-        if self._reopen is None:
-            raise BackendError(f"CUDA graphs failed and no eager session can be opened: {reason}")
-        self.session = self._reopen()
-        self._bind_session()
 
     # ------------------------------------------------------------------------------------------------------------
     # HiddenStates, and what a drafter on the same device reads in place (drafter.SharedKvTarget)

@@ -75,16 +75,16 @@ from ..base import (
     BackendError,
     BatchRow,
     check_batch,
-    check_kept_path,
     check_position,
     check_slot,
     check_tokens,
+    kept_path_moves,
 )
 from .arrays import ArrayModule, HostArrays
 from .config import BackendConfig
 from .folder import ModelFolder
 from .graph_rewrites import LoadedGraph, load_rewrites
-from .kv import KV_KINDS
+from .kv import KV_KINDS, move_rows
 from .model_graph import DecoderGraph, inspect_graph, read_graph_facts
 from .pass_inputs import Outputs, PassInputs, pass_groups, ragged_groups
 from .session import execution_providers, open_session
@@ -232,16 +232,13 @@ class OrtBatchBackend:
         """After a tree row at ``start``, move the KV (and any kept hidden state) of position ``start + 1 +
         nodes[d]`` to ``start + 1 + d`` for each ``d`` (``backends/base.py``: ``BatchTreeRows``)."""
         check_slot(slot, self.slots)
-        check_kept_path(start, nodes, self._lengths[slot])
-        moves = [(start + 1 + node, start + 1 + d) for d, node in enumerate(nodes) if node != d]
-        for source, target in moves:  # ascending: no source is overwritten before it is read
+        moves = kept_path_moves(start, nodes, self._lengths[slot])
+        for source, target in moves:
             for buffer in (*self.keys, *self.values):
                 buffer[slot, :, target] = buffer[slot, :, source]
         first, states = self._hidden.get(slot, (0, None))
         if states is not None:
-            for source, target in moves:
-                if first <= source < first + len(states) and target >= first:
-                    states[target - first] = states[source - first]
+            move_rows(states, first, moves)
 
     def run_pass(self, rows: Sequence[BatchRow]) -> list[np.ndarray]:
         """The rows' session runs (one per group: see the module docstring); returns each row's

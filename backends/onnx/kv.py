@@ -119,3 +119,12 @@ class KvStore:
             )
         buffer = (self.keys if which == "key" else self.values)[layer]
         return self._arrays.ptr(buffer) + head * max_length * head_size * np.dtype(self._graph.kv_dtype).itemsize
+
+
+def move_rows(rows: Any, first: int, moves: Sequence[tuple[int, int]]) -> None:
+    """Apply a kept path's ``moves`` (``backends.base.kept_path_moves``) to ``rows``, per-position rows (kept hidden
+    states) of which row 0 is position ``first``: the moves whose source the rows hold and whose target lies at or
+    past ``first``, in order."""
+    for source, target in moves:
+        if first <= source < first + len(rows) and target >= first:
+            rows[target - first] = rows[source - first]
